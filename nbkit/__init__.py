@@ -1,0 +1,84 @@
+"""nbkit: multi-GPU fine-tuning from inside a Jupyter notebook.
+
+The plain Python API lives here; `%load_ext nbkit` adds magics that are thin layers over it.
+
+    import nbkit
+
+    def train(lr):
+        ...                       # build model, Trainer, train; runs once per GPU
+        return metrics            # rank 0's value comes back
+
+    metrics = nbkit.launch(train, 2e-4)          # all visible GPUs (or gpus=N CPU processes)
+
+Names are imported lazily, so `import nbkit` stays cheap and never touches CUDA or IPython.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+# public name -> module that defines it
+_EXPORTS: dict[str, str] = {
+    # launching
+    "launch": "nbkit.launching",
+    "LaunchError": "nbkit.launching",
+    # where this process stands
+    "rank": "nbkit.distributed",
+    "local_rank": "nbkit.distributed",
+    "world_size": "nbkit.distributed",
+    "is_main": "nbkit.distributed",
+    "is_distributed": "nbkit.distributed",
+    "device": "nbkit.distributed",
+    "precision": "nbkit.distributed",
+    "visible_gpus": "nbkit.distributed",
+    # settings and patches
+    "configure": "nbkit.config",
+    "install": "nbkit.integration",
+    "uninstall": "nbkit.integration",
+    # the guard and the planner
+    "resolve_device_map": "nbkit.guard",
+    "DeviceMapError": "nbkit.guard",
+    "plan": "nbkit.planner",
+    "Plan": "nbkit.planner",
+    # offline models and data
+    "resolve_model": "nbkit.offline",
+    "vision_dataset": "nbkit.synthetic",
+    "text_dataset": "nbkit.synthetic",
+    # live reporting
+    "report": "nbkit.reporting",
+    # diagnostics
+    "doctor": "nbkit.doctor",
+}
+
+__all__ = sorted(_EXPORTS) + ["savers", "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "savers":
+        return importlib.import_module("nbkit.savers")
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'nbkit' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__
+
+
+def load_ipython_extension(ipython: Any) -> None:
+    """`%load_ext nbkit`: registers the %%ddp and %nbkit magics."""
+    from nbkit.magics import register
+
+    register(ipython)
+
+
+def unload_ipython_extension(ipython: Any) -> None:
+    from nbkit.magics import unregister
+
+    unregister(ipython)

@@ -1,0 +1,45 @@
+"""nbkit's settings.
+
+Each setting lives in an environment variable, so launched processes (forked or freshly started)
+see what the notebook configured without anything being passed along.
+"""
+
+from __future__ import annotations
+
+import os
+
+__all__ = ["configure", "setting", "SETTINGS"]
+
+# name -> (environment variable, default, allowed values or None for free text)
+SETTINGS: dict[str, tuple[str, str, tuple[str, ...] | None]] = {
+    "device_map_policy": ("NBKIT_DEVICE_MAP_POLICY", "data_parallel", ("data_parallel", "error")),
+}
+
+
+def setting(name: str) -> str:
+    """Current value of one setting (the environment variable wins over the default)."""
+    env, default, allowed = SETTINGS[name]
+    value = os.environ.get(env, default)
+    if allowed is not None and value not in allowed:
+        raise ValueError(
+            f"{env}={value!r} is not a valid value for nbkit's {name}; use one of {', '.join(allowed)}."
+        )
+    return value
+
+
+def configure(**settings: str) -> dict[str, str]:
+    """Change nbkit settings for this process and every process it launches afterwards.
+
+    Takes keyword arguments named after the settings (today: device_map_policy, one of
+    "data_parallel" or "error"). Returns all settings as they now stand. Raises ValueError for an
+    unknown setting or value; nothing is changed then.
+    """
+    for name, value in settings.items():
+        if name not in SETTINGS:
+            raise ValueError(f"nbkit has no setting {name!r}; known settings: {', '.join(SETTINGS)}.")
+        _, _, allowed = SETTINGS[name]
+        if allowed is not None and value not in allowed:
+            raise ValueError(f"{name}={value!r} is not valid; use one of {', '.join(map(repr, allowed))}.")
+    for name, value in settings.items():
+        os.environ[SETTINGS[name][0]] = value
+    return {name: setting(name) for name in SETTINGS}

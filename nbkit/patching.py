@@ -1,0 +1,154 @@
+"""The one place where nbkit changes other libraries' code.
+
+Every patch is declared once with `@patch(...)`: the attribute it replaces (by import path, so
+libraries that are not installed are simply skipped), why, and the upstream issue that would make
+it unnecessary. `apply()` is idempotent and `revert()` puts back exactly what was there before,
+including "nothing" for attributes a class only inherited.
+
+Example::
+
+    @patch("transformers.modeling_utils:PreTrainedModel.from_pretrained",
+           reason="device maps must not split a model inside a DDP rank",
+           upstream="https://github.com/unslothai/unsloth/pull/3834")
+    def _guarded_from_pretrained(original):
+        def from_pretrained(cls, *args, **kwargs):
+            ...
+            return original(cls, *args, **kwargs)
+        return from_pretrained
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+__all__ = ["Patch", "patch", "apply", "revert", "applied", "registered"]
+
+_MISSING = object()
+
+
+@dataclass
+class Patch:
+    """One replacement of `owner.attr`.
+
+    target: "module.path:Owner.attr" (or "module.path:attr" for a module attribute).
+    factory: takes the original function (unwrapped from classmethod/staticmethod) and returns its
+        replacement; the registry re-wraps it the same way.
+    group: patches are applied and reverted by group ("guard", "savers", "reporting", ...).
+    when: an optional predicate; the patch is skipped where it returns False (feature detection).
+    """
+
+    target: str
+    factory: Callable[[Callable[..., Any]], Callable[..., Any]]
+    reason: str
+    upstream: str
+    group: str
+    when: Callable[[], bool] | None = None
+    # Filled while applied: (owner, attr, value found in owner.__dict__ or _MISSING, replacement).
+    _saved: tuple[Any, str, Any, Any] | None = field(default=None, repr=False)
+
+    @property
+    def is_applied(self) -> bool:
+        return self._saved is not None
+
+    def _resolve(self) -> tuple[Any, str] | None:
+        module_name, _, path = self.target.partition(":")
+        try:
+            owner: Any = importlib.import_module(module_name)
+        except ImportError:
+            return None
+        *parents, attr = path.split(".")
+        for name in parents:
+            owner = getattr(owner, name, None)
+            if owner is None:
+                return None
+        if not hasattr(owner, attr):
+            return None
+        return owner, attr
+
+    def apply(self) -> bool:
+        """Install the replacement; returns True if it is in place afterwards."""
+        if self._saved is not None:
+            return True
+        if self.when is not None and not self.when():
+            return False
+        resolved = self._resolve()
+        if resolved is None:
+            return False
+        owner, attr = resolved
+        own = vars(owner).get(attr, _MISSING) if isinstance(owner, type) else getattr(owner, attr)
+        raw = own if own is not _MISSING else _inherited_raw(owner, attr)
+        if isinstance(raw, classmethod):
+            replacement: Any = classmethod(self.factory(raw.__func__))
+        elif isinstance(raw, staticmethod):
+            replacement = staticmethod(self.factory(raw.__func__))
+        else:
+            replacement = self.factory(raw)
+        setattr(owner, attr, replacement)
+        self._saved = (owner, attr, own, replacement)
+        return True
+
+    def revert(self) -> None:
+        """Put back exactly what was there before apply(); a no-op when not applied."""
+        if self._saved is None:
+            return
+        owner, attr, own, _ = self._saved
+        if own is _MISSING:
+            delattr(owner, attr)
+        else:
+            setattr(owner, attr, own)
+        self._saved = None
+
+
+def _inherited_raw(cls: type, attr: str) -> Any:
+    for base in cls.__mro__:
+        if attr in vars(base):
+            return vars(base)[attr]
+    return getattr(cls, attr)
+
+
+_REGISTRY: list[Patch] = []
+
+
+def patch(
+    target: str,
+    *,
+    reason: str,
+    upstream: str,
+    group: str,
+    when: Callable[[], bool] | None = None,
+) -> Callable[[Callable[[Callable[..., Any]], Callable[..., Any]]], Patch]:
+    """Decorator that registers a patch factory (see the module docstring) and returns the Patch."""
+
+    def register(factory: Callable[[Callable[..., Any]], Callable[..., Any]]) -> Patch:
+        p = Patch(target, factory, reason, upstream, group, when)
+        _REGISTRY.append(p)
+        return p
+
+    return register
+
+
+def registered(group: str | None = None) -> list[Patch]:
+    """All declared patches (of one group, if given), applied or not."""
+    return [p for p in _REGISTRY if group is None or p.group == group]
+
+
+def apply(group: str | None = None) -> list[str]:
+    """Apply every registered patch of `group` (all groups if None). Idempotent.
+
+    Returns the targets that are in place afterwards; targets whose library is not installed, or
+    whose `when` predicate says no, are skipped.
+    """
+    return [p.target for p in registered(group) if p.apply()]
+
+
+def revert(group: str | None = None) -> None:
+    """Undo the patches of `group` (all if None), newest first, restoring the originals exactly."""
+    for p in reversed(registered(group)):
+        p.revert()
+
+
+def applied(group: str | None = None) -> list[str]:
+    """Targets currently patched."""
+    return [p.target for p in registered(group) if p.is_applied]
