@@ -1,0 +1,586 @@
+"""nbkit.launch: run a training function on every GPU from inside a notebook.
+
+The processes are forked by accelerate's `notebook_launcher` (torch elastic underneath), so a
+function defined in a notebook cell runs as is, closures and all. Around that launcher nbkit adds
+what a notebook user needs: rank 0's return value comes back, failures raise one LaunchError that
+names the rank and carries its traceback, hung runs time out, interrupts stop every rank, nothing is
+left running, and the same call can run again at once.
+
+Environment handling (each rank): RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR,
+MASTER_PORT come from torch elastic; nbkit adds NBKIT_LAUNCHED=1 and, on machines without CUDA,
+ACCELERATE_USE_CPU=true (so accelerate, transformers' Trainer and TRL run real gloo DDP across the
+processes instead of N independent runs) and GLOO_SOCKET_IFNAME=lo.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import inspect
+import io
+import logging
+import multiprocessing
+import os
+import pickle
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Mapping
+
+from nbkit import channel, distributed
+from nbkit.dashboard import Dashboard
+
+__all__ = ["launch", "LaunchError"]
+
+
+class LaunchError(RuntimeError):
+    """A launched run failed.
+
+    Attributes:
+        failures: {rank: description} for every rank that failed first-hand (raised, or died).
+        errors: the RankError of each rank that raised (rank -> channel.RankError).
+        timed_out: True when the run was stopped because `timeout` passed.
+    """
+
+    def __init__(self, message: str, *, failures: Mapping[int, str] | None = None,
+                 errors: Mapping[int, channel.RankError] | None = None, timed_out: bool = False):
+        super().__init__(message)
+        self.failures = dict(failures or {})
+        self.errors = dict(errors or {})
+        self.timed_out = timed_out
+
+
+def launch(
+    fn: Callable[..., Any],
+    *args: Any,
+    gpus: int | None = None,
+    timeout: float | None = None,
+    quiet: bool = False,
+    env: Mapping[str, str] | None = None,
+    dashboard: bool = True,
+    **kwargs: Any,
+) -> Any:
+    """Run `fn(*args, **kwargs)` in one process per GPU and return rank 0's return value.
+
+    Args:
+        fn: the training function. It runs in forked processes, so it may be defined in the
+            notebook and use names from earlier cells. Import CUDA-initialising libraries
+            (unsloth, bitsandbytes) inside it, never before launching.
+        gpus: how many processes. None: one per visible GPU. On a machine without CUDA, `gpus=N`
+            runs N CPU processes that train with real gloo DDP (for tests and CI).
+        timeout: seconds after which a run that has not finished is stopped (LaunchError).
+        quiet: silence ranks other than 0 (by default their output is prefixed "[rank N] ").
+        env: extra environment variables for the launched processes.
+        dashboard: show the ranks' reports (nbkit.report, the Trainer callback that nbkit adds to
+            every Trainer in the ranks) as one live panel, or text lines without a widget frontend.
+        **kwargs: passed to `fn`. (Names above are taken by launch itself; pass such arguments
+            to fn through `args` or functools.partial.)
+
+    Returns:
+        Rank 0's return value, sent back by pickling; tensors come back on the CPU so that the
+        notebook process never initialises CUDA.
+
+    Raises:
+        LaunchError: a rank raised or died, the run timed out, or rank 0's value could not be
+            sent back. The message names the failing rank(s) and holds their traceback.
+        RuntimeError / ValueError / TypeError: the run could not start (CUDA already initialised
+            here, an Accelerator created here, more GPUs than exist, a function that cannot run in
+            a child); nothing was started and the message says what to do.
+
+    Inside a distributed run already (torchrun, accelerate launch, several nodes), `fn` is called
+    directly on each rank and its value returned there.
+    """
+    if distributed.is_distributed():
+        _prepare_rank(quiet=False, rank=distributed.rank())
+        return fn(*args, **kwargs)
+
+    _check_function(fn)
+    nprocs = _count_processes(gpus)
+    _check_notebook_process()
+    board = Dashboard(nprocs) if dashboard else None
+    run = _Run(nprocs, board.event if board is not None else None)
+    child = _Child(fn, args, kwargs, run.channel, quiet=quiet, use_cpu=not _has_cuda())
+    try:
+        run.execute(child, timeout=timeout, env=dict(env or {}))
+        value = run.result()
+    except BaseException:
+        if board is not None:
+            board.close(success=False)
+        raise
+    if board is not None:
+        board.close(success=True)
+    return value
+
+
+# --------------------------------------------------------------------------------------------
+# Checks before launching: each error says what happened and what to do.
+# --------------------------------------------------------------------------------------------
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _check_function(fn: Callable[..., Any]) -> None:
+    if not callable(fn):
+        raise TypeError(f"nbkit.launch needs a function to run on each GPU; got {type(fn).__name__} {fn!r}.")
+    if inspect.iscoroutinefunction(fn) or inspect.isasyncgenfunction(fn):
+        raise TypeError(
+            f"{fn.__qualname__} is an async function: each launched process would only create a coroutine "
+            "and never run it. Launch a plain function that calls asyncio.run(...) itself."
+        )
+    if inspect.isgeneratorfunction(fn):
+        raise TypeError(
+            f"{fn.__qualname__} is a generator function: calling it in a launched process would run none of "
+            "its body. Launch a plain function (collect what you need in a list and return it)."
+        )
+    if "fork" not in multiprocessing.get_all_start_methods():
+        raise RuntimeError(
+            "nbkit.launch forks one process per GPU, and this platform cannot fork (Windows). Export the "
+            "training code as a script (%nbkit export) and run it with torchrun or accelerate launch."
+        )
+
+
+def _count_processes(gpus: int | None) -> int:
+    if gpus is not None and (not isinstance(gpus, int) or isinstance(gpus, bool) or gpus < 1):
+        raise ValueError(f"gpus must be a positive whole number or None (all visible GPUs); got {gpus!r}.")
+    if not _has_cuda():
+        if gpus is None:
+            raise RuntimeError(
+                "No GPU is visible to this notebook, so nbkit.launch(gpus=None) has nothing to run on. "
+                "On Kaggle, choose Settings > Accelerator > GPU T4 x2; on Colab, Runtime > Change runtime type. "
+                "To try the code on the CPU, pass gpus=N: N CPU processes then train together over gloo."
+            )
+        return gpus
+    visible = distributed.visible_gpus()
+    if gpus is None:
+        return len(visible)
+    if gpus > len(visible):
+        names = ", ".join(f"{g.index}: {g.name}" for g in visible)
+        raise ValueError(
+            f"Asked for {gpus} GPUs but this machine shows {len(visible)} ({names}). Use gpus={len(visible)} "
+            "or gpus=None for all of them; CUDA_VISIBLE_DEVICES limits which ones are visible."
+        )
+    return gpus
+
+
+def _check_notebook_process() -> None:
+    import torch
+
+    if torch.cuda.is_initialized():
+        raise RuntimeError(
+            "CUDA is already initialised in this notebook process, so the training processes cannot be "
+            f"forked from it (CUDA does not survive fork). Likely cause: {_likely_cuda_cause()}. "
+            "Restart the kernel and keep everything that touches the GPU inside the launched function "
+            "(import unsloth/bitsandbytes there, load the model there). The %%ddp magic can instead "
+            "start fresh processes when this happens."
+        )
+    accelerate_state = sys.modules.get("accelerate.state")
+    if accelerate_state is not None and (
+        accelerate_state.PartialState._shared_state or accelerate_state.AcceleratorState._shared_state
+    ):
+        raise RuntimeError(
+            "An accelerate Accelerator (or PartialState) already exists in this notebook process, often "
+            "because a Trainer, TrainingArguments.device or Accelerator() ran in an earlier cell. Each "
+            "launched process must create its own. Restart the kernel and create Trainer/TrainingArguments/"
+            "Accelerator only inside the launched function."
+        )
+    if "bitsandbytes" in sys.modules:
+        raise RuntimeError(
+            "bitsandbytes was imported in this notebook process; it touches CUDA on import, which breaks "
+            "the forked training processes. Restart the kernel and import bitsandbytes (and unsloth, which "
+            "imports it) inside the launched function."
+        )
+
+
+def _likely_cuda_cause() -> str:
+    if "unsloth" in sys.modules:
+        return "unsloth was imported in this notebook process (importing it initialises CUDA)"
+    if "bitsandbytes" in sys.modules:
+        return "bitsandbytes was imported in this notebook process (importing it initialises CUDA)"
+    return ("a tensor or model was put on a GPU, or a CUDA query such as torch.cuda.get_device_name() "
+            "ran, in an earlier cell")
+
+
+# --------------------------------------------------------------------------------------------
+# The notebook side of one launch.
+# --------------------------------------------------------------------------------------------
+
+@dataclass
+class _Run:
+    nprocs: int
+    on_event: Callable[[int, dict], None] | None
+    channel: channel.Channel = field(init=False)
+    pids: dict[int, int] = field(default_factory=dict)
+    errors: dict[int, channel.RankError] = field(default_factory=dict)
+    payload: bytes | None = None
+    timed_out: bool = False
+    interrupted: bool = False
+
+    def __post_init__(self) -> None:
+        self.channel = channel.Channel(self.nprocs)
+
+    def _handle(self, kind: str, rank: int, payload: Any) -> None:
+        if kind == "started":
+            self.pids[rank] = payload
+        elif kind == "error":
+            self.errors.setdefault(rank, payload)
+        elif kind == "result":
+            self.payload = payload
+        elif kind == "event" and self.on_event is not None:
+            try:
+                self.on_event(rank, payload)
+            except Exception:  # a display problem must never take the training run down
+                logging.getLogger("nbkit").exception("nbkit: the event handler failed")
+
+    def execute(self, child: "_Child", *, timeout: float | None, env: dict[str, str]) -> None:
+        """Run the ranks to completion; raise LaunchError or KeyboardInterrupt when they do not."""
+        # Objects left over from an earlier launch (torch elastic's store and its threads) must be
+        # destroyed here, where their threads exist; collected in a child they abort it.
+        gc.collect()
+        self.channel.start(self._handle)
+        watchdog = threading.Timer(timeout, self._on_timeout) if timeout else None
+        failure: BaseException | None = None
+        try:
+            with _launch_environment(child.use_cpu, env) as port, _elastic_quiet(), _kernel_signals_kept():
+                if watchdog is not None:
+                    watchdog.daemon = True
+                    watchdog.start()
+                _start(child, self.nprocs, port)
+        except KeyboardInterrupt:
+            self.interrupted = True
+        except Exception as exc:  # ChildFailedError, SignalException, anything elastic raises
+            if _is_interrupt(exc):
+                self.interrupted = True
+            else:
+                failure = exc
+        finally:
+            if watchdog is not None:
+                watchdog.cancel()
+            self._stop_leftovers()
+            self.channel.stop()
+        if self.interrupted:
+            print(f"nbkit: interrupted; stopped ranks {', '.join(map(str, sorted(self.pids)))}.", file=sys.stderr)
+            raise KeyboardInterrupt
+        if self.timed_out:
+            raise LaunchError(self._timeout_message(), failures={r: "timed out" for r in self.pids},
+                              errors=self.errors, timed_out=True)
+        if failure is not None or self.errors:
+            raise self._failure_error(failure)
+
+    def result(self) -> Any:
+        if self.payload is None:
+            raise LaunchError("Rank 0 finished without sending its return value back (it may have called "
+                              "sys.exit or os._exit). Return from the function instead.")
+        return pickle.loads(self.payload)
+
+    # -- stopping ---------------------------------------------------------------------------
+    def _on_timeout(self) -> None:
+        self.timed_out = True
+        # SIGKILL: a rank stuck in a collective sits in C code, where SIGTERM handlers never run.
+        for pid in self.pids.values():
+            _kill(pid, signal.SIGKILL)
+
+    def _stop_leftovers(self) -> None:
+        """Make sure no rank outlives the launch: SIGTERM, a short grace, then SIGKILL."""
+        alive = [pid for pid in self.pids.values() if _alive(pid)]
+        for pid in alive:
+            _kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + 5
+        while alive and time.monotonic() < deadline:
+            alive = [pid for pid in alive if _alive(pid)]
+            time.sleep(0.05)
+        for pid in alive:
+            _kill(pid, signal.SIGKILL)
+        for pid in self.pids.values():
+            with contextlib.suppress(ChildProcessError, OSError):
+                os.waitpid(pid, os.WNOHANG)
+
+    # -- messages ---------------------------------------------------------------------------
+    def _timeout_message(self) -> str:
+        hint = ("A rank that waits in a collective (all-reduce, barrier) for a peer that never arrives hangs "
+                "like this: check that every rank runs the same steps on the same number of batches.")
+        return f"The launch did not finish within the timeout; all {self.nprocs} ranks were stopped. {hint}"
+
+    def _failure_error(self, failure: BaseException | None) -> LaunchError:
+        failures: dict[int, str] = {}
+        primary = {r: e for r, e in self.errors.items() if not e.secondary}
+        for rank, err in sorted(primary.items(), key=lambda item: item[1].time):
+            failures[rank] = f"{err.type}: {err.message}"
+        for rank, why in _elastic_failures(failure).items():
+            if rank not in primary:  # died without raising: a signal or a hard exit
+                failures.setdefault(rank, why)
+        if not failures:  # only stop-induced errors: report them rather than nothing
+            failures = {r: f"{e.type}: {e.message}" for r, e in self.errors.items()}
+        if not failures:
+            return LaunchError(f"The launch failed before any rank ran: {type(failure).__name__}: {failure}")
+        ranks = ", ".join(f"rank {r}" for r in failures)
+        lines = [f"{ranks} failed ({self.nprocs} processes launched; the others were stopped)."]
+        for rank, why in failures.items():
+            lines.append(f"\n[rank {rank}] {why}")
+            err = self.errors.get(rank)
+            if err is not None:
+                lines.append(err.traceback.rstrip())
+            elif "SIGKILL" in why:
+                lines.append("SIGKILL usually means the machine ran out of CPU memory (the OOM killer): "
+                             "use a smaller batch or fewer dataloader workers.")
+        return LaunchError("\n".join(lines), failures=failures, errors=self.errors)
+
+
+def _elastic_failures(failure: BaseException | None) -> dict[int, str]:
+    """{rank: why} from torch elastic's ChildFailedError, for ranks that died without raising."""
+    described: dict[int, str] = {}
+    for rank, proc in getattr(failure, "failures", {}).items():
+        if proc.exitcode is not None and proc.exitcode < 0:
+            described[rank] = f"died from signal {proc.signal_name()}"
+        else:
+            described[rank] = f"exited with code {proc.exitcode}"
+    return described
+
+
+def _is_interrupt(exc: BaseException) -> bool:
+    """torch elastic turns SIGINT into SignalException while its handlers are installed."""
+    sigval = getattr(exc, "sigval", None)
+    return sigval is not None and sigval in (signal.SIGINT, signal.SIGTERM)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
+    except OSError:  # no /proc (macOS): fall back to a signal probe
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+
+def _kill(pid: int, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.kill(pid, sig)
+
+
+def _free_loopback_port() -> int:
+    # A fresh port per launch: a re-run right after a failure never meets "address already in use".
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def _launch_environment(use_cpu: bool, extra: dict[str, str]) -> Iterator[int]:
+    port = _free_loopback_port()
+    values = {"NBKIT_LAUNCHED": "1", **extra}
+    if use_cpu:
+        values["ACCELERATE_USE_CPU"] = "true"
+        if sys.platform.startswith("linux"):
+            values.setdefault("GLOO_SOCKET_IFNAME", os.environ.get("GLOO_SOCKET_IFNAME", "lo"))
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield port
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+@contextlib.contextmanager
+def _elastic_quiet() -> Iterator[None]:
+    """torch elastic logs every failure at length; nbkit reports it once, as a LaunchError."""
+    logs = [logging.getLogger(name) for name in ("torch.distributed.elastic", "torch.multiprocessing")]
+    levels = [log.level for log in logs]
+    for log in logs:
+        log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for log, level in zip(logs, levels):
+            log.setLevel(level)
+
+
+_HANDLED_SIGNALS = [s for s in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT") if hasattr(signal, s)]
+
+
+@contextlib.contextmanager
+def _kernel_signals_kept() -> Iterator[None]:
+    """torch elastic installs its own SIGINT/SIGTERM handlers and never restores them, which
+    would change how the kernel reacts to the next interrupt; put the kernel's back."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    saved = {name: signal.getsignal(getattr(signal, name)) for name in _HANDLED_SIGNALS}
+    try:
+        yield
+    finally:
+        for name, handler in saved.items():
+            if handler is not None:
+                signal.signal(getattr(signal, name), handler)
+
+
+def _start(child: "_Child", nprocs: int, port: int) -> None:
+    if nprocs > 1:
+        from accelerate import notebook_launcher
+
+        with contextlib.redirect_stdout(io.StringIO()):  # its "Launching training on N GPUs." line
+            notebook_launcher(child, num_processes=nprocs, use_port=str(port), master_addr="127.0.0.1")
+        return
+    # notebook_launcher runs a single process inside the notebook itself, which would create the
+    # CUDA context and an Accelerator here and make every later launch fail; fork one rank instead.
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    config = LaunchConfig(
+        min_nodes=1, max_nodes=1, nproc_per_node=1, run_id="nbkit", rdzv_backend="static",
+        rdzv_endpoint=f"127.0.0.1:{port}", rdzv_configs={"rank": 0}, max_restarts=0,
+        monitor_interval=0.1, start_method="fork",
+    )
+    with contextlib.redirect_stdout(io.StringIO()):
+        elastic_launch(config=config, entrypoint=child)()
+
+
+# --------------------------------------------------------------------------------------------
+# The rank side: what runs first in every forked process.
+# --------------------------------------------------------------------------------------------
+
+class _Child:
+    """The function notebook_launcher forks: sets the rank up, runs fn, reports back."""
+
+    def __init__(self, fn: Callable[..., Any], args: tuple, kwargs: dict, chan: channel.Channel, *,
+                 quiet: bool, use_cpu: bool):
+        self.fn, self.args, self.kwargs = fn, args, kwargs
+        self.channel, self.quiet, self.use_cpu = chan, quiet, use_cpu
+        # The notebook's streams, taken before launch() hides the launcher's own banner.
+        self.stdout, self.stderr = sys.stdout, sys.stderr
+        # torch elastic names the run after the entrypoint
+        self.__name__ = self.__qualname__ = getattr(fn, "__name__", "fn")
+
+    def __call__(self) -> None:
+        rank, local_rank = distributed.rank(), distributed.local_rank()
+        # Never run the destructors of objects inherited from the notebook (C++ objects whose
+        # threads were not forked abort the process when collected here).
+        gc.freeze()
+        _die_with_parent()
+        # Default signal behaviour: torch elastic's handlers (inherited through fork) would turn
+        # SIGTERM into an exception that a rank blocked in a collective never gets to raise.
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        sys.stdout, sys.stderr = self.stdout, self.stderr
+        self.channel.attach(local_rank, rank)
+        channel.send("started", os.getpid())
+        if self.use_cpu:
+            import torch
+
+            # The notebook's torch thread pool does not survive fork: a child that uses more than
+            # one intra-op thread hangs in its first parallel op (landscape.md, "fork").
+            torch.set_num_threads(1)
+        _prepare_rank(quiet=self.quiet, rank=rank)
+        try:
+            value = self.fn(*self.args, **self.kwargs)
+            if rank == 0:
+                channel.send("result", _dumps(value))
+        except BaseException as exc:
+            channel.send("error", channel.RankError(
+                rank=rank, type=type(exc).__qualname__, message=str(exc),
+                # tb_next: start the traceback in the user's function, not in this wrapper
+                traceback="".join(traceback.format_exception(type(exc), exc, exc.__traceback__.tb_next)),
+                time=time.time(),
+                secondary=isinstance(exc, KeyboardInterrupt) or _is_interrupt(exc),
+            ))
+            raise
+        finally:
+            for stream in (sys.stdout, sys.stderr):
+                with contextlib.suppress(Exception):
+                    stream.flush()
+
+
+def _prepare_rank(*, quiet: bool, rank: int) -> None:
+    """Per-rank set-up shared by forked ranks and ranks of an outside launcher."""
+    _route_output(rank, quiet)
+    from nbkit import integration, reporting
+
+    integration.install()
+    reporting.setup_rank()
+
+
+def _route_output(rank: int, quiet: bool) -> None:
+    if rank == 0:
+        return
+    if quiet:
+        devnull = open(os.devnull, "w")
+        sys.stdout = sys.stderr = devnull
+        return
+    sys.stdout = _Prefixed(sys.stdout, f"[rank {rank}] ")
+    sys.stderr = _Prefixed(sys.stderr, f"[rank {rank}] ")
+
+
+class _Prefixed(io.TextIOBase):
+    """A text stream that writes whole lines to `target`, each starting with `prefix`."""
+
+    def __init__(self, target: Any, prefix: str):
+        self._target, self._prefix, self._partial = target, prefix, ""
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        lines = (self._partial + text).split("\n")
+        self._partial = lines.pop()
+        # tqdm-style carriage-return updates end a line too, without a newline.
+        out = "".join(f"{self._prefix}{line}\n" for line in lines)
+        if out:
+            self._target.write(out)
+        return len(text)
+
+    def flush(self) -> None:
+        if self._partial:
+            self._target.write(f"{self._prefix}{self._partial}")
+            self._partial = ""
+        self._target.flush()
+
+    def isatty(self) -> bool:
+        return False
+
+    def fileno(self) -> int:
+        return self._target.fileno()
+
+
+def _dumps(value: Any) -> bytes:
+    """Pickle rank 0's return value with every tensor moved to the CPU."""
+    buf = io.BytesIO()
+    try:
+        _CpuPickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(value)
+    except Exception as exc:
+        raise TypeError(
+            f"Rank 0's return value ({type(value).__name__}) cannot be sent back to the notebook: {exc}. "
+            "Return plain data (numbers, strings, dicts, lists, CPU tensors) or save large objects to disk "
+            "and return the path."
+        ) from exc
+    return buf.getvalue()
+
+
+class _CpuPickler(pickle.Pickler):
+    def reducer_override(self, obj: Any) -> Any:
+        torch = sys.modules.get("torch")
+        if torch is not None and isinstance(obj, torch.Tensor) and obj.device.type not in ("cpu", "meta"):
+            return obj.detach().cpu().__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+        return NotImplemented
+
+
+def _die_with_parent() -> None:
+    """If the notebook kernel dies, take this rank down too (Linux only)."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
