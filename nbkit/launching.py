@@ -247,7 +247,8 @@ class _Run:
         watchdog = threading.Timer(timeout, self._on_timeout) if timeout else None
         failure: BaseException | None = None
         try:
-            with _launch_environment(child.use_cpu, env) as port, _elastic_quiet(), _kernel_signals_kept():
+            with _launch_environment(child.use_cpu, env), _loopback_rendezvous() as port, _elastic_quiet(), \
+                    _kernel_signals_kept():
                 if watchdog is not None:
                     watchdog.daemon = True
                     watchdog.start()
@@ -368,16 +369,32 @@ def _kill(pid: int, sig: signal.Signals) -> None:
         os.kill(pid, sig)
 
 
-def _free_loopback_port() -> int:
-    # A fresh port per launch: a re-run right after a failure never meets "address already in use".
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+@contextlib.contextmanager
+def _loopback_rendezvous() -> Iterator[int]:
+    """A rendezvous store that listens on 127.0.0.1 only, on a fresh port, for one launch.
+
+    torch's TCPStore server binds every interface whatever host it is given, but it accepts an
+    already-listening socket, and torch elastic's static rendezvous asks for a multi-tenant store,
+    which reuses a server this process already runs on the same port. So the launch's store is
+    ours, bound to loopback. A new port each time: a re-run right after a failure never meets
+    "address already in use".
+    """
+    import torch.distributed as dist
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()
+    port = sock.getsockname()[1]
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, multi_tenant=True,
+                          master_listen_fd=sock.detach(), wait_for_workers=False)  # the store owns the fd now
+    try:
+        yield port
+    finally:
+        del store
 
 
 @contextlib.contextmanager
-def _launch_environment(use_cpu: bool, extra: dict[str, str]) -> Iterator[int]:
-    port = _free_loopback_port()
+def _launch_environment(use_cpu: bool, extra: dict[str, str]) -> Iterator[None]:
     values = {"NBKIT_LAUNCHED": "1", **extra}
     if use_cpu:
         values["ACCELERATE_USE_CPU"] = "true"
@@ -386,7 +403,7 @@ def _launch_environment(use_cpu: bool, extra: dict[str, str]) -> Iterator[int]:
     saved = {k: os.environ.get(k) for k in values}
     os.environ.update(values)
     try:
-        yield port
+        yield
     finally:
         for key, value in saved.items():
             if value is None:
@@ -483,8 +500,8 @@ class _Child:
             # The notebook's torch thread pool does not survive fork: a child that uses more than
             # one intra-op thread hangs in its first parallel op (landscape.md, "fork").
             torch.set_num_threads(1)
-        _prepare_rank(quiet=self.quiet, rank=rank)
         try:
+            _prepare_rank(quiet=self.quiet, rank=rank)
             value = self.fn(*self.args, **self.kwargs)
             if rank == 0:
                 channel.send("result", _dumps(value))
