@@ -1,0 +1,103 @@
+"""DDP-safe memory savers for any transformers decoder or vision-language model.
+
+    model = nbkit.savers.apply(model)            # offloaded checkpointing + tiled MLP + chunked loss
+    model = nbkit.savers.apply(model, checkpointing="recompute", tiled_mlp=8, chunked_loss=False)
+    nbkit.savers.remove(model)                   # the model computes exactly as before
+
+- checkpointing (nbkit.savers.checkpointing): non-reentrant activation checkpointing per decoder
+  layer; "offload" also keeps the saved layer inputs in pinned CPU memory.
+- tiled_mlp (nbkit.savers.tiled_mlp): the MLPs run over sequence shards, recomputed in the backward,
+  each weight's gradient accumulated once.
+- chunked_loss (nbkit.savers.loss): the causal-LM loss is computed in row chunks without full logits.
+
+All three keep every trainable parameter's gradient accumulated exactly once per backward, so they
+work under DDP (find_unused_parameters True or False, static_graph, no_sync) and with a model split
+over several GPUs. Only the language model is changed; a VLM's vision tower is left as it is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from nbkit.savers import checkpointing as _checkpointing
+from nbkit.savers import tiled_mlp as _tiled_mlp
+from nbkit.savers._model import base_model, decoder_layers
+
+__all__ = ["apply", "remove"]
+
+_CHECKPOINTING_MODES = ("offload", "recompute", None)
+
+
+@dataclass(frozen=True)
+class _Options:
+    checkpointing: str | None
+    tiled_mlp: bool | int
+    chunked_loss: bool
+
+
+def apply(
+    model: nn.Module,
+    *,
+    checkpointing: str | None = "offload",
+    tiled_mlp: bool | int = True,
+    chunked_loss: bool = True,
+) -> nn.Module:
+    """Turn the memory savers on for `model` and return it (the same object).
+
+    Args:
+        model: a transformers PreTrainedModel, a peft PeftModel around one, or either wrapped in
+            DistributedDataParallel. Apply on every rank (inside the launched function), before or
+            after wrapping in DDP, and before training.
+        checkpointing: "offload" (checkpoint each decoder layer, saved inputs in pinned CPU memory),
+            "recompute" (checkpoint, inputs stay on the GPU) or None (leave the model's own setting).
+        tiled_mlp: True (automatic shard count), an int (that many sequence shards) or False.
+        chunked_loss: compute `model(..., labels=...).loss` with the chunked cross-entropy.
+
+    Applying again with the same options does nothing; with other options it switches cleanly.
+    Raises ValueError for an invalid option or a model whose decoder layers cannot be found (the
+    model is then left unchanged).
+    """
+    if checkpointing not in _CHECKPOINTING_MODES:
+        raise ValueError(
+            f"checkpointing={checkpointing!r} is not valid; use 'offload', 'recompute' or None."
+        )
+    if not isinstance(tiled_mlp, (bool, int)) or (not isinstance(tiled_mlp, bool) and tiled_mlp < 1):
+        raise ValueError(f"tiled_mlp={tiled_mlp!r} is not valid; use True, False or a shard count >= 1.")
+    wanted = _Options(checkpointing, tiled_mlp, bool(chunked_loss))
+    base = base_model(model)
+    current = getattr(base, "_nbkit_savers", None)
+    if current == wanted:
+        return model
+    decoder_layers(base)  # raises, before anything changes, for a model the savers cannot handle
+    remove(model)
+    if checkpointing is not None:
+        _checkpointing.enable(base, offload=checkpointing == "offload")
+    if tiled_mlp is not False:
+        _tiled_mlp.enable(base, shards=None if tiled_mlp is True else tiled_mlp)
+    if chunked_loss:
+        from nbkit.savers import loss
+
+        loss.apply(base)
+    base._nbkit_savers = wanted
+    return model
+
+
+def remove(model: nn.Module) -> nn.Module:
+    """Turn every saver off: the model's layers, MLPs, loss and config are as before apply(). Returns `model`.
+
+    A no-op for a model without savers.
+    """
+    base = base_model(model)
+    current = getattr(base, "_nbkit_savers", None)
+    if current is None:
+        return model
+    _checkpointing.disable(base)
+    _tiled_mlp.disable(base)
+    if current.chunked_loss:
+        from nbkit.savers import loss
+
+        loss.remove(base)
+    del base._nbkit_savers
+    return model

@@ -1,0 +1,193 @@
+"""Activation checkpointing per decoder layer that is safe under DDP, with the layer inputs optionally in host memory.
+
+Each decoder layer of the language model runs under torch's *non-reentrant* checkpoint
+(`torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`): the forward keeps only the layer's
+inputs, and the backward recomputes the layer inside the same backward pass. The reentrant variant
+(what unsloth's "unsloth" mode builds on) runs a second forward during backward, so DDP sees every
+LoRA weight become ready twice ("Expected to mark a variable ready only once") whenever
+find_unused_parameters=True -- which transformers' Trainer sets for peft models. The non-reentrant
+one gives each parameter exactly one gradient per backward, works with find_unused_parameters True
+or False, static_graph and no_sync, and needs no `enable_input_require_grads()` trick when no input
+requires grad (LoRA on a frozen base).
+
+With offload=True the saved layer inputs (the hidden states, one (batch, seq, hidden) tensor per
+layer) are copied to pinned CPU memory through `saved_tensors_hooks`. Device-to-host copies run on a
+side CUDA stream while the next layers compute; in the backward, fetching a layer's input starts the
+host-to-device copy of the layer before it (the next one the backward needs), so copies overlap with
+the recomputation. On CPU tensors the hooks keep the tensor as it is.
+
+RNG: torch's checkpoint replays the CPU RNG and the RNG of the devices its tensor arguments sit on.
+The layer's inputs are moved to the layer's own device first, so dropout masks replay on the device
+where the layer runs also when a model is split over several GPUs (device_map).
+
+transformers' own gradient checkpointing: a layer with this saver ignores transformers'
+`gradient_checkpointing` flag (one checkpoint, never two), and the KV cache is switched off while
+enabled (`config.use_cache=False`; a cache passed to a layer is dropped as transformers does).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import weakref
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from nbkit.savers._model import add_mixin, base_model, decoder_layers, has_mixin, module_device, remove_mixin
+
+__all__ = ["enable", "disable", "HostOffloader"]
+
+_CACHE_KWARGS = ("past_key_values", "past_key_value", "layer_past")
+
+
+class _Offloaded:
+    """A tensor parked in pinned host memory, and the state of its copies.
+
+    prev: weak reference to the record packed just before this one (the layer before, in the
+    forward), which is the next one the backward will ask for: fetching this one prefetches it.
+    """
+
+    __slots__ = ("host", "device", "on_device", "ready", "prev", "used", "__weakref__")
+
+    def __init__(self, host: torch.Tensor, device: torch.device, ready: torch.cuda.Event, prev: Any):
+        self.host = host
+        self.device = device
+        self.on_device: torch.Tensor | None = None
+        self.ready = ready  # recorded on the side stream after the last copy that was queued
+        self.prev = prev
+        self.used = False
+
+
+class HostOffloader:
+    """saved_tensors_hooks that keep saved CUDA tensors in pinned host memory until the backward needs them.
+
+    Use `with offloader.hooks(): ...` around code whose saved tensors should be offloaded. One
+    offloader serves a whole model, so that each fetch can prefetch the tensor saved before it.
+    Tensors on other devices (CPU) are kept as they are.
+    """
+
+    def __init__(self) -> None:
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._last: weakref.ref[_Offloaded] | None = None
+
+    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def _stream(self, device: torch.device) -> torch.cuda.Stream:
+        stream = self._streams.get(device)
+        if stream is None:
+            stream = self._streams[device] = torch.cuda.Stream(device)
+        return stream
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor | _Offloaded:
+        if tensor.device.type != "cuda":
+            return tensor
+        stream = self._stream(tensor.device)
+        stream.wait_stream(torch.cuda.current_stream(tensor.device))  # the tensor may still be being written
+        with torch.cuda.stream(stream):
+            host = torch.empty_like(tensor, device="cpu", pin_memory=True)
+            host.copy_(tensor, non_blocking=True)
+            # The compute stream may free the tensor as soon as we return; keep its memory from being
+            # reused until the copy has read it.
+            tensor.record_stream(stream)
+            ready = torch.cuda.Event()
+            ready.record(stream)
+        record = _Offloaded(host, tensor.device, ready, self._last)
+        self._last = weakref.ref(record)
+        return record
+
+    def _fetch(self, record: _Offloaded) -> None:
+        stream = self._stream(record.device)
+        with torch.cuda.stream(stream):
+            record.on_device = record.host.to(record.device, non_blocking=True)
+            record.ready = torch.cuda.Event()
+            record.ready.record(stream)
+
+    def _unpack(self, record: torch.Tensor | _Offloaded) -> torch.Tensor:
+        if isinstance(record, torch.Tensor):
+            return record
+        if record.on_device is None:
+            self._fetch(record)
+        tensor, record.on_device, record.used = record.on_device, None, True
+        compute = torch.cuda.current_stream(record.device)
+        compute.wait_event(record.ready)
+        # Allocated on the side stream, used and freed on the compute stream.
+        tensor.record_stream(compute)
+        before = record.prev() if record.prev is not None else None
+        if before is not None and before.on_device is None and not before.used:
+            self._fetch(before)
+        return tensor
+
+
+class _Checkpointing:
+    """What one model's checkpointed layers share: the mode, the offloader, the configs' old use_cache."""
+
+    def __init__(self, offload: bool) -> None:
+        self.offload = offload
+        self.offloader = HostOffloader() if offload else None
+        self.use_cache: list[tuple[Any, Any]] = []
+
+    def run(self, layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        call = functools.partial(nn.Module.__call__, layer)
+        if not torch.is_grad_enabled():
+            return call(*args, **kwargs)
+        if not getattr(layer, "_can_checkpoint_with_cache", False):
+            # The recompute would write the KV cache a second time.
+            kwargs = {k: (None if k in _CACHE_KWARGS else v) for k, v in kwargs.items()}
+        if kwargs.get("use_cache"):
+            kwargs["use_cache"] = False
+        device = module_device(layer)
+        if device is not None:
+            # checkpoint records the RNG of its arguments' devices: put them where the dropout runs.
+            args = tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)
+        hooks = self.offloader.hooks() if self.offloader is not None else contextlib.nullcontext()
+        with hooks:
+            return checkpoint(call, *args, use_reentrant=False, **kwargs)
+
+
+class _CheckpointedLayer:
+    """Mixin for decoder layers: every call goes through the model's _Checkpointing."""
+
+    _nbkit_checkpointing: _Checkpointing
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._nbkit_checkpointing.run(self, args, kwargs)
+
+
+def enable(model: nn.Module, *, offload: bool) -> None:
+    """Checkpoint every decoder layer of `model` (bare, peft or DDP-wrapped), offloading saved inputs if asked.
+
+    Replaces a previous setting of this saver. Sets `use_cache=False` on the model's configs
+    (restored by disable). Raises ValueError when the model's decoder layers cannot be found.
+    """
+    disable(model)
+    base = base_model(model)
+    layers = decoder_layers(base)
+    state = _Checkpointing(offload)
+    configs = [base.config] if hasattr(base, "config") else []
+    if configs and callable(getattr(base.config, "get_text_config", None)):
+        configs.append(base.config.get_text_config())
+    for config in {id(c): c for c in configs}.values():
+        if getattr(config, "use_cache", None):
+            state.use_cache.append((config, config.use_cache))
+            config.use_cache = False
+    for layer in layers:
+        layer._nbkit_checkpointing = state
+        add_mixin(layer, _CheckpointedLayer)
+
+
+def disable(model: nn.Module) -> None:
+    """Undo enable(): layers get their own class back and configs their use_cache. A no-op if not enabled."""
+    state = None
+    for layer in decoder_layers(model):
+        if has_mixin(layer, _CheckpointedLayer):
+            state = layer._nbkit_checkpointing
+            remove_mixin(layer, _CheckpointedLayer)
+            del layer._nbkit_checkpointing
+    if state is not None:
+        for config, value in state.use_cache:
+            config.use_cache = value
+

@@ -1,0 +1,202 @@
+"""Tiled MLP: the decoder layers' feed-forward blocks run over sequence shards, safely under DDP.
+
+At long sequence lengths the MLP's intermediate activations ((tokens, intermediate_size), several
+of them, LoRA dropout copies included) are the largest tensors of a layer. Here the MLP runs on one
+sequence shard at a time without keeping them; the backward recomputes each shard and
+differentiates it with `torch.autograd.grad`.
+
+DDP safety: the trainable parameters of the MLP (LoRA A/B included) are *inputs* of the autograd
+function, the per-shard weight gradients are summed inside its backward and returned once, so every
+weight's AccumulateGrad -- and DDP's ready hook on it -- fires exactly once per backward. (Calling
+`.backward()` per shard, as Arctic-style tiled MLPs did, fires them once per shard: DDP then fails
+with "marked ready twice".)
+
+The function is split in two nodes so that an enclosing non-reentrant checkpoint does not run the
+MLP once more for nothing: `_TiledGrad` saves the MLP input and owns the backward, `_TiledRun` only
+computes the output. During a checkpoint's recompute, torch stops as soon as the last tensor the
+backward needs is saved; that is `_TiledGrad`'s input whenever nothing after the MLP in the layer
+saves a tensor (Qwen3, Llama: a residual add), so the recompute skips the MLP's forward. Where a
+later op does save the MLP output (Gemma's post-feed-forward norm), the recompute runs it as usual.
+
+Dropout inside the MLP (LoRA dropout) replays identically: the RNG state (CPU and the input's
+device) is captured before the first shard and restored for the shard-by-shard recompute. Autocast
+is replayed too.
+
+Shard count: given, or ceil(tokens / (2 * hidden_size)) -- one shard for sequences up to twice the
+hidden size, where tiling would only cost time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import nn
+
+from nbkit.savers._model import add_mixin, base_model, decoder_layers, has_mixin, layer_mlp, remove_mixin
+
+__all__ = ["enable", "disable", "shard_count"]
+
+# Automatic shards hold about this many hidden sizes of tokens each.
+_TOKENS_PER_SHARD_PER_HIDDEN = 2
+
+
+def shard_count(tokens: int, seq_len: int, hidden_size: int, requested: int | None = None) -> int:
+    """How many sequence shards the MLP runs over: `requested` (capped at seq_len) or automatic."""
+    if requested is None:
+        requested = math.ceil(tokens / (_TOKENS_PER_SHARD_PER_HIDDEN * hidden_size))
+    return max(1, min(requested, seq_len))
+
+
+def _shard_bounds(seq_len: int, shards: int) -> list[tuple[int, int]]:
+    size, extra = divmod(seq_len, shards)
+    bounds, start = [], 0
+    for i in range(shards):
+        length = size + (1 if i < extra else 0)
+        bounds.append((start, length))
+        start += length
+    return bounds
+
+
+def _forward_shards(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, shards: int) -> torch.Tensor:
+    out = None
+    for start, length in _shard_bounds(x.shape[-2], shards):
+        y = fn(x.narrow(-2, start, length))
+        if out is None:
+            if not isinstance(y, torch.Tensor) or y.shape[-2] != length or y.shape[-1] != x.shape[-1]:
+                raise ValueError(
+                    f"nbkit.savers tiled_mlp needs an MLP that maps (..., seq, hidden) to the same shape; this "
+                    f"one returned {type(y).__name__} {tuple(getattr(y, 'shape', ()))} for input "
+                    f"{tuple(x.narrow(-2, start, length).shape)}. Use nbkit.savers.apply(..., tiled_mlp=False)."
+                )
+            out = y.new_empty(x.shape)
+        out.narrow(-2, start, length).copy_(y)
+    return out
+
+
+class _RngReplay:
+    """The CPU RNG state and that of one accelerator device, captured now, replayable later."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.cpu = torch.get_rng_state()
+        self.accelerator = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+    @contextlib.contextmanager
+    def replay(self) -> Iterator[None]:
+        devices = [self.device] if self.accelerator is not None else []
+        with torch.random.fork_rng(devices=devices, device_type="cuda"):
+            torch.set_rng_state(self.cpu)
+            if self.accelerator is not None:
+                torch.cuda.set_rng_state(self.accelerator, self.device)
+            yield
+
+
+def _autocast_like_now(device_type: str) -> Callable[[], contextlib.AbstractContextManager[Any]]:
+    """A factory of contexts that re-enter the autocast state in effect now for `device_type`."""
+    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+        return functools.partial(torch.autocast, device_type, dtype=torch.get_autocast_dtype(device_type))
+    return contextlib.nullcontext
+
+
+class _TiledGrad(torch.autograd.Function):
+    """Takes the MLP input and trainable parameters, returns an alias of the input for _TiledRun.
+
+    Its backward receives the gradient of the MLP *output* (passed through by _TiledRun) and
+    returns the gradients of the input and of every parameter, each computed once.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor], shards: int,
+                *params: torch.Tensor) -> torch.Tensor:
+        ctx.fn, ctx.shards, ctx.params = fn, shards, params
+        ctx.rng = _RngReplay(x.device)
+        ctx.autocast = _autocast_like_now(x.device.type)
+        ctx.save_for_backward(x)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        (x,) = ctx.saved_tensors
+        need_x = ctx.needs_input_grad[0]
+        wanted = [p for p, need in zip(ctx.params, ctx.needs_input_grad[3:]) if need]
+        grad_x = torch.empty_like(x) if need_x else None
+        grad_params: list[torch.Tensor | None] = [None] * len(wanted)
+        with ctx.rng.replay(), ctx.autocast():
+            # Shards in forward order: each consumes the RNG exactly as it did in the forward.
+            for start, length in _shard_bounds(x.shape[-2], ctx.shards):
+                piece = x.narrow(-2, start, length).detach().requires_grad_(need_x)
+                with torch.enable_grad():
+                    y = ctx.fn(piece)
+                inputs = ([piece] if need_x else []) + wanted
+                grads = torch.autograd.grad(
+                    y, inputs, grad_out.narrow(-2, start, length).to(y.dtype), allow_unused=True
+                )
+                if need_x:
+                    grad_x.narrow(-2, start, length).copy_(grads[0])
+                    grads = grads[1:]
+                for i, g in enumerate(grads):
+                    if g is not None:
+                        grad_params[i] = g if grad_params[i] is None else grad_params[i] + g
+        by_param = iter(grad_params)
+        return (grad_x, None, None, *(next(by_param) if need else None for need in ctx.needs_input_grad[3:]))
+
+
+class _TiledRun(torch.autograd.Function):
+    """Runs the MLP shard by shard (no graph kept); passes the output gradient to _TiledGrad unchanged."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor], shards: int) -> torch.Tensor:
+        return _forward_shards(fn, x, shards)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return grad_out, None, None
+
+
+class _TiledMLP:
+    """Mixin for feed-forward blocks: a call on one (..., seq, hidden) tensor runs tiled."""
+
+    _nbkit_shards: int | None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        call = functools.partial(nn.Module.__call__, self)
+        if len(args) != 1 or kwargs or not isinstance(args[0], torch.Tensor) or args[0].dim() < 2:
+            return call(*args, **kwargs)
+        x = args[0]
+        shards = shard_count(x.numel() // x.shape[-1], x.shape[-2], x.shape[-1], self._nbkit_shards)
+        if shards == 1:
+            return call(x)
+        params = [p for p in self.parameters() if p.requires_grad]
+        if torch.is_grad_enabled() and (x.requires_grad or params):
+            return _TiledRun.apply(_TiledGrad.apply(x, call, shards, *params), call, shards)
+        return _forward_shards(call, x, shards)
+
+
+def enable(model: nn.Module, *, shards: int | None = None) -> None:
+    """Tile the MLP of every decoder layer of `model` (bare, peft or DDP-wrapped).
+
+    shards: a fixed shard count, or None for automatic. Mixture-of-experts blocks (an `experts`
+    attribute) are left alone. Replaces a previous setting of this saver. Raises ValueError when
+    the decoder layers cannot be found.
+    """
+    if shards is not None and shards < 1:
+        raise ValueError(f"tiled_mlp shard count must be at least 1, got {shards}.")
+    for layer in decoder_layers(base_model(model)):
+        mlp = layer_mlp(layer)
+        if mlp is None or hasattr(mlp, "experts"):
+            continue
+        mlp._nbkit_shards = shards
+        add_mixin(mlp, _TiledMLP)
+
+
+def disable(model: nn.Module) -> None:
+    """Undo enable(); a no-op where it was not enabled."""
+    for layer in decoder_layers(base_model(model)):
+        mlp = layer_mlp(layer)
+        if mlp is not None and has_mixin(mlp, _TiledMLP):
+            remove_mixin(mlp, _TiledMLP)
+            del mlp._nbkit_shards
