@@ -1,0 +1,473 @@
+"""The strategy planner: will LoRA training of this model fit, with DDP or split over the GPUs?
+
+`plan(model, gpus=2, gpu_memory_gib=15)` reads the model's config only (the model is built on the
+meta device, so no weights are downloaded or allocated), counts its parameters exactly, estimates
+the peak GPU memory of LoRA training with nbkit's default memory savers, and picks a strategy:
+"ddp" (a full copy per GPU), "model_parallel" (one process, the model split over the GPUs) or
+"does_not_fit". `str(plan)` says why, with the numbers and what to change.
+
+What the estimate assumes (the setup of benchmarks/planner_accuracy.py, which measures it):
+- weights in 16-bit (2 bytes; modules transformers keeps in fp32 at 4), or 4-bit NF4 for every
+  nn.Linear except the output embedding (bitsandbytes' default);
+- LoRA of rank r on the language model's q/k/v/o/gate/up/down projections (LORA_TARGET_MODULES;
+  vision towers are left out), adapters in fp32 with their gradients and AdamW's two states;
+- mixed precision (autocast to 16-bit, as Trainer does with fp16/bf16=True), SDPA attention without
+  a padding mask (flash / memory-efficient kernels), batch of equal-length sequences;
+- nbkit.savers' defaults: per-layer checkpointing ("offload": layer inputs in host memory;
+  "recompute": layer inputs on the GPU; None: no checkpointing), the tiled MLP, and the chunked
+  loss (no full logits).
+The per-token byte counts below were calibrated on CPU by recording every tensor autograd saves
+(saved_tensors_hooks, unique storages) in a Qwen3-VL-2B-shaped decoder layer with peft LoRA under
+bf16 autocast: 58.6 KiB per token per layer without the tiled MLP, matching the formulas exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from nbkit import distributed
+
+__all__ = ["Plan", "plan", "load_config", "LORA_TARGET_MODULES", "STRATEGIES"]
+
+STRATEGIES = ("ddp", "model_parallel", "does_not_fit")
+LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+CHECKPOINTING = ("offload", "recompute", None)
+
+GIB = 2**30
+# Bytes per weight of bitsandbytes NF4: half a byte plus one fp32 absmax per 64-weight block
+# (double quantisation, unsloth's default, stores less: this is the upper bound).
+NF4_BYTES_PER_WEIGHT = 0.5 + 4 / 64
+# LoRA adapters: fp32 weight + fp32 gradient + AdamW exp_avg and exp_avg_sq, plus the 16-bit copy
+# that autocast caches for the whole forward (and the backward keeps).
+LORA_BYTES_PER_PARAM = 4 + 4 + 8 + 2
+# DDP keeps a flat fp32 copy of the trainable gradients in its communication buckets.
+DDP_BUCKET_BYTES_PER_PARAM = 4
+# Layer inputs of the offloaded checkpointing alive on the GPU at once: the one being copied out
+# (forward) or in (backward), plus the prefetched next one.
+OFFLOAD_LAYER_INPUTS_ON_GPU = 2
+# nbkit.savers.loss: rows per chunk make one fp32 chunk of logits about 256 MiB; at its peak a
+# chunk holds fp32 logits plus the 16-bit logits of this chunk and the 16-bit gradient of the last.
+LOSS_CHUNK_FP32_BYTES = 256 * 2**20
+LOSS_CHUNK_PEAK_BYTES_PER_LOGIT = 4 + 2 + 2
+# nbkit.savers.tiled_mlp: automatic shards hold about 2 x hidden_size tokens.
+TILED_MLP_TOKENS_PER_HIDDEN = 2
+# A typical image for the vision tower's forward (a 512x512 image at patch size 16 = 1024 patches),
+# and the bytes per patch per vision hidden unit its frozen forward holds at once (one block's
+# temporaries: the residual stream, qkv, attention output and the 4x MLP).
+VISION_PATCHES = 1024
+VISION_WORKING_BYTES_PER_HIDDEN = 2 * (1 + 3 + 1 + 2 * 4)
+# CUDA context, cuBLAS/cuDNN handles and kernels: memory that torch's allocator never reports.
+CUDA_CONTEXT_GIB = 0.5
+# The caching allocator reserves more than it hands out (fragmentation, rounding).
+ALLOCATOR_SLACK = 0.08
+# Headroom kept free on each GPU before calling a plan a fit.
+SAFETY_MARGIN = 0.05
+# A "balanced" device map is uneven (embeddings and lm_head on the end GPUs, whole layers only).
+MODEL_PARALLEL_IMBALANCE = 1.15
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The planner's answer for one model on one machine.
+
+    strategy: "ddp" | "model_parallel" | "does_not_fit".
+    per_gpu_gib: peak memory per GPU with DDP (a full copy on each), CUDA overhead included.
+    breakdown: GiB per GPU with DDP: "weights", "lora" (LoRA weights + grads + AdamW states, and
+        DDP's gradient buckets), "activations" (checkpoints kept on the GPU plus one layer's
+        recomputation and backward), "logits" (what the chunked loss adds on top of that peak),
+        "overhead" (CUDA context and allocator slack). The entries sum to per_gpu_gib.
+    model_parallel_gib: peak per GPU with the model split over `gpus` GPUs in one process.
+    usable_gib: the memory a plan may use per GPU (gpu_memory_gib minus a safety margin).
+    peak_allocated_gib: per_gpu_gib without the overhead, comparable to torch.cuda.max_memory_allocated.
+    """
+
+    model: str
+    strategy: str
+    gpus: int
+    gpu_memory_gib: float
+    seq_len: int
+    batch_size: int
+    load_in_4bit: bool
+    lora_rank: int
+    checkpointing: str | None
+    parameters: int
+    lora_parameters: int
+    lora_modules: tuple[str, ...]
+    breakdown: dict[str, float]
+    per_gpu_gib: float
+    model_parallel_gib: float
+    usable_gib: float
+    advice: tuple[str, ...] = field(default=())
+
+    @property
+    def peak_allocated_gib(self) -> float:
+        return self.per_gpu_gib - self.breakdown["overhead"]
+
+    def __str__(self) -> str:
+        b = self.breakdown
+        weights = "4-bit" if self.load_in_4bit else "16-bit"
+        lines = [
+            f"{self.model}: {self.parameters / 1e9:.2f}B parameters ({weights}), LoRA r={self.lora_rank} on "
+            f"{', '.join(self.lora_modules)} ({self.lora_parameters / 1e6:.1f}M trainable), "
+            f"{self.batch_size} x {self.seq_len} tokens per GPU, checkpointing={self.checkpointing!r}.",
+            f"With DDP each GPU needs about {self.per_gpu_gib:.1f} GiB: weights {b['weights']:.2f}, LoRA + grads "
+            f"+ AdamW {b['lora']:.2f}, activations {b['activations']:.2f}, logits/loss {b['logits']:.2f}, "
+            f"CUDA overhead {b['overhead']:.2f}.",
+            f"Each of the {self.gpus} GPU(s) has {self.gpu_memory_gib:.1f} GiB ({self.usable_gib:.1f} usable).",
+        ]
+        if self.strategy == "ddp":
+            lines.append(
+                f"Strategy: ddp. A full copy fits on one GPU, so nbkit.launch trains one copy per GPU "
+                f"({self.gpus} x the batches per step); load with device_map=None."
+            )
+        elif self.strategy == "model_parallel":
+            lines.append(
+                f"Strategy: model_parallel. A full copy does not fit on one GPU, but split over {self.gpus} GPUs "
+                f"it needs about {self.model_parallel_gib:.1f} GiB per GPU: load with device_map='balanced' "
+                "in the notebook itself (one process, not nbkit.launch); the GPUs then take turns."
+            )
+        else:
+            lines.append(
+                f"Strategy: does_not_fit. Even split over {self.gpus} GPU(s) it needs about "
+                f"{self.model_parallel_gib:.1f} GiB per GPU."
+            )
+        lines.extend(self.advice)
+        return "\n".join(lines)
+
+
+def load_config(model: Any, **hub_kwargs: Any) -> Any:
+    """The transformers config for `model`, reading no weights.
+
+    Takes a PretrainedConfig (returned as is), an nbkit name ("tiny:...", "random:..."), a local
+    path or a hub id (hub_kwargs such as revision/token/cache_dir go to AutoConfig.from_pretrained).
+    Raises what AutoConfig raises for a name it cannot find (OSError) and ValueError for unknown
+    nbkit names.
+    """
+    from transformers import AutoConfig, PretrainedConfig
+
+    if isinstance(model, PretrainedConfig):
+        return model
+    name = os.fspath(model)
+    if name.startswith(("tiny:", "random:")):
+        from nbkit.offline import load_config as offline_config
+
+        return offline_config(name)
+    return AutoConfig.from_pretrained(name, **hub_kwargs)
+
+
+def plan(
+    model: Any,
+    *,
+    gpus: int | None = None,
+    gpu_memory_gib: float | None = None,
+    seq_len: int = 2048,
+    batch_size: int = 1,
+    load_in_4bit: bool = False,
+    lora_rank: int = 16,
+    checkpointing: str | None = "offload",
+) -> Plan:
+    """Estimate per-GPU memory of LoRA training and choose DDP, model parallel, or neither.
+
+    Takes a model name (hub id, local path, "tiny:"/"random:" name) or a PretrainedConfig; the
+    config only is read and the model is built on the meta device. gpus / gpu_memory_gib default to
+    this machine's visible GPUs (the smallest one's memory); give both to plan for another machine
+    (e.g. gpus=2, gpu_memory_gib=15 for Kaggle's 2x T4). seq_len x batch_size are the tokens per GPU
+    per step.
+
+    Returns a Plan. Raises ValueError for arguments out of range, or when no GPU is visible and
+    gpus / gpu_memory_gib were not given. Runs anywhere (CPU, any rank); never touches CUDA.
+    """
+    if checkpointing not in CHECKPOINTING:
+        raise ValueError(f"checkpointing={checkpointing!r} is not one of {CHECKPOINTING}.")
+    for name, value in (("seq_len", seq_len), ("batch_size", batch_size), ("lora_rank", lora_rank)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive whole number, not {value!r}.")
+    gpus, gpu_memory_gib = _machine(gpus, gpu_memory_gib)
+    config = load_config(model)
+    counts = _counts(config, lora_rank)
+    label = os.fspath(model) if isinstance(model, (str, os.PathLike)) else counts.architecture
+    return _plan(label, counts, config, gpus, gpu_memory_gib, seq_len, batch_size, load_in_4bit, lora_rank, checkpointing)
+
+
+def _machine(gpus: int | None, gpu_memory_gib: float | None) -> tuple[int, float]:
+    if gpus is not None and (not isinstance(gpus, int) or gpus < 1):
+        raise ValueError(f"gpus must be a positive whole number, not {gpus!r}.")
+    if gpu_memory_gib is not None and gpu_memory_gib <= 0:
+        raise ValueError(f"gpu_memory_gib must be positive, not {gpu_memory_gib!r}.")
+    if gpus is not None and gpu_memory_gib is not None:
+        return gpus, float(gpu_memory_gib)
+    visible = distributed.visible_gpus()
+    if not visible:
+        raise ValueError(
+            "No GPU is visible here, so the planner cannot tell how many GPUs or how much memory to plan for. "
+            "Pass both, e.g. nbkit.plan(model, gpus=2, gpu_memory_gib=15) for Kaggle's 2x T4."
+        )
+    gpus = gpus if gpus is not None else len(visible)
+    if gpu_memory_gib is None:
+        known = [g.memory_gib for g in visible[:gpus] if g.memory_gib > 0]
+        if not known:
+            raise ValueError("The GPUs' memory size is unknown here (no nvidia-smi); pass gpu_memory_gib=.")
+        gpu_memory_gib = min(known)
+    return gpus, float(gpu_memory_gib)
+
+
+# ---------------------------------------------------------------------------------------------
+# Counting parameters on the meta device.
+
+
+@dataclass(frozen=True)
+class _Counts:
+    architecture: str
+    parameters: int
+    bytes_16bit: int  # every parameter at 2 bytes, except those the model keeps in fp32
+    bytes_4bit: float  # nn.Linear weights (not the output embedding) as NF4, the rest as above
+    largest_linear: int  # elements of the biggest quantizable weight (dequantised one at a time)
+    lora_parameters: int
+    lora_modules: tuple[str, ...]
+    qk_norm: bool  # per-head RMSNorm on queries and keys (Qwen3), which saves fp32 copies of q and k
+
+
+_COUNTS: dict[tuple[str, int], _Counts] = {}
+
+
+def _counts(config: Any, lora_rank: int) -> _Counts:
+    """Parameter counts of the model `config` describes (cached per config and LoRA rank)."""
+    key = (json.dumps(config.to_dict(), sort_keys=True, default=str), lora_rank)
+    if key not in _COUNTS:
+        _COUNTS[key] = _count_on_meta(config, lora_rank)
+    return _COUNTS[key]
+
+
+def _count_on_meta(config: Any, lora_rank: int) -> _Counts:
+    import torch
+
+    model = _build_on_meta(config)
+    cls = type(model)
+    keep_fp32 = tuple(getattr(cls, "_keep_in_fp32_modules", None) or ()) + tuple(
+        getattr(cls, "_keep_in_fp32_modules_strict", None) or ()
+    )
+    named = dict(model.named_parameters())  # shared (tied) parameters appear once
+    element = {id(p): 4 if any(k in name.split(".") for k in keep_fp32) else 2 for name, p in named.items()}
+    bytes_16 = sum(p.numel() * element[id(p)] for p in named.values())
+    output = model.get_output_embeddings()
+    quantized = {
+        id(m.weight): m.weight.numel()
+        for m in model.modules()
+        if isinstance(m, torch.nn.Linear) and m is not output and id(m.weight) in element
+    }
+    bytes_4 = bytes_16 - sum(n * element[i] for i, n in quantized.items()) + NF4_BYTES_PER_WEIGHT * sum(quantized.values())
+    lora_params, lora_modules = 0, set()
+    for name, module in model.named_modules():
+        leaf = name.rsplit(".", 1)[-1]
+        if isinstance(module, torch.nn.Linear) and leaf in LORA_TARGET_MODULES and not _in_vision_tower(name):
+            lora_params += lora_rank * (module.in_features + module.out_features)
+            lora_modules.add(leaf)
+    return _Counts(
+        architecture=cls.__name__,
+        parameters=sum(p.numel() for p in named.values()),
+        bytes_16bit=bytes_16,
+        bytes_4bit=bytes_4,
+        largest_linear=max(quantized.values(), default=0),
+        lora_parameters=lora_params,
+        lora_modules=tuple(m for m in LORA_TARGET_MODULES if m in lora_modules),
+        qk_norm=any(name.endswith(".q_norm") for name, _ in model.named_modules()),
+    )
+
+
+def _build_on_meta(config: Any) -> Any:
+    """The model `config` describes, with every tensor on the meta device (no memory, no init)."""
+    import torch
+    import transformers
+
+    with torch.device("meta"):
+        for architecture in getattr(config, "architectures", None) or ():
+            cls = getattr(transformers, architecture, None)
+            if cls is not None:
+                return cls(config)
+        autos = [transformers.AutoModelForCausalLM, transformers.AutoModel]
+        if getattr(config, "vision_config", None) is not None:
+            autos.insert(0, transformers.AutoModelForImageTextToText)
+        for auto in autos:
+            try:
+                return auto.from_config(config)
+            except ValueError:  # this Auto class has no model for the config's type
+                continue
+    raise ValueError(
+        f"The planner cannot build a {type(config).__name__} ({config.model_type!r}): transformers has no "
+        "causal-LM or image-text-to-text class for it."
+    )
+
+
+def _in_vision_tower(module_name: str) -> bool:
+    return any("vision" in part or part == "visual" for part in module_name.split("."))
+
+
+# ---------------------------------------------------------------------------------------------
+# The estimate.
+
+
+@dataclass(frozen=True)
+class _Shape:
+    hidden: int
+    intermediate: int
+    layers: int
+    q: int  # attention heads x head dim
+    kv: int  # key/value heads x head dim
+    vocab: int
+
+    @classmethod
+    def of(cls, config: Any) -> "_Shape":
+        text = config.get_text_config()
+        heads = text.num_attention_heads
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+        kv_heads = getattr(text, "num_key_value_heads", None) or heads
+        return cls(text.hidden_size, text.intermediate_size, text.num_hidden_layers, heads * head_dim,
+                   kv_heads * head_dim, text.vocab_size)
+
+
+def _layer_saved_per_token(s: _Shape, qk_norm: bool, tiled_mlp: bool, lora_rank: int) -> int:
+    """Bytes autograd keeps per token for one decoder layer (LoRA on all projections, autocast)."""
+    norms = 2 * 4 * s.hidden  # each RMSNorm keeps its input upcast to fp32
+    # q/k/v and o LoRA A keep their (16-bit) inputs, every LoRA B its rank-r input
+    lora_inputs = 3 * 2 * s.hidden + 2 * s.q + len(LORA_TARGET_MODULES) * 2 * lora_rank
+    qk = (4 * s.q + 4 * s.kv) if qk_norm else 0  # q_norm / k_norm keep fp32 inputs
+    attention = 2 * s.q + 2 * s.kv + 2 * s.kv + 2 * s.q  # SDPA keeps q, k, v and its output
+    mlp = 2 * s.hidden if tiled_mlp else _mlp_saved_per_token(s)  # tiled: only the MLP input
+    return norms + lora_inputs + qk + attention + mlp
+
+
+def _mlp_saved_per_token(s: _Shape) -> int:
+    # gate/up LoRA inputs; gate output (SiLU input), SiLU output, up output, down's input
+    return 2 * 2 * s.hidden + 4 * 2 * s.intermediate
+
+
+def _layer_backward_per_token(s: _Shape) -> int:
+    """Transient bytes per token while one layer's attention runs backward."""
+    # incoming and residual gradients, grad of the attention output, dq/dk/dv, flash's fp32 dq accumulator
+    return 2 * 2 * s.hidden + 2 * s.q + (2 * s.q + 2 * s.kv + 2 * s.kv) + 4 * s.q
+
+
+def _mlp_backward_per_token(s: _Shape) -> int:
+    # gradients of the gate, up and SiLU outputs, and of the MLP input
+    return 3 * 2 * s.intermediate + 2 * s.hidden
+
+
+@dataclass(frozen=True)
+class _Estimate:
+    weights: float
+    lora: float
+    persistent: float  # checkpoints kept on the GPU for the whole step
+    layer_phase: float  # one layer's recomputation + backward
+    loss_phase: float  # the chunked loss (forward computes its gradients)
+    vision_phase: float  # the frozen vision tower's forward, before the decoder runs
+
+    def bytes_per_gpu(self) -> tuple[dict[str, float], float]:
+        activations = self.persistent + max(self.layer_phase, self.vision_phase)
+        logits = max(0.0, self.loss_phase - max(self.layer_phase, self.vision_phase))
+        allocated = self.weights + self.lora + activations + logits
+        overhead = CUDA_CONTEXT_GIB * GIB + ALLOCATOR_SLACK * allocated
+        parts = {"weights": self.weights, "lora": self.lora, "activations": activations, "logits": logits,
+                 "overhead": overhead}
+        return {k: v / GIB for k, v in parts.items()}, sum(parts.values()) / GIB
+
+
+def _estimate(counts: _Counts, config: Any, gpus: int, seq_len: int, batch_size: int, load_in_4bit: bool,
+              lora_rank: int, checkpointing: str | None, split: int = 1) -> _Estimate:
+    """Peak bytes for one GPU; split > 1 spreads the weights and checkpoints over that many GPUs."""
+    s = _Shape.of(config)
+    tokens = seq_len * batch_size
+    tiled = True  # nbkit.savers' default
+    saved = _layer_saved_per_token(s, counts.qk_norm, tiled, lora_rank) * tokens
+    hidden_state = 2 * s.hidden * tokens
+    if checkpointing == "offload":
+        persistent = OFFLOAD_LAYER_INPUTS_ON_GPU * hidden_state
+        recompute = saved
+    elif checkpointing == "recompute":
+        persistent = s.layers * hidden_state
+        recompute = saved
+    else:
+        persistent = s.layers * saved
+        recompute = 0
+    shard_tokens = min(tokens, TILED_MLP_TOKENS_PER_HIDDEN * s.hidden)
+    mlp_backward = shard_tokens * (_mlp_saved_per_token(s) + _mlp_backward_per_token(s)) + hidden_state
+    layer_phase = recompute + max(_layer_backward_per_token(s) * tokens, mlp_backward)
+    if load_in_4bit:
+        layer_phase += 2 * 2 * counts.largest_linear  # dequantised weight and its transpose/grad path
+    rows = min(tokens, max(1, LOSS_CHUNK_FP32_BYTES // (4 * s.vocab)))
+    # the final norm's fp32 input, its 16-bit output and the loss's gradient for it, plus one chunk
+    loss_phase = (4 + 2 + 2) * s.hidden * tokens + LOSS_CHUNK_PEAK_BYTES_PER_LOGIT * rows * s.vocab
+    vision = getattr(config, "vision_config", None)
+    vision_phase = VISION_PATCHES * vision.hidden_size * VISION_WORKING_BYTES_PER_HIDDEN if vision is not None else 0
+    weights = counts.bytes_4bit if load_in_4bit else counts.bytes_16bit
+    lora = counts.lora_parameters * (LORA_BYTES_PER_PARAM + (DDP_BUCKET_BYTES_PER_PARAM if gpus > 1 and split == 1 else 0))
+    if split > 1:
+        share = MODEL_PARALLEL_IMBALANCE / split
+        weights, lora, persistent = weights * share, lora * share, persistent * share
+    return _Estimate(float(weights), float(lora), float(persistent), float(layer_phase), float(loss_phase),
+                     float(vision_phase))
+
+
+def _plan(label: str, counts: _Counts, config: Any, gpus: int, gpu_memory_gib: float, seq_len: int,
+          batch_size: int, load_in_4bit: bool, lora_rank: int, checkpointing: str | None) -> Plan:
+    usable = gpu_memory_gib * (1 - SAFETY_MARGIN)
+
+    def per_gpu(split: int = 1, **changes: Any) -> float:
+        args = dict(seq_len=seq_len, batch_size=batch_size, load_in_4bit=load_in_4bit, lora_rank=lora_rank,
+                    checkpointing=checkpointing)
+        args.update(changes)
+        return _estimate(counts, config, gpus, split=split, **args).bytes_per_gpu()[1]
+
+    breakdown, total = _estimate(counts, config, gpus, seq_len, batch_size, load_in_4bit, lora_rank,
+                                 checkpointing).bytes_per_gpu()
+    split_total = per_gpu(split=gpus) if gpus > 1 else total
+    if total <= usable:
+        strategy = "ddp"
+    elif gpus > 1 and split_total <= usable:
+        strategy = "model_parallel"
+    else:
+        strategy = "does_not_fit"
+    advice = _advice(strategy, per_gpu, usable, gpus, seq_len, batch_size, load_in_4bit, checkpointing)
+    return Plan(
+        model=label, strategy=strategy, gpus=gpus, gpu_memory_gib=gpu_memory_gib, seq_len=seq_len,
+        batch_size=batch_size, load_in_4bit=load_in_4bit, lora_rank=lora_rank, checkpointing=checkpointing,
+        parameters=counts.parameters, lora_parameters=counts.lora_parameters, lora_modules=counts.lora_modules,
+        breakdown=breakdown, per_gpu_gib=total, model_parallel_gib=split_total, usable_gib=usable,
+        advice=tuple(advice),
+    )
+
+
+def _advice(strategy: str, per_gpu: Any, usable: float, gpus: int, seq_len: int, batch_size: int,
+            load_in_4bit: bool, checkpointing: str | None) -> list[str]:
+    """What would make DDP fit (or, failing that, anything fit), with the estimate for each change."""
+    if strategy == "ddp":
+        return []
+    lines = ["To train with DDP (faster than model parallel) instead:" if strategy == "model_parallel"
+             else "What would fit:"]
+    if not load_in_4bit:
+        gib = per_gpu(load_in_4bit=True)
+        lines.append(f"  * load_in_4bit=True: about {gib:.1f} GiB per GPU ({'fits' if gib <= usable else 'still too much'}).")
+    if checkpointing != "offload":
+        gib = per_gpu(checkpointing="offload")
+        lines.append(f"  * checkpointing='offload': about {gib:.1f} GiB per GPU ({'fits' if gib <= usable else 'still too much'}).")
+    if batch_size > 1 and per_gpu(batch_size=1) <= usable:
+        lines.append("  * batch_size=1 per GPU (raise gradient accumulation to keep the effective batch).")
+    shorter = next((n for n in _shorter(seq_len) if per_gpu(seq_len=n, batch_size=1) <= usable), None)
+    if shorter is not None:
+        lines.append(f"  * sequences of at most {shorter} tokens fit with DDP.")
+    if strategy == "does_not_fit":
+        more = next((n for n in range(gpus + 1, 17) if per_gpu(split=n) <= usable), None)
+        if more is not None:
+            lines.append(f"  * {more} GPUs of this size, with the model split over them (device_map='balanced').")
+    if len(lines) == 1:
+        lines.append("  * nothing short of larger GPUs: even one 256-token sequence in 4-bit is too much.")
+    return lines
+
+
+def _shorter(seq_len: int) -> list[int]:
+    """Candidate sequence lengths below seq_len, longest first (powers of two down to 256)."""
+    top = 2 ** int(math.log2(seq_len - 1)) if seq_len > 256 else 0
+    return [n for n in (top >> i for i in range(16)) if n >= 256]
