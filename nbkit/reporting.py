@@ -1,22 +1,376 @@
-"""Metrics from the training ranks to the notebook (nbkit.report and the Trainer callback).
+"""Metrics from the training ranks to the notebook: `nbkit.report` and the Trainer callback.
 
-Minimal first version: report() sends an event over the launch channel. The Trainer callback and
-the per-rank set-up are being built (issue 5).
+Inside `nbkit.launch` every rank sends its metrics over the launch channel; the notebook process
+shows them as one dashboard (nbkit.dashboard) for all ranks. Every transformers `Trainer` (and so
+TRL's SFTTrainer) created inside a launched rank reports by itself: `setup_rank()` patches
+`Trainer.__init__` to add `DashboardCallback` and to drop transformers' own progress bars, which
+would otherwise be drawn once per rank.
+
+Outside a launch `report()` feeds a dashboard in the current process: in a notebook, one panel per
+cell (closed, as a static summary, when the cell finishes); in a script or under torchrun, text
+lines printed by rank 0.
+
+An event is a flat dict. Keys the dashboard understands (all optional):
+
+    step, total_steps, loss, learning_rate, grad_norm, epoch,
+    tokens_per_second (this rank), tokens_seen (this rank, cumulative),
+    peak_memory_gib + memory_device (added automatically), elapsed, time (added automatically)
+
+Any other number is kept in the event log and shown in the per-rank table.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import atexit
+import importlib.abc
+import importlib.util
+import numbers
+import resource
+import sys
+import threading
+import time
+from collections.abc import Mapping
+from typing import Any, Callable
 
-from nbkit import channel
+from nbkit import channel, distributed, patching
 
-__all__ = ["report", "setup_rank"]
+__all__ = ["report", "setup_rank", "DashboardCallback"]  # DashboardCallback: built on first use
 
 
-def report(step: int | None = None, loss: float | None = None, **metrics: Any) -> None:
-    """Send metrics to the notebook's dashboard. Call it from any rank inside nbkit.launch."""
-    channel.send("event", {"step": step, "loss": loss, **metrics})
+class _Clock:
+    """Per-process reporting state: when this rank started, and its token counter."""
+
+    def __init__(self) -> None:
+        self.start = time.monotonic()
+        self.tokens_seen = 0
+        self.tokens_since = 0
+        self.tokens_mark = self.start
+
+
+_clock = _Clock()
+
+
+def report(step: int | None = None, loss: Any = None, **metrics: Any) -> None:
+    """Send this rank's metrics to the notebook's dashboard.
+
+    Takes:
+        step: the optimizer step just finished (drives the progress bar and the loss curve).
+        loss: this rank's loss at that step (a float or a one-element tensor; the dashboard
+            averages the ranks).
+        **metrics: more numbers. Names with a meaning: total_steps (progress bar and ETA),
+            learning_rate, grad_norm, epoch, and `tokens`: how many tokens this rank processed
+            since its previous report(); nbkit turns it into tokens_per_second and tokens_seen.
+
+    Adds `elapsed` (seconds since the rank started), `time`, and the rank's peak memory
+    (`peak_memory_gib`: torch.cuda.max_memory_allocated where this process uses CUDA, else the
+    process's peak resident memory; `memory_device` says which).
+
+    Where it goes: inside nbkit.launch, to the notebook's dashboard (every rank may call it; the
+    dashboard sums tokens/s over ranks and shows one row per rank). Outside a launch, to a
+    dashboard in this process (a notebook panel per cell, or text lines); under torchrun or
+    accelerate launch only rank 0's reports are shown. Never raises for a value it cannot
+    turn into a number: such values are sent as text.
+    """
+    event = _event(step, loss, metrics)
+    if channel.connected():
+        channel.send("event", event)
+        return
+    if distributed.is_distributed() and not distributed.is_main():
+        return
+    _local.event(distributed.rank(), event)
 
 
 def setup_rank() -> None:
-    """Per-rank set-up run by nbkit.launch before the user's function."""
+    """Per-rank set-up run by nbkit.launch before the user's function (on every rank).
+
+    Restarts this rank's clock and token counter and applies the "reporting" patches, which only
+    take effect in ranks launched by nbkit.launch (where a dashboard listens).
+    """
+    global _clock
+    _clock = _Clock()
+    # Importing transformers takes seconds to tens of seconds: a rank that never builds a Trainer
+    # must not pay for it, so the patches wait for transformers.trainer to be imported.
+    if "transformers.trainer" in sys.modules:
+        patching.apply("reporting")
+    elif not any(isinstance(f, _AfterImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _AfterImport("transformers.trainer", lambda: patching.apply("reporting")))
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Runs `action` right after module `name` has been imported (once), wherever it is imported."""
+
+    def __init__(self, name: str, action: Callable[[], Any]):
+        self.name, self.action = name, action
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname != self.name:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None:
+            return spec
+        loader, action = spec.loader, self.action
+
+        class _Loader(importlib.abc.Loader):
+            def create_module(self, spec: Any) -> Any:
+                return loader.create_module(spec)
+
+            def exec_module(self, module: Any) -> None:
+                loader.exec_module(module)
+                action()
+
+            def __getattr__(self, attr: str) -> Any:  # get_source, get_filename, ... for inspect
+                return getattr(loader, attr)
+
+        spec.loader = _Loader()
+        return spec
+
+
+# --------------------------------------------------------------------------------------------
+# Building an event
+# --------------------------------------------------------------------------------------------
+
+def _event(step: Any, loss: Any, metrics: dict[str, Any]) -> dict[str, Any]:
+    now = time.monotonic()
+    event: dict[str, Any] = {}
+    if step is not None:
+        event["step"] = _plain(step)
+    if loss is not None:
+        event["loss"] = _plain(loss)
+    tokens = metrics.pop("tokens", None)
+    event.update({name: _plain(value) for name, value in metrics.items()})
+    if tokens is not None:
+        _clock.tokens_seen += int(_plain(tokens))
+        _clock.tokens_since += int(_plain(tokens))
+        span = now - _clock.tokens_mark
+        # A rate over a too-short span (two reports in the same millisecond) is noise: keep
+        # counting until the span is long enough to measure.
+        if span >= 1e-3:
+            event["tokens_per_second"] = _clock.tokens_since / span
+            _clock.tokens_since, _clock.tokens_mark = 0, now
+        event["tokens_seen"] = _clock.tokens_seen
+    event.setdefault("elapsed", now - _clock.start)
+    event["time"] = time.time()
+    event.update(_peak_memory())
+    return event
+
+
+def _plain(value: Any) -> Any:
+    """A number (or text) that pickles anywhere: tensors and numpy scalars become Python numbers."""
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    item = getattr(value, "item", None)
+    if callable(item):
+        try:
+            return _plain(item())
+        except (ValueError, RuntimeError, TypeError):  # a tensor of several elements
+            pass
+    return str(value)
+
+
+def _peak_memory() -> dict[str, Any]:
+    torch = sys.modules.get("torch")
+    # Asking torch.cuda anything in a process that has not initialised CUDA would initialise it
+    # (and in the notebook process make every later fork fail): only where it is already live.
+    if torch is not None and torch.cuda.is_initialized():
+        index = torch.cuda.current_device()
+        return {"peak_memory_gib": torch.cuda.max_memory_allocated(index) / 2**30,
+                "memory_device": f"cuda:{index}"}
+    peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    scale = 2**30 if sys.platform == "darwin" else 2**20  # macOS reports bytes
+    return {"peak_memory_gib": peak_kib / scale, "memory_device": "cpu"}
+
+
+# --------------------------------------------------------------------------------------------
+# Outside a launch: a dashboard in this process
+# --------------------------------------------------------------------------------------------
+
+class _LocalDashboard:
+    """The dashboard that report() feeds when no launch is listening.
+
+    In IPython, one dashboard per cell execution: it is closed (leaving its summary) when the cell
+    finishes. Elsewhere one dashboard for the process, closed at exit.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._board: Any = None
+        self._cell: int | None = None
+        self._hooked: set[int] = set()
+
+    def event(self, rank: int, event: dict[str, Any]) -> None:
+        from nbkit.dashboard import Dashboard
+
+        shell = _ipython()
+        cell = getattr(shell, "execution_count", None)
+        with self._lock:
+            if self._board is not None and cell != self._cell:
+                self._board.close(success=True)
+                self._board = None
+            if self._board is None:
+                self._board, self._cell = Dashboard(1), cell
+                self._close_later(shell)
+            board = self._board
+        board.event(rank, event)
+
+    def close(self, *_: Any) -> None:
+        with self._lock:
+            board, self._board = self._board, None
+        if board is not None:
+            board.close(success=True)
+
+    def _close_later(self, shell: Any) -> None:
+        if shell is None:
+            if not self._hooked:
+                atexit.register(self.close)
+                self._hooked.add(0)
+            return
+        if id(shell) not in self._hooked:
+            shell.events.register("post_run_cell", self.close)
+            self._hooked.add(id(shell))
+
+
+def _ipython() -> Any:
+    ipython = sys.modules.get("IPython")  # never import IPython just to ask
+    return ipython.get_ipython() if ipython is not None else None
+
+
+_local = _LocalDashboard()
+
+
+# --------------------------------------------------------------------------------------------
+# transformers: the callback, and the patches that add it to every Trainer in a launched rank
+# --------------------------------------------------------------------------------------------
+
+_callback_class: type | None = None
+
+
+def __getattr__(name: str) -> Any:
+    # DashboardCallback subclasses transformers' TrainerCallback; building it on first use keeps
+    # `import nbkit.reporting` (which every launched rank does) from importing transformers.
+    if name == "DashboardCallback":
+        return _dashboard_callback()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _dashboard_callback() -> type:
+    global _callback_class
+    if _callback_class is None:
+        from transformers import TrainerCallback
+
+        _callback_class = type("DashboardCallback", (_StepReporter, TrainerCallback),
+                               {"__module__": __name__, "__doc__": _StepReporter.__doc__})
+    return _callback_class
+
+
+class _StepReporter:
+    """A transformers TrainerCallback that reports every optimizer step to the dashboard.
+
+    Each step it sends step, total_steps, this rank's loss for the step (the sum of its
+    micro-batch losses, as Trainer logs it, without the cross-rank average), learning_rate,
+    epoch, tokens (input tokens of the step's batches, padding included) and peak memory; each
+    Trainer log adds grad_norm and evaluation metrics. nbkit adds it to every Trainer created
+    inside nbkit.launch (the loss and token counts come from nbkit's patch of
+    Trainer.training_step, applied there too).
+    """
+
+    def __init__(self) -> None:
+        self._loss: Any = None
+        self._tokens = 0
+
+    def add_micro_batch(self, loss: Any, tokens: int) -> None:
+        """Count one micro-batch (called from Trainer.training_step); the loss stays a tensor so
+        that no device synchronisation happens before the step ends."""
+        if loss is not None:
+            self._loss = loss if self._loss is None else self._loss + loss
+        self._tokens += tokens
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._loss, self._tokens = None, 0
+        report(step=state.global_step, total_steps=state.max_steps)
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        metrics: dict[str, Any] = {"total_steps": state.max_steps, "epoch": state.epoch}
+        scheduler = kwargs.get("lr_scheduler")
+        if scheduler is not None and hasattr(scheduler, "get_last_lr"):
+            metrics["learning_rate"] = scheduler.get_last_lr()[0]
+        if self._tokens:
+            metrics["tokens"] = self._tokens
+        loss, self._loss, self._tokens = self._loss, None, 0
+        report(step=state.global_step, loss=loss, **metrics)
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: Mapping[str, Any] | None = None,
+               **kwargs: Any) -> None:
+        # The logged loss is a window average over all ranks; the per-step, per-rank loss went
+        # out in on_step_end, so only what a step event lacks is sent here.
+        extra = {k: v for k, v in (logs or {}).items()
+                 if k == "grad_norm" or (k.startswith("eval_") and isinstance(v, numbers.Real))}
+        if extra:
+            report(step=state.global_step, **extra)
+
+
+def _in_launched_rank() -> bool:
+    return channel.connected()
+
+
+@patching.patch(
+    "transformers.trainer:Trainer.__init__",
+    reason="in a launched rank, report to nbkit's dashboard and draw no per-rank progress bar: "
+           "transformers picks NotebookProgressCallback in every forked rank (it has no rank "
+           "check), so a notebook shows one bar per GPU; rank 0 still prints the log lines",
+    upstream="transformers has no hook to add default callbacks or to silence progress bars "
+             "per process: https://github.com/huggingface/transformers/issues/12108 (callbacks "
+             "cannot see the step loss) is the nearest thread",
+    group="reporting",
+    when=_in_launched_rank,
+)
+def _trainer_init(original):
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        from transformers.trainer_callback import PrinterCallback, ProgressCallback
+
+        bars: tuple[type, ...] = (ProgressCallback,)
+        notebook = sys.modules.get("transformers.utils.notebook")  # imported only where a notebook bar can exist
+        if notebook is not None:
+            bars += (notebook.NotebookProgressCallback,)
+        had_bar = any(isinstance(cb, bars) for cb in self.callback_handler.callbacks)
+        for bar in bars:
+            self.remove_callback(bar)
+        # The bars also printed the log dicts on rank 0; keep that, once.
+        if had_bar and distributed.is_main():
+            self.add_callback(PrinterCallback)
+        if not any(isinstance(cb, _StepReporter) for cb in self.callback_handler.callbacks):
+            self.add_callback(_dashboard_callback()())
+
+    return __init__
+
+
+@patching.patch(
+    "transformers.trainer:Trainer.training_step",
+    reason="the dashboard's per-step loss and tokens/s need each micro-batch's loss and input "
+           "size, which no TrainerCallback event receives",
+    upstream="https://github.com/huggingface/transformers/issues/12108",
+    group="reporting",
+    when=_in_launched_rank,
+)
+def _training_step(original):
+    def training_step(self, model, inputs, *args, **kwargs):
+        loss = original(self, model, inputs, *args, **kwargs)
+        callback = next((cb for cb in self.callback_handler.callbacks if isinstance(cb, _StepReporter)), None)
+        if callback is not None:
+            callback.add_micro_batch(loss, _count_tokens(self, inputs))
+        return loss
+
+    return training_step
+
+
+def _count_tokens(trainer: Any, inputs: Any) -> int:
+    if not isinstance(inputs, Mapping):
+        return 0
+    name = getattr(getattr(trainer, "model", None), "main_input_name", "input_ids")
+    ids = inputs.get(name, inputs.get("input_ids"))
+    return int(ids.numel()) if hasattr(ids, "numel") else 0
