@@ -1,0 +1,40 @@
+"""Shared test setup: offline hub, one model cache per test session, tiny checkpoints."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+# Set before anything imports transformers/huggingface_hub, which read them at import time.
+os.environ["HF_HUB_OFFLINE"] = "1"
+# Tests fork processes after tokenizing; the Rust thread pool must not be live across a fork.
+os.environ["TOKENIZERS_PARALLELISM"] = "false"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def nbkit_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """NBKIT_CACHE for the whole session: tiny checkpoints are built once and shared by all tests
+    (and by processes they launch, which inherit the environment)."""
+    path = tmp_path_factory.mktemp("nbkit-cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("NBKIT_CACHE", str(path))
+        yield path
+
+
+@pytest.fixture(scope="session")
+def tiny_text_path(nbkit_cache: Path) -> str:
+    """Local checkpoint of tiny:qwen3 (Qwen3ForCausalLM, a few hundred KB)."""
+    from nbkit.offline import resolve_model
+
+    return resolve_model("tiny:qwen3")
+
+
+@pytest.fixture(scope="session")
+def tiny_vl_path(nbkit_cache: Path) -> str:
+    """Local checkpoint of tiny:qwen3-vl (Qwen3VLForConditionalGeneration, ~1 MB)."""
+    from nbkit.offline import resolve_model
+
+    return resolve_model("tiny:qwen3-vl")
