@@ -203,6 +203,8 @@ class Dashboard:
         self._peaks: dict[int, tuple[float, str]] = {}
         self._losses: dict[int, dict[int, float]] = {}  # step -> {rank: loss}
         self._pace: tuple[float, int] | None = None  # (time, step) of the first step event
+        # rank -> the first and the latest (tokens_seen, elapsed) it reported
+        self._token_span: dict[int, tuple[tuple[float, float], tuple[float, float]]] = {}
         self._cell = _Cell()
         self._stream = sys.stdout  # launch() silences sys.stdout while the ranks run
         self._view: _Panel | None = None
@@ -223,6 +225,12 @@ class Dashboard:
                 self._losses.setdefault(step, {})[rank] = float(loss)
             if isinstance(step, int) and step > 0 and self._pace is None:
                 self._pace = (now, step)
+            seen, elapsed = metrics.get("tokens_seen"), metrics.get("elapsed")
+            if isinstance(seen, (int, float)) and isinstance(elapsed, (int, float)):
+                # The run's average rate counts from the first token report on: model loading and
+                # imports before training do not dilute it.
+                first = self._token_span.get(rank, ((seen, elapsed),))[0]
+                self._token_span[rank] = (first, (seen, elapsed))
             memory = metrics.get("peak_memory_gib")
             if isinstance(memory, (int, float)):
                 old = self._peaks.get(rank, (0.0, ""))[0]
@@ -264,13 +272,16 @@ class Dashboard:
 
     def summary(self, success: bool = True) -> dict[str, Any]:
         """What the run came to: final_loss, step, total_steps, total_time (s), tokens_per_second
-        (average over the run, all ranks), peak_memory_gib ({rank: (GiB, device)}), success."""
+        (all ranks, averaged from each rank's first token report to its last), peak_memory_gib
+        ({rank: (GiB, device)}), success."""
         snap = self.snapshot()
         rates = []
-        for metrics in snap.ranks.values():
-            seen, elapsed = metrics.get("tokens_seen"), metrics.get("elapsed")
-            if isinstance(seen, (int, float)) and isinstance(elapsed, (int, float)) and elapsed > 0:
-                rates.append(seen / elapsed)
+        with self._lock:
+            for rank, (first, last) in self._token_span.items():
+                if last[1] > first[1]:
+                    rates.append((last[0] - first[0]) / (last[1] - first[1]))
+                elif "tokens_per_second" in snap.ranks.get(rank, {}):
+                    rates.append(snap.ranks[rank]["tokens_per_second"])
         return {
             "success": success,
             "final_loss": snap.curve[-1][1] if snap.curve else snap.loss,

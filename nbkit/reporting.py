@@ -22,15 +22,13 @@ Any other number is kept in the event log and shown in the per-rank table.
 from __future__ import annotations
 
 import atexit
-import importlib.abc
-import importlib.util
 import numbers
 import resource
 import sys
 import threading
 import time
 from collections.abc import Mapping
-from typing import Any, Callable
+from typing import Any
 
 from nbkit import channel, distributed, patching
 
@@ -43,8 +41,8 @@ class _Clock:
     def __init__(self) -> None:
         self.start = time.monotonic()
         self.tokens_seen = 0
-        self.tokens_since = 0
-        self.tokens_mark = self.start
+        self.tokens_since = 0  # tokens reported but not yet turned into a rate
+        self.mark = self.start  # when the current rate span began
 
 
 _clock = _Clock()
@@ -89,41 +87,16 @@ def setup_rank() -> None:
     global _clock
     _clock = _Clock()
     # Importing transformers takes seconds to tens of seconds: a rank that never builds a Trainer
-    # must not pay for it, so the patches wait for transformers.trainer to be imported.
-    if "transformers.trainer" in sys.modules:
-        patching.apply("reporting")
-    elif not any(isinstance(f, _AfterImport) for f in sys.meta_path):
-        sys.meta_path.insert(0, _AfterImport("transformers.trainer", lambda: patching.apply("reporting")))
+    # must not pay for it, so the patches wait for transformers.trainer to be imported
+    # (nbkit.integration's import watcher applies them right after).
+    from nbkit import integration
 
-
-class _AfterImport(importlib.abc.MetaPathFinder):
-    """Runs `action` right after module `name` has been imported (once), wherever it is imported."""
-
-    def __init__(self, name: str, action: Callable[[], Any]):
-        self.name, self.action = name, action
-
-    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
-        if fullname != self.name:
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(fullname)
-        if spec is None or spec.loader is None:
-            return spec
-        loader, action = spec.loader, self.action
-
-        class _Loader(importlib.abc.Loader):
-            def create_module(self, spec: Any) -> Any:
-                return loader.create_module(spec)
-
-            def exec_module(self, module: Any) -> None:
-                loader.exec_module(module)
-                action()
-
-            def __getattr__(self, attr: str) -> Any:  # get_source, get_filename, ... for inspect
-                return getattr(loader, attr)
-
-        spec.loader = _Loader()
-        return spec
+    for p in patching.registered("reporting"):
+        module = p.target.partition(":")[0]
+        if module in sys.modules:
+            p.apply()
+        else:
+            integration._watcher().arm(module, p)
 
 
 # --------------------------------------------------------------------------------------------
@@ -142,13 +115,15 @@ def _event(step: Any, loss: Any, metrics: dict[str, Any]) -> dict[str, Any]:
     if tokens is not None:
         _clock.tokens_seen += int(_plain(tokens))
         _clock.tokens_since += int(_plain(tokens))
-        span = now - _clock.tokens_mark
-        # A rate over a too-short span (two reports in the same millisecond) is noise: keep
-        # counting until the span is long enough to measure.
+        event["tokens_seen"] = _clock.tokens_seen
+        span = now - _clock.mark
+        # Two reports in the same millisecond give no usable rate: keep counting until the span is
+        # long enough to measure.
         if span >= 1e-3:
             event["tokens_per_second"] = _clock.tokens_since / span
-            _clock.tokens_since, _clock.tokens_mark = 0, now
-        event["tokens_seen"] = _clock.tokens_seen
+            _clock.tokens_since, _clock.mark = 0, now
+    elif _clock.tokens_since == 0:
+        _clock.mark = now  # `tokens` counts what was processed since the previous report
     event.setdefault("elapsed", now - _clock.start)
     event["time"] = time.time()
     event.update(_peak_memory())
