@@ -22,6 +22,7 @@ import logging
 import multiprocessing
 import os
 import pickle
+import re
 import signal
 import socket
 import sys
@@ -541,27 +542,31 @@ def _route_output(rank: int, quiet: bool) -> None:
 
 
 class _Prefixed(io.TextIOBase):
-    """A text stream that writes whole lines to `target`, each starting with `prefix`."""
+    """A text stream that starts every line written to `target` with `prefix`.
+
+    Lines end at "\n" or at "\r" (progress bars redraw a line with "\r"); text is passed on at
+    once, so the notebook sees a rank's output as it happens.
+    """
 
     def __init__(self, target: Any, prefix: str):
-        self._target, self._prefix, self._partial = target, prefix, ""
+        self._target, self._prefix, self._at_line_start = target, prefix, True
 
     def writable(self) -> bool:
         return True
 
     def write(self, text: str) -> int:
-        lines = (self._partial + text).split("\n")
-        self._partial = lines.pop()
-        # tqdm-style carriage-return updates end a line too, without a newline.
-        out = "".join(f"{self._prefix}{line}\n" for line in lines)
-        if out:
-            self._target.write(out)
+        out = []
+        for piece in re.split(r"(?<=[\r\n])", text):
+            if not piece:
+                continue
+            if self._at_line_start:
+                out.append(self._prefix)
+            out.append(piece)
+            self._at_line_start = piece.endswith(("\n", "\r"))
+        self._target.write("".join(out))
         return len(text)
 
     def flush(self) -> None:
-        if self._partial:
-            self._target.write(f"{self._prefix}{self._partial}")
-            self._partial = ""
         self._target.flush()
 
     def isatty(self) -> bool:
