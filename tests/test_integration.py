@@ -1,0 +1,148 @@
+"""nbkit.install() / nbkit.uninstall(): idempotent, exactly reversible, and patching libraries when they are imported."""
+
+from __future__ import annotations
+
+import os
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, Qwen3ForCausalLM
+from transformers.modeling_utils import PreTrainedModel
+from transformers.models.auto.auto_factory import _BaseAutoModelClass
+
+import nbkit
+from nbkit import integration, patching
+
+GUARD_TARGET = "transformers.modeling_utils:PreTrainedModel.from_pretrained"
+UNSLOTH_TARGETS = [f"unsloth.models.loader:{name}.from_pretrained"
+                   for name in ("FastVisionModel", "FastModel", "FastLanguageModel")]
+
+
+@pytest.fixture(autouse=True)
+def _nothing_installed():
+    nbkit.uninstall()
+    yield
+    nbkit.uninstall()
+
+
+def _descriptors() -> dict[str, Any]:
+    """What every class whose from_pretrained users call holds in its own __dict__ (None: inherited)."""
+    classes = (PreTrainedModel, _BaseAutoModelClass, AutoModelForCausalLM, AutoModelForImageTextToText, Qwen3ForCausalLM)
+    return {cls.__name__: vars(cls).get("from_pretrained") for cls in classes}
+
+
+def test_install_is_idempotent_and_uninstall_restores_the_exact_descriptors():
+    before = _descriptors()
+    original = before["PreTrainedModel"]
+    assert isinstance(original, classmethod) and before["Qwen3ForCausalLM"] is None
+
+    assert GUARD_TARGET in nbkit.install()
+    patched = vars(PreTrainedModel)["from_pretrained"]
+    assert isinstance(patched, classmethod) and patched is not original
+    assert patched.__func__.__wrapped__ is original.__func__
+    assert Qwen3ForCausalLM.from_pretrained.__func__ is patched.__func__  # model classes inherit the guard
+    assert {k: v for k, v in _descriptors().items() if k != "PreTrainedModel"} == {
+        k: v for k, v in before.items() if k != "PreTrainedModel"}  # Auto classes untouched (they call it)
+
+    assert nbkit.install() == integration.installed()
+    assert vars(PreTrainedModel)["from_pretrained"] is patched  # a second install wraps nothing again
+
+    nbkit.uninstall()
+    after = _descriptors()
+    assert all(after[name] is before[name] for name in before)
+    assert "from_pretrained" not in vars(Qwen3ForCausalLM)
+    assert integration.installed() == [] and integration.pending() == []
+    assert not patching.applied("guard")
+    assert not any(isinstance(finder, integration._ImportWatcher) for finder in sys.meta_path)
+    nbkit.uninstall()  # nothing left to undo
+    assert _descriptors() == after
+
+
+def test_groups_can_be_left_out_and_a_missing_savers_module_is_skipped():
+    original = vars(PreTrainedModel)["from_pretrained"]
+    targets = nbkit.install(guard=False)
+    assert GUARD_TARGET not in targets and not patching.applied("guard")
+    assert set(targets) <= {p.target for p in patching.registered("savers")}
+    assert vars(PreTrainedModel)["from_pretrained"] is original
+    assert GUARD_TARGET in nbkit.install()  # now the guard too, keeping the savers as they are
+    assert set(targets) <= set(integration.installed())
+
+
+# A stand-in for unsloth.models.loader (unsloth cannot be installed without a GPU): the same class
+# layout (FastVisionModel inherits FastModel's staticmethod) and the same leading parameters.
+_FAKE_LOADER = '''
+DEFAULT_DEVICE_MAP = "sequential"
+
+
+def _load(model_name="unsloth/model", max_seq_length=2048, dtype=None, load_in_4bit=True, load_in_8bit=False,
+          load_in_16bit=False, full_finetuning=False, token=None, device_map=DEFAULT_DEVICE_MAP, *args, **kwargs):
+    return device_map
+
+
+class FastLanguageModel:
+    from_pretrained = staticmethod(_load)
+
+
+class FastModel:
+    from_pretrained = staticmethod(_load)
+
+
+class FastVisionModel(FastModel):
+    pass
+
+
+ORIGINALS = {cls.__name__: vars(cls).get("from_pretrained") for cls in (FastLanguageModel, FastModel, FastVisionModel)}
+'''
+
+
+def _unsloth_imported_inside(fake_root: str) -> dict[str, Any]:
+    r: dict[str, Any] = {"pending": integration.pending(), "imported_early": "unsloth" in sys.modules}
+    sys.path.insert(0, fake_root)
+    from unsloth.models import loader
+    from unsloth.models.loader import FastLanguageModel, FastModel, FastVisionModel
+
+    r["installed"] = integration.installed()
+    r["vision_wraps_the_original"] = FastVisionModel.from_pretrained.__wrapped__ is loader.ORIGINALS["FastModel"].__func__
+    os.environ["NBKIT_DEVICE_MAP_POLICY"] = "error"
+    calls = {
+        "default_4bit_balanced": lambda: FastVisionModel.from_pretrained("m", device_map="balanced"),
+        "16bit_balanced": lambda: FastVisionModel.from_pretrained("m", load_in_4bit=False, device_map="balanced"),
+        "positional_auto": lambda: FastLanguageModel.from_pretrained("m", 2048, None, False, False, False, False, None, "auto"),
+        "load_in_16bit_auto": lambda: FastModel.from_pretrained("m", load_in_16bit=True, device_map="auto"),
+        "unset": lambda: FastLanguageModel.from_pretrained("m"),
+        "other_rank": lambda: FastModel.from_pretrained("m", device_map={"": f"cuda:{1 - nbkit.local_rank()}"}),
+    }
+    for name, call in calls.items():
+        try:
+            r[name] = call()
+        except nbkit.DeviceMapError as exc:
+            r[name] = f"DeviceMapError: {exc}"
+    nbkit.uninstall()
+    r["restored"] = {cls.__name__: vars(cls).get("from_pretrained") is loader.ORIGINALS[cls.__name__]
+                     for cls in (FastLanguageModel, FastModel, FastVisionModel)}
+    r["after_uninstall"] = FastVisionModel.from_pretrained("m", load_in_4bit=False, device_map="balanced")
+    return r
+
+
+def test_unsloth_loaders_are_guarded_once_unsloth_is_imported_in_the_launched_function(tmp_path):
+    package = Path(tmp_path, "unsloth", "models")
+    package.mkdir(parents=True)
+    Path(tmp_path, "unsloth", "__init__.py").write_text("")
+    Path(package, "__init__.py").write_text("")
+    Path(package, "loader.py").write_text(textwrap.dedent(_FAKE_LOADER))
+
+    r = nbkit.launch(_unsloth_imported_inside, str(tmp_path), gpus=2)
+    # install() (run by the launcher in each rank) imported nothing and waited for the import
+    assert r["imported_early"] is False and set(UNSLOTH_TARGETS) <= set(r["pending"])
+    assert set(UNSLOTH_TARGETS) <= set(r["installed"])
+    assert r["vision_wraps_the_original"]  # FastVisionModel is guarded once, not through FastModel's guard
+    assert r["default_4bit_balanced"] == {"": "cpu"}  # unsloth loads 4-bit by default: always the rank's device
+    assert r["unset"] == {"": "cpu"}
+    for name in ("16bit_balanced", "positional_auto", "load_in_16bit_auto"):
+        assert r[name].startswith("DeviceMapError: device_map="), name
+    assert r["other_rank"].startswith("DeviceMapError: The device_map puts modules of rank 0")
+    assert r["restored"] == {"FastLanguageModel": True, "FastModel": True, "FastVisionModel": True}
+    assert r["after_uninstall"] == "balanced"

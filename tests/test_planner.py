@@ -1,0 +1,202 @@
+"""nbkit.plan: exact parameter counts from configs, memory estimates, strategies and explanations.
+
+Parameter counts are recomputed here from the config fields alone (independently of the planner,
+which builds the model on the meta device), for a tiny model and for real published shapes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, Qwen3Config, Qwen3ForCausalLM, Qwen3VLConfig
+
+import nbkit
+from nbkit import planner
+from nbkit.offline import load_config
+
+GIB = 2**30
+T4 = dict(gpus=2, gpu_memory_gib=15)
+
+
+def qwen3_vl_2b() -> Qwen3VLConfig:
+    """Qwen/Qwen3-VL-2B-Instruct's published shapes, built here without nbkit.offline."""
+    return Qwen3VLConfig(
+        text_config=dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+                         num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
+        vision_config=dict(depth=24, hidden_size=1024, intermediate_size=4096, num_heads=16, out_hidden_size=2048,
+                           num_position_embeddings=2304, deepstack_visual_indexes=[5, 11, 17], patch_size=16),
+        tie_word_embeddings=True,
+    )
+
+
+def qwen3_8b() -> Qwen3Config:
+    """Qwen3-8B's shapes (untied lm_head): 16 GB of bf16 weights, more than one T4 holds."""
+    return Qwen3Config(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                       num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False)
+
+
+def llama_70b() -> LlamaConfig:
+    return LlamaConfig(vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                       num_attention_heads=64, num_key_value_heads=8, tie_word_embeddings=False)
+
+
+def text_counts(c) -> dict[str, int]:
+    """Parameters of a Llama/Qwen3-style decoder from its config: total, nn.Linear weights, LoRA (r=1)."""
+    h, i, layers, v = c.hidden_size, c.intermediate_size, c.num_hidden_layers, c.vocab_size
+    d = getattr(c, "head_dim", None) or h // c.num_attention_heads
+    q, kv = c.num_attention_heads * d, c.num_key_value_heads * d
+    qk_norm = 2 * d if c.model_type.startswith("qwen3") else 0
+    linear = layers * (h * q + 2 * h * kv + q * h + 3 * h * i)
+    per_layer_other = 2 * h + qk_norm
+    lm_head = 0 if c.tie_word_embeddings else v * h
+    return dict(
+        total=v * h + linear + layers * per_layer_other + h + lm_head,
+        linear=linear,  # excludes lm_head, which stays 16-bit in 4-bit loads
+        lora=layers * ((h + q) + 2 * (h + kv) + (q + h) + 2 * (h + i) + (i + h)),
+    )
+
+
+def vision_counts(c) -> dict[str, int]:
+    """Parameters of the Qwen3-VL vision tower from its config."""
+    h, i, m2 = c.hidden_size, c.intermediate_size, c.spatial_merge_size**2
+    patch = c.in_channels * c.temporal_patch_size * c.patch_size**2 * h + h
+    block_linear = (h * 3 * h + 3 * h) + (h * h + h) + (h * i + i) + (i * h + h)
+    block = 2 * 2 * h + block_linear
+
+    def merger(norm_width: int) -> tuple[int, int]:
+        linear = (h * m2) * (h * m2) + h * m2 + (h * m2) * c.out_hidden_size + c.out_hidden_size
+        return 2 * norm_width + linear, linear
+
+    main_total, main_linear = merger(h)
+    deep_total, deep_linear = merger(h * m2)
+    deep = len(c.deepstack_visual_indexes)
+    return dict(
+        total=patch + c.num_position_embeddings * h + c.depth * block + main_total + deep * deep_total,
+        linear=c.depth * block_linear + main_linear + deep * deep_linear,  # weights and biases
+        linear_bias=c.depth * (3 * h + h + i + h) + (h * m2 + c.out_hidden_size) * (1 + deep),
+    )
+
+
+def test_tiny_and_real_shapes_match_hand_counts():
+    configs = {"tiny": load_config("tiny:qwen3"), "qwen3-8b": qwen3_8b(), "llama-70b": llama_70b()}
+    for name, config in configs.items():
+        expected = text_counts(config)
+        p = nbkit.plan(config, **T4, lora_rank=16)
+        assert p.parameters == expected["total"], name
+        assert p.lora_parameters == 16 * expected["lora"], name
+        assert p.breakdown["weights"] == pytest.approx(2 * expected["total"] / GIB, rel=1e-12), name
+        q4 = nbkit.plan(config, **T4, load_in_4bit=True)
+        nf4 = (expected["total"] - expected["linear"]) * 2 + expected["linear"] * planner.NF4_BYTES_PER_WEIGHT
+        assert q4.breakdown["weights"] == pytest.approx(nf4 / GIB, rel=1e-12), name
+    assert nbkit.plan(llama_70b(), **T4).parameters == 70_553_706_496  # Llama-3-70B's published count
+
+
+def test_qwen3_vl_2b_counts_include_the_vision_tower_but_lora_only_the_language_model():
+    config = qwen3_vl_2b()
+    text, vision = text_counts(config.text_config), vision_counts(config.vision_config)
+    p = nbkit.plan(config, **T4, lora_rank=16)
+    assert p.parameters == text["total"] + vision["total"] == 2_127_532_032
+    assert p.lora_parameters == 16 * text["lora"] == 17_432_576
+    assert p.lora_modules == planner.LORA_TARGET_MODULES
+    # 4-bit: every nn.Linear weight but the lm_head (tied to the embedding here), biases stay 16-bit
+    linear = text["linear"] + vision["linear"] - vision["linear_bias"]
+    nf4 = (p.parameters - linear) * 2 + linear * planner.NF4_BYTES_PER_WEIGHT
+    assert nbkit.plan(config, **T4, load_in_4bit=True).breakdown["weights"] == pytest.approx(nf4 / GIB, rel=1e-12)
+
+
+def test_nbkit_names_are_planned_from_their_config():
+    assert nbkit.plan("random:qwen3-vl-2b", **T4).parameters == 2_127_532_032
+
+
+def test_layer_activation_formula_matches_what_autograd_saves():
+    """The per-token bytes the planner assumes equal the bytes autograd really keeps for a decoder
+    layer with peft LoRA under bf16 autocast (measured on CPU with saved_tensors_hooks)."""
+    from peft import LoraConfig, get_peft_model
+
+    config = Qwen3Config(vocab_size=256, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+    config._attn_implementation = "sdpa"
+    model = get_peft_model(
+        Qwen3ForCausalLM(config).to(torch.bfloat16), LoraConfig(r=8, target_modules=list(planner.LORA_TARGET_MODULES))
+    )
+    # The second layer: the first one's input (the embedding) needs no gradient, so its norm saves less.
+    layer = model.base_model.model.model.layers[1]
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+    def saved_bytes(tokens: int) -> int:
+        seen: dict[int, tuple[bool, int]] = {}  # storage -> (first saved inside the layer, bytes)
+        inside = [False]
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in params:
+                seen.setdefault(storage.data_ptr(), (inside[0], storage.nbytes()))
+            return t
+
+        hooks = [layer.register_forward_pre_hook(lambda *_: inside.__setitem__(0, True)),
+                 layer.register_forward_hook(lambda *_: inside.__setitem__(0, False))]
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", torch.bfloat16):
+            model(input_ids=torch.randint(0, 256, (1, tokens)), use_cache=False)
+        for hook in hooks:
+            hook.remove()
+        return sum(nbytes for in_layer, nbytes in seen.values() if in_layer)
+
+    # The difference cancels what does not grow with the sequence (16-bit copies of the LoRA weights);
+    # the formula leaves out per-head fp32 statistics (1% at these toy sizes, <0.2% at real ones).
+    per_token = (saved_bytes(384) - saved_bytes(128)) / 256
+    expected = planner._layer_saved_per_token(planner._Shape.of(config), qk_norm=True, tiled_mlp=False, lora_rank=8)
+    assert per_token == pytest.approx(expected, rel=0.015)
+
+
+def test_qwen3_vl_2b_on_two_t4s_is_ddp_and_memory_grows_with_tokens():
+    p = nbkit.plan("random:qwen3-vl-2b", **T4)
+    assert p.strategy == "ddp"
+    assert p.gpus == 2 and p.gpu_memory_gib == 15 and p.usable_gib < 15
+    assert p.per_gpu_gib == pytest.approx(sum(p.breakdown.values()))
+    assert p.peak_allocated_gib == pytest.approx(p.per_gpu_gib - p.breakdown["overhead"])
+    assert 4.0 < p.per_gpu_gib < p.usable_gib
+    long = nbkit.plan("random:qwen3-vl-2b", **T4, seq_len=16384)
+    assert long.breakdown["activations"] > 4 * p.breakdown["activations"]
+    assert long.breakdown["weights"] == p.breakdown["weights"]
+    modes = {mode: nbkit.plan(qwen3_vl_2b(), **T4, seq_len=8192, checkpointing=mode).breakdown["activations"]
+             for mode in ("offload", "recompute", None)}
+    assert modes["offload"] < modes["recompute"] < modes[None]
+    assert nbkit.plan(qwen3_vl_2b(), **T4, seq_len=8192, batch_size=2).per_gpu_gib > long.per_gpu_gib / 2
+
+
+def test_too_large_models_are_split_or_refused_and_the_explanation_says_what_to_change():
+    eight_b = nbkit.plan(qwen3_8b(), **T4)
+    assert eight_b.strategy == "model_parallel"
+    assert eight_b.per_gpu_gib > eight_b.usable_gib >= eight_b.model_parallel_gib
+    text = str(eight_b)
+    assert "model_parallel" in text and "device_map='balanced'" in text and "not nbkit.launch" in text
+    assert f"{eight_b.per_gpu_gib:.1f} GiB" in text and f"{eight_b.model_parallel_gib:.1f} GiB" in text
+    four_bit = nbkit.plan(qwen3_8b(), **T4, load_in_4bit=True)
+    assert four_bit.strategy == "ddp"
+    assert f"load_in_4bit=True: about {four_bit.per_gpu_gib:.1f} GiB per GPU (fits)" in text
+
+    seventy_b = nbkit.plan(llama_70b(), **T4)
+    assert seventy_b.strategy == "does_not_fit"
+    text = str(seventy_b)
+    assert "does_not_fit" in text and "GPUs of this size" in text and "load_in_4bit=True" in text
+    assert str(four_bit).count("Strategy: ddp") == 1 and "nbkit.launch" in str(four_bit)
+
+
+def test_long_sequences_suggest_a_length_that_fits():
+    p = nbkit.plan(qwen3_vl_2b(), gpus=2, gpu_memory_gib=6, seq_len=65536, load_in_4bit=True)
+    assert p.strategy != "ddp"
+    line = next(line for line in str(p).splitlines() if "sequences of at most" in line)
+    fits = int(line.split("at most ")[1].split()[0])
+    assert nbkit.plan(qwen3_vl_2b(), gpus=2, gpu_memory_gib=6, seq_len=fits, load_in_4bit=True).strategy == "ddp"
+    assert nbkit.plan(qwen3_vl_2b(), gpus=2, gpu_memory_gib=6, seq_len=2 * fits, load_in_4bit=True).strategy != "ddp"
+
+
+def test_arguments_are_checked_and_a_cpu_machine_must_say_which_gpus():
+    with pytest.raises(ValueError, match="gpu_memory_gib"):
+        nbkit.plan(qwen3_8b())  # no GPU here: nothing to default to
+    with pytest.raises(ValueError, match="checkpointing"):
+        nbkit.plan(qwen3_8b(), **T4, checkpointing="full")
+    with pytest.raises(ValueError, match="seq_len"):
+        nbkit.plan(qwen3_8b(), **T4, seq_len=0)
+    with pytest.raises(ValueError, match="gpus"):
+        nbkit.plan(qwen3_8b(), gpus=0, gpu_memory_gib=15)
