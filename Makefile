@@ -1,0 +1,34 @@
+# Everything a fresh machine needs, in two commands:
+#   make demo   set up, then run the flagship notebook end to end (offline tiny model without a GPU)
+#   make test   set up, then run the test suite (what CI runs)
+# Set-up makes .venv/ and installs torch first (the CPU build where there is no GPU, so pip never
+# pulls gigabytes of CUDA wheels), then nbkit with its test extras at the versions CI pins.
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+# CI on hosted runners points this at the PyTorch CPU index; locally the default index is fine.
+TORCH_INDEX ?=
+DEMO_OUT ?= notebooks/outputs
+
+.PHONY: setup test demo clean
+
+$(VENV)/.installed: pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "torch==2.13.0" $(TORCH_INDEX)
+	$(PY) -m pip install -q -c constraints.txt -e ".[test]"
+	$(PY) -m ipykernel install --user --name python3 >/dev/null
+	touch $@
+
+setup: $(VENV)/.installed
+
+test: setup
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q
+
+demo: setup
+	mkdir -p $(DEMO_OUT)
+	HF_HUB_OFFLINE=1 $(PY) notebooks/run.py qwen3_vl_2xT4 --out $(DEMO_OUT)
+
+clean:
+	rm -rf $(VENV) $(DEMO_OUT)
