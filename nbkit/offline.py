@@ -5,7 +5,7 @@
     processor = nbkit.offline.load_processor(path)    # works with or without torchvision
 
 Names (see MODELS):
-- `tiny:qwen3`, `tiny:qwen3-vl`: the real transformers classes at a few MB, random weights; they
+- `tiny:qwen3`, `tiny:qwen3-vl`: the real transformers classes under 1 MB, random weights; they
   train on CPU in seconds (tests, CI, notebooks on laptops).
 - `random:qwen3-1.7b`, `random:qwen3-vl-2b`, `random:qwen3-vl-4b`: the published shapes of
   Qwen/Qwen3-1.7B, Qwen/Qwen3-VL-2B-Instruct and Qwen/Qwen3-VL-4B-Instruct with random bf16 weights
@@ -25,6 +25,7 @@ changes, so stale caches are never reused.
 
 from __future__ import annotations
 
+import copy
 import fcntl
 import importlib
 import itertools
@@ -72,7 +73,8 @@ CHAT_TEMPLATE = (
     "{%- if content is string -%}{{ content }}"
     "{%- elif content is not none -%}"
     "{%- for part in content -%}"
-    "{%- if part.type == 'image' or part.type == 'image_url' -%}{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{%- if part.type == 'image' or part.type == 'image_url' -%}"
+    "{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
     "{%- elif part.type == 'video' -%}{{ '<|vision_start|><|video_pad|><|vision_end|>' }}"
     "{%- elif part.type == 'text' -%}{{ part.text }}"
     "{%- endif -%}"
@@ -136,8 +138,10 @@ _TINY_TEXT = dict(
     tie_word_embeddings=True,
 )
 
-# Published text shapes. Qwen3-1.7B: config.json of Qwen/Qwen3-1.7B. Qwen3-VL: text_config of
-# Qwen/Qwen3-VL-{2B,4B}-Instruct (rope_theta 5e6, interleaved M-RoPE sections 24/20/20).
+# Published shapes, from copies of the repositories' config.json: Qwen/Qwen3-1.7B; the text_config
+# and vision_config of Qwen/Qwen3-VL-4B-Instruct (verbatim copies) and Qwen/Qwen3-VL-2B-Instruct
+# (assembled from several partial copies: 2048 hidden, 6144 intermediate, 28 layers, 16/8 heads,
+# rope_theta 5e6, vision out 2048). All tie their embeddings.
 _QWEN3_1_7B_TEXT = dict(
     vocab_size=151936,
     hidden_size=2048,
@@ -151,7 +155,7 @@ _QWEN3_1_7B_TEXT = dict(
     tie_word_embeddings=True,
     rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
 )
-_VL_ROPE = {"rope_type": "default", "rope_theta": 5000000.0, "mrope_section": [24, 20, 20], "mrope_interleaved": True}
+_VL_ROPE = dict(rope_type="default", rope_theta=5000000.0, mrope_section=[24, 20, 20], mrope_interleaved=True)
 _QWEN3_VL_2B_TEXT = dict(
     vocab_size=151936,
     hidden_size=2048,
@@ -186,14 +190,14 @@ _QWEN3_VL_IMAGES = dict(patch_size=16, min_pixels=65536, max_pixels=16777216)
 
 _SPECS: dict[str, _Spec] = {
     "tiny:qwen3": _Spec(
-        "Qwen3ForCausalLM, hidden 64, 2 layers, random fp32 weights (~0.2 MB); trains on CPU in seconds",
+        "Qwen3ForCausalLM, hidden 64, 2 layers, 140K random fp32 weights (0.6 MB); trains on CPU in seconds",
         vision=None,
         text=dict(_TINY_TEXT, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
         dtype="float32",
     ),
     "tiny:qwen3-vl": _Spec(
-        "Qwen3VLForConditionalGeneration, hidden 64, 2 text + 2 vision layers, 8px patches, random fp32 "
-        "weights; trains on CPU in seconds (a 64x64 image is 16 tokens)",
+        "Qwen3VLForConditionalGeneration, hidden 64, 2 text + 2 vision layers, 8px patches, 250K random "
+        "fp32 weights (1 MB); trains on CPU in seconds (a 64x64 image is 16 tokens)",
         vision=dict(
             depth=2,
             hidden_size=32,
@@ -208,26 +212,27 @@ _SPECS: dict[str, _Spec] = {
         ),
         text=dict(
             _TINY_TEXT,
-            rope_parameters={"rope_type": "default", "rope_theta": 5000000.0, "mrope_section": [4, 2, 2], "mrope_interleaved": True},
+            # M-RoPE sections (temporal, height, width) must add up to head_dim / 2 = 8.
+            rope_parameters=dict(_VL_ROPE, mrope_section=[4, 2, 2]),
         ),
         dtype="float32",
         image_processor=dict(patch_size=8, min_pixels=32 * 32, max_pixels=448 * 448),
     ),
     "random:qwen3-1.7b": _Spec(
-        "Qwen/Qwen3-1.7B shapes (1.7B parameters), random bf16 weights (3.4 GB on disk)",
+        "Qwen/Qwen3-1.7B shapes (1.72B parameters), random bf16 weights (3.4 GB on disk)",
         vision=None,
         text=_QWEN3_1_7B_TEXT,
         dtype="bfloat16",
     ),
     "random:qwen3-vl-2b": _Spec(
-        "Qwen/Qwen3-VL-2B-Instruct shapes (2.1B parameters), random bf16 weights (4.3 GB on disk)",
+        "Qwen/Qwen3-VL-2B-Instruct shapes (2.13B parameters), random bf16 weights (4.3 GB on disk)",
         vision=dict(_QWEN3_VL_VISION, out_hidden_size=2048),
         text=_QWEN3_VL_2B_TEXT,
         dtype="bfloat16",
         image_processor=_QWEN3_VL_IMAGES,
     ),
     "random:qwen3-vl-4b": _Spec(
-        "Qwen/Qwen3-VL-4B-Instruct shapes (4.4B parameters), random bf16 weights (8.9 GB on disk)",
+        "Qwen/Qwen3-VL-4B-Instruct shapes (4.44B parameters), random bf16 weights (8.9 GB on disk)",
         vision=dict(_QWEN3_VL_VISION, out_hidden_size=2560),
         text=_QWEN3_VL_4B_TEXT,
         dtype="bfloat16",
@@ -272,27 +277,29 @@ def load_config(name: str) -> PretrainedConfig:
 
 
 def _config(spec: _Spec) -> PretrainedConfig:
+    # Config classes may normalise nested dicts (rope parameters) in place: keep the specs pristine.
+    text, vision = copy.deepcopy(spec.text), copy.deepcopy(spec.vision)
     ids = dict(
         bos_token_id=TOKEN_IDS["<|endoftext|>"],
         eos_token_id=TOKEN_IDS["<|im_end|>"],
         pad_token_id=TOKEN_IDS["<|endoftext|>"],
     )
-    if spec.vision is None:
+    if vision is None:
         from transformers import Qwen3Config
 
-        config = Qwen3Config(**spec.text, **ids, dtype=spec.dtype)
+        config = Qwen3Config(**text, **ids, dtype=spec.dtype)
         config.architectures = ["Qwen3ForCausalLM"]
         return config
     from transformers import Qwen3VLConfig
 
     config = Qwen3VLConfig(
-        text_config=dict(spec.text, **ids, dtype=spec.dtype),
-        vision_config=dict(spec.vision, out_hidden_size=spec.vision.get("out_hidden_size", spec.text["hidden_size"])),
+        text_config=dict(text, **ids, dtype=spec.dtype),
+        vision_config=dict({"out_hidden_size": text["hidden_size"]}, **vision),
         image_token_id=TOKEN_IDS["<|image_pad|>"],
         video_token_id=TOKEN_IDS["<|video_pad|>"],
         vision_start_token_id=TOKEN_IDS["<|vision_start|>"],
         vision_end_token_id=TOKEN_IDS["<|vision_end|>"],
-        tie_word_embeddings=spec.text["tie_word_embeddings"],
+        tie_word_embeddings=text["tie_word_embeddings"],
         dtype=spec.dtype,
         **ids,
     )
@@ -399,7 +406,10 @@ def _tokenizer(model_max_length: int) -> PreTrainedTokenizerBase:
 
     base = Qwen2Tokenizer()
     tokenizer = base.train_new_from_iterator(
-        _tokenizer_corpus(), vocab_size=TOKENIZER_VOCAB, new_special_tokens=list(SPECIAL_TOKENS), show_progress=False
+        _tokenizer_corpus(),
+        vocab_size=TOKENIZER_VOCAB,
+        new_special_tokens=list(SPECIAL_TOKENS),
+        show_progress=False,
     )
     if tokenizer.convert_tokens_to_ids(list(SPECIAL_TOKENS)) != list(range(len(SPECIAL_TOKENS))):
         raise RuntimeError("nbkit's tokenizer training did not give the special tokens their fixed ids")
@@ -464,7 +474,9 @@ def _write_weights(config: PretrainedConfig, spec: _Spec, out: Path) -> None:
     total = 0
     with ThreadPoolExecutor(max(1, min(32, os.cpu_count() or 1))) as pool:
         for number, shard in enumerate(shards, start=1):
-            filename = "model.safetensors" if len(shards) == 1 else f"model-{number:05d}-of-{len(shards):05d}.safetensors"
+            filename = "model.safetensors"
+            if len(shards) > 1:
+                filename = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
             tensors, jobs = {}, []
             for name, shape, fill in shard:
                 tensor = tensors[name] = torch.empty(shape, dtype=dtype)
@@ -553,7 +565,8 @@ def load_processor(name_or_path: str, **kwargs: Any) -> ProcessorMixin | PreTrai
 
     path = resolve_model(name_or_path)
     processor_class = _processor_class(path)
-    if is_torchvision_available() or processor_class is None or "video_processor" not in processor_class.get_attributes():
+    needs_video_processor = processor_class is not None and "video_processor" in processor_class.get_attributes()
+    if is_torchvision_available() or not needs_video_processor:
         return AutoProcessor.from_pretrained(path, **kwargs)
     return _image_only_processor(processor_class, path, **kwargs)
 

@@ -24,14 +24,17 @@ def test_other_names_pass_through_and_typos_are_errors(tmp_path: Path) -> None:
         resolve_model("tiny:qwen", cache_dir=tmp_path)
     with pytest.raises(ValueError, match="random:qwen3-vl-4b"):
         load_config("random:qwen3-vl-8b")
-    assert set(MODELS) == {"tiny:qwen3", "tiny:qwen3-vl", "random:qwen3-1.7b", "random:qwen3-vl-2b", "random:qwen3-vl-4b"}
+    assert set(MODELS) == {
+        "tiny:qwen3", "tiny:qwen3-vl", "random:qwen3-1.7b", "random:qwen3-vl-2b", "random:qwen3-vl-4b"
+    }
 
 
 def test_tiny_text_model_loads_and_learns(tiny_text_path: str) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     config = AutoConfig.from_pretrained(tiny_text_path)
-    assert (config.model_type, config.hidden_size, config.num_hidden_layers, config.head_dim) == ("qwen3", 64, 2, 16)
+    shape = (config.model_type, config.hidden_size, config.num_hidden_layers, config.head_dim)
+    assert shape == ("qwen3", 64, 2, 16)
     tokenizer = AutoTokenizer.from_pretrained(tiny_text_path)
     assert len(tokenizer) <= config.vocab_size
     assert tokenizer.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>", "<|endoftext|>"]) == [1, 2, 0]
@@ -78,9 +81,10 @@ def test_chat_template_renders_turns_images_and_generation_prompt(tiny_text_path
         "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>What is written?<|im_end|>\n"
         "<|im_start|>assistant\ncat<|im_end|>\n"
     )
-    assert tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True) == (
-        "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True
     )
+    assert prompt == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
     # Assistant turns are marked for TRL's assistant_only_loss: the answer and its <|im_end|>.
     out = tokenizer.apply_chat_template(
         [{"role": "user", "content": "Reverse 'dog'."}, {"role": "assistant", "content": "god"}],
@@ -113,7 +117,11 @@ def test_tiny_vl_model_trains_on_processed_images(tiny_vl_path: str) -> None:
     loss.backward()
     assert loss.item() == pytest.approx(math.log(model.config.text_config.vocab_size), rel=0.05)
     vision = model.model.visual
-    for param in (vision.patch_embed.proj.weight, vision.blocks[0].attn.qkv.weight, vision.deepstack_merger_list[1].linear_fc2.weight):
+    for param in (
+        vision.patch_embed.proj.weight,
+        vision.blocks[0].attn.qkv.weight,
+        vision.deepstack_merger_list[1].linear_fc2.weight,
+    ):
         assert param.grad is not None and param.grad.abs().sum() > 0
 
 
@@ -222,14 +230,17 @@ def test_a_killed_build_leaves_no_checkpoint_behind(tmp_path: Path) -> None:
     assert not [p for p in tmp_path.iterdir() if ".build-" in p.name]
 
 
-def test_sharded_weights_load_like_a_single_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tiny_text_path: str) -> None:
+def test_sharded_weights_load_like_a_single_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tiny_text_path: str
+) -> None:
     # The random: models are written in shards; exercise that path at tiny size.
     import json
     from dataclasses import replace
 
     from transformers import AutoModelForCausalLM
 
-    monkeypatch.setitem(offline._SPECS, "tiny:qwen3", replace(offline._SPECS["tiny:qwen3"], max_shard_bytes=150_000))
+    small_shards = replace(offline._SPECS["tiny:qwen3"], max_shard_bytes=150_000)
+    monkeypatch.setitem(offline._SPECS, "tiny:qwen3", small_shards)
     path = Path(resolve_model("tiny:qwen3", cache_dir=tmp_path))
     index = json.loads((path / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 2
@@ -242,18 +253,27 @@ def test_sharded_weights_load_like_a_single_file(tmp_path: Path, monkeypatch: py
 
 
 # Published shapes (config.json of the Qwen repositories) and parameter counts.
+_HEADS = dict(num_key_value_heads=8, head_dim=128)
 _PUBLISHED = {
-    "random:qwen3-1.7b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
-                              num_key_value_heads=8, head_dim=128, params=(1.6e9, 1.8e9)),
-    "random:qwen3-vl-2b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
-                               num_key_value_heads=8, head_dim=128, params=(2.0e9, 2.3e9)),
-    "random:qwen3-vl-4b": dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
-                               num_key_value_heads=8, head_dim=128, params=(4.2e9, 4.6e9)),
+    "random:qwen3-1.7b": dict(
+        hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16, **_HEADS,
+        params=(1.6e9, 1.8e9),
+    ),
+    "random:qwen3-vl-2b": dict(
+        hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16, **_HEADS,
+        params=(2.0e9, 2.3e9),
+    ),
+    "random:qwen3-vl-4b": dict(
+        hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32, **_HEADS,
+        params=(4.2e9, 4.6e9),
+    ),
 }
 
 
 @pytest.mark.parametrize("name", sorted(_PUBLISHED))
-def test_random_configs_have_the_published_shapes(name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_random_configs_have_the_published_shapes(
+    name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import transformers
 
     monkeypatch.setenv("NBKIT_CACHE", str(tmp_path))
@@ -313,9 +333,13 @@ def test_gpu_random_vl_model_builds_fast_and_trains() -> None:
 def test_gpu_unsloth_loads_the_tiny_models(tiny_text_path: str, tiny_vl_path: str) -> None:
     unsloth = pytest.importorskip("unsloth")
 
-    model, tokenizer = unsloth.FastLanguageModel.from_pretrained(tiny_text_path, load_in_4bit=False, max_seq_length=256)
+    model, tokenizer = unsloth.FastLanguageModel.from_pretrained(
+        tiny_text_path, load_in_4bit=False, max_seq_length=256
+    )
     model = unsloth.FastLanguageModel.get_peft_model(model, r=8, target_modules=["q_proj", "v_proj"])
-    batch = tokenizer.apply_chat_template([text_dataset(1)[0]["messages"]], tokenize=True, return_dict=True, return_tensors="pt").to("cuda")
+    batch = tokenizer.apply_chat_template(
+        [text_dataset(1)[0]["messages"]], tokenize=True, return_dict=True, return_tensors="pt"
+    ).to("cuda")
     model(**batch, labels=batch["input_ids"]).loss.backward()
 
     model, processor = unsloth.FastVisionModel.from_pretrained(tiny_vl_path, load_in_4bit=False)
