@@ -3,17 +3,12 @@ gradient, alone and inside real tiny models (bare, peft-wrapped, VLM), and never
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-import nbkit  # noqa: E402
-from nbkit.savers import loss as chunked  # noqa: E402
+from nbkit.savers import loss as chunked
 
 transformers = pytest.importorskip("transformers")
 from transformers.loss.loss_utils import ForCausalLMLoss  # noqa: E402
@@ -161,8 +156,8 @@ def test_errors_name_the_shapes():
 
 
 @pytest.fixture(scope="module")
-def qwen3():
-    path = nbkit.resolve_model("tiny:qwen3")
+def qwen3(tiny_text_path):
+    path = tiny_text_path  # nbkit.resolve_model("tiny:qwen3"), built once per session
     torch.manual_seed(0)
     return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
 
@@ -248,8 +243,8 @@ def test_peft_model(qwen3):
         model.unload()
 
 
-def test_qwen3_vl_with_an_image():
-    path = nbkit.resolve_model("tiny:qwen3-vl")
+def test_qwen3_vl_with_an_image(tiny_vl_path):
+    path = tiny_vl_path
     torch.manual_seed(0)
     model = transformers.AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32)
     config, vision = model.config, model.config.vision_config
@@ -309,7 +304,7 @@ def test_model_with_unknown_logit_transform_is_refused():
         chunked.remove(model)
 
 
-def test_model_without_lm_head_is_refused():
-    model = transformers.AutoModel.from_config(transformers.AutoConfig.from_pretrained(nbkit.resolve_model("tiny:qwen3")))
+def test_model_without_lm_head_is_refused(tiny_text_path):
+    model = transformers.AutoModel.from_config(transformers.AutoConfig.from_pretrained(tiny_text_path))
     with pytest.raises(ValueError, match="Qwen3Model has none.*chunked_loss=False"):
         chunked.apply(model)
