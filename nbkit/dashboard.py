@@ -33,7 +33,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
-__all__ = ["Dashboard", "Snapshot", "display_mode", "widget_frontend", "latest", "relay_to"]
+__all__ = ["Dashboard", "Snapshot", "OutputCell", "display_mode", "widget_frontend", "latest", "relay_to", "relay"]
 
 _MODES = ("auto", "widget", "text", "off")
 _WIDGET_REFRESH_S = 0.5
@@ -45,6 +45,7 @@ _HEADLESS_RUNNERS = ("papermill", "nbclient", "nbconvert", "jupyter-execute", "n
 
 _latest: "Dashboard | None" = None
 _relay: Any = None
+_relay_lock = threading.Lock()
 
 
 def latest() -> "Dashboard | None":
@@ -58,6 +59,12 @@ def relay_to(connection: Any) -> None:
     nbkit.spawning's launcher process, whose dashboard lives in the notebook."""
     global _relay
     _relay = connection
+
+
+def relay(message: tuple) -> None:
+    """Send one message over the connection given to relay_to() (thread-safe)."""
+    with _relay_lock:
+        _relay.send(message)
 
 
 # --------------------------------------------------------------------------------------------
@@ -124,11 +131,12 @@ def _shell() -> Any:
     return ipython.get_ipython() if ipython is not None else None
 
 
-class _Cell:
-    """The notebook cell that was running when a dashboard was created.
+class OutputCell:
+    """The notebook cell running when this object is created; `with cell.active():` makes output
+    from another thread (display, print, widget updates) go to that cell.
 
-    Output sent from the launcher's channel thread must be attributed to that cell: ipykernel 7
-    keeps the "parent" message per thread (a context variable), and a new thread has none.
+    Needed because ipykernel 7 keeps the "parent" message per thread (a context variable) and a
+    new thread has none. Outside a kernel, and in the main thread, `active()` does nothing.
     """
 
     def __init__(self) -> None:
@@ -205,11 +213,13 @@ class Dashboard:
         self._pace: tuple[float, int] | None = None  # (time, step) of the first step event
         # rank -> the first and the latest (tokens_seen, elapsed) it reported
         self._token_span: dict[int, tuple[tuple[float, float], tuple[float, float]]] = {}
-        self._cell = _Cell()
+        self._cell = OutputCell()
         self._stream = sys.stdout  # launch() silences sys.stdout while the ranks run
         self._view: _Panel | None = None
         self._last_line = float("-inf")
         _latest = self
+        if self.mode == "relay":
+            relay(("dashboard", nprocs))
 
     # -- receiving ---------------------------------------------------------------------------
     def event(self, rank: int, metrics: dict[str, Any]) -> None:
@@ -236,7 +246,7 @@ class Dashboard:
                 old = self._peaks.get(rank, (0.0, ""))[0]
                 self._peaks[rank] = (max(old, float(memory)), str(metrics.get("memory_device", "")))
         if self.mode == "relay":
-            _relay.send(("event", rank, metrics))
+            relay(("event", rank, metrics))
         elif self.mode == "text":
             if now - self._last_line >= self.interval:
                 self._last_line = now

@@ -1,0 +1,210 @@
+"""IPython magics: `%load_ext nbkit` adds %%ddp and %nbkit. Thin layers over the Python API.
+
+%%ddp [--gpus N] [--out NAME] [--timeout S] [--all-ranks] [--env KEY=VALUE ...] [--spawn]
+    Runs the cell body on N processes (nbkit.launch) and shows rank 0's value of the last
+    expression; --out NAME also stores it in the notebook. Ranks other than 0 are silent unless
+    --all-ranks. A failure shows one rank-labelled traceback and raises nbkit.LaunchError (the
+    cell fails for papermill/nbclient; the kernel stays usable and the cell can run again at once).
+
+    Two modes, and %%ddp says which ran when it is not the usual one:
+    - fork (default): the processes are forked from the notebook, so every name of earlier cells is
+      visible as is. Fast to start.
+    - spawn: when this notebook process can no longer fork working training processes (CUDA is
+      initialised here, bitsandbytes is imported, or an accelerate state exists) -- or with
+      --spawn -- fresh processes run the cell's source instead, bringing along the modules,
+      notebook functions/classes and picklable values the cell uses (nbkit.spawning). It prints
+      one line naming the reason and what it brought along; a name that cannot be brought along
+      raises an error naming it.
+
+%nbkit doctor                       nbkit.doctor(): GPUs, CUDA state, versions, problems and fixes
+%nbkit plan MODEL [--seq-len N] [--batch-size N] [--4bit] [--gpus N] [--gpu-memory GIB] [--lora-rank R]
+                                    nbkit.plan(...), printed
+%nbkit export NOTEBOOK CELL_OR_TAG -o train.py
+                                    nbkit.export.export_script(): the %%ddp cell and what it needs
+                                    as a script for torchrun / accelerate launch
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shlex
+from typing import Any
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
+from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+
+__all__ = ["register", "unregister", "ddp_options", "NbkitMagics"]
+
+_NBKIT_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def register(ipython: Any) -> None:
+    """Add %%ddp and %nbkit to `ipython` (what `%load_ext nbkit` does). Idempotent."""
+    ipython.register_magics(NbkitMagics)
+
+
+def unregister(ipython: Any) -> None:
+    """Remove %%ddp and %nbkit from `ipython` (what `%unload_ext nbkit` does)."""
+    manager = ipython.magics_manager
+    manager.magics["cell"].pop("ddp", None)
+    manager.magics["line"].pop("nbkit", None)
+    manager.registry.pop(NbkitMagics.__name__, None)
+
+
+@magics_class
+class NbkitMagics(Magics):
+    @cell_magic
+    @magic_arguments()
+    @argument("--gpus", type=int, default=None, help="processes to run (default: one per visible GPU)")
+    @argument("--out", default=None, metavar="NAME", help="store rank 0's value in the notebook under NAME")
+    @argument("--timeout", type=float, default=None, metavar="S", help="stop every rank after S seconds")
+    @argument("--all-ranks", action="store_true", help="show the output of every rank, not only rank 0")
+    @argument("--env", nargs="+", action="append", default=[], metavar="KEY=VALUE",
+              help="environment variables for the processes")
+    @argument("--spawn", action="store_true", help="start fresh processes even where forking would work")
+    def ddp(self, line: str, cell: str) -> Any:
+        """Run this cell on every GPU (see nbkit.magics)."""
+        from nbkit import spawning
+        from nbkit.launching import LaunchError, launch
+
+        args = ddp_options(line)
+        env = _parse_env(args.env)
+        if args.out is not None and not args.out.isidentifier():
+            raise UsageError(f"--out needs a Python name to store the value under; {args.out!r} is not one.")
+        source = self.shell.transform_cell(cell)
+        # Registered in linecache, so tracebacks of the ranks show the cell's lines.
+        filename = self.shell.compile.cache(source, self.shell.execution_count)
+        options = dict(gpus=args.gpus, timeout=args.timeout, quiet=not args.all_ranks, env=env)
+        blocker = None if args.spawn else spawning.fork_blocker()
+        try:
+            if args.spawn or blocker is not None:
+                value = spawning.run_source(source, self.shell.user_ns, filename=filename,
+                                            reason=blocker or "asked for with --spawn", **options)
+            else:
+                value = launch(_cell_runner(source, self.shell.user_ns, filename), **options)
+        except (LaunchError, spawning.BringAlongError) as exc:
+            exc._render_traceback_ = _renderer(exc)  # IPython shows this instead of nbkit's frames
+            raise
+        if args.out is not None:
+            self.shell.user_ns[args.out] = value
+        if cell.rstrip().endswith(";"):  # IPython's "no output" convention
+            return None
+        return value
+
+    @line_magic
+    def nbkit(self, line: str) -> None:
+        """%nbkit doctor | plan MODEL ... | export NOTEBOOK CELL_OR_TAG -o OUT (see nbkit.magics)."""
+        words = shlex.split(line)
+        command, rest = (words[0], words[1:]) if words else ("", [])
+        handlers = {"doctor": self._doctor, "plan": self._plan, "export": self._export}
+        if command not in handlers:
+            raise UsageError("%nbkit takes one of: doctor | plan MODEL [options] | "
+                             "export NOTEBOOK CELL_OR_TAG -o OUT.py  (%nbkit plan -h for options)")
+        try:
+            handlers[command](rest)
+        except _HelpShown:
+            pass
+
+    def _doctor(self, words: list[str]) -> None:
+        from nbkit.doctor import doctor
+
+        _parser("%nbkit doctor").parse_args(words)
+        print(doctor())
+
+    def _plan(self, words: list[str]) -> None:
+        from nbkit.planner import plan
+
+        parser = _parser("%nbkit plan")
+        parser.add_argument("model", help="hub id, local path, or nbkit name (tiny:..., random:...)")
+        parser.add_argument("--seq-len", type=int, dest="seq_len")
+        parser.add_argument("--batch-size", type=int, dest="batch_size")
+        parser.add_argument("--4bit", action="store_true", dest="load_in_4bit")
+        parser.add_argument("--gpus", type=int)
+        parser.add_argument("--gpu-memory", type=float, dest="gpu_memory_gib", metavar="GIB")
+        parser.add_argument("--lora-rank", type=int, dest="lora_rank")
+        args = vars(parser.parse_args(words))
+        model = args.pop("model")
+        # Only what was given: the planner's own defaults apply to the rest.
+        options = {k: v for k, v in args.items() if v not in (None, False)}
+        try:
+            print(plan(model, **options))
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+
+    def _export(self, words: list[str]) -> None:
+        from nbkit.export import export_script
+
+        parser = _parser("%nbkit export")
+        parser.add_argument("notebook", help="the saved .ipynb file")
+        parser.add_argument("cell", help="the cell: a tag, a cell id, or its index (0 = first cell)")
+        parser.add_argument("-o", "--out", required=True, help="the script to write, e.g. train.py")
+        args = parser.parse_args(words)
+        try:
+            path = export_script(args.notebook, args.cell, args.out)
+        except (ValueError, FileNotFoundError) as exc:
+            raise UsageError(str(exc)) from None
+        print(f"nbkit: wrote {path}. Run it with: torchrun --nproc_per_node <GPUs> {path}  "
+              f"(or: accelerate launch {path}; or python {path}, which forks one process per GPU)")
+
+
+def ddp_options(line: str) -> argparse.Namespace:
+    """The options of a %%ddp line (the text after "%%ddp"), parsed exactly as the magic does.
+    Raises UsageError for options it does not know."""
+    return parse_argstring(NbkitMagics.ddp, line)
+
+
+def _cell_runner(source: str, namespace: dict[str, Any], filename: str) -> Any:
+    from nbkit.cells import run_cell
+
+    def run_ddp_cell() -> Any:
+        # In a forked rank `namespace` is the rank's own copy of the notebook's names: the cell
+        # sees them all, and what it assigns stays in the rank.
+        return run_cell(source, namespace, filename)
+
+    return run_ddp_cell
+
+
+def _parse_env(groups: list[list[str]]) -> dict[str, str]:
+    env = {}
+    for item in (i for group in groups for i in group):
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise UsageError(f"--env takes KEY=VALUE pairs; got {item!r}.")
+        env[key] = value
+    return env
+
+
+# A frame of nbkit's own cell plumbing in a rank's traceback: its "File" line and the source and
+# caret lines under it.
+_PLUMBING = re.compile(
+    r'^  File "' + re.escape(_NBKIT_DIR) + r'/(cells|spawning|magics)\.py", line \d+, in \w+\n(    .*\n)*',
+    re.MULTILINE,
+)
+
+
+def _renderer(exc: BaseException) -> Any:
+    text = _PLUMBING.sub("", str(exc))
+    return lambda: [f"\x1b[0;31m{type(exc).__name__}\x1b[0m: {text}"]
+
+
+class _HelpShown(Exception):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse for a magic: errors become UsageError (shown in one line), -h does not exit."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise UsageError(f"{self.prog}: {message}")
+
+    def exit(self, status: int = 0, message: str | None = None) -> None:  # type: ignore[override]
+        if message:
+            print(message)
+        raise _HelpShown
+
+
+def _parser(prog: str) -> argparse.ArgumentParser:
+    return _Parser(prog=prog, add_help=True)
