@@ -215,32 +215,39 @@ def _guarded(loader: _Loader) -> Callable[[Callable[..., Any]], Callable[..., An
 
     def factory(original: Callable[..., Any]) -> Callable[..., Any]:
         signature = inspect.signature(original)
-        var_keyword = next(
-            (p.name for p in signature.parameters.values() if p.kind is inspect.Parameter.VAR_KEYWORD), None
-        )
+        params = signature.parameters
+        var_keyword = next((p.name for p in params.values() if p.kind is inspect.Parameter.VAR_KEYWORD), None)
+
+        def arguments(bound: inspect.BoundArguments) -> dict[str, Any]:
+            values = dict(bound.arguments)
+            values.update(values.pop(var_keyword, None) or {})
+            return values
 
         @functools.wraps(original)
         def from_pretrained(*args: Any, **kwargs: Any) -> Any:
-            if not distributed.is_distributed():
+            if not distributed.is_distributed() or ("device_map" not in params and var_keyword is None):
                 return original(*args, **kwargs)
             try:
                 bound = signature.bind_partial(*args, **kwargs)
             except TypeError:
                 return original(*args, **kwargs)  # the original reports the bad call in its own words
-            if loader.apply_defaults:
-                bound.apply_defaults()
-            values = dict(bound.arguments)
-            values.update(values.pop(var_keyword, None) or {})
-            if _placement_managed_elsewhere(values):
+            passed = arguments(bound)
+            if _placement_managed_elsewhere(passed):
                 return original(*args, **kwargs)
-            asked = values.get("device_map")
-            if loader.apply_defaults and "device_map" not in kwargs and not _passed_positionally(signature, args):
-                asked = None  # unsloth's default ("sequential", marked as unchosen) means "not asked"
-            quantized = loader.quantized(values)
+            # What the load will do includes the loader's defaults (unsloth loads 4-bit unless told
+            # otherwise); only what was passed goes on to it, since unsloth tells the two apart.
+            effective = passed
+            if loader.apply_defaults:
+                with_defaults = signature.bind_partial(*args, **kwargs)
+                with_defaults.apply_defaults()
+                effective = arguments(with_defaults)
+            asked = passed.get("device_map")  # not passed: nothing asked (unsloth's default is "unchosen")
+            quantized = loader.quantized(effective)
             resolved = resolve_device_map(asked, quantized=quantized)
-            if (asked is None or asked in AUTOMATIC_DEVICE_MAPS) and torch.cuda.is_available():
-                _check_fits_one_gpu(values, loader, quantized)
-            if "device_map" in signature.parameters:
+            if resolved is not asked and torch.cuda.is_available():
+                # The guard chose data parallelism: make sure one GPU can hold the model.
+                _check_fits_one_gpu(effective, loader, quantized)
+            if "device_map" in params:
                 bound.arguments["device_map"] = resolved
             else:
                 bound.arguments.setdefault(var_keyword, {})["device_map"] = resolved
@@ -251,11 +258,6 @@ def _guarded(loader: _Loader) -> Callable[[Callable[..., Any]], Callable[..., An
     return factory
 
 
-def _passed_positionally(signature: inspect.Signature, args: tuple[Any, ...]) -> bool:
-    names = list(signature.parameters)
-    return "device_map" in names and names.index("device_map") < len(args)
-
-
 def _check_fits_one_gpu(values: dict[str, Any], loader: _Loader, quantized: bool) -> None:
     """Raise DeviceMapError before any weight loads if one GPU cannot hold this model for training."""
     config = values.get("config")
@@ -264,13 +266,14 @@ def _check_fits_one_gpu(values: dict[str, Any], loader: _Loader, quantized: bool
         return
     from nbkit import planner
 
+    hub = {k: values[k] for k in _HUB_KWARGS if values.get(k) is not None}
+    seq_len = int(values.get("max_seq_length") or FIT_CHECK_SEQ_LEN)
     try:
-        config = planner.load_config(source, **{k: values[k] for k in _HUB_KWARGS if values.get(k) is not None})
-    except Exception:  # noqa: BLE001 - no readable config: the load reports that itself
+        config = planner.load_config(source, **hub)
+        # 8-bit is estimated as 4-bit: a lower bound, so the check never refuses a load that could fit.
+        estimate = planner.plan(config, gpus=1, seq_len=seq_len, load_in_4bit=quantized)
+    except Exception:  # noqa: BLE001 - no config or no estimate: the check cannot judge, the load goes on
         return
-    seq_len = values.get("max_seq_length") or FIT_CHECK_SEQ_LEN
-    # 8-bit is estimated as 4-bit: a lower bound, so the check never refuses a load that could fit.
-    estimate = planner.plan(config, gpus=1, seq_len=int(seq_len), load_in_4bit=quantized)
     message = fit_error(estimate, source)
     if message is not None:
         raise DeviceMapError(message)

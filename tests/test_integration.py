@@ -72,11 +72,22 @@ def test_groups_can_be_left_out_and_a_missing_savers_module_is_skipped():
 
 
 # A stand-in for unsloth.models.loader (unsloth cannot be installed without a GPU): the same class
-# layout (FastVisionModel inherits FastModel's staticmethod) and the same leading parameters.
+# layout (FastVisionModel inherits FastModel's staticmethod), the same leading parameters, and a
+# functools.wraps decorator that, like unsloth's, sees which keywords the caller passed explicitly.
 _FAKE_LOADER = '''
+import functools
+
 DEFAULT_DEVICE_MAP = "sequential"
 
 
+def track_explicit(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        return {"device_map": fn(*args, **kwargs), "explicit": sorted(kwargs)}
+    return wrapper
+
+
+@track_explicit
 def _load(model_name="unsloth/model", max_seq_length=2048, dtype=None, load_in_4bit=True, load_in_8bit=False,
           load_in_16bit=False, full_finetuning=False, token=None, device_map=DEFAULT_DEVICE_MAP, *args, **kwargs):
     return device_map
@@ -114,16 +125,19 @@ def _unsloth_imported_inside(fake_root: str) -> dict[str, Any]:
         "load_in_16bit_auto": lambda: FastModel.from_pretrained("m", load_in_16bit=True, device_map="auto"),
         "unset": lambda: FastLanguageModel.from_pretrained("m"),
         "other_rank": lambda: FastModel.from_pretrained("m", device_map={"": f"cuda:{1 - nbkit.local_rank()}"}),
+        "own_rank": lambda: FastModel.from_pretrained("m", device_map={"": f"cuda:{nbkit.local_rank()}"}),
     }
     for name, call in calls.items():
         try:
             r[name] = call()
+            r[name + "_explicit"] = r[name]["explicit"]
+            r[name] = r[name]["device_map"]
         except nbkit.DeviceMapError as exc:
             r[name] = f"DeviceMapError: {exc}"
     nbkit.uninstall()
     r["restored"] = {cls.__name__: vars(cls).get("from_pretrained") is loader.ORIGINALS[cls.__name__]
                      for cls in (FastLanguageModel, FastModel, FastVisionModel)}
-    r["after_uninstall"] = FastVisionModel.from_pretrained("m", load_in_4bit=False, device_map="balanced")
+    r["after_uninstall"] = FastVisionModel.from_pretrained("m", load_in_4bit=False, device_map="balanced")["device_map"]
     return r
 
 
@@ -141,8 +155,11 @@ def test_unsloth_loaders_are_guarded_once_unsloth_is_imported_in_the_launched_fu
     assert r["vision_wraps_the_original"]  # FastVisionModel is guarded once, not through FastModel's guard
     assert r["default_4bit_balanced"] == {"": "cpu"}  # unsloth loads 4-bit by default: always the rank's device
     assert r["unset"] == {"": "cpu"}
+    # the loader's defaults are read, never passed on as if the caller had chosen them
+    assert r["default_4bit_balanced_explicit"] == r["unset_explicit"] == ["device_map"]
     for name in ("16bit_balanced", "positional_auto", "load_in_16bit_auto"):
         assert r[name].startswith("DeviceMapError: device_map="), name
     assert r["other_rank"].startswith("DeviceMapError: The device_map puts modules of rank 0")
+    assert r["own_rank"] == {"": "cuda:0"}  # an explicit map on the rank's own device is kept
     assert r["restored"] == {"FastLanguageModel": True, "FastModel": True, "FastVisionModel": True}
     assert r["after_uninstall"] == "balanced"
