@@ -201,6 +201,34 @@ def test_processes_resolving_at_once_share_one_checkpoint(tmp_path: Path) -> Non
     assert not info["missing_keys"] and not info["unexpected_keys"]
 
 
+def test_ranks_resolve_one_checkpoint_and_train_it_with_ddp(tmp_path: Path) -> None:
+    import nbkit
+
+    def train(cache: str) -> tuple[list[str], bool, float]:
+        import torch.distributed as dist
+        from transformers import AutoModelForImageTextToText
+
+        path = resolve_model("tiny:qwen3-vl", cache_dir=cache)  # both ranks at once, fresh cache
+        dist.init_process_group("gloo")
+        processor = load_processor(path)
+        model = torch.nn.parallel.DistributedDataParallel(AutoModelForImageTextToText.from_pretrained(path))
+        items = vision_dataset(2, seed=dist.get_rank())  # different data on each rank
+        texts = [processor.apply_chat_template(item["messages"], tokenize=False) for item in items]
+        batch = processor(images=[i["images"] for i in items], text=texts, padding=True, return_tensors="pt")
+        loss = model(**batch, labels=batch["input_ids"]).loss
+        loss.backward()
+        grad = model.module.model.visual.patch_embed.proj.weight.grad
+        grads, paths = [torch.empty_like(grad) for _ in range(2)], [None, None]
+        dist.all_gather(grads, grad)
+        dist.all_gather_object(paths, path)
+        dist.destroy_process_group()
+        return paths, torch.equal(grads[0], grads[1]), loss.item()
+
+    paths, same_gradients, loss = nbkit.launch(train, str(tmp_path), gpus=2, timeout=240, dashboard=False)
+    assert paths[0] == paths[1] and [p.name for p in tmp_path.iterdir() if p.is_dir()] == [Path(paths[0]).name]
+    assert same_gradients and math.isfinite(loss)  # DDP averaged the vision tower's gradients
+
+
 def _build_then_hang(cache: str, ready: mp.Event) -> None:
     torch.set_num_threads(1)
 
