@@ -6,6 +6,8 @@ non-zero). The DDP matrix is in test_savers_ddp.py, the CUDA paths in test_saver
 
 from __future__ import annotations
 
+import copy
+import functools
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -17,6 +19,7 @@ from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
 import nbkit
 from nbkit import savers
+from nbkit.savers import loss
 from nbkit.savers._model import decoder_layers, layer_mlp
 from nbkit.savers.tiled_mlp import shard_count
 
@@ -27,12 +30,16 @@ TOLERANCE = 1e-4
 IMAGE_GRID = (1, 4, 4)
 
 
+@functools.lru_cache(maxsize=None)
+def _pretrained(kind: str) -> torch.nn.Module:
+    auto = AutoModelForImageTextToText if kind == "qwen3-vl" else AutoModelForCausalLM
+    return auto.from_pretrained(nbkit.resolve_model(f"tiny:{kind}"), dtype=torch.float32)
+
+
 def tiny_model(kind: str, *, lora: bool = True, dropout: float = 0.0, targets: list[str] | None = None,
                seed: int = 0) -> torch.nn.Module:
-    """tiny:qwen3 or tiny:qwen3-vl in fp32, with LoRA (random A and B, r=4) unless lora=False."""
-    path = nbkit.resolve_model(f"tiny:{kind}")
-    auto = AutoModelForImageTextToText if kind == "qwen3-vl" else AutoModelForCausalLM
-    model = auto.from_pretrained(path, dtype=torch.float32)
+    """A fresh tiny:qwen3 or tiny:qwen3-vl in fp32, with LoRA (random A and B, r=4) unless lora=False."""
+    model = copy.deepcopy(_pretrained(kind))
     if not lora:
         return model
     torch.manual_seed(seed)
@@ -106,10 +113,11 @@ def count_calls(module: torch.nn.Module, counts: dict[str, int], key: str):
 
 
 SAVER_CASES = {
-    "offload": dict(checkpointing="offload", tiled_mlp=False),
-    "recompute": dict(checkpointing="recompute", tiled_mlp=False),
-    "tiled": dict(checkpointing=None, tiled_mlp=3),
-    "offload+tiled": dict(checkpointing="offload", tiled_mlp=3),
+    "offload": dict(checkpointing="offload", tiled_mlp=False, chunked_loss=False),
+    "recompute": dict(checkpointing="recompute", tiled_mlp=False, chunked_loss=False),
+    "tiled": dict(checkpointing=None, tiled_mlp=3, chunked_loss=False),
+    "chunked_loss": dict(checkpointing=None, tiled_mlp=False, chunked_loss=True),
+    "all": dict(checkpointing="offload", tiled_mlp=3, chunked_loss=True),
 }
 
 
@@ -119,7 +127,7 @@ def test_each_saver_matches_the_plain_lora_model(kind):
     batch = make_batch(model, [24, 17], seed=3)
     reference_loss, reference = loss_and_grads(model, batch)
     for name, options in SAVER_CASES.items():
-        savers.apply(model, chunked_loss=False, **options)
+        savers.apply(model, **options)
         loss, grads = loss_and_grads(model, batch)
         assert relative_error(loss, reference_loss) < TOLERANCE, name
         assert_grads_match(grads, reference)
@@ -133,7 +141,7 @@ def test_full_finetune_of_a_bare_pretrained_model():
     model = tiny_model("qwen3", lora=False)
     batch = make_batch(model, [20, 20], seed=4)
     reference_loss, reference = loss_and_grads(model, batch)
-    assert savers.apply(model, checkpointing="offload", tiled_mlp=2, chunked_loss=False) is model
+    assert savers.apply(model, checkpointing="offload", tiled_mlp=2) is model
     loss, grads = loss_and_grads(model, batch)
     assert relative_error(loss, reference_loss) < TOLERANCE
     assert_grads_match(grads, reference)
@@ -198,7 +206,7 @@ def test_lora_dropout_replays_identically(checkpointing, tiled_mlp):
         layer_mlp(layer).__dict__.pop("forward", None)
     loss_without_dropout, _ = loss_and_grads(model.eval(), batch)
     assert relative_error(loss_without_dropout, reference_loss) > 1e-3  # dropout is really active
-    savers.apply(model.train(), checkpointing=checkpointing, tiled_mlp=tiled_mlp, chunked_loss=False)
+    savers.apply(model.train(), checkpointing=checkpointing, tiled_mlp=tiled_mlp)
     loss, grads = loss_and_grads(model, batch, seed=7)
     assert relative_error(loss, reference_loss) < TOLERANCE
     assert_grads_match(grads, reference)
@@ -209,7 +217,7 @@ def test_inputs_that_do_not_require_grad():
     model = tiny_model("qwen3", targets=["gate_proj", "up_proj", "down_proj"])
     batch = make_batch(model, [20, 14], seed=8)
     reference_loss, reference = loss_and_grads(model, batch)
-    savers.apply(model, checkpointing="offload", tiled_mlp=2, chunked_loss=False)
+    savers.apply(model, checkpointing="offload", tiled_mlp=2)
     loss, grads = loss_and_grads(model, batch)
     assert relative_error(loss, reference_loss) < TOLERANCE
     assert_grads_match(grads, reference)
@@ -222,28 +230,28 @@ def test_apply_is_idempotent_switches_and_removes_cleanly():
     plain_layer, plain_mlp = type(layers[0]), type(layer_mlp(layers[0]))
     assert base.config.use_cache is True
 
-    savers.apply(model, chunked_loss=False)
+    savers.apply(model)
     state = layers[0]._nbkit_checkpointing
     patched = type(layers[0]), type(layer_mlp(layers[0]))
     assert patched[0] is not plain_layer and patched[0].__name__ == plain_layer.__name__
-    assert base.config.use_cache is False
-    savers.apply(model, chunked_loss=False)  # same options: nothing changes
+    assert base.config.use_cache is False and state.offloader is not None and loss.is_applied(model)
+    savers.apply(model)  # same options: nothing changes
     assert layers[0]._nbkit_checkpointing is state
     assert (type(layers[0]), type(layer_mlp(layers[0]))) == patched
 
     savers.apply(model, checkpointing="recompute", tiled_mlp=False, chunked_loss=False)
     assert layers[0]._nbkit_checkpointing.offloader is None
     assert type(layer_mlp(layers[0])) is plain_mlp
-    assert base.config.use_cache is False
+    assert base.config.use_cache is False and not loss.is_applied(model)
 
-    savers.apply(model, checkpointing=None, tiled_mlp=5, chunked_loss=False)
+    savers.apply(model, checkpointing=None, tiled_mlp=5, chunked_loss=True)
     assert type(layers[0]) is plain_layer and not hasattr(layers[0], "_nbkit_checkpointing")
     assert layer_mlp(layers[0])._nbkit_shards == 5
-    assert base.config.use_cache is True
+    assert base.config.use_cache is True and loss.is_applied(model)
 
     assert savers.remove(model) is model
     assert all(type(layer) is plain_layer and type(layer_mlp(layer)) is plain_mlp for layer in layers)
-    assert not hasattr(base, "_nbkit_savers") and base.config.use_cache is True
+    assert not hasattr(base, "_nbkit_savers") and base.config.use_cache is True and not loss.is_applied(model)
     savers.remove(model)  # removing twice is fine
 
 

@@ -79,7 +79,7 @@ def apply(
     if chunked_loss:
         from nbkit.savers import loss
 
-        loss.apply(base)
+        loss.apply(model)  # given as is: it also hooks the peft wrapper (older peft skips the inner hooks)
     base._nbkit_savers = wanted
     return model
 
