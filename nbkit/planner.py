@@ -16,9 +16,11 @@ What the estimate assumes (the setup of benchmarks/planner_accuracy.py, which me
 - nbkit.savers' defaults: per-layer checkpointing ("offload": layer inputs in host memory;
   "recompute": layer inputs on the GPU; None: no checkpointing), the tiled MLP, and the chunked
   loss (no full logits).
-The per-token byte counts below were calibrated on CPU by recording every tensor autograd saves
-(saved_tensors_hooks, unique storages) in a Qwen3-VL-2B-shaped decoder layer with peft LoRA under
-bf16 autocast: 58.6 KiB per token per layer without the tiled MLP, matching the formulas exactly.
+The per-token byte counts below come from recording every tensor autograd saves (saved_tensors_hooks,
+unique storages) on CPU in decoder layers with peft LoRA under bf16 autocast: for Qwen3-VL-2B's
+shapes, 112 KiB per token per layer without the tiled MLP (tests/test_planner.py checks the formula
+against such a measurement). What the backward allocates on top, the loss chunk and the CUDA
+figures are estimates to be checked on a GPU with benchmarks/planner_accuracy.py.
 """
 
 from __future__ import annotations
@@ -380,7 +382,10 @@ def _estimate(counts: _Counts, config: Any, gpus: int, seq_len: int, batch_size:
     """Peak bytes for one GPU; split > 1 spreads the weights and checkpoints over that many GPUs."""
     s = _Shape.of(config)
     tokens = seq_len * batch_size
-    tiled = True  # nbkit.savers' default
+    # nbkit.savers.tiled_mlp: shards of about TILED_MLP_TOKENS_PER_HIDDEN x hidden tokens; one shard
+    # means the plain MLP runs.
+    shards = max(1, min(math.ceil(tokens / (TILED_MLP_TOKENS_PER_HIDDEN * s.hidden)), seq_len))
+    tiled = shards > 1
     saved = _layer_saved_per_token(s, counts.qk_norm, tiled, lora_rank) * tokens
     hidden_state = 2 * s.hidden * tokens
     if checkpointing == "offload":
@@ -392,8 +397,10 @@ def _estimate(counts: _Counts, config: Any, gpus: int, seq_len: int, batch_size:
     else:
         persistent = s.layers * saved
         recompute = 0
-    shard_tokens = min(tokens, TILED_MLP_TOKENS_PER_HIDDEN * s.hidden)
-    mlp_backward = shard_tokens * (_mlp_saved_per_token(s) + _mlp_backward_per_token(s)) + hidden_state
+    if tiled:  # each shard is recomputed, its activations and gradients live only during its backward
+        mlp_backward = math.ceil(tokens / shards) * (_mlp_saved_per_token(s) + _mlp_backward_per_token(s)) + hidden_state
+    else:
+        mlp_backward = _mlp_backward_per_token(s) * tokens
     layer_phase = recompute + max(_layer_backward_per_token(s) * tokens, mlp_backward)
     if load_in_4bit:
         layer_phase += 2 * 2 * counts.largest_linear  # dequantised weight and its transpose/grad path
@@ -459,9 +466,11 @@ def _advice(strategy: str, per_gpu: Any, usable: float, gpus: int, seq_len: int,
     if shorter is not None:
         lines.append(f"  * sequences of at most {shorter} tokens fit with DDP.")
     if strategy == "does_not_fit":
-        more = next((n for n in range(gpus + 1, 17) if per_gpu(split=n) <= usable), None)
-        if more is not None:
-            lines.append(f"  * {more} GPUs of this size, with the model split over them (device_map='balanced').")
+        for four_bit in sorted({load_in_4bit, True}):
+            more = next((n for n in range(gpus + 1, 17) if per_gpu(split=n, load_in_4bit=four_bit) <= usable), None)
+            if more is not None:
+                how = " in 4-bit" if four_bit and not load_in_4bit else ""
+                lines.append(f"  * {more} GPUs of this size{how}, with the model split over them (device_map='balanced').")
     if len(lines) == 1:
         lines.append("  * nothing short of larger GPUs: even one 256-token sequence in 4-bit is too much.")
     return lines

@@ -147,3 +147,19 @@ def test_ddp_load_of_a_model_no_gpu_holds_fails_before_loading(tmp_path):
                 num_attention_heads=64, num_key_value_heads=8).save_pretrained(tmp_path)
     kind, message = nbkit.launch(_load_huge, str(tmp_path), gpus=2)
     assert kind == "DeviceMapError" and "does not fit on one GPU" in message
+
+
+def _load_tiny_auto(tiny_path: str) -> list[str]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_path, device_map="auto")
+    devices = [str(model.device)]
+    torch.distributed.init_process_group("nccl")
+    torch.distributed.all_gather_object(gathered := [None, None], devices[0])
+    torch.distributed.destroy_process_group()
+    return gathered
+
+
+@pytest.mark.gpu
+def test_on_two_gpus_auto_puts_each_rank_on_its_own_gpu(tiny_text_path):
+    assert nbkit.launch(_load_tiny_auto, tiny_text_path, gpus=2) == ["cuda:0", "cuda:1"]
