@@ -153,9 +153,9 @@ def _load_tiny_auto(tiny_path: str) -> list[str]:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_path, device_map="auto")
-    devices = [str(model.device)]
-    torch.distributed.init_process_group("nccl")
-    torch.distributed.all_gather_object(gathered := [None, None], devices[0])
+    gathered: list[str | None] = [None, None]
+    torch.distributed.init_process_group("gloo")
+    torch.distributed.all_gather_object(gathered, str(model.device))
     torch.distributed.destroy_process_group()
     return gathered
 
