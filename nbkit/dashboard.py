@@ -89,11 +89,13 @@ def widget_frontend() -> bool:
     """Whether this process is a Jupyter kernel whose output a widget-capable frontend shows live.
 
     Widgets need a kernel (not plain IPython or a script), ipywidgets, and a frontend that renders
-    them. Kernels run by papermill, nbclient, nbconvert, nbmake or pytest have none: widgets would
-    show as "HBox(...)" text and the log would stay silent. Those are recognised by the programs
-    the kernel runs under (its parent processes), and Kaggle's "Save & Run All" by
-    KAGGLE_KERNEL_RUN_TYPE=Batch. Kernels started by a Jupyter server (JupyterLab, Notebook 7,
-    VS Code, Kaggle and Colab sessions) count as watched.
+    them; papermill, nbclient, nbconvert and nbmake run kernels with none (widgets would show as
+    "VBox(...)" and the log would stay silent). A person is taken to be watching only on positive
+    evidence: Colab; a Kaggle interactive session (KAGGLE_KERNEL_RUN_TYPE=Interactive, not
+    Batch, which is "Save & Run All"); a kernel started by a Jupyter server for a notebook
+    (JPY_SESSION_NAME, set by jupyter_server 2+); or a request that names its cell (JupyterLab,
+    Notebook 7 and VS Code send a cellId with every execution; nbclient sends none). Kernels under
+    known headless runners (seen in the parent processes' command lines) never count.
     """
     shell = _shell()
     if shell is None or not hasattr(shell, "kernel"):
@@ -105,9 +107,19 @@ def widget_frontend() -> bool:
     run_type = os.environ.get("KAGGLE_KERNEL_RUN_TYPE")
     if run_type is not None:
         return run_type.lower() != "batch"
-    if os.environ.get("JPY_SESSION_NAME") or os.environ.get("COLAB_RELEASE_TAG"):
+    if os.environ.get("COLAB_RELEASE_TAG"):
         return True
-    return not any(runner in cmdline for cmdline in _ancestor_cmdlines() for runner in _HEADLESS_RUNNERS)
+    if any(runner in cmdline for cmdline in _ancestor_cmdlines() for runner in _HEADLESS_RUNNERS):
+        return False
+    return bool(os.environ.get("JPY_SESSION_NAME")) or _request_names_cell(shell)
+
+
+def _request_names_cell(shell: Any) -> bool:
+    try:
+        request = shell.kernel.get_parent()
+    except Exception:  # older ipykernel signatures: no evidence
+        return False
+    return isinstance(request, dict) and "cellId" in (request.get("metadata") or {})
 
 
 def _ancestor_cmdlines(depth: int = 4) -> list[str]:

@@ -85,8 +85,14 @@ class NbkitMagics(Magics):
                                             reason=blocker or "asked for with --spawn", **options)
             else:
                 value = launch(_cell_runner(source, self.shell.user_ns, filename), **options)
-        except (LaunchError, spawning.BringAlongError) as exc:
-            exc._render_traceback_ = _renderer(exc)  # IPython shows this instead of nbkit's frames
+        except LaunchError as exc:
+            # The same error, without the frames of nbkit's own plumbing in the ranks' tracebacks.
+            error = LaunchError(_PLUMBING.sub("", str(exc)), failures=exc.failures, errors=exc.errors,
+                                timed_out=exc.timed_out)
+            error._render_traceback_ = _renderer(error)  # IPython shows this instead of a traceback
+            raise error from None
+        except spawning.BringAlongError as exc:
+            exc._render_traceback_ = _renderer(exc)
             raise
         if args.out is not None:
             self.shell.user_ns[args.out] = value
@@ -186,8 +192,9 @@ _PLUMBING = re.compile(
 
 
 def _renderer(exc: BaseException) -> Any:
-    text = _PLUMBING.sub("", str(exc))
-    return lambda: [f"\x1b[0;31m{type(exc).__name__}\x1b[0m: {text}"]
+    """What IPython shows for `exc` (its `_render_traceback_` protocol): the message alone, which
+    already holds the failing rank's traceback; nbkit's frames in the notebook would add nothing."""
+    return lambda: [f"\x1b[0;31m{type(exc).__name__}\x1b[0m: {exc}"]
 
 
 class _HelpShown(Exception):

@@ -102,8 +102,8 @@ def run_source(
     """
     items = bring_along(source, namespace)
     brought = ", ".join(item[1] for item in items) or "nothing"
-    print(f"nbkit: running in fresh processes (spawn mode){': ' + reason if reason else ''}; "
-          f"brought along: {brought}.", flush=True)
+    why = f" Why: {reason.rstrip('.')}." if reason else ""
+    print(f"nbkit: running in fresh processes (spawn mode).{why} Brought along: {brought}.", flush=True)
     job = {
         "source": source, "filename": filename, "items": items, "sys_path": list(sys.path),
         "gpus": gpus, "timeout": timeout, "quiet": quiet, "env": dict(env or {}), "dashboard": dashboard,

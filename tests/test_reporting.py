@@ -1,0 +1,116 @@
+"""nbkit.report and the Trainer callback: what the ranks send, in order, and what the notebook shows.
+
+The distributed tests run real gloo ranks through nbkit.launch (2 CPU processes).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+import torch
+
+import nbkit
+from nbkit import dashboard, patching, reporting
+
+
+@pytest.fixture(autouse=True)
+def text_dashboard(monkeypatch):
+    monkeypatch.setenv("NBKIT_DASHBOARD", "text")
+    monkeypatch.setenv("NBKIT_DASHBOARD_INTERVAL", "0")
+
+
+def test_report_outside_a_launch_feeds_a_local_text_dashboard(capsys):
+    reporting.setup_rank()  # a fresh clock, as at the start of a run
+    try:
+        reporting.report(step=1, loss=torch.tensor(2.5), total_steps=2, tokens=torch.tensor(64))
+        time.sleep(0.01)
+        reporting.report(step=2, loss=1.5, total_steps=2, tokens=64, note=torch.ones(2))
+    finally:
+        reporting._local.close()
+    events = dashboard.latest().events
+    assert [e["step"] for _, e in events] == [1, 2]
+    first, second = events[0][1], events[1][1]
+    assert first["loss"] == 2.5 and isinstance(first["loss"], float)  # tensors become numbers
+    assert second["tokens_seen"] == 128 and second["tokens_per_second"] > 0
+    assert second["note"] == str(torch.ones(2))  # what is not a number travels as text
+    assert first["memory_device"] == "cpu" and first["peak_memory_gib"] > 0
+    out = capsys.readouterr().out
+    assert "nbkit: step 2/2 (100%) | loss 1.5000" in out
+    assert "final loss: 1.5000" in out
+
+
+def test_custom_loop_reports_arrive_in_order_from_every_rank(capsys):
+    def loop():
+        import time
+
+        import nbkit
+
+        for step in range(1, 4):
+            time.sleep(0.01)
+            nbkit.report(step=step, loss=10.0 * (nbkit.rank() + 1) / step, total_steps=3, tokens=32)
+        return "done"
+
+    assert nbkit.launch(loop, gpus=2) == "done"
+    events = dashboard.latest().events
+    for rank in (0, 1):
+        mine = [e for r, e in events if r == rank]
+        assert [e["step"] for e in mine] == [1, 2, 3]
+        assert [e["loss"] for e in mine] == pytest.approx([10.0 * (rank + 1) / s for s in (1, 2, 3)])
+        assert all(e["tokens_per_second"] > 0 for e in mine[1:])
+        assert [e["tokens_seen"] for e in mine] == [32, 64, 96]
+    out = capsys.readouterr().out
+    assert "nbkit: step 3/3 (100%)" in out
+    assert "final loss: 5.0000" in out  # the ranks' step-3 losses averaged: (10/3 + 20/3) / 2
+    assert "peak memory rank 1 (cpu)" in out
+
+
+def test_trainer_in_a_launch_reports_every_step_and_draws_no_bars(capfd):
+    import transformers.trainer  # noqa: F401  (imported once here, shared by the forked ranks)
+
+    def train():
+        import torch
+        from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+
+        from nbkit.offline import load_config
+
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(load_config("tiny:qwen3"))
+        data = [{"input_ids": torch.randint(0, 100, (16,)), "labels": torch.randint(0, 100, (16,))}
+                for _ in range(16)]
+        args = TrainingArguments(output_dir="unused", max_steps=4, per_device_train_batch_size=2, logging_steps=2,
+                                 report_to="none", save_strategy="no", learning_rate=1e-3, use_cpu=True)
+        trainer = Trainer(model=model, args=args, train_dataset=data)
+        callbacks = [type(c).__name__ for c in trainer.callback_handler.callbacks]
+        trainer.train()
+        return callbacks
+
+    from nbkit.offline import load_config
+
+    chance = math.log(load_config("tiny:qwen3").vocab_size)  # the loss of random weights
+    callbacks = nbkit.launch(train, gpus=2)
+    assert "DashboardCallback" in callbacks and "PrinterCallback" in callbacks
+    assert "ProgressCallback" not in callbacks and "NotebookProgressCallback" not in callbacks
+    assert patching.applied("reporting") == []  # the notebook process itself is never patched
+
+    events = dashboard.latest().events
+    for rank in (0, 1):
+        steps = [e for r, e in events if r == rank and "loss" in e]
+        assert [e["step"] for e in steps] == [1, 2, 3, 4]
+        for e in steps:
+            assert e["total_steps"] == 4
+            assert abs(e["loss"] - chance) < 0.5
+            assert e["learning_rate"] >= 0 and e["tokens_seen"] == 2 * 16 * e["step"]
+            assert e["peak_memory_gib"] > 0 and e["elapsed"] > 0
+        assert all(e["tokens_per_second"] > 0 for e in steps)
+        logged = [e for r, e in events if r == rank and "grad_norm" in e]
+        assert [e["step"] for e in logged] == [2, 4] and all(e["grad_norm"] > 0 for e in logged)
+        assert events.index((rank, steps[0])) < events.index((rank, logged[0]))
+
+    out = capfd.readouterr().out
+    # rank 0's log lines appear once (PrinterCallback), no progress bar from any rank
+    assert out.count("'train_runtime'") == 1
+    assert out.count("'grad_norm'") == 2
+    assert "it/s]" not in out
+    assert "nbkit: step 4/4 (100%)" in out
