@@ -1,0 +1,103 @@
+"""The benchmark harness (benchmarks/bench.py, benchmarks/common.py) end to end on the CPU.
+
+Real launches of tiny:qwen3-vl with 2 gloo ranks, under nbkit.launch and under `accelerate launch`
+of the same function as a script; one case fails on every rank (a sequence too short for its
+image) and one configuration cannot run here (unsloth), and the run must record both and go on.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+
+import common  # noqa: E402
+
+
+def test_step_stats_percentiles_and_spread():
+    stats = common.step_stats([3.0, 1.0, 10.0, 2.0, 4.0])
+    assert stats["median"] == 3.0
+    assert stats["min"] == 1.0 and stats["max"] == 10.0
+    assert stats["p10"] == pytest.approx(1.4)  # linear interpolation between the sorted times
+    assert stats["p90"] == pytest.approx(7.6)
+    assert stats["spread_pct"] == pytest.approx(100 * (7.6 - 1.4) / 3.0)
+
+
+def test_ddp_options_parse_and_reject_unknown_keys():
+    options = dict(common.parse_ddp_options("bucket_cap_mb=100, static_graph=true,comm_hook=bf16"))
+    assert options == {"bucket_cap_mb": 100, "static_graph": True, "comm_hook": "bf16",
+                       "find_unused_parameters": "auto"}
+    assert common.ddp_label(options) == "bucket_cap_mb=100,comm_hook=bf16,static_graph=True"
+    with pytest.raises(ValueError, match="bucket_cap_mb"):  # the message lists the known keys
+        common.parse_ddp_options("bucket_size=100")
+
+
+def test_synthetic_image_batch_shards_back_into_the_global_batch(tiny_vl_path):
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(tiny_vl_path)
+    batch = common.synthetic_batch(config, 96, 4, "cpu", image=True, seed=3)
+    assert batch["input_ids"].shape == (4, 96)
+    assert torch.equal(batch["labels"], batch["input_ids"])
+    image_tokens = (batch["input_ids"] == config.image_token_id).sum(dim=1)
+    assert image_tokens.tolist() == [64] * 4  # 16x16 patches after the 2x2 merge
+    assert torch.equal(batch["mm_token_type_ids"].bool(), batch["input_ids"] == config.image_token_id)
+    shards = [common.shard_batch(batch, 2, i) for i in range(2)]
+    for key, value in batch.items():
+        assert torch.equal(torch.cat([s[key] for s in shards]), value), key
+    assert shards[1]["pixel_values"].shape[0] == 2 * 256  # its two sequences' patches
+    with pytest.raises(ValueError, match="too short"):
+        common.synthetic_batch(config, 32, 1, "cpu", image=True)
+
+
+def test_bench_runs_launches_side_by_side_and_records_failures(tmp_path, tiny_vl_path):
+    out, md = tmp_path / "results.json", tmp_path / "results.md"
+    cmd = [sys.executable, str(BENCHMARKS / "bench.py"), "--configs", "nbkit:2,nbkit:2@accelerate,unsloth:1",
+           "--model", "tiny:qwen3-vl", "--seq-lens", "32,128", "--image", "--steps", "2", "--warmup", "1",
+           "--profile", "--profile-steps", "1", "--out", str(out), "--md", str(md)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "[nbkit:2] fp32 128x4:" in done.stdout  # progress lines as it goes
+
+    report = json.loads(out.read_text())
+    assert report["environment"]["versions"]["torch"] == torch.__version__
+    rows = {(r["config"], r["seq_len"]): r for r in report["results"]}
+    assert set(rows) == {(c, n) for c in ("nbkit:2", "nbkit:2@accelerate", "unsloth:1") for n in (32, 128)}
+
+    for config in ("nbkit:2", "nbkit:2@accelerate"):
+        row = rows[(config, 128)]
+        assert row["status"] == "ok", row
+        assert row["batch"] == 4 and row["precision"] == "fp32"
+        times = row["step_times_s"]
+        assert len(times) == 2 and row["step_time_s"]["median"] == pytest.approx(statistics.median(times))
+        assert row["tokens_per_s_per_gpu"] == pytest.approx(128 * 4 / statistics.median(times))
+        assert row["tokens_per_s_total"] == pytest.approx(2 * row["tokens_per_s_per_gpu"])
+        assert row["loss_finite"] and row["loss_first"] > 0
+        assert row["unused_trainable_params"] == 0  # with an image the vision tower's LoRA trains too
+        assert 0 < row["launch_to_first_step_s"] < row["launch_wall_s"]
+        profile = Path(report["settings"]["profile_dir"]) / row["profile"]["files"][0]
+        assert "Self CPU" in profile.read_text()
+
+        short = rows[(config, 32)]  # the image does not fit: every rank fails its probe, the launch goes on
+        assert short["status"] == "error" and short["phase"] == "probe"
+        assert short["failed_ranks"] == [0, 1] and "too short" in short["error"]
+
+    for n in (32, 128):
+        assert rows[("unsloth:1", n)]["status"] == "skipped"
+        assert "GPU" in rows[("unsloth:1", n)]["error"]
+
+    table = md.read_text()
+    assert "| config | case | status | tok/s/GPU |" in table
+    assert "| nbkit:2 | fp32 128x4 | ok |" in table
+    assert "| nbkit:2@accelerate | fp32 128x4 | ok |" in table
+    assert "## Launchers: median step time vs nbkit.launch" in table
+    assert "| nbkit:2 | fp32 32x4 | error: ValueError: One image takes 66 tokens" in table
+    assert "| unsloth:1 | fp32 32x4 | skipped: unsloth trains only on GPUs" in table
