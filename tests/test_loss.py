@@ -73,7 +73,7 @@ def test_shift_false_takes_aligned_labels():
     shifted = F.pad(labels, (0, 1), value=-100)[..., 1:]
     ref = chunked.linear_cross_entropy(hidden, weight, labels)
     ours = chunked.linear_cross_entropy(hidden, weight, shifted, shift=False, chunk_size=5)
-    assert torch.equal(ours, ref) or abs(ours.item() - ref.item()) < 1e-6
+    assert abs(ours.item() - ref.item()) <= 1e-6 * ref.item()
 
 
 def test_frozen_weight_gets_no_grad_and_trainable_weight_accumulates_once():

@@ -268,8 +268,10 @@ def _tiled_mlp_ddp_safe(original: Callable[..., Any]) -> Callable[..., Any]:
         *rest: Any,
     ) -> Any:
         # rest: preserve_rng_state (nbkit always replays the RNG), num_shards, max_flat_qlen.
-        # Mixture-of-experts blocks return extra outputs nbkit's tiling does not carry: left as they are.
-        if not distributed.is_distributed() or hasattr(mlp_module, "experts") or len(rest) < 2 or x.dim() < 2:
+        # Without DDP (or without a backward) unsloth's own code is right. Mixture-of-experts blocks
+        # return extra outputs nbkit's tiling does not carry: left as they are.
+        ddp_backward = distributed.is_distributed() and torch.is_grad_enabled()
+        if not ddp_backward or hasattr(mlp_module, "experts") or len(rest) < 2 or x.dim() < 2:
             return original(cls, mlp_forward, mlp_module, x, *rest)
         from nbkit.savers.tiled_mlp import _TiledGrad, _TiledRun
 
