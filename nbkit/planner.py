@@ -51,12 +51,11 @@ DDP_BUCKET_BYTES_PER_PARAM = 4
 # Layer inputs of the offloaded checkpointing alive on the GPU at once: the one being copied out
 # (forward) or in (backward), plus the prefetched next one.
 OFFLOAD_LAYER_INPUTS_ON_GPU = 2
-# nbkit.savers.loss: rows per chunk make one fp32 chunk of logits about 256 MiB; at its peak a
-# chunk holds fp32 logits plus the 16-bit logits of this chunk and the 16-bit gradient of the last.
+# nbkit.savers.loss: rows per chunk make one fp32 chunk of logits about 256 MiB (its _CHUNK_BYTES;
+# a test keeps the two equal); at its peak a chunk holds fp32 logits plus the 16-bit logits of this
+# chunk and the 16-bit gradient of the last.
 LOSS_CHUNK_FP32_BYTES = 256 * 2**20
 LOSS_CHUNK_PEAK_BYTES_PER_LOGIT = 4 + 2 + 2
-# nbkit.savers.tiled_mlp: automatic shards hold about 2 x hidden_size tokens.
-TILED_MLP_TOKENS_PER_HIDDEN = 2
 # A typical image for the vision tower's forward (a 512x512 image at patch size 16 = 1024 patches),
 # and the bytes per patch per vision hidden unit its frozen forward holds at once (one block's
 # temporaries: the residual stream, qkv, attention output and the 4x MLP).
@@ -382,9 +381,9 @@ def _estimate(counts: _Counts, config: Any, gpus: int, seq_len: int, batch_size:
     """Peak bytes for one GPU; split > 1 spreads the weights and checkpoints over that many GPUs."""
     s = _Shape.of(config)
     tokens = seq_len * batch_size
-    # nbkit.savers.tiled_mlp: shards of about TILED_MLP_TOKENS_PER_HIDDEN x hidden tokens; one shard
-    # means the plain MLP runs.
-    shards = max(1, min(math.ceil(tokens / (TILED_MLP_TOKENS_PER_HIDDEN * s.hidden)), seq_len))
+    from nbkit.savers.tiled_mlp import shard_count
+
+    shards = shard_count(tokens, seq_len, s.hidden)  # what the tiled MLP will use; one shard: the plain MLP
     tiled = shards > 1
     saved = _layer_saved_per_token(s, counts.qk_norm, tiled, lora_rank) * tokens
     hidden_state = 2 * s.hidden * tokens
