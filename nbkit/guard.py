@@ -261,7 +261,8 @@ def _guarded(loader: _Loader) -> Callable[[Callable[..., Any]], Callable[..., An
 def _check_fits_one_gpu(values: dict[str, Any], loader: _Loader, quantized: bool) -> None:
     """Raise DeviceMapError before any weight loads if one GPU cannot hold this model for training."""
     config = values.get("config")
-    source = config if config is not None and not isinstance(config, (str, os.PathLike)) else values.get(loader.model_arg)
+    given_config = config is not None and not isinstance(config, (str, os.PathLike))
+    source = config if given_config else values.get(loader.model_arg)
     if source is None:
         return
     from nbkit import planner

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import importlib
 import importlib.abc
-import importlib.machinery
 import logging
 import sys
 import threading

@@ -191,7 +191,8 @@ def plan(
     config = load_config(model)
     counts = _counts(config, lora_rank)
     label = os.fspath(model) if isinstance(model, (str, os.PathLike)) else counts.architecture
-    return _plan(label, counts, config, gpus, gpu_memory_gib, seq_len, batch_size, load_in_4bit, lora_rank, checkpointing)
+    return _plan(label, counts, config, gpus, gpu_memory_gib, seq_len, batch_size, load_in_4bit, lora_rank,
+                 checkpointing)
 
 
 def _machine(gpus: int | None, gpu_memory_gib: float | None) -> tuple[int, float]:
@@ -260,7 +261,8 @@ def _count_on_meta(config: Any, lora_rank: int) -> _Counts:
         for m in model.modules()
         if isinstance(m, torch.nn.Linear) and m is not output and id(m.weight) in element
     }
-    bytes_4 = bytes_16 - sum(n * element[i] for i, n in quantized.items()) + NF4_BYTES_PER_WEIGHT * sum(quantized.values())
+    bytes_4 = (bytes_16 - sum(n * element[i] for i, n in quantized.items())
+               + NF4_BYTES_PER_WEIGHT * sum(quantized.values()))
     lora_params, lora_modules = 0, set()
     for name, module in model.named_modules():
         leaf = name.rsplit(".", 1)[-1]
@@ -397,7 +399,8 @@ def _estimate(counts: _Counts, config: Any, gpus: int, seq_len: int, batch_size:
         persistent = s.layers * saved
         recompute = 0
     if tiled:  # each shard is recomputed, its activations and gradients live only during its backward
-        mlp_backward = math.ceil(tokens / shards) * (_mlp_saved_per_token(s) + _mlp_backward_per_token(s)) + hidden_state
+        shard_tokens = math.ceil(tokens / shards)
+        mlp_backward = shard_tokens * (_mlp_saved_per_token(s) + _mlp_backward_per_token(s)) + hidden_state
     else:
         mlp_backward = _mlp_backward_per_token(s) * tokens
     layer_phase = recompute + max(_layer_backward_per_token(s) * tokens, mlp_backward)
@@ -409,7 +412,8 @@ def _estimate(counts: _Counts, config: Any, gpus: int, seq_len: int, batch_size:
     vision = getattr(config, "vision_config", None)
     vision_phase = VISION_PATCHES * vision.hidden_size * VISION_WORKING_BYTES_PER_HIDDEN if vision is not None else 0
     weights = counts.bytes_4bit if load_in_4bit else counts.bytes_16bit
-    lora = counts.lora_parameters * (LORA_BYTES_PER_PARAM + (DDP_BUCKET_BYTES_PER_PARAM if gpus > 1 and split == 1 else 0))
+    ddp_buckets = DDP_BUCKET_BYTES_PER_PARAM if gpus > 1 and split == 1 else 0
+    lora = counts.lora_parameters * (LORA_BYTES_PER_PARAM + ddp_buckets)
     if split > 1:
         share = MODEL_PARALLEL_IMBALANCE / split
         weights, lora, persistent = weights * share, lora * share, persistent * share
@@ -453,12 +457,11 @@ def _advice(strategy: str, per_gpu: Any, usable: float, gpus: int, seq_len: int,
         return []
     lines = ["To train with DDP (faster than model parallel) instead:" if strategy == "model_parallel"
              else "What would fit:"]
-    if not load_in_4bit:
-        gib = per_gpu(load_in_4bit=True)
-        lines.append(f"  * load_in_4bit=True: about {gib:.1f} GiB per GPU ({'fits' if gib <= usable else 'still too much'}).")
-    if checkpointing != "offload":
-        gib = per_gpu(checkpointing="offload")
-        lines.append(f"  * checkpointing='offload': about {gib:.1f} GiB per GPU ({'fits' if gib <= usable else 'still too much'}).")
+    for change, value in (("load_in_4bit", True), ("checkpointing", "offload")):
+        if {"load_in_4bit": load_in_4bit, "checkpointing": checkpointing}[change] != value:
+            gib = per_gpu(**{change: value})
+            verdict = "fits" if gib <= usable else "still too much"
+            lines.append(f"  * {change}={value!r}: about {gib:.1f} GiB per GPU ({verdict}).")
     if batch_size > 1 and per_gpu(batch_size=1) <= usable:
         lines.append("  * batch_size=1 per GPU (raise gradient accumulation to keep the effective batch).")
     shorter = next((n for n in _shorter(seq_len) if per_gpu(seq_len=n, batch_size=1) <= usable), None)
@@ -469,7 +472,8 @@ def _advice(strategy: str, per_gpu: Any, usable: float, gpus: int, seq_len: int,
             more = next((n for n in range(gpus + 1, 17) if per_gpu(split=n, load_in_4bit=four_bit) <= usable), None)
             if more is not None:
                 how = " in 4-bit" if four_bit and not load_in_4bit else ""
-                lines.append(f"  * {more} GPUs of this size{how}, with the model split over them (device_map='balanced').")
+                lines.append(f"  * {more} GPUs of this size{how}, with the model split over them "
+                             "(device_map='balanced').")
     if len(lines) == 1:
         lines.append("  * nothing short of larger GPUs: even one 256-token sequence in 4-bit is too much.")
     return lines

@@ -1,4 +1,4 @@
-"""nbkit.install() / nbkit.uninstall(): idempotent, exactly reversible, and patching libraries when they are imported."""
+"""nbkit.install() / nbkit.uninstall(): idempotent, exactly reversible, patching libraries when they are imported."""
 
 from __future__ import annotations
 
@@ -30,7 +30,8 @@ def _nothing_installed():
 
 def _descriptors() -> dict[str, Any]:
     """What every class whose from_pretrained users call holds in its own __dict__ (None: inherited)."""
-    classes = (PreTrainedModel, _BaseAutoModelClass, AutoModelForCausalLM, AutoModelForImageTextToText, Qwen3ForCausalLM)
+    classes = (PreTrainedModel, _BaseAutoModelClass, AutoModelForCausalLM, AutoModelForImageTextToText,
+               Qwen3ForCausalLM)
     return {cls.__name__: vars(cls).get("from_pretrained") for cls in classes}
 
 
@@ -116,12 +117,14 @@ def _unsloth_imported_inside(fake_root: str) -> dict[str, Any]:
     from unsloth.models.loader import FastLanguageModel, FastModel, FastVisionModel
 
     r["installed"] = integration.installed()
-    r["vision_wraps_the_original"] = FastVisionModel.from_pretrained.__wrapped__ is loader.ORIGINALS["FastModel"].__func__
+    original = loader.ORIGINALS["FastModel"].__func__
+    r["vision_wraps_the_original"] = FastVisionModel.from_pretrained.__wrapped__ is original
     os.environ["NBKIT_DEVICE_MAP_POLICY"] = "error"
     calls = {
         "default_4bit_balanced": lambda: FastVisionModel.from_pretrained("m", device_map="balanced"),
         "16bit_balanced": lambda: FastVisionModel.from_pretrained("m", load_in_4bit=False, device_map="balanced"),
-        "positional_auto": lambda: FastLanguageModel.from_pretrained("m", 2048, None, False, False, False, False, None, "auto"),
+        "positional_auto": lambda: FastLanguageModel.from_pretrained("m", 2048, None, False, False, False, False,
+                                                                     None, "auto"),
         "load_in_16bit_auto": lambda: FastModel.from_pretrained("m", load_in_16bit=True, device_map="auto"),
         "unset": lambda: FastLanguageModel.from_pretrained("m"),
         "other_rank": lambda: FastModel.from_pretrained("m", device_map={"": f"cuda:{1 - nbkit.local_rank()}"}),
