@@ -171,26 +171,28 @@ def _earlier_statements(nb_cells: list[Any]) -> tuple[list[_Statement], list[str
 # --------------------------------------------------------------------------------------------
 
 def _slice(statements: list[_Statement], needed: set[str]) -> list[_Statement]:
-    """The statements (in notebook order) that the needed names depend on; see the module doc."""
-    needed = set(needed)
-    kept = []
-    for statement in reversed(statements):
-        use = cells.usage([statement.node])
+    """The statements (in notebook order) that the needed names depend on; see the module doc.
+
+    Order is ignored while collecting names: a function reads its globals when it is called, so
+    every binding of a name it uses matters, even one that comes after the def. Running the kept
+    statements in notebook order then rebuilds the state the cell saw.
+    """
+    def wanted(statement: _Statement, names: set[str]) -> bool:
         root = _mutated_root(statement.node)
-        if not (statement.parameters or use.binds & needed or (root is not None and root in needed)
-                or _is_setup(statement.node)):
-            continue
-        kept.append(statement)
-        # A plain rebinding settles the name; what the statement reads is needed from further up.
-        needed = (needed - _plain_binds(statement.node)) | use.now | use.later
-    return list(reversed(kept))
+        return bool(statement.parameters or cells.usage([statement.node]).binds & names
+                    or (root is not None and root in names) or _is_setup(statement.node))
 
-
-def _plain_binds(node: ast.stmt) -> set[str]:
-    if isinstance(node, (ast.Assign, ast.AnnAssign, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef,
-                         ast.Import, ast.ImportFrom)):
-        return cells.usage([node]).binds
-    return set()
+    needed = set(needed)
+    while True:
+        grown = set(needed)
+        for statement in statements:
+            if wanted(statement, needed):
+                use = cells.usage([statement.node])
+                grown |= use.now | use.later
+        if grown == needed:
+            break
+        needed = grown
+    return [s for s in statements if wanted(s, needed)]
 
 
 def _mutated_root(node: ast.stmt) -> str | None:
