@@ -15,6 +15,7 @@ One launch per model runs the whole matrix; the parent compares.
 from __future__ import annotations
 
 import contextlib
+import os
 
 import pytest
 import torch
@@ -45,7 +46,7 @@ CASES = [(saver, {"find_unused_parameters": unused}) for saver in SAVERS for unu
 CASES.append(("all", {"static_graph": True}))
 
 
-def _batches(model: torch.nn.Module) -> tuple[dict[int, list[dict[str, torch.Tensor]]], torch.Tensor]:
+def _batches(model: torch.nn.Module, device: torch.device | str) -> tuple[dict[int, list[dict]], torch.Tensor]:
     """Every rank's micro-batches (built identically everywhere) and the step's non-ignored token count."""
     batches = {
         rank: [make_batch(model, lengths, seed=10 * rank + i) for i, lengths in enumerate(shapes)]
@@ -53,24 +54,33 @@ def _batches(model: torch.nn.Module) -> tuple[dict[int, list[dict[str, torch.Ten
     }
     # transformers' causal-LM loss predicts labels[1:] from positions [:-1].
     items = sum(int((b["labels"][:, 1:] != -100).sum()) for mbs in batches.values() for b in mbs)
-    return batches, torch.tensor(items)
+    moved = {rank: [{k: v.to(device) for k, v in b.items()} for b in mbs] for rank, mbs in batches.items()}
+    return moved, torch.tensor(items, device=device)
 
 
-def _run_matrix(kind: str) -> dict[str, list[dict]]:
-    """In each rank: one DDP step per case. Returns, on rank 0, every rank's results per case."""
-    dist.init_process_group("gloo")
+def _run_matrix(kind: str, device_type: str = "cpu", cases: list = CASES) -> dict[str, list[dict]]:
+    """In each rank: one DDP step per case. Returns, on rank 0, every rank's results per case (on the CPU).
+
+    device_type "cpu": gloo, CPU tensors; "cuda": NCCL, each rank on cuda:LOCAL_RANK.
+    """
+    cuda = device_type == "cuda"
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    dist.init_process_group("nccl" if cuda else "gloo")
     rank = dist.get_rank()
     results = {}
     try:
-        for saver, ddp_options in CASES:
-            model = tiny_model(kind)
+        for saver, ddp_options in cases:
+            model = tiny_model(kind).to(device)
             if SAVERS[saver] is not None:
                 savers.apply(model, **SAVERS[saver])
             names = {p: name for name, p in model.named_parameters() if p.requires_grad}
             accumulated = {name: 0 for name in names.values()}
             for p, name in names.items():
                 p.register_post_accumulate_grad_hook(lambda p, name=name: accumulated.__setitem__(name, accumulated[name] + 1))
-            ddp = DistributedDataParallel(model, **ddp_options)
+            ddp = DistributedDataParallel(model, device_ids=[device.index] if cuda else None, **ddp_options)
             reduced = {name: 0 for name in names.values()}
 
             def counting_allreduce(state, bucket):
@@ -80,7 +90,7 @@ def _run_matrix(kind: str) -> dict[str, list[dict]]:
 
             ddp.register_comm_hook(None, counting_allreduce)
             optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-            batches, items = _batches(model)
+            batches, items = _batches(model, device)
             own = batches[rank]
             losses, accumulations, reductions = [], [], []
             for i, batch in enumerate(own):
@@ -93,7 +103,7 @@ def _run_matrix(kind: str) -> dict[str, list[dict]]:
                 reductions.append(dict(reduced))
                 accumulated.update(dict.fromkeys(accumulated, 0))
                 reduced.update(dict.fromkeys(reduced, 0))
-            grads = trainable_grads(model)
+            grads = {name: g.cpu() for name, g in trainable_grads(model).items()}
             optimizer.step()
             mine = {"losses": losses, "grads": grads, "accumulations": accumulations, "reductions": reductions}
             everyone = [None] * WORLD
@@ -104,36 +114,36 @@ def _run_matrix(kind: str) -> dict[str, list[dict]]:
     return results
 
 
-def _reference(kind: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+def _reference(kind: str, device: str = "cpu") -> tuple[list[float], dict[str, torch.Tensor]]:
     """One process, no savers, the whole global batch: per-micro-batch losses and summed gradients."""
-    model = tiny_model(kind)
-    batches, items = _batches(model)
+    model = tiny_model(kind).to(device)
+    batches, items = _batches(model, device)
     losses = []
     for rank in sorted(batches):
         for batch in batches[rank]:
             loss = model(**batch, num_items_in_batch=items).loss
             loss.backward()
             losses.append(loss.item())
-    return losses, trainable_grads(model)
+    return losses, {name: g.cpu() for name, g in trainable_grads(model).items()}
 
 
-@pytest.mark.parametrize("kind", ["qwen3", "qwen3-vl"])
-def test_ddp_gradients_losses_and_hook_counts_match_single_process(kind):
-    results = nbkit.launch(_run_matrix, kind, gpus=WORLD, timeout=240, dashboard=False)
-    reference_losses, reference_grads = _reference(kind)
-    assert len(results) == len(CASES)
+def check_matrix(results: dict[str, list[dict]], reference_losses: list[float],
+                 reference_grads: dict[str, torch.Tensor], cases: list, tolerance: float = TOLERANCE) -> None:
+    """Assert every case's losses and gradients equal the reference and every hook count is one."""
+    assert len(results) == len(cases)
+    assert all(g.norm() > 0 for g in reference_grads.values())
     for case, ranks in results.items():
         losses = [loss for result in ranks for loss in result["losses"]]
         assert len(losses) == len(reference_losses)
         for loss, expected in zip(losses, reference_losses):
-            assert abs(loss - expected) <= TOLERANCE * abs(expected), f"{case}: loss {loss} != {expected}"
+            assert abs(loss - expected) <= tolerance * abs(expected), f"{case}: loss {loss} != {expected}"
         for rank, result in enumerate(ranks):
             grads = result["grads"]
             assert grads.keys() == reference_grads.keys()
             assert all("lora_" in name for name in grads)
             errors = {name: relative_error(grads[name], reference_grads[name]) for name in grads}
             worst = max(errors, key=errors.get)
-            assert errors[worst] < TOLERANCE, f"{case}, rank {rank}: {worst} relative error {errors[worst]:.2e}"
+            assert errors[worst] < tolerance, f"{case}, rank {rank}: {worst} relative error {errors[worst]:.2e}"
             # Every backward accumulates each LoRA gradient exactly once (DDP's ready hook fires once) ...
             for accumulated in result["accumulations"]:
                 assert set(accumulated.values()) == {1}, f"{case}, rank {rank}: {accumulated}"
@@ -142,4 +152,9 @@ def test_ddp_gradients_losses_and_hook_counts_match_single_process(kind):
             expected = 1 if "static_graph" in case else 0
             assert all(set(r.values()) == {expected} for r in accumulating), f"{case}, rank {rank}: {accumulating}"
             assert set(last.values()) == {1}, f"{case}, rank {rank}: {last}"
-    assert all(g.norm() > 0 for g in reference_grads.values())
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3-vl"])
+def test_ddp_gradients_losses_and_hook_counts_match_single_process(kind):
+    results = nbkit.launch(_run_matrix, kind, gpus=WORLD, timeout=240, dashboard=False)
+    check_matrix(results, *_reference(kind), CASES)
