@@ -24,7 +24,7 @@ from nbkit import distributed
 from nbkit.config import setting
 from nbkit.patching import patch
 
-__all__ = ["DeviceMapError", "resolve_device_map", "AUTOMATIC_DEVICE_MAPS"]
+__all__ = ["DeviceMapError", "resolve_device_map", "fit_error", "AUTOMATIC_DEVICE_MAPS", "FIT_CHECK_SEQ_LEN"]
 
 # Names that let the loader place the model itself. transformers routes the first four through
 # accelerate's infer_auto_device_map; unsloth 2026.10.9 adds its head-aware planner under "unsloth"
@@ -116,7 +116,7 @@ def _print_notice(asked: str, own: str, quantized: bool) -> None:
         return
     _notice_printed = True
     why = (
-        "4/8-bit weights cannot move once loaded, so each rank loads them on its own GPU"
+        "4/8-bit weights cannot move once loaded, so each rank loads them on its own device"
         if quantized
         else f"splitting the model inside every one of the {distributed.world_size()} DDP ranks would "
         "put all ranks on the same GPUs"
