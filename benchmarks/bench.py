@@ -147,13 +147,13 @@ def _parse_savers(text: str) -> dict[str, Any]:
         key, sep, value = item.partition("=")
         if not sep or key not in ("checkpointing", "tiled_mlp", "chunked_loss"):
             raise SystemExit(f"bench.py: --savers item {item!r} is not checkpointing=/tiled_mlp=/chunked_loss=.")
-        options[key] = common._parse_value(value)
+        options[key] = common.parse_value(value)
     return options
 
 
 def _cases(args: argparse.Namespace, device: str, gpus: int) -> list[common.Case]:
     ddp_variants = [common.parse_ddp_options(text) for text in args.ddp] or [common.parse_ddp_options("")]
-    if gpus == 1:  # one process trains without DDP: the variants would all be the same run
+    if gpus == 1 or args.t4:  # one process trains without DDP; the ladder climbs with one variant
         ddp_variants = ddp_variants[:1]
     lengths = _parse_seq_lens(args.seq_lens or (T4_LADDER if args.t4 else DEFAULT_SEQ_LENS))
     if args.t4:
@@ -570,7 +570,7 @@ def main(argv: list[str] | None = None) -> int:
                      "profile_dir": str(profile_dir) if profile_dir else None},
         "results": [], "wall_s": 0.0,
     }
-    unsloth_checkpointing = common._parse_value(args.unsloth_checkpointing)
+    unsloth_checkpointing = common.parse_value(args.unsloth_checkpointing)
     with tempfile.TemporaryDirectory(prefix="nbkit-bench-") as tmp:
         for index, (backend, gpus, launcher) in enumerate(configs):
             spec = common.LaunchSpec(

@@ -59,6 +59,7 @@ __all__ = [
     "PRECISIONS",
     "Case",
     "LaunchSpec",
+    "parse_value",
     "parse_ddp_options",
     "ddp_label",
     "setup_rank",
@@ -173,7 +174,8 @@ def _ddp_argument_names() -> set[str]:
     return set(params) - {"self", "module", "device_ids", "output_device", "process_group", "device_mesh"}
 
 
-def _parse_value(text: str) -> Any:
+def parse_value(text: str) -> Any:
+    """A command-line value: true/false/none, an int, a float, else the text itself."""
     lowered = text.strip().lower()
     if lowered in ("true", "yes", "on"):
         return True
@@ -205,7 +207,7 @@ def parse_ddp_options(text: str) -> tuple[tuple[str, Any], ...]:
             raise ValueError(
                 f"DDP option {item!r} is not key=value with a known key. Known: {', '.join(sorted(allowed))}."
             )
-        options[key] = _parse_value(value)
+        options[key] = parse_value(value)
     if options.get("comm_hook") not in (None, "bf16", "fp16"):
         raise ValueError(f"comm_hook={options['comm_hook']!r}: use bf16, fp16 or none.")
     if options["find_unused_parameters"] not in (True, False, "auto"):
