@@ -33,7 +33,7 @@ AUTOMATIC_DEVICE_MAPS = frozenset(
     {"auto", "balanced", "balanced_low_0", "sequential", "unsloth", "unsloth_balanced"}
 )
 
-SEED_DDP_DEVICE_MAP = "https://github.com/unslothai/unsloth/pull/3834"
+SEED_DDP_DEVICE_MAP = "https://github.com/unslothai/unsloth/pull/3809"
 
 _notice_printed = False
 

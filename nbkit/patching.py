@@ -9,7 +9,7 @@ Example::
 
     @patch("transformers.modeling_utils:PreTrainedModel.from_pretrained",
            reason="device maps must not split a model inside a DDP rank",
-           upstream="https://github.com/unslothai/unsloth/pull/3834")
+           upstream="https://github.com/unslothai/unsloth/pull/3809")
     def _guarded_from_pretrained(original):
         def from_pretrained(cls, *args, **kwargs):
             ...
@@ -20,6 +20,7 @@ Example::
 from __future__ import annotations
 
 import importlib
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -47,6 +48,10 @@ class Patch:
     when: Callable[[], bool] | None = None
     # Filled while applied: (owner, attr, value found in owner.__dict__ or _MISSING, replacement).
     _saved: tuple[Any, str, Any, Any] | None = field(default=None, repr=False)
+    # The replacement dispatches to the original while this is False (see revert()).
+    _active: bool = field(default=False, repr=False)
+    # A reverted replacement that another library had wrapped, so it could not be taken out.
+    _dormant: tuple[Any, str, Any, Any] | None = field(default=None, repr=False)
 
     @property
     def is_applied(self) -> bool:
@@ -71,6 +76,9 @@ class Patch:
         """Install the replacement; returns True if it is in place afterwards."""
         if self._saved is not None:
             return True
+        if self._dormant is not None:  # still in the call chain under someone else's wrapper
+            self._saved, self._dormant, self._active = self._dormant, None, True
+            return True
         if self.when is not None and not self.when():
             return False
         resolved = self._resolve()
@@ -80,25 +88,43 @@ class Patch:
         own = vars(owner).get(attr, _MISSING) if isinstance(owner, type) else getattr(owner, attr)
         raw = own if own is not _MISSING else _inherited_raw(owner, attr)
         if isinstance(raw, classmethod):
-            replacement: Any = classmethod(self.factory(raw.__func__))
+            replacement: Any = classmethod(self._switchable(raw.__func__))
         elif isinstance(raw, staticmethod):
-            replacement = staticmethod(self.factory(raw.__func__))
+            replacement = staticmethod(self._switchable(raw.__func__))
         else:
-            replacement = self.factory(raw)
+            replacement = self._switchable(raw)
         setattr(owner, attr, replacement)
-        self._saved = (owner, attr, own, replacement)
+        self._saved, self._active = (owner, attr, own, replacement), True
         return True
 
+    def _switchable(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        new = self.factory(original)
+
+        @functools.wraps(new)
+        def switch(*args: Any, **kwargs: Any) -> Any:
+            return (new if self._active else original)(*args, **kwargs)
+
+        return switch
+
     def revert(self) -> None:
-        """Put back exactly what was there before apply(); a no-op when not applied."""
+        """Put back exactly what was there before apply(); a no-op when not applied.
+
+        If another library has since wrapped our replacement (unsloth re-wraps
+        PreTrainedModel.from_pretrained when it is imported), taking ours out would take theirs
+        out too; ours then stays in the chain but passes every call straight to the original.
+        """
         if self._saved is None:
             return
-        owner, attr, own, _ = self._saved
+        owner, attr, own, replacement = self._saved
+        self._saved, self._active = None, False
+        current = vars(owner).get(attr, _MISSING) if isinstance(owner, type) else getattr(owner, attr, _MISSING)
+        if current is not replacement:
+            self._dormant = (owner, attr, own, replacement)
+            return
         if own is _MISSING:
             delattr(owner, attr)
         else:
             setattr(owner, attr, own)
-        self._saved = None
 
 
 def _inherited_raw(cls: type, attr: str) -> Any:

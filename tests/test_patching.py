@@ -1,0 +1,95 @@
+"""The patch registry: idempotent, reversible, exact."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+
+from nbkit import patching
+
+
+@pytest.fixture
+def lib(monkeypatch):
+    """A small library module, importable by name, with the shapes real patches meet."""
+    mod = types.ModuleType("fakelib_for_patching")
+
+    class Base:
+        @classmethod
+        def load(cls, x):
+            return ("orig", cls.__name__, x)
+
+        @staticmethod
+        def helper(x):
+            return x + 1
+
+    class Child(Base):  # inherits load: nothing of its own to restore
+        pass
+
+    def top(x):
+        return x * 2
+
+    mod.Base, mod.Child, mod.top = Base, Child, top
+    monkeypatch.setitem(sys.modules, mod.__name__, mod)
+    return mod
+
+
+def _make(target, factory, **kw):
+    return patching.Patch(target, factory, reason="test", upstream="none", group="test", **kw)
+
+
+def test_classmethod_on_an_inheriting_class_is_restored_to_nothing(lib):
+    original = vars(lib.Base)["load"]
+    p = _make(f"{lib.__name__}:Child.load", lambda orig: lambda cls, x: ("patched",) + orig(cls, x))
+    assert p.apply() and p.apply()  # idempotent
+    assert lib.Child.load(1) == ("patched", "orig", "Child", 1)
+    assert lib.Base.load(1) == ("orig", "Base", 1)
+    p.revert()
+    assert "load" not in vars(lib.Child) and vars(lib.Base)["load"] is original
+    p.revert()  # a second revert is a no-op
+    assert lib.Child.load(2) == ("orig", "Child", 2)
+
+
+def test_staticmethod_and_module_function(lib):
+    helper, top = vars(lib.Base)["helper"], lib.top
+    p1 = _make(f"{lib.__name__}:Base.helper", lambda orig: lambda x: orig(x) * 10)
+    p2 = _make(f"{lib.__name__}:top", lambda orig: lambda x: orig(x) + 100)
+    p1.apply(), p2.apply()
+    assert lib.Base.helper(1) == 20 and lib.top(1) == 102
+    p1.revert(), p2.revert()
+    assert vars(lib.Base)["helper"] is helper and lib.top is top
+
+
+def test_skipped_when_library_missing_or_feature_present(lib):
+    assert not _make("no_such_module_xyz:thing", lambda orig: orig).apply()
+    assert not _make(f"{lib.__name__}:Base.no_such_attr", lambda orig: orig).apply()
+    assert not _make(f"{lib.__name__}:top", lambda orig: orig, when=lambda: False).apply()
+    assert lib.top(1) == 2
+
+
+def test_revert_under_another_librarys_wrapper_passes_through(lib):
+    p = _make(f"{lib.__name__}:Base.load", lambda orig: lambda cls, x: ("patched",) + orig(cls, x))
+    p.apply()
+    ours = vars(lib.Base)["load"]
+    # Another library wraps what it finds (ours), as unsloth does with from_pretrained.
+    lib.Base.load = classmethod(lambda cls, x: ("theirs",) + ours.__func__(cls, x))
+    p.revert()
+    assert lib.Base.load(1) == ("theirs", "orig", "Base", 1)  # their wrapper kept, ours inert
+    assert not p.is_applied
+    p.apply()
+    assert lib.Base.load(2) == ("theirs", "patched", "orig", "Base", 2)  # reactivated, not stacked
+
+
+def test_group_apply_and_revert(lib):
+    before = lib.top
+    p = patching.patch(f"{lib.__name__}:top", reason="r", upstream="u", group="test-group")(
+        lambda orig: lambda x: -orig(x)
+    )
+    try:
+        assert patching.apply("test-group") == [p.target]
+        assert patching.applied("test-group") == [p.target] and lib.top(3) == -6
+        patching.revert("test-group")
+        assert patching.applied("test-group") == [] and lib.top is before
+    finally:
+        patching._REGISTRY.remove(p)
