@@ -1,0 +1,171 @@
+"""%%ddp and %nbkit in a real Jupyter kernel (nbclient), with 2 gloo CPU processes per launch.
+
+One notebook runs the whole story, the way papermill would: a value comes back, a failing rank
+fails the cell and the next %%ddp works, the dashboard's events and text lines arrive, a real fork
+blocker (an accelerate PartialState in the kernel) switches %%ddp to spawn mode, the widget panel
+ends as static HTML, and %nbkit doctor / plan run.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from nbclient import NotebookClient
+from nbformat.v4 import new_code_cell, new_notebook
+
+SECRET = "hf_DoNotPrintMe_4242"
+
+CELLS = {
+    "setup": "%load_ext nbkit\nimport os, json\nos.environ['NBKIT_DASHBOARD_INTERVAL'] = '0'\nbase = 40",
+    "names": "def helper(r):\n    return base + r\n\nclass Box:\n    def __init__(self, v):\n        self.v = v\n\nbox = Box(2)",
+    "train": ("%%ddp --gpus 2 --out res\nimport nbkit\nfor s in range(1, 3):\n"
+              "    nbkit.report(step=s, loss=1.0 / s, total_steps=2, tokens=10)\n"
+              "print(f'rank {nbkit.rank()} says hi')\nhelper(nbkit.rank()) + box.v"),
+    "inspect": ("import nbkit.dashboard as d\n"
+                "print(json.dumps({'res': res, 'events': [[r, e] for r, e in d.latest().events]}))"),
+    "fail": "%%ddp --gpus 2\nimport nbkit\nif nbkit.rank() == 1:\n    raise ValueError('rank one is broken')\n1",
+    "widgets": "os.environ['NBKIT_DASHBOARD'] = 'widget'",
+    "again": "%%ddp --gpus 2 --out again\nimport nbkit\nnbkit.report(step=1, loss=0.5, total_steps=1)\nbase + 2",
+    "text": "os.environ['NBKIT_DASHBOARD'] = 'text'\nprint(again)",
+    "doctor": "%nbkit doctor",
+    "plan": "%nbkit plan tiny:qwen3 --gpus 2 --gpu-memory 15 --seq-len 256",
+    "blocker": ("import threading\nlock = threading.Lock()\n"
+                "from accelerate import PartialState\nstate = PartialState()"),
+    "unbringable": "%%ddp --gpus 2\nlock",
+    "spawned": ("%%ddp --gpus 2 --out spawned\nimport nbkit, math\nnbkit.report(step=1, loss=0.25, total_steps=1)\n"
+                "[helper(nbkit.rank()), box.v, math.floor(2.5), type(box).__name__]"),
+}
+
+
+def _run(cells: dict[str, str], path) -> dict[str, dict]:
+    """Execute the cells in a fresh python3 kernel; {cell name: its outputs}."""
+    nb = new_notebook()
+    nb.cells = [new_code_cell(source) for source in cells.values()]
+    NotebookClient(nb, kernel_name="python3", timeout=300, allow_errors=True,
+                   resources={"metadata": {"path": str(path)}}).execute()
+    return {name: _read(cell) for name, cell in zip(cells, nb.cells)}
+
+
+@pytest.fixture(scope="module")
+def outputs(tmp_path_factory) -> dict[str, dict]:
+    mp = pytest.MonkeyPatch()
+    mp.setenv("HF_TOKEN", SECRET)  # the kernel inherits it
+    mp.delenv("NBKIT_DASHBOARD", raising=False)
+    try:
+        return _run(CELLS, tmp_path_factory.mktemp("nb"))
+    finally:
+        mp.undo()
+
+
+def _read(cell) -> dict:
+    out = {"stdout": "", "stderr": "", "error": None, "result": None, "displays": []}
+    for o in cell.outputs:
+        if o.output_type == "stream":
+            out[o.name] += o.text
+        elif o.output_type == "error":
+            out["error"] = o
+        elif o.output_type == "execute_result":
+            out["result"] = o.data.get("text/plain")
+        elif o.output_type == "display_data":
+            out["displays"].append(o.data)
+    return out
+
+
+def test_ddp_cell_returns_rank_0s_value_and_stores_it(outputs):
+    train = outputs["train"]
+    assert train["error"] is None, train["error"]
+    assert train["result"] == "42"  # rank 0: helper(0) + box.v = 40 + 0 + 2
+    assert "rank 0 says hi" in train["stdout"] and "rank 1 says hi" not in train["stdout"]  # quiet ranks
+    assert json.loads(outputs["inspect"]["stdout"])["res"] == 42
+
+
+def test_dashboard_events_arrive_in_order_and_the_text_fallback_prints_them(outputs):
+    events = json.loads(outputs["inspect"]["stdout"])["events"]
+    for rank in (0, 1):
+        mine = [e for r, e in events if r == rank]
+        assert [e["step"] for e in mine] == [1, 2]
+        assert [e["loss"] for e in mine] == [1.0, 0.5]
+        assert all(e["total_steps"] == 2 and e["tokens_seen"] > 0 and "peak_memory_gib" in e and "elapsed" in e
+                   for e in mine)
+    text = outputs["train"]["stdout"]
+    assert "nbkit: step 1/2 (50%) | loss 1.0000" in text
+    assert "nbkit: step 2/2 (100%) | loss 0.5000" in text
+    assert "nbkit: finished after" in text and "peak memory rank 1 (cpu)" in text
+    assert outputs["train"]["displays"] == []  # nbclient has no widget frontend: no panel
+
+
+def test_a_failing_rank_fails_the_cell_with_its_traceback_and_the_next_ddp_runs(outputs):
+    error = outputs["fail"]["error"]
+    assert error is not None and error.ename == "LaunchError"
+    assert "[rank 1] ValueError: rank one is broken" in error.evalue
+    shown = "\n".join(error.traceback)
+    assert shown.count("ValueError: rank one is broken") == 2  # the header line and the rank's traceback
+    assert "raise ValueError('rank one is broken')" in shown  # the cell's own line
+    assert "nbkit/magics.py" not in shown and "nbkit/cells.py" not in shown
+    assert outputs["again"]["error"] is None and outputs["again"]["result"] == "42"
+    assert outputs["text"]["stdout"].strip() == "42"
+
+
+def test_widget_panel_is_left_as_a_static_summary_in_the_saved_notebook(outputs):
+    displays = outputs["again"]["displays"]
+    assert len(displays) == 1
+    # the live widget was replaced in place (update_display_data) by HTML that needs no widget state
+    assert "application/vnd.jupyter.widget-view+json" not in displays[0]
+    html = displays[0]["text/html"]
+    assert "nbkit-summary" in html and "final loss" in html and "0.5000" in html
+    assert "data:image/png;base64," in html
+
+
+def test_doctor_runs_and_never_prints_a_secret(outputs):
+    doctor = outputs["doctor"]
+    assert doctor["error"] is None, doctor["error"]
+    assert "nbkit doctor" in doctor["stdout"] and "platform: local (Jupyter kernel)" in doctor["stdout"]
+    assert "secrets set: HF_TOKEN" in doctor["stdout"]
+    everything = json.dumps({k: {**v, "error": str(v["error"])} for k, v in outputs.items()})
+    assert SECRET not in everything
+
+
+def test_plan_prints_the_planners_verdict(outputs):
+    plan = outputs["plan"]
+    assert plan["error"] is None, plan["error"]
+    assert "Strategy: ddp" in plan["stdout"] and "256 tokens per GPU" in plan["stdout"]
+
+
+def test_a_name_that_cannot_be_brought_along_is_named(outputs):
+    error = outputs["unbringable"]["error"]
+    assert error is not None and error.ename == "BringAlongError"
+    assert "cannot bring 'lock' along" in error.evalue
+
+
+def test_spawn_mode_runs_after_a_real_fork_blocker_and_brings_names_along(outputs):
+    spawned = outputs["spawned"]
+    assert spawned["error"] is None, spawned["error"]
+    assert spawned["result"] == "[40, 2, 2, 'Box']"
+    line = next(line for line in spawned["stdout"].splitlines() if "spawn mode" in line)
+    assert "accelerate" in line and "PartialState" in line  # why
+    brought = line.split("Brought along: ")[1]
+    assert all(name in brought for name in ("box", "helper", "Box", "base"))
+    assert "nbkit: step 1/1 (100%) | loss 0.2500" in spawned["stdout"]  # the dashboard still gets the events
+
+
+@pytest.mark.gpu
+def test_after_cuda_is_initialised_in_the_kernel_ddp_spawns_and_uses_every_gpu(tmp_path):
+    import torch
+
+    gpus = torch.cuda.device_count()
+    if gpus < 2:
+        pytest.skip("needs 2 GPUs")
+    out = _run({
+        "setup": "%load_ext nbkit\nimport torch\nx = torch.ones(3, device='cuda')  # inference in the notebook",
+        "train": ("%%ddp --out r\nimport torch, nbkit, torch.distributed as dist\n"
+                  "torch.cuda.set_device(nbkit.local_rank())\ndist.init_process_group('nccl')\n"
+                  "t = torch.ones(1, device='cuda') * (nbkit.rank() + 1)\ndist.all_reduce(t)\n"
+                  "nbkit.report(step=1, loss=t.item(), total_steps=1)\ndist.destroy_process_group()\n"
+                  "(t.item(), x.sum().item(), str(x.device))"),
+    }, tmp_path)
+    train = out["train"]
+    assert train["error"] is None, train["error"]
+    assert "spawn mode" in train["stdout"] and "CUDA is already initialised" in train["stdout"]
+    # every GPU took part; x came along on the CPU
+    assert train["result"] == repr((float(gpus * (gpus + 1) // 2), 3.0, "cpu"))
