@@ -1,0 +1,179 @@
+"""nbkit.savers on GPUs (run on a GPU machine with `pytest -m gpu`).
+
+- A model split over 2 GPUs with device_map="balanced" (layers on both GPUs, hidden states on
+  cuda:1, lm_head on cuda:0): with LoRA dropout, offloaded checkpointing replays each GPU's
+  dropout masks (gradients equal the plain model's); with all savers it matches and trains.
+- Offloading really moves the saved layer inputs to the host (memory after the forward), and
+  computes exactly what recompute-only checkpointing computes.
+- The tiled MLP under bf16 autocast on a GPU.
+- The DDP matrix of test_savers_ddp.py on 2 GPUs over NCCL (in a fresh interpreter: launching
+  needs a process without CUDA, and earlier GPU tests of the session have initialised it here).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from test_savers import LANGUAGE_LINEARS, assert_grads_match, loss_and_grads, make_batch, relative_error
+from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+from nbkit import savers
+from nbkit.offline import load_config
+from nbkit.savers._model import decoder_layers, module_device
+
+pytestmark = pytest.mark.gpu
+
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+one_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+GPU_TOLERANCE = 1e-3  # fp32 without TF32; GPU reductions may order sums differently
+
+
+@pytest.fixture(autouse=True)
+def exact_fp32():
+    previous = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = previous
+
+
+def _lora(model: torch.nn.Module, dropout: float) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, target_modules=LANGUAGE_LINEARS,
+                                            init_lora_weights=False))
+
+
+@pytest.fixture(scope="module")
+def four_layer_path(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """tiny:qwen3 with 4 layers, saved: "balanced" puts the embeddings, lm_head and layer 0 on cuda:0,
+    layers 1-3 and the final norm on cuda:1."""
+    config = load_config("tiny:qwen3")
+    config.num_hidden_layers, config.layer_types = 4, ["full_attention"] * 4
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("four-layers")
+    Qwen3ForCausalLM(config).save_pretrained(path)
+    return str(path)
+
+
+def _balanced(path: str, dropout: float) -> torch.nn.Module:
+    model = AutoModelForCausalLM.from_pretrained(path, device_map="balanced", dtype=torch.float32)
+    layer_devices = {module_device(layer) for layer in decoder_layers(model)}
+    assert layer_devices == {torch.device("cuda", 0), torch.device("cuda", 1)}, model.hf_device_map
+    return _lora(model, dropout)
+
+
+def _on(batch: dict[str, torch.Tensor], device: str) -> dict[str, torch.Tensor]:
+    return {k: v.to(device) for k, v in batch.items()}
+
+
+@two_gpus
+def test_split_model_replays_dropout_on_each_gpu(four_layer_path):
+    model = _balanced(four_layer_path, dropout=0.2)
+    batch = _on(make_batch(model, [40, 33], seed=1), "cuda:0")
+    reference_loss, reference = loss_and_grads(model, batch, seed=3)
+    savers.apply(model, checkpointing="offload", tiled_mlp=False, chunked_loss=True)
+    loss, grads = loss_and_grads(model, batch, seed=3)
+    assert relative_error(loss, reference_loss.to(loss.device)) < GPU_TOLERANCE
+    errors = {n: relative_error(grads[n], reference[n]) for n in reference}
+    assert max(errors.values()) < GPU_TOLERANCE, max(errors.items(), key=lambda kv: kv[1])
+    # A recompute with the wrong GPU's RNG would draw other masks: make sure dropout matters here.
+    savers.remove(model)
+    _, other_seed = loss_and_grads(model, batch, seed=4)
+    assert max(relative_error(other_seed[n], reference[n]) for n in reference) > 1e-2
+
+
+@two_gpus
+def test_split_model_trains_with_all_savers(four_layer_path):
+    model = _balanced(four_layer_path, dropout=0.0)
+    batch = _on(make_batch(model, [64, 50], seed=2), "cuda:0")
+    reference_loss, reference = loss_and_grads(model, batch)
+    savers.apply(model, checkpointing="offload", tiled_mlp=4, chunked_loss=True)
+    loss, grads = loss_and_grads(model, batch)
+    assert relative_error(loss, reference_loss.to(loss.device)) < GPU_TOLERANCE
+    errors = {n: relative_error(grads[n], reference[n]) for n in reference}
+    assert max(errors.values()) < GPU_TOLERANCE, max(errors.items(), key=lambda kv: kv[1])
+
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=5e-2)
+    losses = []
+    for _ in range(8):
+        loss = model(**batch).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    assert all(torch.isfinite(torch.tensor(losses)))
+    assert losses[-1] < losses[0] - 0.1, losses
+
+
+def _allocated_after_forward(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[int, dict]:
+    model.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    loss = model(**batch).loss
+    torch.cuda.synchronize()
+    torch.empty(1, device="cuda")  # lets the allocator retire blocks whose copies have finished
+    allocated = torch.cuda.memory_allocated()
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    return allocated, grads
+
+
+@one_gpu
+def test_offload_moves_saved_layer_inputs_to_the_host():
+    config = Qwen3Config(vocab_size=1024, hidden_size=512, intermediate_size=1024, num_hidden_layers=8,
+                         num_attention_heads=8, num_key_value_heads=4, head_dim=64, max_position_embeddings=4096)
+    torch.manual_seed(0)
+    model = _lora(Qwen3ForCausalLM(config).to("cuda"), dropout=0.0)
+    batch = {"input_ids": torch.randint(0, 1024, (2, 2048), device="cuda")}
+    batch["labels"] = batch["input_ids"]
+    savers.apply(model, checkpointing="recompute", tiled_mlp=False, chunked_loss=False)
+    on_gpu, recomputed = _allocated_after_forward(model, batch)
+    savers.apply(model, checkpointing="offload", tiled_mlp=False, chunked_loss=False)
+    for _ in range(2):  # twice: prefetching must find the right tensors again
+        offloaded, grads = _allocated_after_forward(model, batch)
+    layer_inputs = config.num_hidden_layers * 2 * 2048 * config.hidden_size * 4
+    assert on_gpu - offloaded > 0.75 * layer_inputs, (on_gpu, offloaded, layer_inputs)
+    assert all(relative_error(grads[n], recomputed[n]) < 1e-5 for n in grads)
+
+
+@one_gpu
+def test_tiled_mlp_under_bf16_autocast():
+    model = _lora(AutoModelForCausalLM.from_pretrained(_tiny_path(), dtype=torch.float32).to("cuda"), dropout=0.0)
+    batch = _on(make_batch(model, [96, 70], seed=5), "cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        reference_loss, reference = loss_and_grads(model, batch)
+        savers.apply(model, checkpointing="offload", tiled_mlp=3, chunked_loss=False)
+        loss, grads = loss_and_grads(model, batch)
+    assert relative_error(loss, reference_loss) < 1e-2
+    assert max(relative_error(grads[n], reference[n]) for n in reference) < 5e-2
+
+
+def _tiny_path() -> str:
+    import nbkit
+
+    return nbkit.resolve_model("tiny:qwen3")
+
+
+def ddp_on_gpus(kind: str) -> None:
+    """The DDP matrix's savers on 2 GPUs over NCCL against a single-GPU reference (fresh interpreter)."""
+    import test_savers_ddp as ddp
+
+    import nbkit
+
+    cases = [(saver, {"find_unused_parameters": unused}) for saver in ("offload", "all") for unused in (True, False)]
+    results = nbkit.launch(ddp._run_matrix, kind, "cuda", cases, gpus=2, timeout=300, dashboard=False)
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    ddp.check_matrix(results, *ddp._reference(kind, "cuda:0"), cases, tolerance=GPU_TOLERANCE)
+
+
+@two_gpus
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3-vl"])
+def test_ddp_on_two_gpus_matches_one_gpu(kind):
+    here = Path(__file__).resolve().parent
+    code = (f"import sys; sys.path[:0] = [{str(here)!r}, {str(here.parent)!r}]; "
+            f"import test_savers_gpu; test_savers_gpu.ddp_on_gpus({kind!r})")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, (proc.stdout[-4000:], proc.stderr[-6000:])
