@@ -86,3 +86,11 @@ def test_a_supported_unsloth_stack_raises_no_version_problem(monkeypatch):
             "datasets": "4.8.5", "torchvision": "0.28.0"}
     monkeypatch.setattr(doctor_module, "_version", lambda name: good.get(name))
     assert [p.what for p in doctor().problems if " is outside " in p.what or "torchvision" in p.what] == []
+
+
+def test_nbkit_doctor_stays_callable_whichever_import_came_first():
+    import nbkit
+
+    module = importlib.import_module("nbkit.doctor")
+    assert module().platform == doctor().platform  # `import nbkit.doctor` rebinds nbkit.doctor to the module
+    assert nbkit.doctor().versions == doctor().versions

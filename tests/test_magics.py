@@ -169,3 +169,44 @@ def test_after_cuda_is_initialised_in_the_kernel_ddp_spawns_and_uses_every_gpu(t
     assert "spawn mode" in train["stdout"] and "CUDA is already initialised" in train["stdout"]
     # every GPU took part; x came along on the CPU
     assert train["result"] == repr((float(gpus * (gpus + 1) // 2), 3.0, "cpu"))
+
+
+def test_cell_analysis_finds_the_names_a_cell_reads_before_binding_them():
+    from nbkit.cells import free_names, run_cell
+
+    source = (
+        "import math as m\nx = y + 1\n"
+        "def f(a, b=default):\n    return a + g(b) + z + m.pi\n"
+        "def g(q):\n    return q\n"
+        "class C(Base):\n    k = kval\n"
+        "squares = [i * i for i in items]\n"
+        "try:\n    pass\nexcept Err as e:\n    print(e)\n"
+        "with open(path) as fh:\n    fh.read()\n"
+        "f(x)\n"
+    )
+    assert free_names(source) == {"y", "default", "z", "Base", "kval", "items", "Err", "path"}
+    namespace = {"y": 1}
+    assert run_cell("a = y + 1\na * 10", namespace) == 20 and namespace["a"] == 2
+    assert run_cell("b = 3", namespace) is None
+
+
+def test_bring_along_orders_dependencies_and_rejects_what_it_cannot_rebuild():
+    import linecache
+    import math
+    import threading
+
+    from nbkit.spawning import BringAlongError, bring_along
+
+    namespace = {"m": math, "scale": 3, "lock": threading.Lock(), "lam": lambda: 1}
+    # as IPython defines a function in a cell: source in linecache, module __main__
+    source = "def helper(x):\n    return m.sqrt(x) * scale\n"
+    linecache.cache["<cell 7>"] = (len(source), None, source.splitlines(True), "<cell 7>")
+    exec(compile(source, "<cell 7>", "exec"), namespace)
+    namespace["helper"].__module__ = "__main__"
+    items = bring_along("helper(4)", namespace)
+    assert [(kind, name) for kind, name, *_ in items] == [("import", "m"), ("value", "scale"), ("source", "helper")]
+    with pytest.raises(BringAlongError, match="cannot bring 'lock' along.*cannot be pickled"):
+        bring_along("lock.acquire()", namespace)
+    namespace["lam"].__module__ = "__main__"
+    with pytest.raises(BringAlongError, match="'lam'.*lambda"):
+        bring_along("lam()", namespace)
