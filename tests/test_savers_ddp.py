@@ -79,7 +79,8 @@ def _run_matrix(kind: str, device_type: str = "cpu", cases: list = CASES) -> dic
             names = {p: name for name, p in model.named_parameters() if p.requires_grad}
             accumulated = {name: 0 for name in names.values()}
             for p, name in names.items():
-                p.register_post_accumulate_grad_hook(lambda p, name=name: accumulated.__setitem__(name, accumulated[name] + 1))
+                p.register_post_accumulate_grad_hook(
+                    lambda p, name=name: accumulated.__setitem__(name, accumulated[name] + 1))
             ddp = DistributedDataParallel(model, device_ids=[device.index] if cuda else None, **ddp_options)
             reduced = {name: 0 for name in names.values()}
 

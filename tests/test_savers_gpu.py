@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
-from test_savers import LANGUAGE_LINEARS, assert_grads_match, loss_and_grads, make_batch, relative_error
+from test_savers import LANGUAGE_LINEARS, loss_and_grads, make_batch, relative_error
 from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from nbkit import savers
