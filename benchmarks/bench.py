@@ -294,11 +294,11 @@ def run_one(spec: common.LaunchSpec, workdir: Path, index: int, timeout: float) 
     for row in rows:
         row["launch_wall_s"] = wall
     if reason is None and launch_error is None:
-        missing = [] if spec.ladder else [c for c in spec.cases if not _has_row(rows, c)]
+        missing = [] if spec.ladder else [c for c in spec.cases if not _has_row(spec, rows, c)]
         why = "the launch ended without reporting this case"
     else:
         why = launch_error or reason
-        missing = [c for c in spec.cases if not _has_row(rows, c)]
+        missing = [c for c in spec.cases if not _has_row(spec, rows, c)]
         if spec.ladder:
             done = max((r["seq_len"] for r in rows), default=0)
             missing = [c for c in missing if c.seq_len > done][:1]
@@ -310,10 +310,10 @@ def run_one(spec: common.LaunchSpec, workdir: Path, index: int, timeout: float) 
     return rows
 
 
-def _has_row(rows: list[dict], case: common.Case) -> bool:
-    label = common.ddp_label(dict(case.ddp))
+def _has_row(spec: common.LaunchSpec, rows: list[dict], case: common.Case) -> bool:
+    label = common.ddp_label(dict(case.ddp)) if spec.gpus > 1 else ""
     return any(r["precision"] == case.precision and r["seq_len"] == case.seq_len and r["batch"] == case.batch
-               and r.get("ddp", "") in ("", label) for r in rows)
+               and r["ddp"] == label for r in rows)
 
 
 def _skip_reason(backend: str, gpus: int, device: str, gpu_count: int) -> str | None:
@@ -507,7 +507,8 @@ def _failure_section(rows: list[dict]) -> list[str]:
     out = ["", "## Failures", ""]
     for r in failed:
         where = f" (rank {r['error_rank']}, {r.get('phase', '')})" if "error_rank" in r else ""
-        out.append(f"- {r['config']} {r['precision']} {r['seq_len']}x{r['batch']}: {r['status']}{where}: "
+        ddp = f" [{r['ddp']}]" if r.get("ddp") else ""
+        out.append(f"- {r['config']} {r['precision']} {r['seq_len']}x{r['batch']}{ddp}: {r['status']}{where}: "
                    f"{(r.get('error') or '').strip()}")
     return out
 

@@ -255,6 +255,10 @@ def setup_rank(device_kind: str | None = None, *, memory_cap_gib: float | None =
         # Forked CPU ranks hang in their first parallel op when the parent had started torch's
         # thread pool, and two ranks on a small machine only fight over cores anyway.
         torch.set_num_threads(1)
+    if world == int(os.environ.get("LOCAL_WORLD_SIZE", "0")) and sys.platform.startswith("linux"):
+        # Every rank is on this machine: gloo (the agreements, CPU runs) over loopback, whatever
+        # the host name resolves to.
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     if world > 1 and not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
@@ -397,13 +401,14 @@ def preload(spec: "LaunchSpec") -> None:
 
 def synthetic_batch(config: Any, seq_len: int, batch: int, device: torch.device | str, *,
                     image: bool = False, seed: int = 0) -> dict[str, torch.Tensor]:
-    """A training batch of `batch` random sequences of exactly `seq_len` tokens, labels = inputs.
+    """A training batch of `batch` random sequences of exactly `seq_len` tokens, labels = inputs
+    (image tokens excepted).
 
     Takes the model's config (text or Qwen-VL), the length and count, the device, whether each
     sequence carries one small image (IMAGE_GRID patches as <vision_start> <image_pad>... <vision_end>
     right after the first token, with pixel_values, image_grid_thw and mm_token_type_ids), and a
     seed (same seed, same batch). No attention mask (no padding), so attention never materialises
-    a seq x seq mask. Token ids avoid the image/video marker ids. Raises ValueError when an image
+    a seq x seq mask. Token ids avoid the image/video marker ids; image tokens get label -100. Raises ValueError when an image
     is asked of a model that is not a Qwen-VL or does not fit in `seq_len`.
     """
     if seq_len < 2 or batch < 1:
@@ -420,7 +425,9 @@ def synthetic_batch(config: Any, seq_len: int, batch: int, device: torch.device 
     out = {"input_ids": ids}
     if image:
         out.update(_image_inputs(config, ids, generator))
-    out["labels"] = out["input_ids"].clone()
+    out["labels"] = ids.clone()
+    if image:  # as chat collators do: no loss on image tokens
+        out["labels"][out["mm_token_type_ids"].bool()] = -100
     return {k: v.to(device) for k, v in out.items()}
 
 
@@ -847,7 +854,7 @@ def _profile(stepper: Stepper, batch: dict[str, torch.Tensor], spec: LaunchSpec,
                 continue
             name = event.key.lower()
             kind = "nccl" if "nccl" in name else "memcpy" if name.startswith(("memcpy", "memset")) else "compute"
-            kinds[kind] += event.self_device_time_total / 1000
+            kinds[kind] += _device_us(event) / 1000
         summary.update({f"{k}_ms_per_step": v / spec.profile_steps for k, v in kinds.items()})
         summary["compute_busy_pct"] = 100 * summary["compute_ms_per_step"] / wall_ms if wall_ms else 0.0
     if rank == 0:
@@ -855,7 +862,9 @@ def _profile(stepper: Stepper, batch: dict[str, torch.Tensor], spec: LaunchSpec,
         out.mkdir(parents=True, exist_ok=True)
         slug = f"{spec.config}_{case.label()}".replace(":", "-").replace("@", "-").replace(" ", "_")
         slug = "".join(ch if ch.isalnum() or ch in "._-" else "_" for ch in slug)
-        sort = "self_device_time_total" if stepper.device.type == "cuda" else "self_cpu_time_total"
+        sort = "self_cpu_time_total"
+        if stepper.device.type == "cuda":  # torch < 2.4 named device times after CUDA
+            sort = "self_device_time_total" if hasattr(averages[0], "self_device_time_total") else "self_cuda_time_total"
         table = averages.table(sort_by=sort, row_limit=30)
         lines = [f"{spec.config} {case.label()}: {spec.profile_steps} steps, rank 0",
                  json.dumps(summary, indent=1), table]
@@ -863,6 +872,12 @@ def _profile(stepper: Stepper, batch: dict[str, torch.Tensor], spec: LaunchSpec,
         prof.export_chrome_trace(str(out / f"{slug}.trace.json.gz"))
         summary["files"] = [f"{slug}.txt", f"{slug}.trace.json.gz"]
     return summary
+
+
+def _device_us(event: Any) -> float:
+    """An event's own device time in microseconds, under the name this torch uses."""
+    value = getattr(event, "self_device_time_total", None)
+    return getattr(event, "self_cuda_time_total", 0.0) if value is None else value
 
 
 # ---------------------------------------------------------------------------------------------

@@ -46,10 +46,10 @@ def test_synthetic_image_batch_shards_back_into_the_global_batch(tiny_vl_path):
     config = AutoConfig.from_pretrained(tiny_vl_path)
     batch = common.synthetic_batch(config, 96, 4, "cpu", image=True, seed=3)
     assert batch["input_ids"].shape == (4, 96)
-    assert torch.equal(batch["labels"], batch["input_ids"])
-    image_tokens = (batch["input_ids"] == config.image_token_id).sum(dim=1)
-    assert image_tokens.tolist() == [64] * 4  # 16x16 patches after the 2x2 merge
-    assert torch.equal(batch["mm_token_type_ids"].bool(), batch["input_ids"] == config.image_token_id)
+    image = batch["input_ids"] == config.image_token_id
+    assert image.sum(dim=1).tolist() == [64] * 4  # 16x16 patches after the 2x2 merge
+    assert torch.equal(batch["mm_token_type_ids"].bool(), image)
+    assert torch.equal(batch["labels"], batch["input_ids"].masked_fill(image, -100))  # no loss on image tokens
     shards = [common.shard_batch(batch, 2, i) for i in range(2)]
     for key, value in batch.items():
         assert torch.equal(torch.cat([s[key] for s in shards]), value), key
