@@ -50,7 +50,7 @@ _EXPORTS: dict[str, str] = {
     # live reporting
     "report": "nbkit.reporting",
     # diagnostics
-    "doctor": "nbkit.doctor",
+    "doctor": "nbkit.diagnostics",
 }
 
 __all__ = sorted(_EXPORTS) + ["savers", "__version__"]

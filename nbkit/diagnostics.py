@@ -15,7 +15,6 @@ import importlib.metadata
 import os
 import re
 import sys
-import types
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -245,15 +244,3 @@ def _torchvision_for(torch_version: str) -> str | None:
     """torchvision's release line for a torch 2.x release: 0.(minor + 15), e.g. 2.13 -> 0.28."""
     match = re.match(r"2\.(\d+)", torch_version)
     return f"0.{int(match.group(1)) + 15}" if match else None
-
-
-class _CallableModule(types.ModuleType):
-    """`nbkit.doctor` names both this module and the function (nbkit's lazy export). Importing the
-    module first (`from nbkit.doctor import doctor`, `%nbkit doctor`) makes Python bind the
-    package attribute to the module, so `nbkit.doctor()` must work on the module too."""
-
-    def __call__(self) -> Report:
-        return doctor()
-
-
-sys.modules[__name__].__class__ = _CallableModule

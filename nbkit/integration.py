@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 from nbkit import patching
 
-__all__ = ["install", "uninstall", "installed", "pending"]
+__all__ = ["install", "uninstall", "installed", "pending", "apply_when_imported"]
 
 # group -> module declaring its patches
 _DECLARATIONS = {"guard": "nbkit.guard", "savers": "nbkit.savers.unsloth"}
@@ -49,13 +49,21 @@ def install(*, guard: bool = True, savers: bool = True) -> list[str]:
             if not _declare(group):
                 continue
             _groups.append(group)
-            for p in patching.registered(group):
-                module = p.target.partition(":")[0]
-                if module in sys.modules:
-                    p.apply()
-                else:
-                    _watcher().arm(module, p)
+            apply_when_imported(group)
         return installed()
+
+
+def apply_when_imported(group: str) -> None:
+    """Apply the registered patches of `group` now where their module is imported, and right
+    after its import otherwise. Imports nothing itself (unsloth's import alone takes ~25 s and
+    initialises CUDA; transformers' takes seconds that a rank without a Trainer should not pay)."""
+    with _lock:
+        for p in patching.registered(group):
+            module = p.target.partition(":")[0]
+            if module in sys.modules:
+                p.apply()
+            else:
+                _watcher().arm(module, p)
 
 
 def uninstall() -> None:

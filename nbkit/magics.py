@@ -115,7 +115,7 @@ class NbkitMagics(Magics):
             pass
 
     def _doctor(self, words: list[str]) -> None:
-        from nbkit.doctor import doctor
+        from nbkit.diagnostics import doctor
 
         _parser("%nbkit doctor").parse_args(words)
         print(doctor())

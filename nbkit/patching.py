@@ -104,6 +104,7 @@ class Patch:
         def switch(*args: Any, **kwargs: Any) -> Any:
             return (new if self._active else original)(*args, **kwargs)
 
+        switch.__wrapped__ = original  # what callers and inspect see through: the patched function
         return switch
 
     def revert(self) -> None:

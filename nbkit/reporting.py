@@ -91,12 +91,7 @@ def setup_rank() -> None:
     # (nbkit.integration's import watcher applies them right after).
     from nbkit import integration
 
-    for p in patching.registered("reporting"):
-        module = p.target.partition(":")[0]
-        if module in sys.modules:
-            p.apply()
-        else:
-            integration._watcher().arm(module, p)
+    integration.apply_when_imported("reporting")
 
 
 # --------------------------------------------------------------------------------------------

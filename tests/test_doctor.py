@@ -9,9 +9,9 @@ import types
 import pytest
 
 from nbkit import distributed
-from nbkit.doctor import doctor
+from nbkit.diagnostics import doctor
 
-doctor_module = importlib.import_module("nbkit.doctor")  # `nbkit.doctor` itself is the function
+doctor_module = importlib.import_module("nbkit.diagnostics")
 
 
 def test_a_set_secret_is_reported_as_set_and_its_value_never_appears(monkeypatch):
@@ -88,9 +88,9 @@ def test_a_supported_unsloth_stack_raises_no_version_problem(monkeypatch):
     assert [p.what for p in doctor().problems if " is outside " in p.what or "torchvision" in p.what] == []
 
 
-def test_nbkit_doctor_stays_callable_whichever_import_came_first():
+def test_nbkit_doctor_is_the_function_whichever_import_came_first():
     import nbkit
 
-    module = importlib.import_module("nbkit.doctor")
-    assert module().platform == doctor().platform  # `import nbkit.doctor` rebinds nbkit.doctor to the module
+    importlib.import_module("nbkit.diagnostics")
+    assert nbkit.doctor is doctor
     assert nbkit.doctor().versions == doctor().versions
