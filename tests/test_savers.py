@@ -172,6 +172,10 @@ def test_checkpointing_recomputes_each_layer_and_tiling_skips_the_redundant_mlp_
     with torch.no_grad():
         model(**batch)
     assert counts == {"layer": 1, "mlp": 4}
+    # A layer with nothing to differentiate (frozen, its input without grad) is not checkpointed.
+    for p in layer.parameters():
+        p.requires_grad_(False)
+    assert calls(checkpointing="offload", tiled_mlp=False) == {"layer": 1, "mlp": 1}
 
 
 def test_automatic_shard_count_follows_tokens_and_hidden_size():

@@ -73,6 +73,11 @@ class HostOffloader:
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._last: weakref.ref[_Offloaded] | None = None
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> "HostOffloader":
+        # Streams and parked tensors belong to this process's run; a copied model (a reference model
+        # made with copy.deepcopy) gets its own, empty offloader.
+        return HostOffloader()
+
     def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
         return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
@@ -132,7 +137,7 @@ class _Checkpointing:
 
     def run(self, layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         call = functools.partial(nn.Module.__call__, layer)
-        if not torch.is_grad_enabled():
+        if not torch.is_grad_enabled() or not _needs_grad(layer, args, kwargs):
             return call(*args, **kwargs)
         if not getattr(layer, "_can_checkpoint_with_cache", False):
             # The recompute would write the KV cache a second time.
@@ -146,6 +151,14 @@ class _Checkpointing:
         hooks = self.offloader.hooks() if self.offloader is not None else contextlib.nullcontext()
         with hooks:
             return checkpoint(call, *args, use_reentrant=False, **kwargs)
+
+
+def _needs_grad(layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether the layer's output will need a backward (else there is nothing to checkpoint)."""
+    inputs = [*args, *kwargs.values()]
+    return any(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs) or any(
+        p.requires_grad for p in layer.parameters()
+    )
 
 
 class _CheckpointedLayer:
