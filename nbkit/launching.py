@@ -32,7 +32,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping
 
-from nbkit import channel, distributed
+from nbkit import channel, distributed, patching
 from nbkit.dashboard import Dashboard
 
 __all__ = ["launch", "LaunchError"]
@@ -101,7 +101,7 @@ def launch(
 
     _check_function(fn)
     nprocs = _count_processes(gpus)
-    _check_notebook_process()
+    check_can_fork()
     board = Dashboard(nprocs) if dashboard else None
     run = _Run(nprocs, board.event if board is not None else None)
     child = _Child(fn, args, kwargs, run.channel, quiet=quiet, use_cpu=not _has_cuda())
@@ -170,7 +170,8 @@ def _count_processes(gpus: int | None) -> int:
     return gpus
 
 
-def _check_notebook_process() -> None:
+def check_can_fork() -> None:
+    """Raise RuntimeError, saying what to do, if ranks cannot be forked from this process now."""
     import torch
 
     if torch.cuda.is_initialized():
@@ -190,12 +191,6 @@ def _check_notebook_process() -> None:
             "because a Trainer, TrainingArguments.device or Accelerator() ran in an earlier cell. Each "
             "launched process must create its own. Restart the kernel and create Trainer/TrainingArguments/"
             "Accelerator only inside the launched function."
-        )
-    if "bitsandbytes" in sys.modules:
-        raise RuntimeError(
-            "bitsandbytes was imported in this notebook process; it touches CUDA on import, which breaks "
-            "the forked training processes. Restart the kernel and import bitsandbytes (and unsloth, which "
-            "imports it) inside the launched function."
         )
 
 
@@ -446,12 +441,31 @@ def _kernel_signals_kept() -> Iterator[None]:
                 signal.signal(getattr(signal, name), handler)
 
 
+@patching.patch(
+    "accelerate.launchers:are_libraries_initialized",
+    reason="notebook_launcher refuses to fork once bitsandbytes is merely imported, and peft imports it "
+           "wherever it is installed (Kaggle), so `import peft` in a notebook blocked every launch. The "
+           "real hazard is a CUDA context in the parent, which nbkit checks itself (check_can_fork).",
+    upstream="https://github.com/huggingface/accelerate/issues/1807",
+    group="launch",
+)
+def _fork_hazards_are_checked_by_nbkit(original: Callable[..., list[str]]) -> Callable[..., list[str]]:
+    def are_libraries_initialized(*names: str) -> list[str]:
+        return [name for name in original(*names) if name != "bitsandbytes"]
+
+    return are_libraries_initialized
+
+
 def _start(child: "_Child", nprocs: int, port: int) -> None:
     if nprocs > 1:
         from accelerate import notebook_launcher
 
-        with contextlib.redirect_stdout(io.StringIO()):  # its "Launching training on N GPUs." line
-            notebook_launcher(child, num_processes=nprocs, use_port=str(port), master_addr="127.0.0.1")
+        patching.apply("launch")
+        try:
+            with contextlib.redirect_stdout(io.StringIO()):  # its "Launching training on N GPUs." line
+                notebook_launcher(child, num_processes=nprocs, use_port=str(port), master_addr="127.0.0.1")
+        finally:
+            patching.revert("launch")
         return
     # notebook_launcher runs a single process inside the notebook itself, which would create the
     # CUDA context and an Accelerator here and make every later launch fail; fork one rank instead.
@@ -487,7 +501,7 @@ class _Child:
         # Never run the destructors of objects inherited from the notebook (C++ objects whose
         # threads were not forked abort the process when collected here).
         gc.freeze()
-        _die_with_parent()
+        die_with_parent()
         # Default signal behaviour: torch elastic's handlers (inherited through fork) would turn
         # SIGTERM into an exception that a rank blocked in a collective never gets to raise.
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -505,7 +519,7 @@ class _Child:
             _prepare_rank(quiet=self.quiet, rank=rank)
             value = self.fn(*self.args, **self.kwargs)
             if rank == 0:
-                channel.send("result", _dumps(value))
+                channel.send("result", pickle_for_notebook(value))
         except BaseException as exc:
             channel.send("error", channel.RankError(
                 rank=rank, type=type(exc).__qualname__, message=str(exc),
@@ -576,11 +590,11 @@ class _Prefixed(io.TextIOBase):
         return self._target.fileno()
 
 
-def _dumps(value: Any) -> bytes:
+def pickle_for_notebook(value: Any) -> bytes:
     """Pickle rank 0's return value with every tensor moved to the CPU."""
     buf = io.BytesIO()
     try:
-        _CpuPickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(value)
+        CpuPickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(value)
     except Exception as exc:
         raise TypeError(
             f"Rank 0's return value ({type(value).__name__}) cannot be sent back to the notebook: {exc}. "
@@ -590,7 +604,9 @@ def _dumps(value: Any) -> bytes:
     return buf.getvalue()
 
 
-class _CpuPickler(pickle.Pickler):
+class CpuPickler(pickle.Pickler):
+    """Pickles tensors from any device as CPU tensors, so unpickling never initialises CUDA."""
+
     def reducer_override(self, obj: Any) -> Any:
         torch = sys.modules.get("torch")
         if torch is not None and isinstance(obj, torch.Tensor) and obj.device.type not in ("cpu", "meta"):
@@ -598,7 +614,7 @@ class _CpuPickler(pickle.Pickler):
         return NotImplemented
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """If the notebook kernel dies, take this rank down too (Linux only)."""
     if not sys.platform.startswith("linux"):
         return

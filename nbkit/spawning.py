@@ -70,7 +70,7 @@ def fork_blocker() -> str | None:
     """Why nbkit.launch cannot fork from this process now (the first sentence of its refusal),
     or None when it can. Never initialises CUDA."""
     try:
-        launching._check_notebook_process()
+        launching.check_can_fork()
     except RuntimeError as exc:
         return str(exc).split(". ")[0].rstrip(".") + "."
     return None
@@ -174,7 +174,7 @@ def _notebook_source(name: str, value: Any, namespace: Mapping[str, Any]) -> str
     raise BringAlongError(name, "its source code cannot be found")
 
 
-class _NotebookGlobals(launching._CpuPickler):
+class _NotebookGlobals(launching.CpuPickler):
     """The launcher's pickler (tensors to the CPU) that also notes the functions and classes of
     the notebook (module __main__) a value refers to: those must exist in the rank before it is
     unpickled there."""
@@ -352,7 +352,7 @@ def _coordinate() -> None:
     """Entry point of the launcher process: argv = [payload path, writer fd]."""
     path, fd = sys.argv[1], int(sys.argv[2])
     conn = Connection(fd, readable=False)
-    launching._die_with_parent()
+    launching.die_with_parent()
     with open(path, "rb") as f:
         job = pickle.load(f)
     sys.path[:] = job["sys_path"] + [p for p in sys.path if p not in job["sys_path"]]
@@ -393,5 +393,5 @@ def _run_rank(job: dict[str, Any]) -> bytes | None:
     value = cells.run_cell(job["source"], namespace, job["filename"])
     # Pickled here, unpickled in the notebook, where the notebook's own classes exist (the
     # launcher process in between has none of them).
-    return launching._dumps(value) if distributed.rank() == 0 else None
+    return launching.pickle_for_notebook(value) if distributed.rank() == 0 else None
 
