@@ -248,9 +248,11 @@ def test_apply_is_idempotent_switches_and_removes_cleanly():
     assert type(layer_mlp(layers[0])) is plain_mlp
     assert base.config.use_cache is False and not loss.is_applied(model)
 
-    savers.apply(model, checkpointing=None, tiled_mlp=5, chunked_loss=True)
+    savers.apply(model, checkpointing=None, tiled_mlp=True, chunked_loss=True)
+    assert layer_mlp(layers[0])._nbkit_shards is None  # automatic
+    savers.apply(model, checkpointing=None, tiled_mlp=1, chunked_loss=True)  # 1 == True, but not automatic
+    assert layer_mlp(layers[0])._nbkit_shards == 1
     assert type(layers[0]) is plain_layer and not hasattr(layers[0], "_nbkit_checkpointing")
-    assert layer_mlp(layers[0])._nbkit_shards == 5
     assert base.config.use_cache is True and loss.is_applied(model)
 
     assert savers.remove(model) is model
@@ -281,3 +283,9 @@ def test_bad_options_and_models_raise_helpful_errors():
     with pytest.raises(ValueError, match="could not find the decoder layers of Sequential"):
         savers.apply(torch.nn.Sequential(torch.nn.Linear(2, 2)), chunked_loss=False)
     assert not hasattr(savers._model.base_model(model), "_nbkit_savers")
+    # The bare decoder (no lm_head): the chunked loss refuses it, and no saver stays half-applied.
+    decoder = tiny_model("qwen3", lora=False).model
+    plain_layer = type(decoder.layers[0])
+    with pytest.raises(ValueError, match="lm_head"):
+        savers.apply(decoder)
+    assert type(decoder.layers[0]) is plain_layer and not hasattr(decoder, "_nbkit_savers")

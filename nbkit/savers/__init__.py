@@ -33,7 +33,7 @@ _CHECKPOINTING_MODES = ("offload", "recompute", None)
 @dataclass(frozen=True)
 class _Options:
     checkpointing: str | None
-    tiled_mlp: bool | int
+    tiled_mlp: str | int | None  # "auto", a shard count, or None (off): True == 1 must not compare equal
     chunked_loss: bool
 
 
@@ -57,7 +57,8 @@ def apply(
 
     Applying again with the same options does nothing; with other options it switches cleanly.
     Raises ValueError for an invalid option or a model whose decoder layers cannot be found (the
-    model is then left unchanged).
+    model is then left as it was), and, from the chunked loss, for a model without an lm_head
+    (then no saver is left on).
     """
     if checkpointing not in _CHECKPOINTING_MODES:
         raise ValueError(
@@ -65,21 +66,27 @@ def apply(
         )
     if not isinstance(tiled_mlp, (bool, int)) or (not isinstance(tiled_mlp, bool) and tiled_mlp < 1):
         raise ValueError(f"tiled_mlp={tiled_mlp!r} is not valid; use True, False or a shard count >= 1.")
-    wanted = _Options(checkpointing, tiled_mlp, bool(chunked_loss))
+    tiled = None if tiled_mlp is False else "auto" if tiled_mlp is True else tiled_mlp
+    wanted = _Options(checkpointing, tiled, bool(chunked_loss))
     base = base_model(model)
     current = getattr(base, "_nbkit_savers", None)
     if current == wanted:
         return model
     decoder_layers(base)  # raises, before anything changes, for a model the savers cannot handle
     remove(model)
-    if checkpointing is not None:
-        _checkpointing.enable(base, offload=checkpointing == "offload")
-    if tiled_mlp is not False:
-        _tiled_mlp.enable(base, shards=None if tiled_mlp is True else tiled_mlp)
-    if chunked_loss:
-        from nbkit.savers import loss
+    try:
+        if checkpointing is not None:
+            _checkpointing.enable(base, offload=checkpointing == "offload")
+        if tiled is not None:
+            _tiled_mlp.enable(base, shards=None if tiled == "auto" else tiled)
+        if chunked_loss:
+            from nbkit.savers import loss
 
-        loss.apply(model)  # given as is: it also hooks the peft wrapper (older peft skips the inner hooks)
+            loss.apply(model)  # given as is: it also hooks the peft wrapper (older peft skips the inner hooks)
+    except Exception:
+        _checkpointing.disable(base)
+        _tiled_mlp.disable(base)
+        raise
     base._nbkit_savers = wanted
     return model
 
