@@ -14,7 +14,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
 import torch
-from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
 import nbkit
@@ -42,6 +41,10 @@ def tiny_model(kind: str, *, lora: bool = True, dropout: float = 0.0, targets: l
     model = copy.deepcopy(_pretrained(kind))
     if not lora:
         return model
+    # Imported here: peft imports bitsandbytes where it is installed, which a process that launches
+    # ranks (test_savers_ddp, the GPU tests) should not have done.
+    from peft import LoraConfig, get_peft_model
+
     torch.manual_seed(seed)
     config = LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, target_modules=targets or LANGUAGE_LINEARS,
                         init_lora_weights=False)

@@ -19,7 +19,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from peft import LoraConfig, get_peft_model
 from test_savers import LANGUAGE_LINEARS, loss_and_grads, make_batch, relative_error
 from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
@@ -43,6 +42,8 @@ def exact_fp32():
 
 
 def _lora(model: torch.nn.Module, dropout: float) -> torch.nn.Module:
+    from peft import LoraConfig, get_peft_model  # not at import: see test_savers.tiny_model
+
     torch.manual_seed(0)
     return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, target_modules=LANGUAGE_LINEARS,
                                             init_lora_weights=False))
