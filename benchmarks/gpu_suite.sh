@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Run nbkit's GPU work on an offline GPU host, one part or several per call, results under $OUT.
+#
+#   bash benchmarks/gpu_suite.sh env model planner    # versions, build random:qwen3-vl-2b, planner accuracy
+#   bash benchmarks/gpu_suite.sh tests                # gpu-marked tests
+#   bash benchmarks/gpu_suite.sh matrix               # the 1K/16K launcher/backend matrix (issue 7)
+#   bash benchmarks/gpu_suite.sh savers t4            # memory savers 8K-64K (issue 4), T4 stand-in
+#
+# Needs .whl/ from ../shared/gpu/wheelhouse (carried along). Each part has its own time limit so
+# that one hang cannot eat the whole call; a part that fails is reported and the next one runs.
+set -uo pipefail
+OUT=${OUT:-$PWD/gpu-out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD HF_HUB_OFFLINE=1 UNSLOTH_DISABLE_STATISTICS=1 PYTHONUNBUFFERED=1
+export NBKIT_CACHE=${NBKIT_CACHE:-/tmp/nbkit-cache} NBKIT_RESULTS_DIR=$OUT TOKENIZERS_PARALLELISM=false
+
+part() {  # part NAME SECONDS COMMAND...
+  local name=$1 limit=$2; shift 2
+  echo "=== $name (limit ${limit}s) $(date -u +%H:%M:%S)"
+  local start=$SECONDS
+  timeout --signal=INT --kill-after=20 "$limit" "$@" > >(tee "$OUT/$name.log") 2>&1
+  echo "=== $name: exit $? after $((SECONDS - start))s"
+}
+
+for what in "$@"; do
+  case $what in
+    env)
+      part env 60 bash -c 'nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv;
+        python3 -c "import torch, transformers, accelerate, peft; print(torch.__version__, transformers.__version__, accelerate.__version__, peft.__version__)";
+        python3 -c "import torch, bitsandbytes; print(\"bitsandbytes import initialises CUDA:\", torch.cuda.is_initialized())"' ;;
+    model)
+      part model 150 python3 -c "import time, nbkit; t = time.time(); print(nbkit.resolve_model('random:qwen3-vl-2b'), round(time.time() - t, 1), 's')" ;;
+    tests)
+      part tests 330 python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests ;;
+    planner)
+      part planner 150 python3 benchmarks/planner_accuracy.py --out "$OUT/planner_accuracy.json" ;;
+    matrix)
+      part matrix 560 python3 benchmarks/bench.py --matrix default --time-limit 470 \
+        --out "$OUT/matrix.json" --md "$OUT/matrix.md" ;;
+    savers)
+      part savers 330 python3 benchmarks/savers.py --seq-lens 8k,16k,32k,64k --time-budget 300 \
+        --out "$OUT/savers.json" --md "$OUT/savers.md" ;;
+    t4)
+      part t4 240 python3 benchmarks/bench.py --t4 --configs nbkit:2 --time-limit 200 \
+        --out "$OUT/t4.json" --md "$OUT/t4.md" ;;
+    *) echo "unknown part: $what" >&2 ;;
+  esac
+done
