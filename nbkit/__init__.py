@@ -71,6 +71,11 @@ def __dir__() -> list[str]:
     return __all__
 
 
+# Before anything else imports torchao (transformers and peft do, where it is installed): its
+# import-time device query would create a CUDA context here and make every launch fail.
+importlib.import_module("nbkit.forksafety").install()
+
+
 def load_ipython_extension(ipython: Any) -> None:
     """`%load_ext nbkit`: registers the %%ddp and %nbkit magics."""
     from nbkit.magics import register

@@ -195,10 +195,15 @@ def check_can_fork() -> None:
 
 
 def _likely_cuda_cause() -> str:
-    if "unsloth" in sys.modules:
-        return "unsloth was imported in this notebook process (importing it initialises CUDA)"
-    if "bitsandbytes" in sys.modules:
-        return "bitsandbytes was imported in this notebook process (importing it initialises CUDA)"
+    for module, why in (
+        ("unsloth", "unsloth was imported in this notebook process (importing it initialises CUDA)"),
+        ("bitsandbytes", "bitsandbytes was imported in this notebook process (importing it initialises CUDA; "
+                         "peft and unsloth import it wherever it is installed, as on Kaggle)"),
+        ("torchao", "torchao was imported before nbkit (transformers and peft import it wherever it is "
+                    "installed, and its import queries the GPU); `import nbkit` first makes that harmless"),
+    ):
+        if module in sys.modules:
+            return why
     return ("a tensor or model was put on a GPU, or a CUDA query such as torch.cuda.get_device_name() "
             "ran, in an earlier cell")
 

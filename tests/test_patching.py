@@ -93,3 +93,15 @@ def test_group_apply_and_revert(lib):
         assert patching.applied("test-group") == [] and lib.top is before
     finally:
         patching._REGISTRY.remove(p)
+
+
+def test_import_nbkit_makes_the_triton_probe_context_free_before_torchao_can_call_it():
+    import subprocess
+
+    code = (
+        "import sys, nbkit; assert 'torch' not in sys.modules\n"
+        "from torch.utils._triton import has_triton\n"  # what torchao does at import
+        "print(has_triton.__module__, has_triton.__wrapped__.__module__, has_triton())"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["nbkit.forksafety", "torch.utils._triton", "False"]  # ours, around torch's; no GPU

@@ -1,0 +1,55 @@
+"""Keeping the notebook process free of a CUDA context until it launches.
+
+nbkit.launch forks the training processes, and a process that has created a CUDA context cannot
+fork working children. Some libraries create one merely by being imported. The ones nbkit can
+make harmless are patched here, as soon as `import nbkit` runs; the ones it cannot (bitsandbytes
+initialises CUDA on import, and peft and unsloth import it) are named in the error that
+nbkit.launch raises, and `%%ddp` then starts fresh processes instead of forking.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from nbkit import distributed, patching
+
+__all__ = ["install"]
+
+
+@patching.patch(
+    "torch.utils._triton:has_triton",
+    reason="has_triton() asks the current CUDA device for its compute capability, which creates a CUDA "
+           "context; torchao calls it at import time, and transformers and peft import torchao wherever it is "
+           "installed (unsloth installs it). Measured on 2x H200: resolving a model path then initialised "
+           "CUDA in the notebook process. nvidia-smi gives the same answer without a context.",
+    upstream="none filed yet: torchao/prototype/mx_formats/kernels.py calls has_triton() at import "
+             "(torchao 0.18.0); torch/utils/_triton.py asks the device for its properties",
+    group="forksafety",
+)
+def _context_free_has_triton(original: Callable[[], bool]) -> Callable[[], bool]:
+    def has_triton() -> bool:
+        import torch
+
+        if torch.cuda.is_initialized() or not torch.cuda.is_available():
+            return original()
+        gpus = distributed.visible_gpus()
+        if not gpus or any(gpu.capability == (0, 0) for gpu in gpus):
+            return original()  # capabilities unknown without a context: ask the usual way
+        from torch._inductor.config import triton_disable_device_detection
+        from torch.utils._triton import has_triton_package
+
+        if triton_disable_device_detection or not has_triton_package():
+            return False
+        return any(gpu.capability[0] >= 7 for gpu in gpus)  # triton's own bar for CUDA devices
+
+    return has_triton
+
+
+def install() -> None:
+    """Apply the patches of this module now, or right after their modules are first imported.
+
+    Called by `import nbkit`; imports nothing heavy itself.
+    """
+    from nbkit import integration
+
+    integration.apply_when_imported("forksafety")
