@@ -29,6 +29,8 @@ for what in "$@"; do
       part env 60 bash -c 'nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv;
         python3 -c "import torch, transformers, accelerate, peft; print(torch.__version__, transformers.__version__, accelerate.__version__, peft.__version__)";
         python3 -c "import torch, bitsandbytes; print(\"bitsandbytes import initialises CUDA:\", torch.cuda.is_initialized())"' ;;
+    probe)
+      part probe 90 python3 benchmarks/fork_probe.py ;;
     model)
       part model 150 python3 -c "import time, nbkit; t = time.time(); print(nbkit.resolve_model('random:qwen3-vl-2b'), round(time.time() - t, 1), 's')" ;;
     tests)
