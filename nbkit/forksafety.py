@@ -45,6 +45,46 @@ def _context_free_has_triton(original: Callable[[], bool]) -> Callable[[], bool]
     return has_triton
 
 
+@patching.patch(
+    "torch.cuda:get_device_capability",
+    reason="asking for a GPU's compute capability creates a CUDA context; torchao's is_sm_at_least_*() "
+           "helpers do it at import time (torchao/prototype/mx_formats/kernels.py), and transformers and "
+           "peft import torchao wherever it is installed. Measured on 2x H200. nvidia-smi answers the same "
+           "question without a context.",
+    upstream="none filed yet: torchao 0.18.0 queries the device while its modules import",
+    group="forksafety",
+)
+def _context_free_capability(original: Callable[..., tuple[int, int]]) -> Callable[..., tuple[int, int]]:
+    def get_device_capability(device: object = None) -> tuple[int, int]:
+        import torch
+
+        if torch.cuda.is_initialized() or not torch.cuda.is_available():
+            return original(device)
+        gpus = distributed.visible_gpus()
+        index = _index(device)
+        if index is None or index >= len(gpus) or gpus[index].capability == (0, 0):
+            return original(device)
+        return gpus[index].capability
+
+    return get_device_capability
+
+
+def _index(device: object) -> int | None:
+    """The visible-device index a torch device argument names (None: current device, which is 0
+    before CUDA is initialised); None when it cannot be told without CUDA."""
+    import torch
+
+    if device is None:
+        return 0
+    if isinstance(device, int):
+        return device
+    if isinstance(device, str):
+        device = torch.device(device)
+    if isinstance(device, torch.device) and device.type == "cuda":
+        return 0 if device.index is None else device.index
+    return None
+
+
 def install() -> None:
     """Apply the patches of this module now, or right after their modules are first imported.
 
