@@ -76,6 +76,8 @@ def _index(device: object) -> int | None:
 
     if device is None:
         return 0
+    if isinstance(device, torch.cuda.device):  # the context manager bitsandbytes passes
+        device = device.idx
     if isinstance(device, int):
         return device
     if isinstance(device, str):
