@@ -51,6 +51,7 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any, Iterable
 
+import nbkit  # noqa: F401  (first: nbkit.forksafety keeps this launching process fork-safe)
 import torch
 from torch import nn
 

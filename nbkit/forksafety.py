@@ -88,10 +88,18 @@ def _index(device: object) -> int | None:
 
 
 def install() -> None:
-    """Apply the patches of this module now, or right after their modules are first imported.
+    """Make this process's CUDA queries context-free until it initialises CUDA itself.
 
-    Called by `import nbkit`; imports nothing heavy itself.
+    Called by `import nbkit`; imports nothing heavy itself. torch.cuda.is_available() and
+    device_count() ask the CUDA runtime by default, which initialises the driver and "poisons"
+    fork: every forked rank then fails with "Cannot re-initialize CUDA in forked subprocess"
+    (measured on 2x H200). torch's own switch makes them ask NVML instead. The patches below then
+    apply now, or right after their modules are first imported.
     """
+    import os
+
     from nbkit import integration
+
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
 
     integration.apply_when_imported("forksafety")

@@ -323,6 +323,13 @@ class _Run:
             return LaunchError(f"The launch failed before any rank ran: {type(failure).__name__}: {failure}")
         ranks = ", ".join(f"rank {r}" for r in failures)
         lines = [f"{ranks} failed ({self.nprocs} processes launched; the others were stopped)."]
+        if any("Cannot re-initialize CUDA in forked subprocess" in e.message for e in self.errors.values()):
+            lines.append(
+                "The notebook process touched the CUDA driver before launching (torch.cuda.is_available() "
+                "or device_count() before `import nbkit`, or a library that queries the GPU on import), so "
+                "forked ranks cannot use CUDA. Import nbkit first in the notebook, or restart the kernel and "
+                "keep GPU work inside the launched function; %%ddp can start fresh processes instead."
+            )
         for rank, why in failures.items():
             lines.append(f"\n[rank {rank}] {why}")
             err = self.errors.get(rank)

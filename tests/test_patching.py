@@ -102,9 +102,11 @@ def test_import_nbkit_makes_the_triton_probe_context_free_before_torchao_can_cal
         "import sys, nbkit; assert 'torch' not in sys.modules\n"
         "from torch.utils._triton import has_triton\n"  # what torchao does at import
         "import torch\n"
+        "import os\n"
         "print(has_triton.__module__, has_triton.__wrapped__.__module__, has_triton(),\n"
-        "      torch.cuda.get_device_capability.__module__)"
+        "      torch.cuda.get_device_capability.__module__, os.environ['PYTORCH_NVML_BASED_CUDA_CHECK'])"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    # nbkit's replacements, around torch's own; on this machine without a GPU they defer to torch.
-    assert out.split() == ["nbkit.forksafety", "torch.utils._triton", "False", "nbkit.forksafety"]
+    # nbkit's replacements, around torch's own (on this machine without a GPU they defer to torch),
+    # and torch's NVML-based availability check, which does not poison fork.
+    assert out.split() == ["nbkit.forksafety", "torch.utils._triton", "False", "nbkit.forksafety", "1"]
