@@ -43,8 +43,8 @@ _OFFLINE: dict[str, tuple[str, str, dict[str, Any]]] = {
                            learning_rate=1e-2)),
     "text_llm_ddp": ("tiny:qwen3", "random:qwen3-1.7b",
                      dict(max_steps=16, num_samples=128, batch_size=4, max_seq_length=128, learning_rate=1e-2)),
-    "model_parallel": ("tiny:qwen3", "random:qwen3-1.7b",
-                       dict(max_steps=16, num_samples=128, batch_size=4, max_seq_length=128, learning_rate=1e-2)),
+    "model_parallel": ("tiny:qwen3", "random:qwen3-1.7b",  # one process: twice the batch of the DDP notebooks' two
+                       dict(max_steps=16, num_samples=128, batch_size=8, max_seq_length=128, learning_rate=1e-2)),
     "long_context": ("tiny:qwen3", "random:qwen3-1.7b",
                      dict(max_steps=16, num_samples=400, batch_size=1, max_seq_length=512, learning_rate=1e-2,
                           measure_lengths=[256, 2048])),

@@ -1,0 +1,84 @@
+"""The flagship notebook on 2 GPUs standing in for Kaggle's 2x T4 (pytest -m gpu; needs 2 GPUs and unsloth).
+
+Qwen3-VL-2B's shapes with random weights (random:qwen3-vl-2b, nothing downloaded), unsloth, fp16 (a T4
+has no bf16) and every process capped at 15 GiB of its GPU, a T4's usable memory. Records what the
+run measured (seconds per step, rank 0's peak memory, the loss) as JSON in $NBKIT_RESULTS_DIR (else
+the test's temporary directory) for benchmarks/RESULTS.md, and prints it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+import nbformat
+import pytest
+
+import nbkit
+
+NOTEBOOKS_DIR = Path(__file__).resolve().parent.parent / "notebooks"
+T4_USABLE_GIB = 15
+STEPS = 12
+
+
+def _load_runner():
+    spec = importlib.util.spec_from_file_location("nbkit_notebook_runner", NOTEBOOKS_DIR / "run.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.gpu
+def test_flagship_trains_on_two_capped_gpus_with_unsloth_in_fp16(tmp_path: Path) -> None:
+    if len(nbkit.visible_gpus()) < 2:
+        pytest.skip("needs 2 GPUs")
+    if importlib.util.find_spec("unsloth") is None:
+        pytest.skip("needs unsloth")
+    runner = _load_runner()
+    # Build the random checkpoint here, once, before the notebook's kernel starts (the kernel and its
+    # training processes inherit NBKIT_CACHE and find it).
+    nbkit.resolve_model("random:qwen3-vl-2b")
+
+    start = time.monotonic()
+    (executed,) = runner.run(["qwen3_vl_2xT4"], tmp_path, dict(
+        model_name="random:qwen3-vl-2b", dataset_name="synthetic", backend="unsloth", precision="fp16",
+        gpu_memory_cap_gib=T4_USABLE_GIB, gpus=2, max_steps=STEPS, save_steps=STEPS // 2, batch_size=2,
+        num_samples=128, image_size=448, max_seq_length=1024, learning_rate=1e-3,
+    ), timeout=600)
+    wall = time.monotonic() - start
+
+    nb = nbformat.read(executed, as_version=4)
+    errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
+    assert not errors, errors
+    summary = json.loads((tmp_path / "qwen3_vl_2xT4" / "summary.json").read_text())
+    train = summary["train"]
+    assert summary["backend"] == "unsloth" and summary["precision"] == "fp16" and summary["gpus"] == 2
+    assert summary["load_in_4bit"] is False  # the planner: 16-bit LoRA of a 2B model fits a T4
+    assert train["global_step"] == STEPS and all(math.isfinite(loss) for loss in summary["losses"])
+    losses = summary["losses"]
+    assert sum(losses[-3:]) < sum(losses[:3]), losses
+    assert 0 < train["peak_memory_gib"] <= T4_USABLE_GIB
+
+    record = {
+        "what": "notebooks/qwen3_vl_2xT4.ipynb on 2 GPUs capped at 15 GiB each (a T4's usable memory), "
+                "random:qwen3-vl-2b, unsloth, fp16, LoRA r=16 on the language model, batch 2 per GPU, "
+                "synthetic 448x448 images",
+        "gpu": nbkit.visible_gpus()[0].name,
+        "steps": train["global_step"],
+        "seconds_per_step_mean_incl_first": train["seconds_per_step"],
+        "peak_memory_gib_rank0": train["peak_memory_gib"],
+        "loss_first": summary["losses"][0],
+        "loss_last": summary["losses"][-1],
+        "train_loss_mean": train["train_loss"],
+        "notebook_wall_seconds": wall,
+    }
+    results_dir = Path(os.environ.get("NBKIT_RESULTS_DIR", tmp_path))
+    results_dir.mkdir(parents=True, exist_ok=True)
+    out = results_dir / "notebook_qwen3_vl_2xT4_gpu.json"
+    out.write_text(json.dumps(record, indent=1))
+    print(json.dumps(record, indent=1))
+    print(f"written to {out}")
