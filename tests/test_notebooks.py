@@ -119,6 +119,12 @@ def test_notebook_trains_saves_and_answers_on_cpu(name: str, tmp_path: Path) -> 
     assert f"nbkit: no checkpoint in {run_dir} yet; starting fresh." in text
     if name == "model_parallel":
         assert "Strategy: model_parallel" in text  # the planner's verdict for Qwen3-8B on 2 x T4
+    if name == "qwen3_vl_2xT4":  # a Kaggle session ended: the same notebook, run again, continues
+        runner.run([name], tmp_path, {"max_steps": max_steps + 4})
+        again = json.loads((run_dir / "summary.json").read_text())
+        assert again["train"]["resumed_from"] == str(run_dir / f"checkpoint-{max_steps}")
+        assert again["train"]["global_step"] == max_steps + 4
+        assert again["steps"] == list(range(1, max_steps + 5)) and again["losses"][:max_steps] == losses
     if name == "long_context":
         assert {(m["tokens"], m["savers"]) for m in summary["memory"]} == {(256, False), (256, True), (2048, False), (2048, True)}
         assert all(m["peak"] > 0 and m["added"] >= 0 for m in summary["memory"])
