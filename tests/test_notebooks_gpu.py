@@ -38,6 +38,9 @@ def test_flagship_trains_on_two_capped_gpus_with_unsloth_in_fp16(tmp_path: Path)
         pytest.skip("needs 2 GPUs")
     if importlib.util.find_spec("unsloth") is None:
         pytest.skip("needs unsloth")
+    missing = [m for m in ("papermill", "ipykernel", "matplotlib") if importlib.util.find_spec(m) is None]
+    if missing:
+        pytest.fail(f"running notebooks needs {', '.join(missing)} here: pip install {' '.join(missing)}")
     runner = _load_runner()
     # Build the random checkpoint here, once, before the notebook's kernel starts (the kernel and its
     # training processes inherit NBKIT_CACHE and find it).
