@@ -53,12 +53,15 @@ _EXPORTS: dict[str, str] = {
     "doctor": "nbkit.diagnostics",
 }
 
-__all__ = sorted(_EXPORTS) + ["savers", "__version__"]
+# submodules used as namespaces: nbkit.savers.apply(...), nbkit.checkpoints.resume_point(...)
+_SUBMODULES = ("savers", "checkpoints", "offline")
+
+__all__ = sorted(_EXPORTS) + list(_SUBMODULES) + ["__version__"]
 
 
 def __getattr__(name: str) -> Any:
-    if name == "savers":
-        return importlib.import_module("nbkit.savers")
+    if name in _SUBMODULES:
+        return importlib.import_module(f"nbkit.{name}")
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'nbkit' has no attribute {name!r}")

@@ -550,10 +550,11 @@ class _Child:
 def _prepare_rank(*, quiet: bool, rank: int) -> None:
     """Per-rank set-up shared by forked ranks and ranks of an outside launcher."""
     _route_output(rank, quiet)
-    from nbkit import integration, reporting
+    from nbkit import checkpoints, integration, reporting
 
     integration.install()
     reporting.setup_rank()
+    checkpoints.enable()
 
 
 def _route_output(rank: int, quiet: bool) -> None:
