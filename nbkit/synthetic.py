@@ -19,7 +19,7 @@ from typing import Any
 
 from PIL import Image, ImageDraw, ImageFont
 
-__all__ = ["vision_dataset", "text_dataset", "WORDS", "VISION_QUESTIONS", "TEXT_TASKS", "corpus"]
+__all__ = ["vision_dataset", "text_dataset", "WORDS", "NUMBERS", "VISION_QUESTIONS", "TEXT_TASKS", "corpus"]
 
 # Short, distinct words: readable at 64x64 and easy to check.
 WORDS: tuple[str, ...] = (
