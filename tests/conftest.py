@@ -44,3 +44,15 @@ def tiny_vl_path(nbkit_cache: Path) -> str:
     from nbkit.offline import resolve_model
 
     return resolve_model("tiny:qwen3-vl")
+
+
+@pytest.fixture(autouse=True)
+def no_accelerate_state_leaks() -> Iterator[None]:
+    """A test that builds a Trainer or Accelerator in the test process leaves accelerate's shared
+    state behind, after which nbkit.launch rightly refuses to fork: reset it between tests."""
+    yield
+    import sys
+
+    state = sys.modules.get("accelerate.state")
+    if state is not None and (state.PartialState._shared_state or state.AcceleratorState._shared_state):
+        state.AcceleratorState._reset_state(reset_partial_state=True)
