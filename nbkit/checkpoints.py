@@ -227,9 +227,6 @@ class _Marking:
             _rotate(args.output_dir, args.save_total_limit, state.best_model_checkpoint)
 
 
-_callback_class: type | None = None
-
-
 def __getattr__(name: str) -> Any:
     # CheckpointMarker subclasses transformers' TrainerCallback; building it on first use keeps
     # `import nbkit.checkpoints` (done in every launched rank) from importing transformers.
@@ -239,13 +236,9 @@ def __getattr__(name: str) -> Any:
 
 
 def _marker_callback() -> type:
-    global _callback_class
-    if _callback_class is None:
-        from transformers import TrainerCallback
+    from nbkit import integration
 
-        _callback_class = type("CheckpointMarker", (_Marking, TrainerCallback),
-                               {"__module__": __name__, "__doc__": _Marking.__doc__})
-    return _callback_class
+    return integration.trainer_callback("CheckpointMarker", _Marking, __name__)
 
 
 # --------------------------------------------------------------------------------------------

@@ -6,9 +6,11 @@ see what the notebook configured without anything being passed along.
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator, Mapping
 
-__all__ = ["configure", "setting", "SETTINGS"]
+__all__ = ["configure", "setting", "SETTINGS", "environment"]
 
 # name -> (environment variable, default, allowed values or None for free text)
 SETTINGS: dict[str, tuple[str, str, tuple[str, ...] | None]] = {
@@ -43,3 +45,19 @@ def configure(**settings: str) -> dict[str, str]:
     for name, value in settings.items():
         os.environ[SETTINGS[name][0]] = value
     return {name: setting(name) for name in SETTINGS}
+
+
+@contextlib.contextmanager
+def environment(values: Mapping[str, str]) -> Iterator[None]:
+    """Set environment variables for the duration of a `with` block, then put back exactly what
+    was there before (including "unset")."""
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value

@@ -13,6 +13,7 @@ others are applied by an import hook right after their module has finished loadi
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.abc
 import logging
@@ -23,7 +24,7 @@ from typing import Any, Callable
 
 from nbkit import patching
 
-__all__ = ["install", "uninstall", "installed", "pending", "apply_when_imported"]
+__all__ = ["install", "uninstall", "installed", "pending", "apply_when_imported", "trainer_callback"]
 
 # group -> module declaring its patches
 _DECLARATIONS = {"guard": "nbkit.guard", "savers": "nbkit.savers.unsloth"}
@@ -64,6 +65,16 @@ def apply_when_imported(group: str) -> None:
                 p.apply()
             else:
                 _watcher().arm(module, p)
+
+
+@functools.cache
+def trainer_callback(name: str, behaviour: type, module: str) -> type:
+    """The transformers TrainerCallback class `name`, made of `behaviour` (a plain class with the
+    callback's methods) and TrainerCallback, built on first use and then the same class each time:
+    modules that every launched rank imports must not import transformers themselves."""
+    from transformers import TrainerCallback
+
+    return type(name, (behaviour, TrainerCallback), {"__module__": module, "__doc__": behaviour.__doc__})
 
 
 def uninstall() -> None:

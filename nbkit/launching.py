@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping
 
 from nbkit import channel, distributed, patching
+from nbkit.config import environment
 from nbkit.dashboard import Dashboard
 
 __all__ = ["launch", "LaunchError"]
@@ -408,16 +409,8 @@ def _launch_environment(use_cpu: bool, extra: dict[str, str]) -> Iterator[None]:
         values["ACCELERATE_USE_CPU"] = "true"
         if sys.platform.startswith("linux"):
             values.setdefault("GLOO_SOCKET_IFNAME", os.environ.get("GLOO_SOCKET_IFNAME", "lo"))
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
+    with environment(values):
         yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 @contextlib.contextmanager

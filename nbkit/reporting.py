@@ -216,9 +216,6 @@ _local = _LocalDashboard()
 # transformers: the callback, and the patches that add it to every Trainer in a launched rank
 # --------------------------------------------------------------------------------------------
 
-_callback_class: type | None = None
-
-
 def __getattr__(name: str) -> Any:
     # DashboardCallback subclasses transformers' TrainerCallback; building it on first use keeps
     # `import nbkit.reporting` (which every launched rank does) from importing transformers.
@@ -228,13 +225,9 @@ def __getattr__(name: str) -> Any:
 
 
 def _dashboard_callback() -> type:
-    global _callback_class
-    if _callback_class is None:
-        from transformers import TrainerCallback
+    from nbkit import integration
 
-        _callback_class = type("DashboardCallback", (_StepReporter, TrainerCallback),
-                               {"__module__": __name__, "__doc__": _StepReporter.__doc__})
-    return _callback_class
+    return integration.trainer_callback("DashboardCallback", _StepReporter, __name__)
 
 
 class _StepReporter:

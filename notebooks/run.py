@@ -96,21 +96,18 @@ def _kernel_environment(hub: bool) -> Iterator[str]:
     reached. Yields the kernel name."""
     from ipykernel.kernelspec import write_kernel_spec
 
-    saved = {key: os.environ.get(key) for key in ("JUPYTER_PATH", "PYTHONPATH", "HF_HUB_OFFLINE")}
+    from nbkit.config import environment
+
     with tempfile.TemporaryDirectory(prefix="nbkit-kernels-") as root:
         write_kernel_spec(os.path.join(root, "kernels", _KERNEL))  # argv: sys.executable -m ipykernel_launcher
-        os.environ["JUPYTER_PATH"] = os.pathsep.join(filter(None, [root, saved["JUPYTER_PATH"]]))
-        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE.parent), saved["PYTHONPATH"]]))
+        values = {
+            "JUPYTER_PATH": os.pathsep.join(filter(None, [root, os.environ.get("JUPYTER_PATH")])),
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE.parent), os.environ.get("PYTHONPATH")])),
+        }
         if not hub:
-            os.environ["HF_HUB_OFFLINE"] = "1"
-        try:
+            values["HF_HUB_OFFLINE"] = "1"
+        with environment(values):
             yield _KERNEL
-        finally:
-            for key, value in saved.items():
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value
 
 
 def run(
