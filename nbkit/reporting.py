@@ -92,6 +92,25 @@ def setup_rank() -> None:
     from nbkit import integration
 
     integration.apply_when_imported("reporting")
+    if channel.connected():
+        _no_library_progress_bars()
+
+
+def _no_library_progress_bars() -> None:
+    """In a rank forked from a notebook kernel, tqdm bars (transformers' "Loading weights",
+    datasets' map) are notebook widgets whose messages ipykernel drops from a forked process, with a
+    warning in the kernel log for every update; and N ranks would draw N of them. The dashboard shows
+    the run's progress instead, so the hub's bars, which transformers and datasets use, are off."""
+    try:
+        from huggingface_hub.utils import disable_progress_bars
+    except ImportError:
+        return
+    disable_progress_bars()
+    # transformers reads the hub's switch once, at import: where the notebook imported it already,
+    # its own switch is the one that counts.
+    transformers_logging = sys.modules.get("transformers.utils.logging")
+    if transformers_logging is not None:
+        transformers_logging.disable_progress_bar()
 
 
 # --------------------------------------------------------------------------------------------

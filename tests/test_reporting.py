@@ -129,3 +129,18 @@ def test_trainer_on_gpus_reports_each_ranks_cuda_peak_memory():
         assert {e["memory_device"] for e in steps} == {f"cuda:{rank}"}
         assert all(0 < e["peak_memory_gib"] < 2 for e in steps)
     assert not torch.cuda.is_initialized()  # the notebook process never touched CUDA
+
+
+def _progress_bars_enabled() -> tuple[bool, bool]:
+    from huggingface_hub.utils import are_progress_bars_disabled
+    from transformers.utils import logging as transformers_logging
+
+    return (not are_progress_bars_disabled(), transformers_logging.is_progress_bar_enabled())
+
+
+def test_library_progress_bars_are_off_in_launched_ranks_only():
+    # Widget bars from forked ranks are dropped by ipykernel with a warning per update; the dashboard
+    # shows progress instead. The notebook process keeps its bars.
+    assert _progress_bars_enabled() == (True, True)
+    assert nbkit.launch(_progress_bars_enabled, gpus=2) == (False, False)
+    assert _progress_bars_enabled() == (True, True)
