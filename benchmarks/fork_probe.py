@@ -1,10 +1,11 @@
 """Which import creates a CUDA context in a notebook-like process? (Such a process cannot fork ranks.)
 
-    python benchmarks/fork_probe.py [MODEL]
+    python benchmarks/fork_probe.py [MODEL] [--unsloth]
 
 Imports what a training notebook imports before launching, in order, and after each step prints
 whether CUDA is initialised and whether bitsandbytes / torchao are loaded; at the first step that
-initialises CUDA it prints the stack of that initialisation and stops.
+initialises CUDA it prints the stack of that initialisation and stops. With --unsloth it also
+imports unsloth last (which notebooks must otherwise import inside the launched function).
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ def step(label: str, action) -> None:
 
 
 def main() -> None:
-    model = sys.argv[1] if len(sys.argv) > 1 else "random:qwen3-vl-2b"
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    model = args[0] if args else "random:qwen3-vl-2b"
     step("import nbkit", lambda: importlib.import_module("nbkit"))
     import nbkit
 
@@ -51,6 +53,8 @@ def main() -> None:
     step("nbkit.savers", lambda: importlib.import_module("nbkit.savers"))
     step("trl", lambda: importlib.import_module("trl"))
     step("peft", lambda: importlib.import_module("peft"))
+    if "--unsloth" in sys.argv:
+        step("unsloth", lambda: importlib.import_module("unsloth"))
     print("no step initialised CUDA")
 
 
