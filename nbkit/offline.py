@@ -156,19 +156,8 @@ _QWEN3_1_7B_TEXT = dict(
     rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
 )
 _VL_ROPE = dict(rope_type="default", rope_theta=5000000.0, mrope_section=[24, 20, 20], mrope_interleaved=True)
-_QWEN3_VL_2B_TEXT = dict(
-    vocab_size=151936,
-    hidden_size=2048,
-    intermediate_size=6144,
-    num_hidden_layers=28,
-    num_attention_heads=16,
-    num_key_value_heads=8,
-    head_dim=128,
-    max_position_embeddings=262144,
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=True,
-    rope_parameters=_VL_ROPE,
-)
+# Qwen3-VL-2B's language model has Qwen3-1.7B's shapes, with a longer context and multimodal RoPE.
+_QWEN3_VL_2B_TEXT = dict(_QWEN3_1_7B_TEXT, max_position_embeddings=262144, rope_parameters=_VL_ROPE)
 _QWEN3_VL_4B_TEXT = dict(
     _QWEN3_VL_2B_TEXT, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32
 )
