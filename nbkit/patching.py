@@ -24,7 +24,7 @@ import functools
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-__all__ = ["Patch", "patch", "apply", "revert", "applied", "registered"]
+__all__ = ["Patch", "patch", "apply", "revert", "applied", "registered", "describe"]
 
 _MISSING = object()
 
@@ -179,3 +179,13 @@ def revert(group: str | None = None) -> None:
 def applied(group: str | None = None) -> list[str]:
     """Targets currently patched."""
     return [p.target for p in registered(group) if p.is_applied]
+
+
+def describe(group: str | None = None) -> str:
+    """A markdown table of the declared patches (of one group, if given): group, target, why, and
+    the upstream issue. docs/patches.md holds this table for all of nbkit's patches."""
+    rows = ["| group | target | why | upstream |", "| --- | --- | --- | --- |"]
+    for p in sorted(registered(group), key=lambda p: (p.group, p.target)):
+        cells = [p.group, f"`{p.target}`", p.reason, p.upstream]
+        rows.append("| " + " | ".join(c.replace("|", "\\|").replace("\n", " ") for c in cells) + " |")
+    return "\n".join(rows) + "\n"
