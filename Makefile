@@ -18,7 +18,6 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "torch==2.13.0" $(TORCH_INDEX)
 	$(PY) -m pip install -q -c constraints.txt -e ".[test]"
-	$(PY) -m ipykernel install --user --name python3 >/dev/null
 	touch $@
 
 setup: $(VENV)/.installed

@@ -56,3 +56,17 @@ def no_accelerate_state_leaks() -> Iterator[None]:
     state = sys.modules.get("accelerate.state")
     if state is not None and (state.PartialState._shared_state or state.AcceleratorState._shared_state):
         state.AcceleratorState._reset_state(reset_partial_state=True)
+
+
+@pytest.fixture(scope="session")
+def kernel_name(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A Jupyter kernel that runs this very interpreter (so it sees the nbkit under test), without
+    touching the user's own kernelspecs."""
+    from ipykernel.kernelspec import write_kernel_spec
+
+    name = "nbkit-test-python"
+    root = tmp_path_factory.mktemp("jupyter")
+    write_kernel_spec(str(root / "kernels" / name))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("JUPYTER_PATH", os.pathsep.join(filter(None, [str(root), os.environ.get("JUPYTER_PATH")])))
+        yield name

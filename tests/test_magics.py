@@ -38,22 +38,22 @@ CELLS = {
 }
 
 
-def _run(cells: dict[str, str], path) -> dict[str, dict]:
-    """Execute the cells in a fresh python3 kernel; {cell name: its outputs}."""
+def _run(cells: dict[str, str], path, kernel_name: str) -> dict[str, dict]:
+    """Execute the cells in a fresh kernel of this interpreter; {cell name: its outputs}."""
     nb = new_notebook()
     nb.cells = [new_code_cell(source) for source in cells.values()]
-    NotebookClient(nb, kernel_name="python3", timeout=300, allow_errors=True,
+    NotebookClient(nb, kernel_name=kernel_name, timeout=300, allow_errors=True,
                    resources={"metadata": {"path": str(path)}}).execute()
     return {name: _read(cell) for name, cell in zip(cells, nb.cells)}
 
 
 @pytest.fixture(scope="module")
-def outputs(tmp_path_factory) -> dict[str, dict]:
+def outputs(tmp_path_factory, kernel_name) -> dict[str, dict]:
     mp = pytest.MonkeyPatch()
     mp.setenv("HF_TOKEN", SECRET)  # the kernel inherits it
     mp.delenv("NBKIT_DASHBOARD", raising=False)
     try:
-        return _run(CELLS, tmp_path_factory.mktemp("nb"))
+        return _run(CELLS, tmp_path_factory.mktemp("nb"), kernel_name)
     finally:
         mp.undo()
 
@@ -150,7 +150,7 @@ def test_spawn_mode_runs_after_a_real_fork_blocker_and_brings_names_along(output
 
 
 @pytest.mark.gpu
-def test_after_cuda_is_initialised_in_the_kernel_ddp_spawns_and_uses_every_gpu(tmp_path):
+def test_after_cuda_is_initialised_in_the_kernel_ddp_spawns_and_uses_every_gpu(tmp_path, kernel_name):
     import torch
 
     gpus = torch.cuda.device_count()
@@ -163,7 +163,7 @@ def test_after_cuda_is_initialised_in_the_kernel_ddp_spawns_and_uses_every_gpu(t
                   "t = torch.ones(1, device='cuda') * (nbkit.rank() + 1)\ndist.all_reduce(t)\n"
                   "nbkit.report(step=1, loss=t.item(), total_steps=1)\ndist.destroy_process_group()\n"
                   "(t.item(), x.sum().item(), str(x.device))"),
-    }, tmp_path)
+    }, tmp_path, kernel_name)
     train = out["train"]
     assert train["error"] is None, train["error"]
     assert "spawn mode" in train["stdout"] and "CUDA is already initialised" in train["stdout"]
