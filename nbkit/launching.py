@@ -101,20 +101,20 @@ def launch(
         return fn(*args, **kwargs)
 
     _check_function(fn)
-    nprocs = _count_processes(gpus)
+    has_cuda = _has_cuda()
+    nprocs = _count_processes(gpus, has_cuda)
     check_can_fork()
     board = Dashboard(nprocs) if dashboard else None
     run = _Run(nprocs, board.event if board is not None else None)
-    child = _Child(fn, args, kwargs, run.channel, quiet=quiet, use_cpu=not _has_cuda())
+    child = _Child(fn, args, kwargs, run.channel, quiet=quiet, use_cpu=not has_cuda)
+    succeeded = False
     try:
         run.execute(child, timeout=timeout, env=dict(env or {}))
         value = run.result()
-    except BaseException:
+        succeeded = True
+    finally:
         if board is not None:
-            board.close(success=False)
-        raise
-    if board is not None:
-        board.close(success=True)
+            board.close(success=succeeded)
     return value
 
 
@@ -148,10 +148,10 @@ def _check_function(fn: Callable[..., Any]) -> None:
         )
 
 
-def _count_processes(gpus: int | None) -> int:
+def _count_processes(gpus: int | None, has_cuda: bool) -> int:
     if gpus is not None and (not isinstance(gpus, int) or isinstance(gpus, bool) or gpus < 1):
         raise ValueError(f"gpus must be a positive whole number or None (all visible GPUs); got {gpus!r}.")
-    if not _has_cuda():
+    if not has_cuda:
         if gpus is None:
             raise RuntimeError(
                 "No GPU is visible to this notebook, so nbkit.launch(gpus=None) has nothing to run on. "
@@ -198,8 +198,9 @@ def check_can_fork() -> None:
 def _likely_cuda_cause() -> str:
     for module, why in (
         ("unsloth", "unsloth was imported in this notebook process (importing it initialises CUDA)"),
-        ("bitsandbytes", "bitsandbytes was imported in this notebook process (importing it initialises CUDA; "
-                         "peft and unsloth import it wherever it is installed, as on Kaggle)"),
+        ("bitsandbytes", "bitsandbytes was imported in this notebook process (unless nbkit was imported first, "
+                         "its import initialises CUDA; peft and unsloth import it wherever it is installed, as "
+                         "on Kaggle)"),
         ("torchao", "torchao was imported before nbkit (transformers and peft import it wherever it is "
                     "installed, and its import queries the GPU); `import nbkit` first makes that harmless"),
     ):
