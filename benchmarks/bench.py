@@ -87,6 +87,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="nbkit.savers.apply options for the nbkit backend, e.g. checkpointing=recompute,tiled_mlp=false")
     p.add_argument("--unsloth-checkpointing", default="unsloth",
                    help="unsloth's use_gradient_checkpointing (unsloth, true, false)")
+    p.add_argument("--unsloth-vlm-reentrant", action="store_true",
+                   help="keep unsloth's single-GPU (reentrant, offloading) checkpointing for VLMs in distributed "
+                        "runs too (needs find_unused_parameters=False: --ddp freeze_unused=true or static_graph=true)")
     p.add_argument("--lora-r", type=int, default=16)
     p.add_argument("--image", action="store_true", help="one small image in every sequence (Qwen-VL models)")
     p.add_argument("--t4", action="store_true",
@@ -153,7 +156,9 @@ def _parse_savers(text: str) -> dict[str, Any]:
 
 def _cases(args: argparse.Namespace, device: str, gpus: int) -> list[common.Case]:
     ddp_variants = [common.parse_ddp_options(text) for text in args.ddp] or [common.parse_ddp_options("")]
-    if gpus == 1 or args.t4:  # one process trains without DDP; the ladder climbs with one variant
+    if gpus == 1:  # one process trains without DDP
+        ddp_variants = [common.parse_ddp_options("")]
+    elif args.t4:  # the ladder climbs with one variant
         ddp_variants = ddp_variants[:1]
     lengths = _parse_seq_lens(args.seq_lens or (T4_LADDER if args.t4 else DEFAULT_SEQ_LENS))
     if args.t4:
@@ -489,7 +494,8 @@ def _profile_section(rows: list[dict]) -> list[str]:
     for r in rows:
         prof = r.get("profile")
         if r["status"] == "ok" and prof:  # kernel figures exist on GPUs only
-            out.append(f"| {r['config']} | {r['precision']} {r['seq_len']}x{r['batch']} | {prof['step_ms']:.1f} "
+            ddp = f" [{r['ddp']}]" if r.get("ddp") else ""
+            out.append(f"| {r['config']} | {r['precision']} {r['seq_len']}x{r['batch']}{ddp} | {prof['step_ms']:.1f} "
                        f"| {_fmt(prof.get('compute_ms_per_step'), '.1f')} | {_fmt(prof.get('nccl_ms_per_step'), '.1f')} "
                        f"| {_fmt(prof.get('memcpy_ms_per_step'), '.1f')} | {_fmt(prof.get('compute_busy_pct'), '.0f', '%')} "
                        f"| {', '.join(prof.get('files', []))} |")
@@ -568,6 +574,7 @@ def main(argv: list[str] | None = None) -> int:
         "settings": {"steps": steps, "warmup": warmup, "lora_r": args.lora_r, "image": args.image, "t4": args.t4,
                      "ladder": args.t4, "memory_cap_gib": memory_cap, "device": device, "ddp": args.ddp,
                      "savers": _parse_savers(args.savers), "unsloth_checkpointing": args.unsloth_checkpointing,
+                     "unsloth_vlm_reentrant": args.unsloth_vlm_reentrant,
                      "profile_dir": str(profile_dir) if profile_dir else None},
         "results": [], "wall_s": 0.0,
     }
@@ -580,6 +587,7 @@ def main(argv: list[str] | None = None) -> int:
                 image=args.image, memory_cap_gib=memory_cap, ladder=args.t4,
                 profile_dir=str(profile_dir) if profile_dir else None, profile_steps=args.profile_steps,
                 savers=report["settings"]["savers"], unsloth_checkpointing=unsloth_checkpointing,
+                unsloth_vlm_reentrant=args.unsloth_vlm_reentrant,
             )
             elapsed = time.monotonic() - started
             why = _skip_reason(backend, gpus, device, gpu_count)

@@ -5,13 +5,26 @@
 #   bash benchmarks/gpu_suite.sh tests                # gpu-marked tests
 #   bash benchmarks/gpu_suite.sh matrix               # the 1K/16K launcher/backend matrix (issue 7)
 #   bash benchmarks/gpu_suite.sh savers t4            # memory savers 8K-64K (issue 4), T4 stand-in
+#   bash benchmarks/gpu_suite.sh scaling              # unsloth 1 -> 2 GPUs: checkpointing paths x DDP knobs, profiled
+#   bash benchmarks/gpu_suite.sh launchers            # the same function via nbkit.launch, notebook_launcher, accelerate
+#   bash benchmarks/gpu_suite.sh scaling4             # unsloth on 1, 2 and 4 GPUs (needs 4)
+#   bash benchmarks/gpu_suite.sh long                 # the savers at 64K tokens
+#
+# Two sets of parts can share a 4-GPU machine, one GPU pair each (a separate TMPDIR keeps unsloth's
+# compile caches apart):
+#   CUDA_VISIBLE_DEVICES=0,1 TMPDIR=/tmp/a bash benchmarks/gpu_suite.sh scaling &
+#   CUDA_VISIBLE_DEVICES=2,3 TMPDIR=/tmp/b bash benchmarks/gpu_suite.sh tests launchers; wait
 #
 # Needs .whl/ from ../shared/gpu/wheelhouse (carried along). Each part has its own time limit so
 # that one hang cannot eat the whole call; a part that fails is reported and the next one runs.
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+# Once per machine: sets of parts running side by side must not install into /tmp/site at once.
+if [ ! -e /tmp/site/.nbkit-installed ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+  touch /tmp/site/.nbkit-installed
+fi
 export PYTHONPATH=/tmp/site:$PWD HF_HUB_OFFLINE=1 UNSLOTH_DISABLE_STATISTICS=1 PYTHONUNBUFFERED=1
 export NBKIT_CACHE=${NBKIT_CACHE:-/tmp/nbkit-cache} NBKIT_RESULTS_DIR=$OUT TOKENIZERS_PARALLELISM=false
 
@@ -36,7 +49,7 @@ for what in "$@"; do
     tests)
       # One pytest process per file: files that launch ranks need a process without a CUDA
       # context, and files that test on the GPU directly create one.
-      part tests 330 bash -c 'status=0; for f in $(grep -l "pytest.mark.gpu\|mark.gpu" tests/test_*.py); do
+      part tests 480 bash -c 'status=0; for f in $(grep -l "pytest.mark.gpu\|mark.gpu" tests/test_*.py); do
         python3 -m pytest -m gpu -q -rs -p no:cacheprovider "$f" || status=1; done; exit $status' ;;
     planner)
       part planner 150 python3 benchmarks/planner_accuracy.py --out "$OUT/planner_accuracy.json" ;;
@@ -49,6 +62,30 @@ for what in "$@"; do
     t4)
       part t4 240 python3 benchmarks/bench.py --t4 --configs nbkit:2 --time-limit 200 \
         --out "$OUT/t4.json" --md "$OUT/t4.md" ;;
+    scaling)
+      # The 1-GPU reference twice: in the launching process (notebook_launcher runs one process
+      # in place: unsloth's single-GPU checkpointing) and through nbkit.launch (a torchelastic
+      # process: unsloth's distributed checkpointing); then 2 GPUs with DDP's knobs, and with
+      # unsloth's single-GPU checkpointing kept under DDP (bench.py --unsloth-vlm-reentrant).
+      part scaling 330 python3 benchmarks/bench.py --configs unsloth:1@notebook,unsloth:1,unsloth:2 \
+        --seq-lens 1024x4,16384x1 --precisions bf16 --ddp find_unused_parameters=auto --ddp freeze_unused=true \
+        --ddp static_graph=true,find_unused_parameters=false --profile --profile-dir "$OUT/profiles" \
+        --time-limit 320 --out "$OUT/scaling.json" --md "$OUT/scaling.md"
+      part scaling_reentrant 170 python3 benchmarks/bench.py --configs unsloth:2 --unsloth-vlm-reentrant \
+        --seq-lens 1024x4,16384x1 --precisions bf16 --ddp freeze_unused=true \
+        --ddp static_graph=true,find_unused_parameters=false --profile --profile-dir "$OUT/profiles" \
+        --time-limit 160 --out "$OUT/scaling_reentrant.json" --md "$OUT/scaling_reentrant.md" ;;
+    launchers)
+      part launchers 230 python3 benchmarks/bench.py --configs nbkit:2,nbkit:2@accelerate,plain:2@notebook \
+        --seq-lens 1024x4,16384x1 --precisions bf16 --time-limit 220 \
+        --out "$OUT/launchers.json" --md "$OUT/launchers.md" ;;
+    scaling4)
+      part scaling4 560 python3 benchmarks/bench.py --configs unsloth:1@notebook,unsloth:2,unsloth:4 \
+        --seq-lens 1024x4,16384x1 --precisions bf16 ${SCALING_DDP:---ddp freeze_unused=true} \
+        ${SCALING_FLAGS:-} --time-limit 550 --out "$OUT/scaling4.json" --md "$OUT/scaling4.md" ;;
+    long)
+      part long 330 python3 benchmarks/savers.py --seq-lens 64k --configs all,plain,recompute --steps 4 \
+        --warmup 1 --time-budget 300 --out "$OUT/long.json" --md "$OUT/long.md" ;;
     *) echo "unknown part: $what" >&2 ;;
   esac
 done

@@ -6,6 +6,7 @@ The distributed tests run real gloo ranks through nbkit.launch (2 CPU processes)
 from __future__ import annotations
 
 import math
+import tempfile
 import time
 
 import pytest
@@ -76,7 +77,8 @@ def _train_tiny(use_cpu: bool) -> list[str]:
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(load_config("tiny:qwen3"))
     data = [{"input_ids": torch.randint(0, 100, (16,)), "labels": torch.randint(0, 100, (16,))} for _ in range(16)]
-    args = TrainingArguments(output_dir="unused", max_steps=4, per_device_train_batch_size=2, logging_steps=2,
+    # Trainer creates output_dir even with save_strategy="no": somewhere temporary, not the cwd.
+    args = TrainingArguments(output_dir=tempfile.mkdtemp(prefix="nbkit-test-"), max_steps=4, per_device_train_batch_size=2, logging_steps=2,
                              report_to="none", save_strategy="no", learning_rate=1e-3, use_cpu=use_cpu)
     trainer = Trainer(model=model, args=args, train_dataset=data)
     callbacks = [type(c).__name__ for c in trainer.callback_handler.callbacks]
