@@ -87,9 +87,6 @@ def _parser() -> argparse.ArgumentParser:
                    help="nbkit.savers.apply options for the nbkit backend, e.g. checkpointing=recompute,tiled_mlp=false")
     p.add_argument("--unsloth-checkpointing", default="unsloth",
                    help="unsloth's use_gradient_checkpointing (unsloth, true, false)")
-    p.add_argument("--unsloth-vlm-reentrant", action="store_true",
-                   help="keep unsloth's single-GPU (reentrant, offloading) checkpointing for VLMs in distributed "
-                        "runs too (needs find_unused_parameters=False: --ddp freeze_unused=true or static_graph=true)")
     p.add_argument("--lora-r", type=int, default=16)
     p.add_argument("--image", action="store_true", help="one small image in every sequence (Qwen-VL models)")
     p.add_argument("--t4", action="store_true",
@@ -539,6 +536,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     import nbkit
+    from nbkit.config import setting
 
     started = time.monotonic()
     device = "cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()) else "cpu"
@@ -574,7 +572,7 @@ def main(argv: list[str] | None = None) -> int:
         "settings": {"steps": steps, "warmup": warmup, "lora_r": args.lora_r, "image": args.image, "t4": args.t4,
                      "ladder": args.t4, "memory_cap_gib": memory_cap, "device": device, "ddp": args.ddp,
                      "savers": _parse_savers(args.savers), "unsloth_checkpointing": args.unsloth_checkpointing,
-                     "unsloth_vlm_reentrant": args.unsloth_vlm_reentrant,
+                     "nbkit_unsloth_vlm_ddp_checkpointing": setting("unsloth_vlm_ddp_checkpointing"),
                      "profile_dir": str(profile_dir) if profile_dir else None},
         "results": [], "wall_s": 0.0,
     }
@@ -587,7 +585,6 @@ def main(argv: list[str] | None = None) -> int:
                 image=args.image, memory_cap_gib=memory_cap, ladder=args.t4,
                 profile_dir=str(profile_dir) if profile_dir else None, profile_steps=args.profile_steps,
                 savers=report["settings"]["savers"], unsloth_checkpointing=unsloth_checkpointing,
-                unsloth_vlm_reentrant=args.unsloth_vlm_reentrant,
             )
             elapsed = time.monotonic() - started
             why = _skip_reason(backend, gpus, device, gpu_count)

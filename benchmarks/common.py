@@ -150,7 +150,6 @@ class LaunchSpec:
     profile_steps: int = 3
     savers: dict[str, Any] = field(default_factory=dict)
     unsloth_checkpointing: str | bool = "unsloth"
-    unsloth_vlm_reentrant: bool = False
     launched_at: float = 0.0  # time.time() just before the launcher was called
     collective_timeout_s: float = 300.0
     seed: int = 0
@@ -313,7 +312,6 @@ def build_model(
     max_seq_len: int = 2048,
     savers: dict[str, Any] | None = None,
     unsloth_checkpointing: str | bool = "unsloth",
-    unsloth_vlm_reentrant: bool = False,
     seed: int = 0,
 ) -> nn.Module:
     """A LoRA model ready to train on `device`, built the way each backend's users build it.
@@ -322,8 +320,7 @@ def build_model(
     ("bf16"/"fp16": weights in that dtype, trained under autocast; "fp32"), the rank's device, the
     LoRA rank (alpha = r, all linear layers, the LM head excluded), the longest sequence unsloth
     should prepare for, nbkit.savers.apply options (defaults: all savers), unsloth's
-    use_gradient_checkpointing, whether an unsloth VLM keeps its single-GPU (reentrant, offloading)
-    checkpointing when the rank is part of a distributed run, and the seed of the LoRA initialisation (same on every rank).
+    use_gradient_checkpointing, and the seed of the LoRA initialisation (same on every rank).
     Returns the peft model in train mode, trainable parameters in fp32 (GradScaler needs fp32
     gradients; peft does this by default, unsloth may not). Raises ValueError for an unknown
     backend or precision; ImportError when unsloth is asked for and not installed.
@@ -338,8 +335,7 @@ def build_model(
     vision = _is_vision(AutoConfig.from_pretrained(path))
     place = str(device)  # the whole model on this rank's device ("cuda:1", "cpu")
     if backend == "unsloth":
-        model = _unsloth_model(path, dtype, place, vision, lora_r, max_seq_len, unsloth_checkpointing,
-                               unsloth_vlm_reentrant, seed)
+        model = _unsloth_model(path, dtype, place, vision, lora_r, max_seq_len, unsloth_checkpointing, seed)
     else:
         from peft import LoraConfig, get_peft_model
         from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
@@ -365,21 +361,11 @@ def build_model(
 
 
 def _unsloth_model(path: str, dtype: torch.dtype, place: str, vision: bool, lora_r: int, max_seq_len: int,
-                   checkpointing: str | bool, vlm_reentrant: bool, seed: int) -> nn.Module:
+                   checkpointing: str | bool, seed: int) -> nn.Module:
     import unsloth  # noqa: F401  (first, as unsloth requires; ~25 s, initialises CUDA)
     from unsloth import FastLanguageModel, FastVisionModel
 
     loader = FastVisionModel if vision else FastLanguageModel
-    if vision and vlm_reentrant:
-        # In any distributed process (torchelastic's environment or an initialised process group;
-        # nbkit.launch sets the former even for one process) unsloth checkpoints a VLM with torch's
-        # non-reentrant checkpoint plus saved-tensor offload hooks instead of its own reentrant
-        # offloading one, because the latter fails under DDP's find_unused_parameters=True. This
-        # measures what the single-GPU path costs under DDP (it needs find_unused_parameters=False:
-        # --ddp freeze_unused=true or static_graph=true). Process-wide, like unsloth's own choice.
-        import unsloth.models.vision as unsloth_vision
-
-        unsloth_vision.vlm_gradient_checkpointing_reentrant = lambda: True
     model, _ = loader.from_pretrained(
         path, max_seq_length=max_seq_len, dtype=dtype, load_in_4bit=False, device_map=place,
         use_gradient_checkpointing=checkpointing,
@@ -720,8 +706,7 @@ class _Launch:
         try:
             model = build_model(spec.backend, spec.model_path, precision, self.device, lora_r=spec.lora_r,
                                 max_seq_len=max_seq_len, savers=spec.savers,
-                                unsloth_checkpointing=spec.unsloth_checkpointing,
-                                unsloth_vlm_reentrant=spec.unsloth_vlm_reentrant, seed=spec.seed)
+                                unsloth_checkpointing=spec.unsloth_checkpointing, seed=spec.seed)
             return model, time.perf_counter() - start, None
         except Exception as exc:  # recorded for every case of this precision; the launch goes on
             return None, time.perf_counter() - start, _describe(exc)

@@ -54,7 +54,7 @@ for what in "$@"; do
     planner)
       part planner 150 python3 benchmarks/planner_accuracy.py --out "$OUT/planner_accuracy.json" ;;
     matrix)
-      part matrix 560 python3 benchmarks/bench.py --matrix default --time-limit 470 \
+      part matrix 560 python3 benchmarks/bench.py --matrix default --ddp freeze_unused=true --time-limit 470 \
         --out "$OUT/matrix.json" --md "$OUT/matrix.md" ;;
     savers)
       part savers 330 python3 benchmarks/savers.py --seq-lens 8k,16k,32k,64k --time-budget 300 \
@@ -63,26 +63,26 @@ for what in "$@"; do
       part t4 240 python3 benchmarks/bench.py --t4 --configs nbkit:2 --time-limit 200 \
         --out "$OUT/t4.json" --md "$OUT/t4.md" ;;
     scaling)
-      # The 1-GPU reference twice: in the launching process (notebook_launcher runs one process
-      # in place: unsloth's single-GPU checkpointing) and through nbkit.launch (a torchelastic
-      # process: unsloth's distributed checkpointing); then 2 GPUs with DDP's knobs, and with
-      # unsloth's single-GPU checkpointing kept under DDP (bench.py --unsloth-vlm-reentrant).
-      part scaling 330 python3 benchmarks/bench.py --configs unsloth:1@notebook,unsloth:1,unsloth:2 \
-        --seq-lens 1024x4,16384x1 --precisions bf16 --ddp find_unused_parameters=auto --ddp freeze_unused=true \
-        --ddp static_graph=true,find_unused_parameters=false --profile --profile-dir "$OUT/profiles" \
-        --time-limit 320 --out "$OUT/scaling.json" --md "$OUT/scaling.md"
-      part scaling_reentrant 170 python3 benchmarks/bench.py --configs unsloth:2 --unsloth-vlm-reentrant \
-        --seq-lens 1024x4,16384x1 --precisions bf16 --ddp freeze_unused=true \
-        --ddp static_graph=true,find_unused_parameters=false --profile --profile-dir "$OUT/profiles" \
-        --time-limit 160 --out "$OUT/scaling_reentrant.json" --md "$OUT/scaling_reentrant.md" ;;
+      # unsloth on one GPU (notebook_launcher runs one process in place: unsloth's single-GPU
+      # path) and on 2 under nbkit.launch: with nbkit's default (unsloth's single-GPU checkpointing
+      # kept under DDP) and with unsloth's own DDP checkpointing. Text-only batches: the vision
+      # tower's LoRA weights get no gradient and are frozen (freeze_unused), as
+      # finetune_vision_layers=False would; find_unused_parameters=auto is Trainer's search instead.
+      part scaling 300 python3 benchmarks/bench.py --configs unsloth:1@notebook,unsloth:2 \
+        --seq-lens 1024x4,16384x1 --precisions bf16 --ddp freeze_unused=true ${SCALING_FLAGS:-} \
+        --time-limit 290 --out "$OUT/scaling.json" --md "$OUT/scaling.md"
+      NBKIT_UNSLOTH_VLM_DDP_CHECKPOINTING=unsloth part scaling_unsloth_ddp 170 python3 benchmarks/bench.py \
+        --configs unsloth:2 --seq-lens 1024x4,16384x1 --precisions bf16 --ddp freeze_unused=true \
+        --ddp find_unused_parameters=auto ${SCALING_FLAGS:-} --time-limit 160 \
+        --out "$OUT/scaling_unsloth_ddp.json" --md "$OUT/scaling_unsloth_ddp.md" ;;
     launchers)
       part launchers 230 python3 benchmarks/bench.py --configs nbkit:2,nbkit:2@accelerate,plain:2@notebook \
         --seq-lens 1024x4,16384x1 --precisions bf16 --time-limit 220 \
         --out "$OUT/launchers.json" --md "$OUT/launchers.md" ;;
     scaling4)
-      part scaling4 560 python3 benchmarks/bench.py --configs unsloth:1@notebook,unsloth:2,unsloth:4 \
-        --seq-lens 1024x4,16384x1 --precisions bf16 ${SCALING_DDP:---ddp freeze_unused=true} \
-        ${SCALING_FLAGS:-} --time-limit 550 --out "$OUT/scaling4.json" --md "$OUT/scaling4.md" ;;
+      part scaling4 300 python3 benchmarks/bench.py --configs ${SCALING4_CONFIGS:-unsloth:1@notebook,unsloth:4} \
+        --seq-lens 1024x4,16384x1 --precisions bf16 --ddp freeze_unused=true ${SCALING_FLAGS:-} \
+        --time-limit 290 --out "$OUT/scaling4.json" --md "$OUT/scaling4.md" ;;
     long)
       part long 330 python3 benchmarks/savers.py --seq-lens 64k --configs all,plain,recompute --steps 4 \
         --warmup 1 --time-budget 300 --out "$OUT/long.json" --md "$OUT/long.md" ;;

@@ -15,6 +15,9 @@ __all__ = ["configure", "setting", "SETTINGS", "environment"]
 # name -> (environment variable, default, allowed values or None for free text)
 SETTINGS: dict[str, tuple[str, str, tuple[str, ...] | None]] = {
     "device_map_policy": ("NBKIT_DEVICE_MAP_POLICY", "data_parallel", ("data_parallel", "error")),
+    # "reentrant": unsloth VLMs keep unsloth's single-GPU (reentrant, offloading) checkpointing under
+    # DDP, with find_unused_parameters=False; "unsloth": unsloth's own DDP choice (non-reentrant).
+    "unsloth_vlm_ddp_checkpointing": ("NBKIT_UNSLOTH_VLM_DDP_CHECKPOINTING", "reentrant", ("reentrant", "unsloth")),
 }
 
 
@@ -32,8 +35,9 @@ def setting(name: str) -> str:
 def configure(**settings: str) -> dict[str, str]:
     """Change nbkit settings for this process and every process it launches afterwards.
 
-    Takes keyword arguments named after the settings (today: device_map_policy, one of
-    "data_parallel" or "error"). Returns all settings as they now stand. Raises ValueError for an
+    Takes keyword arguments named after the settings: device_map_policy ("data_parallel" or
+    "error"; see nbkit.guard) and unsloth_vlm_ddp_checkpointing ("reentrant" or "unsloth"; see
+    docs/unsloth_patches.md, fix 4). Returns all settings as they now stand. Raises ValueError for an
     unknown setting or value; nothing is changed then.
     """
     for name, value in settings.items():

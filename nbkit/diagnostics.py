@@ -212,7 +212,14 @@ def _version_problems(versions: dict[str, str | None]) -> list[Problem]:
                 f"{name} {installed} is outside what {whose} supports ({name}{spec}).",
                 f'pip install "{name}{spec}" and restart the kernel.'))
 
-    for requirement in importlib.metadata.requires("nbkit") or []:
+    try:
+        requirements = importlib.metadata.requires("nbkit") or []
+    except importlib.metadata.PackageNotFoundError:  # imported from a source folder on sys.path
+        requirements = []
+        problems.append(Problem(
+            "nbkit is imported from a folder, not installed, so the versions it needs are not checked.",
+            "pip install the nbkit folder (pip install -e PATH) to have them checked.", "warning"))
+    for requirement in requirements:
         parsed = Requirement(requirement)
         if parsed.marker is None and parsed.specifier:  # extras come with a marker
             check(parsed.name, str(parsed.specifier), "nbkit")

@@ -332,6 +332,15 @@ class _Run:
                 "forked ranks cannot use CUDA. Import nbkit first in the notebook, or restart the kernel and "
                 "keep GPU work inside the launched function; %%ddp can start fresh processes instead."
             )
+        if any("Expected to have finished reduction in the prior iteration" in e.message for e in self.errors.values()):
+            lines.append(
+                "DDP found trainable weights that got no gradient in a step (typically a VLM's LoRA'd vision "
+                "tower on a batch without images). Train only what every batch uses (unsloth: "
+                "get_peft_model(..., finetune_vision_layers=False) for text-only data), or give every batch "
+                "an image. With unsloth vision models nbkit keeps unsloth's faster single-GPU checkpointing, "
+                "which needs this; nbkit.configure(unsloth_vlm_ddp_checkpointing='unsloth') before loading, "
+                "with TrainingArguments(ddp_find_unused_parameters=True), trains such data more slowly."
+            )
         for rank, why in failures.items():
             lines.append(f"\n[rank {rank}] {why}")
             err = self.errors.get(rank)
@@ -515,12 +524,14 @@ class _Child:
         sys.stdout, sys.stderr = self.stdout, self.stderr
         self.channel.attach(local_rank, rank)
         channel.send("started", os.getpid())
-        if self.use_cpu:
-            import torch
+        import torch
 
-            # The notebook's torch thread pool does not survive fork: a child that uses more than
-            # one intra-op thread hangs in its first parallel op (landscape.md, "fork").
-            torch.set_num_threads(1)
+        # The notebook's torch thread pools do not survive fork. On CPU a child that uses more than
+        # one intra-op thread hangs in its first parallel op (landscape.md, "fork"), so it gets one.
+        # On GPUs the child keeps its threads, but the pool is rebuilt here, while this is the only
+        # thread: rebuilt lazily, two threads that start at once (autograd's device threads) can see
+        # it half-replaced and abort with "Invalid thread pool" (seen with unsloth on 2 H200s).
+        torch.set_num_threads(1 if self.use_cpu else torch.get_num_threads())
         try:
             _prepare_rank(quiet=self.quiet, rank=rank)
             value = self.fn(*self.args, **self.kwargs)

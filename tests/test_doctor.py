@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 
 import pytest
 
@@ -98,3 +99,14 @@ def test_nbkit_doctor_is_the_function_whichever_import_came_first():
     importlib.import_module("nbkit.diagnostics")
     assert nbkit.doctor is doctor
     assert nbkit.doctor().versions == doctor().versions
+
+
+def test_nbkit_imported_from_a_folder_still_gets_a_report(monkeypatch):
+    # A Kaggle user who puts a checkout on sys.path instead of pip-installing it has no metadata.
+    def not_installed(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "requires", not_installed)
+    report = doctor()
+    (problem,) = [p for p in report.problems if "not installed" in p.what]
+    assert problem.severity == "warning" and "pip install -e" in problem.fix

@@ -111,6 +111,32 @@ def test_rank_killed_by_a_signal():
     assert "out of CPU memory" in str(info.value)
 
 
+class _TowerNeverUsed(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.used, self.tower = torch.nn.Linear(4, 1), torch.nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.used(x)
+
+
+def _ddp_with_a_weight_no_step_uses() -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    ddp = torch.nn.parallel.DistributedDataParallel(_TowerNeverUsed(), find_unused_parameters=False)
+    for _ in range(2):  # DDP notices in the second step that "tower" got no gradient in the first
+        ddp(torch.ones(2, 4)).sum().backward()
+
+
+def test_ddp_weights_without_gradient_get_an_explanation():
+    with pytest.raises(nbkit.LaunchError) as caught:
+        nbkit.launch(_ddp_with_a_weight_no_step_uses, gpus=2, timeout=120)
+    message = str(caught.value)
+    assert "Expected to have finished reduction" in message  # DDP's own error, kept
+    assert "finetune_vision_layers=False" in message and "unsloth_vlm_ddp_checkpointing" in message
+
+
 def _hang_in_collective() -> None:
     import torch.distributed as dist
 

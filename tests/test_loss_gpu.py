@@ -24,7 +24,8 @@ def exact_fp32_matmuls():
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float().to(a.device)).abs().max() / b.float().abs().max()).item()
+    a, b = a.detach().float().cpu(), b.detach().float().cpu()  # the two may sit on different GPUs
+    return ((a - b).abs().max() / b.abs().max()).item()
 
 
 @two_gpus

@@ -16,8 +16,14 @@ unsloth's three long-sequence savers have each failed under DDP or with a model 
    ready only once"). The patch makes Trainer pick False for a LoRA-only dense text model under
    checkpointing (every LoRA weight gets a gradient each step), unless the user chose a value or
    unsloth makes that choice itself.
+4. Not a failure but a cost: to avoid 3 for vision models, unsloth checkpoints them under DDP with
+   torch's non-reentrant checkpoint plus saved-tensor offload hooks, a different path from its
+   single-GPU one, and slower (benchmarks/RESULTS.md). nbkit keeps the single-GPU checkpointing
+   and has Trainer use find_unused_parameters=False, which is right when every trainable weight gets
+   a gradient each step (images in every batch for a LoRA'd vision tower). The setting
+   `nbkit.configure(unsloth_vlm_ddp_checkpointing="unsloth")` gives unsloth its own choice back.
 
-Every fix is detected by *feature*, never by version: the `when` predicates read the code of the
+Fixes 1-3 are detected by *feature*, never by version: the `when` predicates read the code of the
 unsloth / unsloth_zoo modules already imported (or, for unsloth's own package, its source files,
 without importing it: `import unsloth` initialises CUDA). Where the feature is present the patch is
 left out. Each fix acts only in a distributed run or when devices actually differ, so single-GPU
@@ -41,6 +47,7 @@ from typing import Any, Callable
 import torch
 
 from nbkit import distributed
+from nbkit.config import setting
 from nbkit.patching import patch
 from nbkit.savers._model import base_model
 
@@ -52,6 +59,7 @@ __all__ = [
     "needs_cross_device_loss_fix",
     "needs_tiled_mlp_fix",
     "needs_find_unused_fix",
+    "keeps_single_gpu_vlm_checkpointing",
 ]
 
 _log = logging.getLogger("nbkit")
@@ -216,6 +224,11 @@ def needs_find_unused_fix() -> bool:
     )
 
 
+def keeps_single_gpu_vlm_checkpointing() -> bool:
+    """nbkit's setting unsloth_vlm_ddp_checkpointing is "reentrant" (the default)."""
+    return setting("unsloth_vlm_ddp_checkpointing") == "reentrant"
+
+
 # --------------------------------------------------------------------------------------------------
 # The patches
 
@@ -282,9 +295,43 @@ def _tiled_mlp_ddp_safe(original: Callable[..., Any]) -> Callable[..., Any]:
     return apply
 
 
+@patch(
+    "unsloth.models.vision:vlm_gradient_checkpointing_reentrant",
+    reason="under DDP unsloth checkpoints vision models with torch's non-reentrant checkpoint and offload "
+    "hooks instead of its single-GPU reentrant offloading checkpoint, which is faster under DDP too "
+    "(benchmarks/RESULTS.md); keep the single-GPU one, Trainer then uses find_unused_parameters=False",
+    upstream="https://github.com/unslothai/unsloth/issues/3713",
+    group="savers",
+    when=keeps_single_gpu_vlm_checkpointing,
+)
+def _vlm_keeps_single_gpu_checkpointing(original: Callable[[], bool]) -> Callable[[], bool]:
+    # unsloth asks this once per model load; True is also its own answer on one GPU, FSDP2 and ZeRO-3.
+    @functools.wraps(original)
+    def vlm_gradient_checkpointing_reentrant() -> bool:
+        return True
+
+    return vlm_gradient_checkpointing_reentrant
+
+
+def _reentrant_vlm_under_ddp(trainer: Any) -> bool:
+    """An unsloth vision model that fix 4 left on reentrant checkpointing, in a distributed run."""
+    if not (_vlm_keeps_single_gpu_checkpointing.is_applied and distributed.is_distributed()):
+        return False
+    model = trainer.model
+    base = base_model(model) if model is not None else None
+    config = getattr(base, "config", None)
+    if config is None or getattr(config, "vision_config", None) is None:
+        return False
+    marked = [getattr(m, "_unsloth_gradient_checkpointing", None) for m in (model, base)]
+    # unsloth marks the models it loads; False here means non-reentrant after all (some model types).
+    if not any(marked) or any(getattr(m, "_unsloth_vlm_gc_non_reentrant", False) for m in (model, base)):
+        return False
+    return True
+
+
 def _reentrant_lora_text_model_under_ddp(trainer: Any) -> bool:
     """The case unsloth's reentrant checkpointing breaks with find_unused_parameters=True."""
-    if "unsloth" not in sys.modules or not distributed.is_distributed():
+    if "unsloth" not in sys.modules or not distributed.is_distributed() or not needs_find_unused_fix():
         return False
     if getattr(trainer.args, "ddp_find_unused_parameters", None) is not None:
         return False  # the user's choice stands
@@ -311,19 +358,31 @@ def _reentrant_lora_text_model_under_ddp(trainer: Any) -> bool:
     )
 
 
+def _find_unused_fix_wanted() -> bool:
+    return needs_find_unused_fix() or keeps_single_gpu_vlm_checkpointing()
+
+
 @patch(
     "transformers.trainer:Trainer._build_accelerator_args",
-    reason="unsloth checkpoints text models reentrantly; Trainer's find_unused_parameters=True for peft "
-    "models then fails under DDP ('Expected to mark a variable ready only once'); a LoRA-only dense "
-    "text model gives every trainable weight a gradient each step, so False is correct",
+    reason="unsloth checkpoints text models (and, with fix 4, vision models) reentrantly; Trainer's "
+    "find_unused_parameters=True for peft models then fails under DDP ('Expected to mark a variable ready "
+    "only once'); where every trainable weight gets a gradient each step False is correct",
     upstream="https://github.com/unslothai/unsloth/issues/3713",
     group="savers",
-    when=needs_find_unused_fix,
+    when=_find_unused_fix_wanted,
 )
 def _find_unused_false_for_unsloth_lora(original: Callable[..., Any]) -> Callable[..., Any]:
     def build(self: Any, *args: Any, **kwargs: Any) -> Any:
         result = original(self, *args, **kwargs)
-        if _reentrant_lora_text_model_under_ddp(self):
+        vlm = _reentrant_vlm_under_ddp(self)
+        if vlm and getattr(self.args, "ddp_find_unused_parameters", None) is True:
+            raise ValueError(
+                "ddp_find_unused_parameters=True cannot work with this unsloth vision model: nbkit kept "
+                "unsloth's single-GPU (reentrant) checkpointing under DDP, which needs False. Either leave "
+                "ddp_find_unused_parameters unset, or run nbkit.configure(unsloth_vlm_ddp_checkpointing="
+                "'unsloth') before loading the model (unsloth's slower DDP checkpointing, which allows True)."
+            )
+        if vlm or _reentrant_lora_text_model_under_ddp(self):
             from accelerate.utils import DistributedDataParallelKwargs
 
             for handler in result.get("kwargs_handlers", []):
