@@ -76,16 +76,18 @@ for what in "$@"; do
         --ddp find_unused_parameters=auto ${SCALING_FLAGS:-} --time-limit 160 \
         --out "$OUT/scaling_unsloth_ddp.json" --md "$OUT/scaling_unsloth_ddp.md" ;;
     launchers)
-      part launchers 230 python3 benchmarks/bench.py --configs nbkit:2,nbkit:2@accelerate,plain:2@notebook \
-        --seq-lens 1024x4,16384x1 --precisions bf16 --time-limit 220 \
+      limit=${LAUNCHERS_LIMIT:-230}
+      part launchers "$limit" python3 benchmarks/bench.py --configs nbkit:2,nbkit:2@accelerate,plain:2@notebook \
+        --seq-lens 1024x4,16384x1 --precisions bf16 --time-limit $((limit - 10)) \
         --out "$OUT/launchers.json" --md "$OUT/launchers.md" ;;
     scaling4)
       part scaling4 300 python3 benchmarks/bench.py --configs ${SCALING4_CONFIGS:-unsloth:1@notebook,unsloth:4} \
         --seq-lens 1024x4,16384x1 --precisions bf16 --ddp freeze_unused=true ${SCALING_FLAGS:-} \
         --time-limit 290 --out "$OUT/scaling4.json" --md "$OUT/scaling4.md" ;;
     long)
-      part long 330 python3 benchmarks/savers.py --seq-lens 64k --configs all,plain,recompute --steps 4 \
-        --warmup 1 --time-budget 300 --out "$OUT/long.json" --md "$OUT/long.md" ;;
+      limit=${LONG_LIMIT:-330}
+      part long "$limit" python3 benchmarks/savers.py --seq-lens 64k --configs ${LONG_CONFIGS:-all,plain,recompute} \
+        --steps 3 --warmup 1 --time-budget $((limit - 30)) --out "$OUT/long.json" --md "$OUT/long.md" ;;
     *) echo "unknown part: $what" >&2 ;;
   esac
 done
