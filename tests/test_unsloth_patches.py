@@ -301,3 +301,57 @@ def test_trainer_gets_find_unused_false_only_for_lora_text_models_under_ddp(stan
         assert find_unused(model) is True  # a non-LoRA trainable weight: keep the safe default
     finally:
         target.revert()
+
+
+_VISION = '''
+def is_distributed():
+    import os
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def vlm_gradient_checkpointing_reentrant():
+    return not is_distributed()
+'''
+
+
+def test_vision_models_keep_single_gpu_checkpointing_and_trainer_follows(
+    stand_in, monkeypatch, tiny_vl_path, tmp_path
+):
+    peft = pytest.importorskip("peft")
+    from accelerate.utils import DistributedDataParallelKwargs
+    from transformers import AutoModelForImageTextToText, Trainer, TrainingArguments
+
+    import nbkit
+
+    root = stand_in(fixed=True)  # unsloth chooses find_unused_parameters itself: only fix 4 is nbkit's
+    _write(root, {"unsloth/models/vision.py": _VISION})
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    integration.install(guard=False)
+    import unsloth.models.vision as vision
+
+    assert vision.vlm_gradient_checkpointing_reentrant() is True  # unsloth alone: False under DDP
+
+    model = AutoModelForImageTextToText.from_pretrained(tiny_vl_path)
+    model = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
+    model._unsloth_gradient_checkpointing = "unsloth"  # what unsloth marks its models with
+    model._unsloth_vlm_gc_non_reentrant = False
+
+    def find_unused(**args) -> bool:
+        trainer = types.SimpleNamespace(args=TrainingArguments(output_dir=str(tmp_path), report_to=[], **args),
+                                        model=model)
+        (handler,) = Trainer._build_accelerator_args(trainer)["kwargs_handlers"]
+        assert isinstance(handler, DistributedDataParallelKwargs)
+        return handler.find_unused_parameters
+
+    assert find_unused() is False
+    with pytest.raises(ValueError, match="unsloth_vlm_ddp_checkpointing='unsloth'"):
+        find_unused(ddp_find_unused_parameters=True)
+
+    integration.uninstall()
+    assert vision.vlm_gradient_checkpointing_reentrant() is False  # restored exactly
+    monkeypatch.delenv("NBKIT_UNSLOTH_VLM_DDP_CHECKPOINTING", raising=False)  # restored after the test
+    nbkit.configure(unsloth_vlm_ddp_checkpointing="unsloth")
+    integration.install(guard=False)
+    assert vision.vlm_gradient_checkpointing_reentrant() is False  # the setting gives unsloth its choice
+    assert find_unused() is True  # and Trainer keeps transformers' default for it
