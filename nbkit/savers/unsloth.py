@@ -225,8 +225,16 @@ def needs_find_unused_fix() -> bool:
 
 
 def keeps_single_gpu_vlm_checkpointing() -> bool:
-    """nbkit's setting unsloth_vlm_ddp_checkpointing is "reentrant" (the default)."""
-    return setting("unsloth_vlm_ddp_checkpointing") == "reentrant"
+    """nbkit's setting unsloth_vlm_ddp_checkpointing is "reentrant" (the default) and the installed
+    unsloth decides its vision models' checkpointing through vlm_gradient_checkpointing_reentrant."""
+    if setting("unsloth_vlm_ddp_checkpointing") != "reentrant":
+        return False
+    models = _unsloth_models_dir()
+    return models is not None and _unsloth_ships(models, "def vlm_gradient_checkpointing_reentrant", _defined)
+
+
+def _defined(source: str) -> bool:
+    return True  # finding the needle "def name" is the whole check
 
 
 # --------------------------------------------------------------------------------------------------
