@@ -52,9 +52,9 @@ MATRICES: dict[str, list[str]] = {
     # The issue-7 comparison: unsloth on 1 GPU (reference) and under nbkit.launch, transformers+peft
     # with nbkit's savers, plain transformers+peft under notebook_launcher (the anchor), the same
     # function as a script (accelerate launch), then 4-GPU scaling and the remaining anchors.
-    "default": ["unsloth:1", "unsloth:2", "nbkit:1", "nbkit:2", "plain:2@notebook", "nbkit:2@accelerate",
-                "unsloth:4", "nbkit:4", "plain:1", "unsloth:2@notebook"],
-    "scaling": ["unsloth:1", "unsloth:2", "unsloth:4", "nbkit:1", "nbkit:2", "nbkit:4"],
+    "default": ["unsloth:1@notebook", "unsloth:2", "nbkit:1@notebook", "nbkit:2", "plain:2@notebook",
+                "nbkit:2@accelerate", "unsloth:4", "nbkit:4", "plain:1@notebook", "unsloth:2@notebook"],
+    "scaling": ["unsloth:1@notebook", "unsloth:2", "unsloth:4", "nbkit:1@notebook", "nbkit:2", "nbkit:4"],
     "launchers": ["nbkit:2", "nbkit:2@notebook", "nbkit:2@accelerate", "nbkit:2@torchrun"],
 }
 DEFAULT_SEQ_LENS = "1024x4,16384x1"
@@ -379,10 +379,11 @@ def _worker_mode(spec_path: str) -> int:
 # ---------------------------------------------------------------------------------------------
 
 def _reference(rows: list[dict], row: dict) -> dict | None:
-    """The 1-GPU row of the same backend and case (nbkit launcher preferred)."""
+    """The 1-GPU row of the same backend and case: notebook_launcher's preferred (it runs one process
+    in the launching process itself, as a one-GPU notebook user trains), then nbkit.launch's."""
     same = [r for r in rows if r["status"] == "ok" and r["gpus"] == 1 and r["backend"] == row["backend"]
             and all(r[k] == row[k] for k in ("precision", "seq_len", "batch", "image", "memory_cap_gib"))]
-    same.sort(key=lambda r: r["launcher"] != "nbkit")
+    same.sort(key=lambda r: {"notebook": 0, "nbkit": 1}.get(r["launcher"], 2))
     return same[0] if same else None
 
 

@@ -85,13 +85,14 @@ BACKENDS = ("unsloth", "nbkit", "plain")
 PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 # DDP options that are nbkit-benchmark knobs rather than DistributedDataParallel arguments:
-#   find_unused_parameters="auto": True exactly when the probe step left a trainable parameter
-#     without a gradient (a VLM's LoRA'd vision tower on a text-only batch), as transformers'
-#     Trainer would need; any DDP argument can be given too (bucket_cap_mb, static_graph, ...).
-#   freeze_unused: instead of searching for unused parameters every step, freeze the ones the
-#     probe found unused (their gradient is None either way, so training is unchanged).
+#   freeze_unused (default True): freeze the trainable parameters the probe step found without a
+#     gradient (a VLM's LoRA'd vision tower on a text-only batch), as a user who trains only what
+#     the data uses would (finetune_vision_layers=False); their gradient is None either way. Under
+#     nbkit, unsloth's vision models checkpoint reentrantly in DDP and need this (or an image).
+#   find_unused_parameters="auto": True exactly when unused parameters are left (freeze_unused=false),
+#     as transformers' Trainer would search for them; any DDP argument can be given too.
 #   comm_hook: "bf16" / "fp16" gradient compression (torch's default hooks), as unsloth installs.
-DDP_DEFAULTS: dict[str, Any] = {"find_unused_parameters": "auto"}
+DDP_DEFAULTS: dict[str, Any] = {"find_unused_parameters": "auto", "freeze_unused": True}
 _DDP_KNOBS = ("freeze_unused", "comm_hook")
 
 # The one small image of --image: a grid of 16x16 patches (64 tokens after Qwen-VL's 2x2 merge).
@@ -496,7 +497,7 @@ def wrap_ddp(model: nn.Module, device: torch.device, options: Iterable[tuple[str
         return model
     options = dict(DDP_DEFAULTS, **dict(options))
     unused = set(unused)
-    freeze = bool(options.pop("freeze_unused", False))
+    freeze = bool(options.pop("freeze_unused"))
     hook = options.pop("comm_hook", None)
     if freeze and unused:
         for name, param in model.named_parameters():

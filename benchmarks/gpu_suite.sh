@@ -54,7 +54,7 @@ for what in "$@"; do
     planner)
       part planner 150 python3 benchmarks/planner_accuracy.py --out "$OUT/planner_accuracy.json" ;;
     matrix)
-      part matrix 560 python3 benchmarks/bench.py --matrix default --ddp freeze_unused=true --time-limit 470 \
+      part matrix 560 python3 benchmarks/bench.py --matrix default --time-limit 470 \
         --out "$OUT/matrix.json" --md "$OUT/matrix.md" ;;
     savers)
       part savers 330 python3 benchmarks/savers.py --seq-lens 8k,16k,32k,64k --time-budget 300 \
@@ -66,14 +66,14 @@ for what in "$@"; do
       # unsloth on one GPU (notebook_launcher runs one process in place: unsloth's single-GPU
       # path) and on 2 under nbkit.launch: with nbkit's default (unsloth's single-GPU checkpointing
       # kept under DDP) and with unsloth's own DDP checkpointing. Text-only batches: the vision
-      # tower's LoRA weights get no gradient and are frozen (freeze_unused), as
-      # finetune_vision_layers=False would; find_unused_parameters=auto is Trainer's search instead.
+      # tower's LoRA weights get no gradient and are frozen (bench.py's default freeze_unused), as
+      # finetune_vision_layers=False would; freeze_unused=false is Trainer's search for them instead.
       part scaling 300 python3 benchmarks/bench.py --configs unsloth:1@notebook,unsloth:2 \
-        --seq-lens 1024x4,16384x1 --precisions bf16 --ddp freeze_unused=true ${SCALING_FLAGS:-} \
+        --seq-lens 1024x4,16384x1 --precisions bf16 ${SCALING_FLAGS:-} \
         --time-limit 290 --out "$OUT/scaling.json" --md "$OUT/scaling.md"
       NBKIT_UNSLOTH_VLM_DDP_CHECKPOINTING=unsloth part scaling_unsloth_ddp 170 python3 benchmarks/bench.py \
-        --configs unsloth:2 --seq-lens 1024x4,16384x1 --precisions bf16 --ddp freeze_unused=true \
-        --ddp find_unused_parameters=auto ${SCALING_FLAGS:-} --time-limit 160 \
+        --configs unsloth:2 --seq-lens 1024x4,16384x1 --precisions bf16 --ddp "" \
+        --ddp freeze_unused=false ${SCALING_FLAGS:-} --time-limit 160 \
         --out "$OUT/scaling_unsloth_ddp.json" --md "$OUT/scaling_unsloth_ddp.md" ;;
     launchers)
       limit=${LAUNCHERS_LIMIT:-230}
@@ -82,7 +82,7 @@ for what in "$@"; do
         --out "$OUT/launchers.json" --md "$OUT/launchers.md" ;;
     scaling4)
       part scaling4 300 python3 benchmarks/bench.py --configs ${SCALING4_CONFIGS:-unsloth:1@notebook,unsloth:4} \
-        --seq-lens 1024x4,16384x1 --precisions bf16 --ddp freeze_unused=true ${SCALING_FLAGS:-} \
+        --seq-lens 1024x4,16384x1 --precisions bf16 ${SCALING_FLAGS:-} \
         --time-limit 290 --out "$OUT/scaling4.json" --md "$OUT/scaling4.md" ;;
     long)
       limit=${LONG_LIMIT:-330}

@@ -34,7 +34,7 @@ def test_step_stats_percentiles_and_spread():
 def test_ddp_options_parse_and_reject_unknown_keys():
     options = dict(common.parse_ddp_options("bucket_cap_mb=100, static_graph=true,comm_hook=bf16"))
     assert options == {"bucket_cap_mb": 100, "static_graph": True, "comm_hook": "bf16",
-                       "find_unused_parameters": "auto"}
+                       "find_unused_parameters": "auto", "freeze_unused": True}
     assert common.ddp_label(options) == "bucket_cap_mb=100,comm_hook=bf16,static_graph=True"
     with pytest.raises(ValueError, match="bucket_cap_mb"):  # the message lists the known keys
         common.parse_ddp_options("bucket_size=100")
