@@ -83,6 +83,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="DDP variant (repeatable: each is one more case per length): any DistributedDataParallel "
                         "argument (bucket_cap_mb, gradient_as_bucket_view, static_graph, find_unused_parameters="
                         "true/false/auto, broadcast_buffers, ...) plus freeze_unused and comm_hook=bf16/fp16")
+    p.add_argument("--grad-accum", type=int, default=1, metavar="N",
+                   help="micro-batches per optimisation step (DDP all-reduces on the last only, as Trainer's "
+                        "gradient_accumulation_steps); tokens/s count every micro-batch")
     p.add_argument("--savers", default="", metavar="K=V,...",
                    help="nbkit.savers.apply options for the nbkit backend, e.g. checkpointing=recompute,tiled_mlp=false")
     p.add_argument("--unsloth-checkpointing", default="unsloth",
@@ -279,7 +282,8 @@ def _placeholder(spec: common.LaunchSpec, case: common.Case, status: str, why: s
     return {"config": spec.config, "backend": spec.backend, "gpus": spec.gpus, "launcher": spec.launcher,
             "model": spec.model, "precision": case.precision, "seq_len": case.seq_len, "batch": case.batch,
             "image": spec.image, "ddp": common.ddp_label(dict(case.ddp)) if spec.gpus > 1 else "",
-            "memory_cap_gib": spec.memory_cap_gib, "status": status, "error": why, **extra}
+            "memory_cap_gib": spec.memory_cap_gib, "grad_accum": spec.grad_accum, "status": status, "error": why,
+            **extra}
 
 
 def run_one(spec: common.LaunchSpec, workdir: Path, index: int, timeout: float) -> list[dict]:
@@ -382,7 +386,8 @@ def _reference(rows: list[dict], row: dict) -> dict | None:
     """The 1-GPU row of the same backend and case: notebook_launcher's preferred (it runs one process
     in the launching process itself, as a one-GPU notebook user trains), then nbkit.launch's."""
     same = [r for r in rows if r["status"] == "ok" and r["gpus"] == 1 and r["backend"] == row["backend"]
-            and all(r[k] == row[k] for k in ("precision", "seq_len", "batch", "image", "memory_cap_gib"))]
+            and all(r.get(k) == row.get(k) for k in ("precision", "seq_len", "batch", "grad_accum", "image",
+                                                       "memory_cap_gib"))]
     same.sort(key=lambda r: {"notebook": 0, "nbkit": 1}.get(r["launcher"], 2))
     return same[0] if same else None
 
@@ -425,7 +430,8 @@ def markdown(report: dict) -> str:
         "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
-        case = f"{r['precision']} {r['seq_len']}x{r['batch']}" + (f" [{r['ddp']}]" if r.get("ddp") else "")
+        accum = f" GA{r['grad_accum']}" if r.get("grad_accum", 1) > 1 else ""
+        case = f"{r['precision']} {r['seq_len']}x{r['batch']}{accum}" + (f" [{r['ddp']}]" if r.get("ddp") else "")
         if r["status"] != "ok":
             lines.append(f"| {r['config']} | {case} | {r['status']}: {_short(r.get('error', ''))} "
                          "| | | | | | | | |")
@@ -457,8 +463,8 @@ def _launcher_section(rows: list[dict]) -> list[str]:
         if r["status"] != "ok" or r["launcher"] == "nbkit":
             continue
         ref = next((o for o in rows if o["status"] == "ok" and o["launcher"] == "nbkit"
-                    and all(o[k] == r[k] for k in ("backend", "gpus", "precision", "seq_len", "batch", "ddp",
-                                                   "image", "memory_cap_gib"))), None)
+                    and all(o.get(k) == r.get(k) for k in ("backend", "gpus", "precision", "seq_len", "batch",
+                                                           "grad_accum", "ddp", "image", "memory_cap_gib"))), None)
         if ref is not None:
             ratio = r["step_time_s"]["median"] / ref["step_time_s"]["median"]
             out.append(f"| {r['backend']}:{r['gpus']} | {r['precision']} {r['seq_len']}x{r['batch']} | {r['launcher']} "
@@ -550,6 +556,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("bench.py: no configuration left to run (check --configs / --gpus).")
     steps = args.steps if args.steps is not None else (2 if args.t4 else 20)
     warmup = args.warmup if args.warmup is not None else (1 if args.t4 else 3)
+    if args.grad_accum < 1:
+        raise SystemExit("bench.py: --grad-accum must be at least 1.")
     if steps < 1 or warmup < 1:
         raise SystemExit("bench.py: --steps and --warmup must be at least 1 (the first warm-up step is the probe).")
     memory_cap = args.memory_cap_gib if args.memory_cap_gib is not None else (T4_MEMORY_GIB if args.t4 else None)
@@ -572,6 +580,7 @@ def main(argv: list[str] | None = None) -> int:
         "model": {"name": args.model, "path": model_path, "resolve_s": resolve_s},
         "settings": {"steps": steps, "warmup": warmup, "lora_r": args.lora_r, "image": args.image, "t4": args.t4,
                      "ladder": args.t4, "memory_cap_gib": memory_cap, "device": device, "ddp": args.ddp,
+                     "grad_accum": args.grad_accum,
                      "savers": _parse_savers(args.savers), "unsloth_checkpointing": args.unsloth_checkpointing,
                      "nbkit_unsloth_vlm_ddp_checkpointing": setting("unsloth_vlm_ddp_checkpointing"),
                      "profile_dir": str(profile_dir) if profile_dir else None},
@@ -585,6 +594,7 @@ def main(argv: list[str] | None = None) -> int:
                 cases=_cases(args, device, gpus), results_path="", steps=steps, warmup=warmup, lora_r=args.lora_r,
                 image=args.image, memory_cap_gib=memory_cap, ladder=args.t4,
                 profile_dir=str(profile_dir) if profile_dir else None, profile_steps=args.profile_steps,
+                grad_accum=args.grad_accum,
                 savers=report["settings"]["savers"], unsloth_checkpointing=unsloth_checkpointing,
             )
             elapsed = time.monotonic() - started

@@ -149,6 +149,7 @@ class LaunchSpec:
     ladder_bisect: int = 2
     profile_dir: str | None = None
     profile_steps: int = 3
+    grad_accum: int = 1  # micro-batches per optimisation step
     savers: dict[str, Any] = field(default_factory=dict)
     unsloth_checkpointing: str | bool = "unsloth"
     launched_at: float = 0.0  # time.time() just before the launcher was called
@@ -530,13 +531,18 @@ class Stepper:
     """One optimisation step of `model` as a Trainer does it: autocast forward, backward, AdamW.
 
     Takes the model (bare, peft or DDP-wrapped; called as model(**batch).loss), the precision
-    ("bf16"/"fp16" autocast, fp16 with a GradScaler; "fp32" none), the device, and the optimizer
-    (default: AdamW over the trainable parameters, fused on CUDA, lr 1e-4).
+    ("bf16"/"fp16" autocast, fp16 with a GradScaler; "fp32" none), the device, the optimizer
+    (default: AdamW over the trainable parameters, fused on CUDA, lr 1e-4), and the number of
+    micro-batches per optimisation step (gradient accumulation: DDP all-reduces on the last one
+    only, as Trainer's gradient_accumulation_steps does; each micro-batch is the same batch).
     """
 
     def __init__(self, model: nn.Module, precision: str, device: torch.device,
-                 optimizer: torch.optim.Optimizer | None = None, lr: float = 1e-4):
+                 optimizer: torch.optim.Optimizer | None = None, lr: float = 1e-4, grad_accum: int = 1):
+        if grad_accum < 1:
+            raise ValueError(f"grad_accum must be at least 1 (got {grad_accum}).")
         self.model = model
+        self.grad_accum = grad_accum
         self.device = device
         self.dtype = PRECISIONS[precision] if precision != "fp32" else None
         params = [p for p in model.parameters() if p.requires_grad]
@@ -550,16 +556,22 @@ class Stepper:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=self.dtype)
 
-    def backward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Forward and backward only (gradients accumulate); returns the detached loss."""
+    def backward(self, batch: dict[str, torch.Tensor], scale: float = 1.0) -> torch.Tensor:
+        """Forward and backward only (gradients accumulate, the loss multiplied by `scale`);
+        returns the detached, unscaled loss."""
         with self._autocast():
             loss = self.model(**batch).loss
-        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+        scaled = loss * scale if scale != 1.0 else loss
+        (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
         return loss.detach()
 
     def step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """A full optimisation step; returns the detached loss."""
-        loss = self.backward(batch)
+        """A full optimisation step over grad_accum micro-batches; returns the last detached loss."""
+        for _ in range(self.grad_accum - 1):
+            no_sync = getattr(self.model, "no_sync", contextlib.nullcontext)  # DDP: no all-reduce yet
+            with no_sync():
+                self.backward(batch, 1.0 / self.grad_accum)
+        loss = self.backward(batch, 1.0 / self.grad_accum)
         if self.scaler is not None:
             self.scaler.step(self.optimizer)
             self.scaler.update()
@@ -661,7 +673,8 @@ class _Launch:
             "config": spec.config, "backend": spec.backend, "gpus": spec.gpus, "launcher": spec.launcher,
             "model": spec.model, "precision": case.precision, "seq_len": case.seq_len, "batch": case.batch,
             "image": spec.image, "ddp": ddp_label(dict(case.ddp)) if self.world > 1 else "",
-            "memory_cap_gib": spec.memory_cap_gib, "steps": spec.steps, "warmup": spec.warmup, **fields,
+            "memory_cap_gib": spec.memory_cap_gib, "steps": spec.steps, "warmup": spec.warmup,
+            "grad_accum": spec.grad_accum, **fields,
         }
 
     def _record(self, row: dict) -> None:
@@ -763,7 +776,7 @@ class _Launch:
         figures: dict[str, Any] = {}
         try:
             wrapped = wrap_ddp(model, device, case.ddp, unused=unused)
-            stepper = Stepper(wrapped, case.precision, device)
+            stepper = Stepper(wrapped, case.precision, device, grad_accum=spec.grad_accum)
             timed_steps(stepper, batch, max(0, spec.warmup - 1))
             times, losses = timed_steps(stepper, batch, spec.steps)
             figures = self._figures(case, times, losses, unused)
@@ -786,9 +799,10 @@ class _Launch:
 
     def _figures(self, case: Case, times: list[float], losses: list[float], unused: list[str]) -> dict:
         stats = step_stats(times)
-        per_gpu = case.tokens / stats["median"]
+        tokens = case.tokens * self.spec.grad_accum  # per rank per optimisation step
+        per_gpu = tokens / stats["median"]
         return {
-            "step_time_s": stats, "step_times_s": times, "tokens_per_step": case.tokens * self.world,
+            "step_time_s": stats, "step_times_s": times, "tokens_per_step": tokens * self.world,
             "tokens_per_s_per_gpu": per_gpu, "tokens_per_s_total": per_gpu * self.world,
             "loss_first": losses[0], "loss_last": losses[-1], "loss_finite": all(map(math.isfinite, losses)),
             "unused_trainable_params": len(unused),

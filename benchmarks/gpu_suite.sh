@@ -7,7 +7,8 @@
 #   bash benchmarks/gpu_suite.sh savers t4            # memory savers 8K-64K (issue 4), T4 stand-in
 #   bash benchmarks/gpu_suite.sh scaling              # unsloth 1 -> 2 GPUs: checkpointing paths x DDP knobs, profiled
 #   bash benchmarks/gpu_suite.sh launchers            # the same function via nbkit.launch, notebook_launcher, accelerate
-#   bash benchmarks/gpu_suite.sh scaling4             # unsloth on 1, 2 and 4 GPUs (needs 4)
+#   bash benchmarks/gpu_suite.sh scaling4             # unsloth on 1 and 4 GPUs (needs 4)
+#   bash benchmarks/gpu_suite.sh accum                # 1K x 4 with gradient accumulation 4, 1 -> 2 GPUs
 #   bash benchmarks/gpu_suite.sh long                 # the savers at 64K tokens
 #
 # Two sets of parts can share a 4-GPU machine, one GPU pair each (a separate TMPDIR keeps unsloth's
@@ -75,6 +76,11 @@ for what in "$@"; do
         --configs unsloth:2 --seq-lens 1024x4,16384x1 --precisions bf16 --ddp "" \
         --ddp freeze_unused=false ${SCALING_FLAGS:-} --time-limit 160 \
         --out "$OUT/scaling_unsloth_ddp.json" --md "$OUT/scaling_unsloth_ddp.md" ;;
+    accum)
+      # 1K x 4 with gradient accumulation 4 (unsloth's notebooks' default): DDP synchronises once per
+      # 4 micro-batches, against once per micro-batch in `scaling`.
+      part accum 300 python3 benchmarks/bench.py --configs unsloth:1@notebook,unsloth:2 --seq-lens 1024x4 \
+        --precisions bf16 --grad-accum 4 --time-limit 290 --out "$OUT/accum.json" --md "$OUT/accum.md" ;;
     launchers)
       limit=${LAUNCHERS_LIMIT:-230}
       part launchers "$limit" python3 benchmarks/bench.py --configs nbkit:2,nbkit:2@accelerate,plain:2@notebook \

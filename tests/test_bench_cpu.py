@@ -101,3 +101,38 @@ def test_bench_runs_launches_side_by_side_and_records_failures(tmp_path, tiny_vl
     assert "## Launchers: median step time vs nbkit.launch" in table
     assert "| nbkit:2 | fp32 32x4 | error: ValueError: One image takes 66 tokens" in table
     assert "| unsloth:1 | fp32 32x4 | skipped: unsloth trains only on GPUs" in table
+
+
+def test_gradient_accumulation_counts_every_micro_batch(tmp_path):
+    out = tmp_path / "ga.json"
+    cmd = [sys.executable, str(BENCHMARKS / "bench.py"), "--configs", "nbkit:1@notebook,nbkit:2",
+           "--model", "tiny:qwen3", "--seq-lens", "64x2", "--grad-accum", "3", "--steps", "2", "--warmup", "1",
+           "--out", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = {r["config"]: r for r in json.loads(out.read_text())["results"]}
+    for config, world in (("nbkit:1@notebook", 1), ("nbkit:2", 2)):
+        row = rows[config]
+        assert row["status"] == "ok" and row["grad_accum"] == 3, row
+        assert row["tokens_per_step"] == 64 * 2 * 3 * world
+        assert row["tokens_per_s_per_gpu"] == pytest.approx(64 * 2 * 3 / row["step_time_s"]["median"])
+    assert rows["nbkit:2"]["scaling"] == pytest.approx(
+        rows["nbkit:2"]["tokens_per_s_total"] / rows["nbkit:1@notebook"]["tokens_per_s_total"])
+    assert "64x2 GA3" in out.with_suffix(".md").read_text()
+
+
+def test_accumulated_micro_batches_give_the_update_of_their_mean(tiny_text_path):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    batch = {"input_ids": torch.randint(0, 100, (2, 16))}
+    batch["labels"] = batch["input_ids"]
+    updates = []
+    for accum in (1, 3):
+        model = AutoModelForCausalLM.from_pretrained(tiny_text_path)
+        before = model.lm_head.weight.detach().clone()
+        common.Stepper(model, "fp32", torch.device("cpu"), optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+                       grad_accum=accum).step(batch)
+        updates.append(model.lm_head.weight.detach() - before)
+    assert updates[0].abs().max() > 0
+    torch.testing.assert_close(updates[1], updates[0])  # the same batch three times, each a third: one step's update
