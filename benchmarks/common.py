@@ -785,8 +785,7 @@ class _Launch:
         except Exception as exc:
             failure = _describe(exc)
         finally:
-            if wrapped is not model:
-                unfreeze(model, unused)
+            unfreeze(model, unused)  # also when wrap_ddp froze them and then failed
             stepper = wrapped = None
         ok = agree(failure is None)
         memory = gather(peak_memory_gib(device))

@@ -334,12 +334,13 @@ class _Run:
             )
         if any("Expected to have finished reduction in the prior iteration" in e.message for e in self.errors.values()):
             lines.append(
-                "DDP found trainable weights that got no gradient in a step (typically a VLM's LoRA'd vision "
-                "tower on a batch without images). Train only what every batch uses (unsloth: "
-                "get_peft_model(..., finetune_vision_layers=False) for text-only data), or give every batch "
-                "an image. With unsloth vision models nbkit keeps unsloth's faster single-GPU checkpointing, "
-                "which needs this; nbkit.configure(unsloth_vlm_ddp_checkpointing='unsloth') before loading, "
-                "with TrainingArguments(ddp_find_unused_parameters=True), trains such data more slowly."
+                "DDP found trainable weights that got no gradient in a step. A common cause is a VLM's "
+                "LoRA'd vision tower on a batch without images; others are experts a step does not route to, "
+                "or outputs the loss does not use. Train only what every batch uses (unsloth: "
+                "get_peft_model(..., finetune_vision_layers=False) for text-only data), or give every batch an "
+                "image. With unsloth vision models nbkit keeps unsloth's faster single-GPU checkpointing, which "
+                "needs this; nbkit.configure(unsloth_vlm_ddp_checkpointing='unsloth') before loading the model "
+                "trains such data with unsloth's slower DDP checkpointing instead."
             )
         for rank, why in failures.items():
             lines.append(f"\n[rank {rank}] {why}")

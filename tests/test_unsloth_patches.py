@@ -311,47 +311,59 @@ def is_distributed():
 
 def vlm_gradient_checkpointing_reentrant():
     return not is_distributed()
+
+
+class FastBaseModel:
+    @staticmethod
+    def post_patch_model(model):  # what unsloth does with the answer, for every model it loads
+        model._unsloth_gradient_checkpointing = "unsloth"
+        model._unsloth_vlm_gc_non_reentrant = not vlm_gradient_checkpointing_reentrant()
+        return model
 '''
 
 
-def test_vision_models_keep_single_gpu_checkpointing_and_trainer_follows(
-    stand_in, monkeypatch, tiny_vl_path, tmp_path
+def test_dense_vision_models_keep_single_gpu_checkpointing_and_trainer_follows(
+    stand_in, monkeypatch, tiny_vl_path, tiny_text_path, tmp_path
 ):
     peft = pytest.importorskip("peft")
     from accelerate.utils import DistributedDataParallelKwargs
-    from transformers import AutoModelForImageTextToText, Trainer, TrainingArguments
-
-    import nbkit
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, Trainer, TrainingArguments
 
     root = stand_in(fixed=True)  # unsloth chooses find_unused_parameters itself: only fix 4 is nbkit's
     _write(root, {"unsloth/models/vision.py": _VISION})
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    monkeypatch.setenv("RANK", "0")
     integration.install(guard=False)
-    import unsloth.models.vision as vision
+    from unsloth.models.vision import FastBaseModel
 
-    assert vision.vlm_gradient_checkpointing_reentrant() is True  # unsloth alone: False under DDP
+    def load(path, auto):
+        model = auto.from_pretrained(path)
+        return FastBaseModel.post_patch_model(peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["q_proj"])))
 
-    model = AutoModelForImageTextToText.from_pretrained(tiny_vl_path)
-    model = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
-    model._unsloth_gradient_checkpointing = "unsloth"  # what unsloth marks its models with
-    model._unsloth_vlm_gc_non_reentrant = False
-
-    def find_unused(**args) -> bool:
+    def find_unused(model, **args) -> bool:
         trainer = types.SimpleNamespace(args=TrainingArguments(output_dir=str(tmp_path), report_to=[], **args),
                                         model=model)
         (handler,) = Trainer._build_accelerator_args(trainer)["kwargs_handlers"]
         assert isinstance(handler, DistributedDataParallelKwargs)
         return handler.find_unused_parameters
 
-    assert find_unused() is False
-    with pytest.raises(ValueError, match="unsloth_vlm_ddp_checkpointing='unsloth'"):
-        find_unused(ddp_find_unused_parameters=True)
+    one_gpu = load(tiny_vl_path, AutoModelForImageTextToText)
+    assert one_gpu._unsloth_vlm_gc_non_reentrant is False  # one process: unsloth's own answer, nothing marked
+    assert not getattr(one_gpu, "_nbkit_kept_reentrant", False)
 
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    vlm = load(tiny_vl_path, AutoModelForImageTextToText)
+    assert vlm._unsloth_vlm_gc_non_reentrant is False  # unsloth alone: non-reentrant under DDP
+    assert find_unused(vlm) is False
+    with pytest.raises(ValueError, match="unsloth_vlm_ddp_checkpointing='unsloth'"):
+        find_unused(vlm, ddp_find_unused_parameters=True)
+
+    text = load(tiny_text_path, AutoModelForCausalLM)  # unsloth routes some text models through here too
+    assert text._unsloth_vlm_gc_non_reentrant is True and find_unused(text) is True  # left to unsloth
+
+    monkeypatch.setenv("NBKIT_UNSLOTH_VLM_DDP_CHECKPOINTING", "unsloth")  # read at each load
+    vlm = load(tiny_vl_path, AutoModelForImageTextToText)
+    assert vlm._unsloth_vlm_gc_non_reentrant is True and find_unused(vlm) is True
+
+    monkeypatch.delenv("NBKIT_UNSLOTH_VLM_DDP_CHECKPOINTING")
     integration.uninstall()
-    assert vision.vlm_gradient_checkpointing_reentrant() is False  # restored exactly
-    monkeypatch.delenv("NBKIT_UNSLOTH_VLM_DDP_CHECKPOINTING", raising=False)  # restored after the test
-    nbkit.configure(unsloth_vlm_ddp_checkpointing="unsloth")
-    integration.install(guard=False)
-    assert vision.vlm_gradient_checkpointing_reentrant() is False  # the setting gives unsloth its choice
-    assert find_unused() is True  # and Trainer keeps transformers' default for it
+    assert load(tiny_vl_path, AutoModelForImageTextToText)._unsloth_vlm_gc_non_reentrant is True  # restored

@@ -18,10 +18,11 @@ unsloth's three long-sequence savers have each failed under DDP or with a model 
    unsloth makes that choice itself.
 4. Not a failure but a cost: to avoid 3 for vision models, unsloth checkpoints them under DDP with
    torch's non-reentrant checkpoint plus saved-tensor offload hooks, a different path from its
-   single-GPU one, and slower (benchmarks/RESULTS.md). nbkit keeps the single-GPU checkpointing
-   and has Trainer use find_unused_parameters=False, which is right when every trainable weight gets
-   a gradient each step (images in every batch for a LoRA'd vision tower). The setting
-   `nbkit.configure(unsloth_vlm_ddp_checkpointing="unsloth")` gives unsloth its own choice back.
+   single-GPU one, and slower (benchmarks/RESULTS.md). For dense (non-MoE) vision models nbkit
+   keeps the single-GPU checkpointing and has Trainer use find_unused_parameters=False, which is
+   right when every trainable weight gets a gradient each step (images in every batch for a LoRA'd
+   vision tower). The setting `nbkit.configure(unsloth_vlm_ddp_checkpointing="unsloth")`, read
+   at each model load, gives unsloth its own choice back.
 
 Fixes 1-3 are detected by *feature*, never by version: the `when` predicates read the code of the
 unsloth / unsloth_zoo modules already imported (or, for unsloth's own package, its source files,
@@ -59,7 +60,7 @@ __all__ = [
     "needs_cross_device_loss_fix",
     "needs_tiled_mlp_fix",
     "needs_find_unused_fix",
-    "keeps_single_gpu_vlm_checkpointing",
+    "unsloth_chooses_vlm_checkpointing",
 ]
 
 _log = logging.getLogger("nbkit")
@@ -224,11 +225,9 @@ def needs_find_unused_fix() -> bool:
     )
 
 
-def keeps_single_gpu_vlm_checkpointing() -> bool:
-    """nbkit's setting unsloth_vlm_ddp_checkpointing is "reentrant" (the default) and the installed
-    unsloth decides its vision models' checkpointing through vlm_gradient_checkpointing_reentrant."""
-    if setting("unsloth_vlm_ddp_checkpointing") != "reentrant":
-        return False
+def unsloth_chooses_vlm_checkpointing() -> bool:
+    """The installed unsloth decides its vision models' checkpointing through
+    vlm_gradient_checkpointing_reentrant (read from its source, without importing it)."""
     models = _unsloth_models_dir()
     return models is not None and _unsloth_ships(models, "def vlm_gradient_checkpointing_reentrant", _defined)
 
@@ -303,38 +302,61 @@ def _tiled_mlp_ddp_safe(original: Callable[..., Any]) -> Callable[..., Any]:
     return apply
 
 
+_MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
+def _dense_vision_model(model: Any) -> bool:
+    """A vision-language model without mixture-of-experts layers (experts a step skips would leave
+    weights without gradient, which find_unused_parameters=False cannot take)."""
+    config = getattr(model, "config", None)
+    if config is None or getattr(config, "vision_config", None) is None:
+        return False
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return not any(getattr(c, key, None) for c in (config, text) for key in _MOE_KEYS)
+
+
 @patch(
     "unsloth.models.vision:vlm_gradient_checkpointing_reentrant",
     reason="under DDP unsloth checkpoints vision models with torch's non-reentrant checkpoint and offload "
     "hooks instead of its single-GPU reentrant offloading checkpoint, which is faster under DDP too "
-    "(benchmarks/RESULTS.md); keep the single-GPU one, Trainer then uses find_unused_parameters=False",
+    "(benchmarks/RESULTS.md); keep the single-GPU one for dense vision models, Trainer then uses "
+    "find_unused_parameters=False",
     upstream="https://github.com/unslothai/unsloth/issues/3713",
     group="savers",
-    when=keeps_single_gpu_vlm_checkpointing,
+    when=unsloth_chooses_vlm_checkpointing,
 )
 def _vlm_keeps_single_gpu_checkpointing(original: Callable[[], bool]) -> Callable[[], bool]:
-    # unsloth asks this once per model load; True is also its own answer on one GPU, FSDP2 and ZeRO-3.
     @functools.wraps(original)
     def vlm_gradient_checkpointing_reentrant() -> bool:
+        chosen = original()  # True on one GPU, FSDP2 and ZeRO-3: nothing to change there
+        if chosen or setting("unsloth_vlm_ddp_checkpointing") != "reentrant":
+            return chosen
+        # unsloth asks without naming the model; its caller (FastBaseModel.post_patch_model, also used
+        # for some text models) holds it as `model`. Anything else keeps unsloth's answer.
+        model = _caller_model()
+        if model is None or not _dense_vision_model(base_model(model)):
+            return chosen
+        model._nbkit_kept_reentrant = True  # read by the Trainer patch below
         return True
 
     return vlm_gradient_checkpointing_reentrant
 
 
-def _reentrant_vlm_under_ddp(trainer: Any) -> bool:
-    """An unsloth vision model that fix 4 left on reentrant checkpointing, in a distributed run."""
-    if not (_vlm_keeps_single_gpu_checkpointing.is_applied and distributed.is_distributed()):
-        return False
+def _caller_model() -> torch.nn.Module | None:
+    """The `model` of the nearest calling frame outside nbkit (the registry may add a frame)."""
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_globals.get("__name__", "").startswith("nbkit."):
+        frame = frame.f_back
+    model = frame.f_locals.get("model") if frame is not None else None
+    return model if isinstance(model, torch.nn.Module) else None
+
+
+def _kept_reentrant_under_ddp(trainer: Any) -> bool:
+    """A model fix 4 kept on unsloth's reentrant checkpointing, trained in a distributed run."""
     model = trainer.model
-    base = base_model(model) if model is not None else None
-    config = getattr(base, "config", None)
-    if config is None or getattr(config, "vision_config", None) is None:
+    if model is None or not distributed.is_distributed():
         return False
-    marked = [getattr(m, "_unsloth_gradient_checkpointing", None) for m in (model, base)]
-    # unsloth marks the models it loads; False here means non-reentrant after all (some model types).
-    if not any(marked) or any(getattr(m, "_unsloth_vlm_gc_non_reentrant", False) for m in (model, base)):
-        return False
-    return True
+    return any(getattr(m, "_nbkit_kept_reentrant", False) for m in (model, base_model(model)))
 
 
 def _reentrant_lora_text_model_under_ddp(trainer: Any) -> bool:
@@ -367,7 +389,7 @@ def _reentrant_lora_text_model_under_ddp(trainer: Any) -> bool:
 
 
 def _find_unused_fix_wanted() -> bool:
-    return needs_find_unused_fix() or keeps_single_gpu_vlm_checkpointing()
+    return needs_find_unused_fix() or unsloth_chooses_vlm_checkpointing()
 
 
 @patch(
@@ -382,7 +404,7 @@ def _find_unused_fix_wanted() -> bool:
 def _find_unused_false_for_unsloth_lora(original: Callable[..., Any]) -> Callable[..., Any]:
     def build(self: Any, *args: Any, **kwargs: Any) -> Any:
         result = original(self, *args, **kwargs)
-        vlm = _reentrant_vlm_under_ddp(self)
+        vlm = _kept_reentrant_under_ddp(self)
         if vlm and getattr(self.args, "ddp_find_unused_parameters", None) is True:
             raise ValueError(
                 "ddp_find_unused_parameters=True cannot work with this unsloth vision model: nbkit kept "
@@ -397,7 +419,7 @@ def _find_unused_false_for_unsloth_lora(original: Callable[..., Any]) -> Callabl
                 if isinstance(handler, DistributedDataParallelKwargs) and handler.find_unused_parameters:
                     handler.find_unused_parameters = False
                     _log.info(
-                        "nbkit: DDP find_unused_parameters=False for this LoRA model (unsloth checkpoints it "
+                        "nbkit: DDP find_unused_parameters=False for this model (unsloth checkpoints it "
                         "reentrantly, which fails with True). Set TrainingArguments.ddp_find_unused_parameters "
                         "to choose yourself."
                     )
