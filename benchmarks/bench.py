@@ -382,12 +382,21 @@ def _worker_mode(spec_path: str) -> int:
 # Report
 # ---------------------------------------------------------------------------------------------
 
+# What makes two rows the same measured case (launcher, GPU count and DDP options aside).
+_CASE_KEYS = ("precision", "seq_len", "batch", "grad_accum", "image", "memory_cap_gib")
+
+
+def _case_label(r: dict) -> str:
+    """"bf16 1024x4", plus " GA4" with gradient accumulation and " [ddp options]" where they differ."""
+    accum = f" GA{r['grad_accum']}" if r.get("grad_accum", 1) > 1 else ""
+    return f"{r['precision']} {r['seq_len']}x{r['batch']}{accum}" + (f" [{r['ddp']}]" if r.get("ddp") else "")
+
+
 def _reference(rows: list[dict], row: dict) -> dict | None:
     """The 1-GPU row of the same backend and case: notebook_launcher's preferred (it runs one process
     in the launching process itself, as a one-GPU notebook user trains), then nbkit.launch's."""
     same = [r for r in rows if r["status"] == "ok" and r["gpus"] == 1 and r["backend"] == row["backend"]
-            and all(r.get(k) == row.get(k) for k in ("precision", "seq_len", "batch", "grad_accum", "image",
-                                                       "memory_cap_gib"))]
+            and all(r.get(k) == row.get(k) for k in _CASE_KEYS)]
     same.sort(key=lambda r: {"notebook": 0, "nbkit": 1}.get(r["launcher"], 2))
     return same[0] if same else None
 
@@ -430,8 +439,7 @@ def markdown(report: dict) -> str:
         "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
-        accum = f" GA{r['grad_accum']}" if r.get("grad_accum", 1) > 1 else ""
-        case = f"{r['precision']} {r['seq_len']}x{r['batch']}{accum}" + (f" [{r['ddp']}]" if r.get("ddp") else "")
+        case = _case_label(r)
         if r["status"] != "ok":
             lines.append(f"| {r['config']} | {case} | {r['status']}: {_short(r.get('error', ''))} "
                          "| | | | | | | | |")
@@ -463,11 +471,10 @@ def _launcher_section(rows: list[dict]) -> list[str]:
         if r["status"] != "ok" or r["launcher"] == "nbkit":
             continue
         ref = next((o for o in rows if o["status"] == "ok" and o["launcher"] == "nbkit"
-                    and all(o.get(k) == r.get(k) for k in ("backend", "gpus", "precision", "seq_len", "batch",
-                                                           "grad_accum", "ddp", "image", "memory_cap_gib"))), None)
+                    and all(o.get(k) == r.get(k) for k in ("backend", "gpus", "ddp", *_CASE_KEYS))), None)
         if ref is not None:
             ratio = r["step_time_s"]["median"] / ref["step_time_s"]["median"]
-            out.append(f"| {r['backend']}:{r['gpus']} | {r['precision']} {r['seq_len']}x{r['batch']} | {r['launcher']} "
+            out.append(f"| {r['backend']}:{r['gpus']} | {_case_label(r)} | {r['launcher']} "
                        f"| {r['step_time_s']['median']:.3f} | {ref['step_time_s']['median']:.3f} | {100 * (ratio - 1):+.1f}% |")
     if not out:
         return []
@@ -498,8 +505,7 @@ def _profile_section(rows: list[dict]) -> list[str]:
     for r in rows:
         prof = r.get("profile")
         if r["status"] == "ok" and prof:  # kernel figures exist on GPUs only
-            ddp = f" [{r['ddp']}]" if r.get("ddp") else ""
-            out.append(f"| {r['config']} | {r['precision']} {r['seq_len']}x{r['batch']}{ddp} | {prof['step_ms']:.1f} "
+            out.append(f"| {r['config']} | {_case_label(r)} | {prof['step_ms']:.1f} "
                        f"| {_fmt(prof.get('compute_ms_per_step'), '.1f')} | {_fmt(prof.get('nccl_ms_per_step'), '.1f')} "
                        f"| {_fmt(prof.get('memcpy_ms_per_step'), '.1f')} | {_fmt(prof.get('compute_busy_pct'), '.0f', '%')} "
                        f"| {', '.join(prof.get('files', []))} |")
@@ -517,8 +523,7 @@ def _failure_section(rows: list[dict]) -> list[str]:
     out = ["", "## Failures", ""]
     for r in failed:
         where = f" (rank {r['error_rank']}, {r.get('phase', '')})" if "error_rank" in r else ""
-        ddp = f" [{r['ddp']}]" if r.get("ddp") else ""
-        out.append(f"- {r['config']} {r['precision']} {r['seq_len']}x{r['batch']}{ddp}: {r['status']}{where}: "
+        out.append(f"- {r['config']} {_case_label(r)}: {r['status']}{where}: "
                    f"{(r.get('error') or '').strip()}")
     return out
 

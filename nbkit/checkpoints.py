@@ -256,12 +256,7 @@ def enable() -> None:
     """
     from nbkit import integration
 
-    for p in patching.registered("checkpoints"):
-        module = p.target.partition(":")[0]
-        if module in sys.modules:
-            p.apply()
-        else:
-            integration._watcher().arm(module, p)
+    integration.apply_when_imported("checkpoints")
 
 
 @patching.patch(

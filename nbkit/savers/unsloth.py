@@ -378,7 +378,7 @@ def _reentrant_lora_text_model_under_ddp(trainer: Any) -> bool:
         return False
     if any(getattr(config, key, None) is not None for key in ("vision_config", "audio_config")):
         return False
-    if any(getattr(config, key, 0) for key in ("num_experts", "num_local_experts", "n_routed_experts")):
+    if any(getattr(config, key, 0) for key in _MOE_KEYS):
         return False
     trainable = [name for name, p in model.named_parameters() if p.requires_grad]
     if not trainable or not all("lora_" in name and "embed" not in name and "lm_head" not in name for name in trainable):
