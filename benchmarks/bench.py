@@ -435,14 +435,14 @@ def markdown(report: dict) -> str:
         f"{s['steps']} steps after {s['warmup']} warm-up steps (probe included)",
         f"- Command: `{report['command']}`", "",
         "| config | case | status | tok/s/GPU | tok/s total | scaling vs 1 GPU | step s (median) | spread p10-p90 "
-        "| peak GiB/GPU | mem vs 1 GPU | launch to 1st step s |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| peak GiB/GPU | mem vs 1 GPU | launch to 1st step s | Python GC ms/step |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         case = _case_label(r)
         if r["status"] != "ok":
             lines.append(f"| {r['config']} | {case} | {r['status']}: {_short(r.get('error', ''))} "
-                         "| | | | | | | | |")
+                         "| | | | | | | | | |")
             continue
         stats = r["step_time_s"]
         scaling = (f"{r['scaling']:.2f}x ({100 * r['scaling_efficiency']:.0f}%)" if "scaling" in r and r["gpus"] > 1
@@ -452,7 +452,7 @@ def markdown(report: dict) -> str:
             f"| {r['config']} | {case} | ok | {_fmt(r['tokens_per_s_per_gpu'])} | {_fmt(r['tokens_per_s_total'])} "
             f"| {scaling} | {stats['median']:.3f} | {stats['spread_pct']:.1f}% | {_fmt(peak, '.2f')} "
             f"| {_fmt(r.get('memory_vs_1gpu') if r['gpus'] > 1 else None, '.2f', 'x')} "
-            f"| {_fmt(r.get('launch_to_first_step_s'), '.1f')} |"
+            f"| {_fmt(r.get('launch_to_first_step_s'), '.1f')} | {_fmt(r.get('gc', {}).get('ms_per_step'), '.1f')} |"
         )
     lines += _launcher_section(rows) + _ladder_section(report) + _profile_section(rows) + _failure_section(rows)
     return "\n".join(lines) + "\n"
@@ -508,12 +508,14 @@ def _profile_section(rows: list[dict]) -> list[str]:
             out.append(f"| {r['config']} | {_case_label(r)} | {prof['step_ms']:.1f} "
                        f"| {_fmt(prof.get('compute_ms_per_step'), '.1f')} | {_fmt(prof.get('nccl_ms_per_step'), '.1f')} "
                        f"| {_fmt(prof.get('memcpy_ms_per_step'), '.1f')} | {_fmt(prof.get('compute_busy_pct'), '.0f', '%')} "
+                       f"| {_fmt(prof.get('host_ops_ms_per_step'), '.1f')} | {_fmt(prof.get('host_syncs_per_step'), '.1f')} "
                        f"| {', '.join(prof.get('files', []))} |")
     if not out:
         return []
-    return ["", "## Profiles (per step, rank 0; GPU kernel time by kind)", "",
-            "| config | case | step ms | compute ms | NCCL ms | memcpy ms | compute busy | files |",
-            "|---|---|---:|---:|---:|---:|---:|---|"] + out
+    return ["", "## Profiles (per step, rank 0; GPU kernel time by kind, host time in torch ops)", "",
+            "| config | case | step ms | compute ms | NCCL ms | memcpy ms | compute busy | host ops ms "
+            "| host syncs | files |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|---|"] + out
 
 
 def _failure_section(rows: list[dict]) -> list[str]:

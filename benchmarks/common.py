@@ -49,7 +49,7 @@ import traceback
 from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import nbkit  # noqa: F401  (first: nbkit.forksafety keeps this launching process fork-safe)
 import torch
@@ -73,6 +73,7 @@ __all__ = [
     "wrap_ddp",
     "Stepper",
     "timed_steps",
+    "gc_pauses",
     "step_stats",
     "peak_memory_gib",
     "gather",
@@ -610,6 +611,30 @@ def timed_steps(stepper: Stepper, batch: dict[str, torch.Tensor], steps: int) ->
     return times, losses
 
 
+@contextlib.contextmanager
+def gc_pauses() -> Iterator[dict[str, Any]]:
+    """Python's garbage collections while the block runs: yields a dict that fills with the
+    collections per generation ("collections"), their total and longest pause in milliseconds.
+    A host-bound step pays for them in full, and under DDP a pause on one rank stalls the others."""
+    found: dict[str, Any] = {"collections": [0, 0, 0], "total_ms": 0.0, "max_ms": 0.0}
+    started: list[float] = []
+
+    def on_collect(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            started.append(time.perf_counter())
+        elif started:
+            pause = (time.perf_counter() - started.pop()) * 1000
+            found["collections"][info["generation"]] += 1
+            found["total_ms"] += pause
+            found["max_ms"] = max(found["max_ms"], pause)
+
+    gc.callbacks.append(on_collect)
+    try:
+        yield found
+    finally:
+        gc.callbacks.remove(on_collect)
+
+
 def step_stats(times: list[float]) -> dict[str, float]:
     """Median, p10, p90, min, max, stdev (seconds) and spread = (p90 - p10) / median in percent."""
     ordered = sorted(times)
@@ -778,8 +803,10 @@ class _Launch:
             wrapped = wrap_ddp(model, device, case.ddp, unused=unused)
             stepper = Stepper(wrapped, case.precision, device, grad_accum=spec.grad_accum)
             timed_steps(stepper, batch, max(0, spec.warmup - 1))
-            times, losses = timed_steps(stepper, batch, spec.steps)
+            with gc_pauses() as pauses:
+                times, losses = timed_steps(stepper, batch, spec.steps)
             figures = self._figures(case, times, losses, unused)
+            figures["gc"] = {**pauses, "ms_per_step": pauses["total_ms"] / spec.steps}
             if spec.profile_dir:
                 figures["profile"] = _profile(stepper, batch, spec, case, self.rank)
         except Exception as exc:
@@ -834,8 +861,10 @@ def _progress_line(row: dict) -> str:
     mem = f", peak {max(memory):.2f} GiB/GPU" if memory else ""
     first = row.get("launch_to_first_step_s")
     first_text = f", first step {first:.1f} s after launch" if first is not None else ""
+    gc_text = f", Python GC {row['gc']['ms_per_step']:.1f} ms/step" if "gc" in row else ""
     return (f"{head}: {stats['median']:.3f} s/step (spread {stats['spread_pct']:.1f}%), "
-            f"{row['tokens_per_s_per_gpu']:,.0f} tok/s/GPU, {row['tokens_per_s_total']:,.0f} total{mem}{first_text}")
+            f"{row['tokens_per_s_per_gpu']:,.0f} tok/s/GPU, {row['tokens_per_s_total']:,.0f} total{mem}{first_text}"
+            f"{gc_text}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -874,6 +903,11 @@ def _profile(stepper: Stepper, batch: dict[str, torch.Tensor], spec: LaunchSpec,
             kinds[kind] += _device_us(event) / 1000
         summary.update({f"{k}_ms_per_step": v / spec.profile_steps for k, v in kinds.items()})
         summary["compute_busy_pct"] = 100 * summary["compute_ms_per_step"] / wall_ms if wall_ms else 0.0
+    # A step whose kernels take less than its wall time is bound by the host: the CPU side says where.
+    host_events = [e for e in averages if getattr(e, "device_type", None) != DeviceType.CUDA
+                   and not getattr(e, "is_user_annotation", False)]
+    summary["host_ops_ms_per_step"] = sum(e.self_cpu_time_total for e in host_events) / 1000 / spec.profile_steps
+    summary["host_syncs_per_step"] = sum(e.count for e in host_events if e.key in _HOST_SYNCS) / spec.profile_steps
     if rank == 0:
         out = Path(spec.profile_dir)
         out.mkdir(parents=True, exist_ok=True)
@@ -882,13 +916,18 @@ def _profile(stepper: Stepper, batch: dict[str, torch.Tensor], spec: LaunchSpec,
         sort = "self_cpu_time_total"
         if stepper.device.type == "cuda":  # torch < 2.4 named device times after CUDA
             sort = "self_device_time_total" if hasattr(averages[0], "self_device_time_total") else "self_cuda_time_total"
-        table = averages.table(sort_by=sort, row_limit=30)
-        lines = [f"{spec.config} {case.label()}: {spec.profile_steps} steps, rank 0",
-                 json.dumps(summary, indent=1), table]
+        lines = [f"{spec.config} {case.label()}: {spec.profile_steps} steps, rank 0", json.dumps(summary, indent=1),
+                 f"By {sort}:", averages.table(sort_by=sort, row_limit=30)]
+        if sort != "self_cpu_time_total":
+            lines += ["By self_cpu_time_total:", averages.table(sort_by="self_cpu_time_total", row_limit=30)]
         (out / f"{slug}.txt").write_text("\n".join(lines) + "\n")
         prof.export_chrome_trace(str(out / f"{slug}.trace.json.gz"))
         summary["files"] = [f"{slug}.txt", f"{slug}.trace.json.gz"]
     return summary
+
+
+# Host calls that block the CPU until the GPU catches up: each one drains the launch queue.
+_HOST_SYNCS = frozenset({"cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize"})
 
 
 def _device_us(event: Any) -> float:

@@ -9,6 +9,9 @@
 #   bash benchmarks/gpu_suite.sh launchers            # the same function via nbkit.launch, notebook_launcher, accelerate
 #   bash benchmarks/gpu_suite.sh scaling4             # unsloth on 1 and 4 GPUs (needs 4)
 #   bash benchmarks/gpu_suite.sh accum                # 1K x 4 with gradient accumulation 4, 1 -> 2 GPUs
+#   bash benchmarks/gpu_suite.sh ddp1k                # 1K x 4 under DDP: options that cut host work, profiled
+#   bash benchmarks/gpu_suite.sh fp16                 # fp16 at 1K, and the plain transformers+peft anchor
+#   bash benchmarks/gpu_suite.sh launched1            # unsloth on one GPU through nbkit.launch
 #   bash benchmarks/gpu_suite.sh long                 # the savers at 64K tokens
 #
 # Two sets of parts can share a 4-GPU machine, one GPU pair each (a separate TMPDIR keeps unsloth's
@@ -76,6 +79,24 @@ for what in "$@"; do
         --configs unsloth:2 --seq-lens 1024x4,16384x1 --precisions bf16 --ddp "" \
         --ddp freeze_unused=false ${SCALING_FLAGS:-} --time-limit 160 \
         --out "$OUT/scaling_unsloth_ddp.json" --md "$OUT/scaling_unsloth_ddp.md" ;;
+    ddp1k)
+      # Where the 1K x 4 step goes under DDP: unsloth on one GPU in place and on 2 GPUs with DDP
+      # options that take host work off each step; every case profiled.
+      part ddp1k 300 python3 benchmarks/bench.py --configs unsloth:1@notebook,unsloth:2 \
+        --seq-lens 1024x4 --precisions bf16 --ddp freeze_unused=true --ddp gradient_as_bucket_view=true \
+        --ddp broadcast_buffers=false --ddp gradient_as_bucket_view=true,broadcast_buffers=false,bucket_cap_mb=512 \
+        --profile --time-limit 280 --out "$OUT/ddp1k.json" --md "$OUT/ddp1k.md" ;;
+    fp16)
+      # The issue's fp16 case (1K x 4): unsloth 1 -> 2 GPUs, and the plain transformers+peft anchor under
+      # notebook_launcher in bf16 at both lengths and fp16 at 1K.
+      part fp16 240 python3 benchmarks/bench.py --configs unsloth:1@notebook,unsloth:2 --seq-lens 1024x4 \
+        --precisions fp16 --time-limit 230 --out "$OUT/fp16.json" --md "$OUT/fp16.md"
+      part anchor 200 python3 benchmarks/bench.py --configs plain:2@notebook --seq-lens 1024x4,16384x1 \
+        --time-limit 190 --out "$OUT/anchor.json" --md "$OUT/anchor.md" ;;
+    launched1)
+      # unsloth on one GPU through nbkit.launch (a forked rank that unsloth sees as distributed).
+      part launched1 150 python3 benchmarks/bench.py --configs unsloth:1 --seq-lens 1024x4,16384x1 \
+        --precisions bf16 --time-limit 140 --out "$OUT/launched1.json" --md "$OUT/launched1.md" ;;
     accum)
       # 1K x 4 with gradient accumulation 4 (unsloth's notebooks' default): DDP synchronises once per
       # 4 micro-batches, against once per micro-batch in `scaling`.

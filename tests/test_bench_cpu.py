@@ -31,6 +31,20 @@ def test_step_stats_percentiles_and_spread():
     assert stats["spread_pct"] == pytest.approx(100 * (7.6 - 1.4) / 3.0)
 
 
+def test_gc_pauses_are_counted_per_generation_inside_the_block_only():
+    import gc
+
+    with common.gc_pauses() as pauses:
+        gc.collect(0)
+        gc.collect(2)
+        gc.collect(2)
+    assert pauses["collections"][2] == 2 and pauses["collections"][0] >= 1
+    assert 0 < pauses["max_ms"] <= pauses["total_ms"]
+    seen = list(pauses["collections"])
+    gc.collect()
+    assert pauses["collections"] == seen  # the callback left with the block
+
+
 def test_ddp_options_parse_and_reject_unknown_keys():
     options = dict(common.parse_ddp_options("bucket_cap_mb=100, static_graph=true,comm_hook=bf16"))
     assert options == {"bucket_cap_mb": 100, "static_graph": True, "comm_hook": "bf16",
@@ -85,6 +99,8 @@ def test_bench_runs_launches_side_by_side_and_records_failures(tmp_path, tiny_vl
         assert 0 < row["launch_to_first_step_s"] < row["launch_wall_s"]
         profile = Path(report["settings"]["profile_dir"]) / row["profile"]["files"][0]
         assert "Self CPU" in profile.read_text()
+        assert row["profile"]["host_ops_ms_per_step"] > 0
+        assert len(row["gc"]["collections"]) == 3 and row["gc"]["ms_per_step"] >= 0
 
         short = rows[(config, 32)]  # the image does not fit: every rank fails its probe, the launch goes on
         assert short["status"] == "error" and short["phase"] == "probe"
