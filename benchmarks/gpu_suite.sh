@@ -13,6 +13,7 @@
 #   bash benchmarks/gpu_suite.sh fp16                 # fp16 at 1K, and the plain transformers+peft anchor
 #   bash benchmarks/gpu_suite.sh launched1            # unsloth on one GPU through nbkit.launch
 #   bash benchmarks/gpu_suite.sh cpu1k                # unsloth 1 -> 2 GPUs under each cpu_affinity policy
+#   bash benchmarks/gpu_suite.sh batch1k              # unsloth 1 -> 2 GPUs at 1K x 4 and 1K x 16
 #   bash benchmarks/gpu_suite.sh long                 # the savers at 64K tokens
 #
 # Two sets of parts can share a 4-GPU machine, one GPU pair each (a separate TMPDIR keeps unsloth's
@@ -104,6 +105,10 @@ for what in "$@"; do
         NBKIT_CPU_AFFINITY=$policy part "cpu1k_$policy" 130 python3 benchmarks/bench.py --configs unsloth:2 \
           --seq-lens 1024x4,16384x1 --precisions bf16 --time-limit 120 --out "$OUT/cpu1k_$policy.json"
       done ;;
+    batch1k)
+      # 1K sequences with 4 and 16 per GPU: how much host-bound the 1K x 4 step is, and the remedy.
+      part batch1k 280 python3 benchmarks/bench.py --configs unsloth:1@notebook,unsloth:2 --seq-lens 1024x4,1024x16 \
+        --precisions bf16 --time-limit 250 --out "$OUT/batch1k.json" --md "$OUT/batch1k.md" ;;
     launched1)
       # unsloth on one GPU through nbkit.launch (a forked rank that unsloth sees as distributed).
       part launched1 150 python3 benchmarks/bench.py --configs unsloth:1 --seq-lens 1024x4,16384x1 \
