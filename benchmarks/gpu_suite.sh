@@ -12,7 +12,6 @@
 #   bash benchmarks/gpu_suite.sh ddp1k                # 1K x 4 under DDP: options that cut host work, profiled
 #   bash benchmarks/gpu_suite.sh fp16                 # fp16 at 1K, and the plain transformers+peft anchor
 #   bash benchmarks/gpu_suite.sh launched1            # unsloth on one GPU through nbkit.launch
-#   bash benchmarks/gpu_suite.sh cpu1k                # unsloth 1 -> 2 GPUs under each cpu_affinity policy
 #   bash benchmarks/gpu_suite.sh batch1k              # unsloth 1 -> 2 GPUs at 1K x 4 and 1K x 16
 #   bash benchmarks/gpu_suite.sh long                 # the savers at 64K tokens
 #
@@ -95,16 +94,6 @@ for what in "$@"; do
         --precisions fp16 --time-limit 230 --out "$OUT/fp16.json" --md "$OUT/fp16.md"
       part anchor 200 python3 benchmarks/bench.py --configs plain:2@notebook --seq-lens 1024x4,16384x1 \
         --time-limit 190 --out "$OUT/anchor.json" --md "$OUT/anchor.md" ;;
-    cpu1k)
-      # Host contention between ranks: unsloth 1 -> 2 GPUs at 1K and 16K with each cpu_affinity policy
-      # (the one-GPU reference runs in place and is not affected by it).
-      python3 -c "from nbkit import cpus; print('GPU NUMA nodes', cpus.gpu_numa_nodes(), 'plan', cpus.plan(2, 'auto', gpu_nodes=cpus.gpu_numa_nodes()))"
-      part cpu1k_ref 150 python3 benchmarks/bench.py --configs unsloth:1@notebook --seq-lens 1024x4,16384x1 \
-        --precisions bf16 --time-limit 140 --out "$OUT/cpu1k_ref.json"
-      for policy in ${CPU_POLICIES:-off threads auto}; do
-        NBKIT_CPU_AFFINITY=$policy part "cpu1k_$policy" 130 python3 benchmarks/bench.py --configs unsloth:2 \
-          --seq-lens 1024x4,16384x1 --precisions bf16 --time-limit 120 --out "$OUT/cpu1k_$policy.json"
-      done ;;
     batch1k)
       # 1K sequences with 4 and 16 per GPU: how much host-bound the 1K x 4 step is, and the remedy.
       part batch1k 280 python3 benchmarks/bench.py --configs unsloth:1@notebook,unsloth:2 --seq-lens 1024x4,1024x16 \

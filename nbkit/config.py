@@ -18,9 +18,6 @@ SETTINGS: dict[str, tuple[str, str, tuple[str, ...] | None]] = {
     # "reentrant": unsloth VLMs keep unsloth's single-GPU (reentrant, offloading) checkpointing under
     # DDP, with find_unused_parameters=False; "unsloth": unsloth's own DDP choice (non-reentrant).
     "unsloth_vlm_ddp_checkpointing": ("NBKIT_UNSLOTH_VLM_DDP_CHECKPOINTING", "reentrant", ("reentrant", "unsloth")),
-    # Launched ranks: "auto" pins each to its own cores (its GPU's NUMA node where known) and sizes
-    # torch's thread pool to them, "threads" sizes the pool only, "off" leaves both inherited.
-    "cpu_affinity": ("NBKIT_CPU_AFFINITY", "off", ("auto", "threads", "off")),
 }
 
 
@@ -39,9 +36,8 @@ def configure(**settings: str) -> dict[str, str]:
     """Change nbkit settings for this process and every process it launches afterwards.
 
     Takes keyword arguments named after the settings: device_map_policy ("data_parallel" or
-    "error"; see nbkit.guard), unsloth_vlm_ddp_checkpointing ("reentrant" or "unsloth"; see
-    docs/unsloth_patches.md, fix 4) and cpu_affinity ("auto", "threads" or "off"; see nbkit.cpus).
-    Returns all settings as they now stand. Raises ValueError for an
+    "error"; see nbkit.guard) and unsloth_vlm_ddp_checkpointing ("reentrant" or "unsloth"; see
+    docs/unsloth_patches.md, fix 4). Returns all settings as they now stand. Raises ValueError for an
     unknown setting or value; nothing is changed then.
     """
     for name, value in settings.items():

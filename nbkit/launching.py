@@ -32,8 +32,8 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping
 
-from nbkit import channel, cpus, distributed, patching
-from nbkit.config import environment, setting
+from nbkit import channel, distributed, patching
+from nbkit.config import environment
 from nbkit.dashboard import Dashboard
 
 __all__ = ["launch", "LaunchError"]
@@ -106,8 +106,7 @@ def launch(
     check_can_fork()
     board = Dashboard(nprocs) if dashboard else None
     run = _Run(nprocs, board.event if board is not None else None)
-    placements = cpus.plan(nprocs, setting("cpu_affinity"), gpu_nodes=cpus.gpu_numa_nodes() if has_cuda else None)
-    child = _Child(fn, args, kwargs, run.channel, quiet=quiet, use_cpu=not has_cuda, placements=placements)
+    child = _Child(fn, args, kwargs, run.channel, quiet=quiet, use_cpu=not has_cuda)
     succeeded = False
     try:
         run.execute(child, timeout=timeout, env=dict(env or {}))
@@ -505,10 +504,9 @@ class _Child:
     """The function notebook_launcher forks: sets the rank up, runs fn, reports back."""
 
     def __init__(self, fn: Callable[..., Any], args: tuple, kwargs: dict, chan: channel.Channel, *,
-                 quiet: bool, use_cpu: bool, placements: list[cpus.Placement] | None = None):
+                 quiet: bool, use_cpu: bool):
         self.fn, self.args, self.kwargs = fn, args, kwargs
         self.channel, self.quiet, self.use_cpu = chan, quiet, use_cpu
-        self.placements = placements
         # The notebook's streams, taken before launch() hides the launcher's own banner.
         self.stdout, self.stderr = sys.stdout, sys.stderr
         # torch elastic names the run after the entrypoint
@@ -529,16 +527,12 @@ class _Child:
         channel.send("started", os.getpid())
         import torch
 
-        # The notebook's torch thread pools do not survive fork, so every rank rebuilds its pool here,
-        # while this is the only thread: rebuilt lazily, two threads that start at once (autograd's
-        # device threads) can see it half-replaced and abort with "Invalid thread pool" (seen with
-        # unsloth on 2 H200s). On CPU a child that uses more than one intra-op thread hangs in its
-        # first parallel op (landscape.md, "fork"), so it gets one.
-        placement = self.placements[local_rank] if self.placements else None
-        if self.use_cpu or placement is None:
-            placement = cpus.Placement(placement.cpus if placement else None,
-                                       1 if self.use_cpu else torch.get_num_threads())
-        cpus.place(placement)
+        # The notebook's torch thread pools do not survive fork. On CPU a child that uses more than
+        # one intra-op thread hangs in its first parallel op (landscape.md, "fork"), so it gets one.
+        # On GPUs the child keeps its threads, but the pool is rebuilt here, while this is the only
+        # thread: rebuilt lazily, two threads that start at once (autograd's device threads) can see
+        # it half-replaced and abort with "Invalid thread pool" (seen with unsloth on 2 H200s).
+        torch.set_num_threads(1 if self.use_cpu else torch.get_num_threads())
         try:
             _prepare_rank(quiet=self.quiet, rank=rank)
             value = self.fn(*self.args, **self.kwargs)
