@@ -435,7 +435,7 @@ def markdown(report: dict) -> str:
         f"{s['steps']} steps after {s['warmup']} warm-up steps (probe included)",
         f"- Command: `{report['command']}`", "",
         "| config | case | status | tok/s/GPU | tok/s total | scaling vs 1 GPU | step s (median) | spread p10-p90 "
-        "| peak GiB/GPU | mem vs 1 GPU | launch to 1st step s | Python GC ms/step |",
+        "| peak GiB/GPU | mem vs 1 GPU | launch to 1st step s | Python GC ms/step (slowest rank) |",
         "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:

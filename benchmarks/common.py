@@ -806,7 +806,7 @@ class _Launch:
             with gc_pauses() as pauses:
                 times, losses = timed_steps(stepper, batch, spec.steps)
             figures = self._figures(case, times, losses, unused)
-            figures["gc"] = {**pauses, "ms_per_step": pauses["total_ms"] / spec.steps}
+            figures["gc"] = {**pauses, "ms_per_step": pauses["total_ms"] / spec.steps}  # per optimisation step
             if spec.profile_dir:
                 figures["profile"] = _profile(stepper, batch, spec, case, self.rank)
         except Exception as exc:
@@ -816,8 +816,13 @@ class _Launch:
             stepper = wrapped = None
         ok = agree(failure is None)
         memory = gather(peak_memory_gib(device))
+        gc_by_rank = gather(figures.get("gc"))
         if not ok:
             return self._failed(case, failure is None, failure, phase="train", **timing)
+        # The slowest rank sets the pace of a DDP step, so its garbage collections are the ones that count.
+        figures["gc"] = {"ms_per_step": max(p["ms_per_step"] for p in gc_by_rank),
+                         "per_rank": [{k: p[k] for k in ("collections", "total_ms", "max_ms", "ms_per_step")}
+                                      for p in gc_by_rank]}
         if memory[0] is not None:
             figures["peak_allocated_gib"] = [m["allocated"] for m in memory]
             figures["peak_reserved_gib"] = [m["reserved"] for m in memory]
@@ -871,11 +876,21 @@ def _progress_line(row: dict) -> str:
 # Profiling
 # ---------------------------------------------------------------------------------------------
 
-def _profile(stepper: Stepper, batch: dict[str, torch.Tensor], spec: LaunchSpec, case: Case, rank: int) -> dict:
-    """Profile spec.profile_steps more steps on every rank; rank 0 writes the table and trace.
+# Host calls that block the CPU until the GPU catches up: each one drains the launch queue.
+_HOST_SYNCS = frozenset({"cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize"})
 
-    Returns per-step milliseconds of GPU kernels by kind (nccl, memcpy, compute) and the step wall
-    time, so "NCCL time vs compute" and idle GPU time can be read off.
+
+def _profile(stepper: Stepper, batch: dict[str, torch.Tensor], spec: LaunchSpec, case: Case, rank: int) -> dict:
+    """Profile spec.profile_steps more steps on every rank; rank 0 writes the tables and trace.
+
+    Returns, per step and for this rank: the wall time under the profiler ("step_ms"); on GPUs the
+    milliseconds of GPU kernels by kind ("nccl", "memcpy", "compute"), so NCCL time against compute
+    and idle GPU time can be read off; "host_ops_ms_per_step", the self CPU time of every torch op
+    and CUDA runtime call summed over all threads (the main thread and autograd's, so it is not a
+    wall time; profiler annotations such as DistributedDataParallel.forward are left out, as their
+    children are counted); "host_syncs_per_step", the calls that block the CPU until the GPU catches
+    up, the harness's own one synchronisation per step included. The written file lists the ops by
+    device time (on GPUs) and by self CPU time.
     """
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
@@ -924,10 +939,6 @@ def _profile(stepper: Stepper, batch: dict[str, torch.Tensor], spec: LaunchSpec,
         prof.export_chrome_trace(str(out / f"{slug}.trace.json.gz"))
         summary["files"] = [f"{slug}.txt", f"{slug}.trace.json.gz"]
     return summary
-
-
-# Host calls that block the CPU until the GPU catches up: each one drains the launch queue.
-_HOST_SYNCS = frozenset({"cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize"})
 
 
 def _device_us(event: Any) -> float:

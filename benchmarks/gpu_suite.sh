@@ -95,7 +95,7 @@ for what in "$@"; do
       part anchor 200 python3 benchmarks/bench.py --configs plain:2@notebook --seq-lens 1024x4,16384x1 \
         --time-limit 190 --out "$OUT/anchor.json" --md "$OUT/anchor.md" ;;
     batch1k)
-      # 1K sequences with 4 and 16 per GPU: how much host-bound the 1K x 4 step is, and the remedy.
+      # 1K sequences with 4 and 16 per GPU: the 1K x 4 step is bound by host work; 16 per GPU is not.
       part batch1k 280 python3 benchmarks/bench.py --configs unsloth:1@notebook,unsloth:2 --seq-lens 1024x4,1024x16 \
         --precisions bf16 --time-limit 250 --out "$OUT/batch1k.json" --md "$OUT/batch1k.md" ;;
     launched1)
