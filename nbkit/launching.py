@@ -214,6 +214,24 @@ def _likely_cuda_cause() -> str:
 # The notebook side of one launch.
 # --------------------------------------------------------------------------------------------
 
+# (text in a rank's error, what it means and what to do): added to the LaunchError of such a run.
+_FAILURE_HINTS = (
+    ("Cannot re-initialize CUDA in forked subprocess",
+     "The notebook process touched the CUDA driver before launching (torch.cuda.is_available() "
+     "or device_count() before `import nbkit`, or a library that queries the GPU on import), so "
+     "forked ranks cannot use CUDA. Import nbkit first in the notebook, or restart the kernel and "
+     "keep GPU work inside the launched function; %%ddp can start fresh processes instead."),
+    ("Expected to have finished reduction in the prior iteration",
+     "DDP found trainable weights that got no gradient in a step. A common cause is a VLM's "
+     "LoRA'd vision tower on a batch without images; others are experts a step does not route to, "
+     "or outputs the loss does not use. Train only what every batch uses (unsloth: "
+     "get_peft_model(..., finetune_vision_layers=False) for text-only data), or give every batch an "
+     "image. With unsloth vision models nbkit keeps unsloth's faster single-GPU checkpointing, which "
+     "needs this; nbkit.configure(unsloth_vlm_ddp_checkpointing='unsloth') before loading the model "
+     "trains such data with unsloth's slower DDP checkpointing instead."),
+)
+
+
 @dataclass
 class _Run:
     nprocs: int
@@ -325,23 +343,9 @@ class _Run:
             return LaunchError(f"The launch failed before any rank ran: {type(failure).__name__}: {failure}")
         ranks = ", ".join(f"rank {r}" for r in failures)
         lines = [f"{ranks} failed ({self.nprocs} processes launched; the others were stopped)."]
-        if any("Cannot re-initialize CUDA in forked subprocess" in e.message for e in self.errors.values()):
-            lines.append(
-                "The notebook process touched the CUDA driver before launching (torch.cuda.is_available() "
-                "or device_count() before `import nbkit`, or a library that queries the GPU on import), so "
-                "forked ranks cannot use CUDA. Import nbkit first in the notebook, or restart the kernel and "
-                "keep GPU work inside the launched function; %%ddp can start fresh processes instead."
-            )
-        if any("Expected to have finished reduction in the prior iteration" in e.message for e in self.errors.values()):
-            lines.append(
-                "DDP found trainable weights that got no gradient in a step. A common cause is a VLM's "
-                "LoRA'd vision tower on a batch without images; others are experts a step does not route to, "
-                "or outputs the loss does not use. Train only what every batch uses (unsloth: "
-                "get_peft_model(..., finetune_vision_layers=False) for text-only data), or give every batch an "
-                "image. With unsloth vision models nbkit keeps unsloth's faster single-GPU checkpointing, which "
-                "needs this; nbkit.configure(unsloth_vlm_ddp_checkpointing='unsloth') before loading the model "
-                "trains such data with unsloth's slower DDP checkpointing instead."
-            )
+        for marker, hint in _FAILURE_HINTS:
+            if any(marker in e.message for e in self.errors.values()):
+                lines.append(hint)
         for rank, why in failures.items():
             lines.append(f"\n[rank {rank}] {why}")
             err = self.errors.get(rank)
