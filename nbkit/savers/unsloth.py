@@ -187,10 +187,10 @@ def _unsloth_models_dir() -> Path | None:
 
 
 @functools.lru_cache(maxsize=None)
-def _unsloth_ships(models_dir: Path, needle: str, check: Callable[[str], bool]) -> bool:
+def _unsloth_ships(models_dir: Path, needle: str, check: Callable[[str], bool] | None = None) -> bool:
     for path in sorted(models_dir.glob("*.py")):
         text = path.read_text(encoding="utf-8", errors="replace")
-        if needle in text and check(text):
+        if needle in text and (check is None or check(text)):
             return True
     return False
 
@@ -229,11 +229,7 @@ def unsloth_chooses_vlm_checkpointing() -> bool:
     """The installed unsloth decides its vision models' checkpointing through
     vlm_gradient_checkpointing_reentrant (read from its source, without importing it)."""
     models = _unsloth_models_dir()
-    return models is not None and _unsloth_ships(models, "def vlm_gradient_checkpointing_reentrant", _defined)
-
-
-def _defined(source: str) -> bool:
-    return True  # finding the needle "def name" is the whole check
+    return models is not None and _unsloth_ships(models, "def vlm_gradient_checkpointing_reentrant")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -305,14 +301,19 @@ def _tiled_mlp_ddp_safe(original: Callable[..., Any]) -> Callable[..., Any]:
 _MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 
 
-def _dense_vision_model(model: Any) -> bool:
-    """A vision-language model without mixture-of-experts layers (experts a step skips would leave
+def _has_experts(config: Any) -> bool:
+    """Mixture-of-experts layers in the model or its language part (experts a step skips leave
     weights without gradient, which find_unused_parameters=False cannot take)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return any(getattr(c, key, None) for c in (config, text) for key in _MOE_KEYS)
+
+
+def _dense_vision_model(model: Any) -> bool:
+    """A vision-language model without mixture-of-experts layers."""
     config = getattr(model, "config", None)
     if config is None or getattr(config, "vision_config", None) is None:
         return False
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    return not any(getattr(c, key, None) for c in (config, text) for key in _MOE_KEYS)
+    return not _has_experts(config)
 
 
 @patch(
@@ -378,7 +379,7 @@ def _reentrant_lora_text_model_under_ddp(trainer: Any) -> bool:
         return False
     if any(getattr(config, key, None) is not None for key in ("vision_config", "audio_config")):
         return False
-    if any(getattr(config, key, 0) for key in _MOE_KEYS):
+    if _has_experts(config):
         return False
     trainable = [name for name, p in model.named_parameters() if p.requires_grad]
     if not trainable or not all("lora_" in name and "embed" not in name and "lm_head" not in name for name in trainable):
