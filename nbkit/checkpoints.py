@@ -108,10 +108,10 @@ def resume_point(output_dir: str | os.PathLike[str]) -> str | None:
     the same answer on every rank (they read the same directory). A missing output_dir means no
     checkpoint.
     """
-    found = _checkpoints(output_dir)
-    complete = [(step, path) for step, path in found if is_complete(path)]
+    found = [(step, path, is_complete(path)) for step, path in _checkpoints(output_dir)]
+    complete = [(step, path) for step, path, ok in found if ok]
     chosen = complete[-1] if complete else None
-    newer_unmarked = [path.name for step, path in found if (chosen is None or step > chosen[0]) and not is_complete(path)]
+    newer_unmarked = [path.name for step, path, ok in found if not ok and (chosen is None or step > chosen[0])]
     if chosen is not None:
         step = _read_marker(chosen[1])["global_step"]  # type: ignore[index]
         line = f"nbkit: resuming from {chosen[1].name} (step {step}) in {output_dir}."
