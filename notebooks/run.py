@@ -71,14 +71,18 @@ def hub_reachable(timeout: float = 3.0) -> bool:
         return False
 
 
+def _check_name(name: str) -> None:
+    if name not in _OFFLINE:
+        raise ValueError(f"There is no notebook {name!r}; choose from {', '.join(NOTEBOOKS)}.")
+
+
 def parameters(name: str, out: Path, *, gpu: bool, hub: bool, overrides: Mapping[str, Any] | None = None) -> dict:
     """The papermill parameters for notebook `name` on a machine with/without GPUs and hub access.
 
     Returns a dict (output_dir always points into `out`); `overrides` win over everything.
     Raises ValueError for an unknown notebook name.
     """
-    if name not in _OFFLINE:
-        raise ValueError(f"There is no notebook {name!r}; choose from {', '.join(NOTEBOOKS)}.")
+    _check_name(name)
     tiny, random_weights, cpu_sized = _OFFLINE[name]
     params: dict[str, Any] = {"output_dir": str(Path(out).resolve() / name)}
     if not gpu:
@@ -126,9 +130,8 @@ def run(
     import papermill
 
     names = list(names or NOTEBOOKS)
-    for name in names:
-        if name not in _OFFLINE:
-            raise ValueError(f"There is no notebook {name!r}; choose from {', '.join(NOTEBOOKS)}.")
+    for name in names:  # every name before the first notebook runs
+        _check_name(name)
     out = Path(out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     gpu, hub = has_gpu(), hub_reachable()
