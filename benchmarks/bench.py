@@ -279,11 +279,7 @@ def _read_rows(path: Path) -> tuple[list[dict], str | None]:
 
 
 def _placeholder(spec: common.LaunchSpec, case: common.Case, status: str, why: str, **extra: Any) -> dict:
-    return {"config": spec.config, "backend": spec.backend, "gpus": spec.gpus, "launcher": spec.launcher,
-            "model": spec.model, "precision": case.precision, "seq_len": case.seq_len, "batch": case.batch,
-            "image": spec.image, "ddp": common.ddp_label(dict(case.ddp)) if spec.gpus > 1 else "",
-            "memory_cap_gib": spec.memory_cap_gib, "grad_accum": spec.grad_accum, "status": status, "error": why,
-            **extra}
+    return common.case_row(spec, case, status=status, error=why, **extra)
 
 
 def run_one(spec: common.LaunchSpec, workdir: Path, index: int, timeout: float) -> list[dict]:
@@ -317,9 +313,8 @@ def run_one(spec: common.LaunchSpec, workdir: Path, index: int, timeout: float) 
 
 
 def _has_row(spec: common.LaunchSpec, rows: list[dict], case: common.Case) -> bool:
-    label = common.ddp_label(dict(case.ddp)) if spec.gpus > 1 else ""
-    return any(r["precision"] == case.precision and r["seq_len"] == case.seq_len and r["batch"] == case.batch
-               and r["ddp"] == label for r in rows)
+    wanted = common.case_row(spec, case)
+    return any(all(r[k] == wanted[k] for k in ("precision", "seq_len", "batch", "ddp")) for r in rows)
 
 
 def _skip_reason(backend: str, gpus: int, device: str, gpu_count: int) -> str | None:

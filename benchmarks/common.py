@@ -79,6 +79,7 @@ __all__ = [
     "gather",
     "agree",
     "run_launch",
+    "case_row",
     "environment",
 ]
 
@@ -667,6 +668,18 @@ def _reset_memory(device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
+def case_row(spec: LaunchSpec, case: Case, **fields: Any) -> dict:
+    """A result row: what identifies the case (launch and case settings) followed by `fields`.
+    Rows of cases that never ran (skipped, lost to a timeout) are built the same way."""
+    return {
+        "config": spec.config, "backend": spec.backend, "gpus": spec.gpus, "launcher": spec.launcher,
+        "model": spec.model, "precision": case.precision, "seq_len": case.seq_len, "batch": case.batch,
+        "image": spec.image, "ddp": ddp_label(dict(case.ddp)) if spec.gpus > 1 else "",
+        "memory_cap_gib": spec.memory_cap_gib, "steps": spec.steps, "warmup": spec.warmup,
+        "grad_accum": spec.grad_accum, **fields,
+    }
+
+
 def _describe(exc: BaseException) -> tuple[str, str, str]:
     """(status, one-line message, traceback tail) of a failed case."""
     oom = isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc).lower()
@@ -693,14 +706,7 @@ class _Launch:
 
     # -- bookkeeping ------------------------------------------------------------------------
     def _row(self, case: Case, **fields: Any) -> dict:
-        spec = self.spec
-        return {
-            "config": spec.config, "backend": spec.backend, "gpus": spec.gpus, "launcher": spec.launcher,
-            "model": spec.model, "precision": case.precision, "seq_len": case.seq_len, "batch": case.batch,
-            "image": spec.image, "ddp": ddp_label(dict(case.ddp)) if self.world > 1 else "",
-            "memory_cap_gib": spec.memory_cap_gib, "steps": spec.steps, "warmup": spec.warmup,
-            "grad_accum": spec.grad_accum, **fields,
-        }
+        return case_row(self.spec, case, **fields)
 
     def _record(self, row: dict) -> None:
         self.results.append(row)
