@@ -52,8 +52,18 @@ MATRICES: dict[str, list[str]] = {
     # The issue-7 comparison: unsloth on 1 GPU (reference) and under nbkit.launch, transformers+peft
     # with nbkit's savers, plain transformers+peft under notebook_launcher (the anchor), the same
     # function as a script (accelerate launch), then 4-GPU scaling and the remaining anchors.
-    "default": ["unsloth:1@notebook", "unsloth:2", "nbkit:1@notebook", "nbkit:2", "plain:2@notebook",
-                "nbkit:2@accelerate", "unsloth:4", "nbkit:4", "plain:1@notebook", "unsloth:2@notebook"],
+    "default": [
+        "unsloth:1@notebook",
+        "unsloth:2",
+        "nbkit:1@notebook",
+        "nbkit:2",
+        "plain:2@notebook",
+        "nbkit:2@accelerate",
+        "unsloth:4",
+        "nbkit:4",
+        "plain:1@notebook",
+        "unsloth:2@notebook",
+    ],
     "scaling": ["unsloth:1@notebook", "unsloth:2", "unsloth:4", "nbkit:1@notebook", "nbkit:2", "nbkit:4"],
     "launchers": ["nbkit:2", "nbkit:2@notebook", "nbkit:2@accelerate", "nbkit:2@torchrun"],
 }
@@ -66,40 +76,69 @@ T4_MEMORY_GIB = 15.0
 # Command line
 # ---------------------------------------------------------------------------------------------
 
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--matrix", default="default", choices=sorted(MATRICES), help="named set of configurations")
     p.add_argument("--configs", help="comma-separated backend:gpus[@launcher] (replaces --matrix)")
     p.add_argument("--gpus", help="comma-separated GPU counts: keep only configurations with these")
     p.add_argument("--model", default="random:qwen3-vl-2b", help="nbkit model name or local path")
-    p.add_argument("--seq-lens", help=f"comma-separated LEN[xBATCH] (default {DEFAULT_SEQ_LENS}; batch "
-                                      "defaults to max(1, min(4, 4096 // LEN)))")
-    p.add_argument("--precisions", help="comma-separated bf16/fp16/fp32 for every length (default on GPUs: "
-                                        "bf16 for every length plus fp16 at the shortest; on CPU: fp32)")
+    p.add_argument(
+        "--seq-lens",
+        help=f"comma-separated LEN[xBATCH] (default {DEFAULT_SEQ_LENS}; batch defaults to max(1, min(4, 4096 // LEN)))",
+    )
+    p.add_argument(
+        "--precisions",
+        help="comma-separated bf16/fp16/fp32 for every length (default on GPUs: "
+        "bf16 for every length plus fp16 at the shortest; on CPU: fp32)",
+    )
     p.add_argument("--steps", type=int, help="timed steps per case (default 20; --t4: 2)")
     p.add_argument("--warmup", type=int, help="untimed steps per case, the probe step included (default 3; --t4: 1)")
-    p.add_argument("--ddp", action="append", default=[], metavar="K=V,...",
-                   help="DDP variant (repeatable: each is one more case per length): any DistributedDataParallel "
-                        "argument (bucket_cap_mb, gradient_as_bucket_view, static_graph, find_unused_parameters="
-                        "true/false/auto, broadcast_buffers, ...) plus freeze_unused and comm_hook=bf16/fp16")
-    p.add_argument("--grad-accum", type=int, default=1, metavar="N",
-                   help="micro-batches per optimisation step (DDP all-reduces on the last only, as Trainer's "
-                        "gradient_accumulation_steps); tokens/s count every micro-batch")
-    p.add_argument("--savers", default="", metavar="K=V,...",
-                   help="nbkit.savers.apply options for the nbkit backend, e.g. checkpointing=recompute,tiled_mlp=false")
-    p.add_argument("--unsloth-checkpointing", default="unsloth",
-                   help="unsloth's use_gradient_checkpointing (unsloth, true, false)")
+    p.add_argument(
+        "--ddp",
+        action="append",
+        default=[],
+        metavar="K=V,...",
+        help="DDP variant (repeatable: each is one more case per length): any DistributedDataParallel "
+        "argument (bucket_cap_mb, gradient_as_bucket_view, static_graph, find_unused_parameters="
+        "true/false/auto, broadcast_buffers, ...) plus freeze_unused and comm_hook=bf16/fp16",
+    )
+    p.add_argument(
+        "--grad-accum",
+        type=int,
+        default=1,
+        metavar="N",
+        help="micro-batches per optimisation step (DDP all-reduces on the last only, as Trainer's "
+        "gradient_accumulation_steps); tokens/s count every micro-batch",
+    )
+    p.add_argument(
+        "--savers",
+        default="",
+        metavar="K=V,...",
+        help="nbkit.savers.apply options for the nbkit backend, e.g. checkpointing=recompute,tiled_mlp=false",
+    )
+    p.add_argument(
+        "--unsloth-checkpointing", default="unsloth", help="unsloth's use_gradient_checkpointing (unsloth, true, false)"
+    )
     p.add_argument("--lora-r", type=int, default=16)
     p.add_argument("--image", action="store_true", help="one small image in every sequence (Qwen-VL models)")
-    p.add_argument("--t4", action="store_true",
-                   help="T4 stand-in: fp16, memory capped per process, find the longest sequence (batch 1) that trains")
+    p.add_argument(
+        "--t4",
+        action="store_true",
+        help="T4 stand-in: fp16, memory capped per process, find the longest sequence (batch 1) that trains",
+    )
     p.add_argument("--memory-cap-gib", type=float, help=f"per-process GPU memory cap (--t4: {T4_MEMORY_GIB})")
     p.add_argument("--profile", action="store_true", help="profile a few extra steps per case (torch profiler)")
     p.add_argument("--profile-steps", type=int, default=3)
     p.add_argument("--profile-dir", help="where profiles go (default: <out>_profile/ beside --out)")
-    p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
-                   help="cpu: gloo ranks on the CPU (also automatic without CUDA)")
+    p.add_argument(
+        "--device",
+        choices=("auto", "cuda", "cpu"),
+        default="auto",
+        help="cpu: gloo ranks on the CPU (also automatic without CUDA)",
+    )
     p.add_argument("--launch-timeout", type=float, default=480.0, help="seconds before a launch is stopped")
     p.add_argument("--time-limit", type=float, help="total seconds: launches that would start later are skipped")
     p.add_argument("--out", default="results.json", help="JSON results")
@@ -115,7 +154,13 @@ def _parse_configs(text: str) -> list[tuple[str, int, str]]:
         head, _, launcher = item.partition("@")
         backend, sep, gpus = head.partition(":")
         launcher = launcher or "nbkit"
-        if not sep or backend not in common.BACKENDS or not gpus.isdigit() or int(gpus) < 1 or launcher not in LAUNCHERS:
+        if (
+            not sep
+            or backend not in common.BACKENDS
+            or not gpus.isdigit()
+            or int(gpus) < 1
+            or launcher not in LAUNCHERS
+        ):
             raise SystemExit(
                 f"bench.py: configuration {item!r} is not backend:gpus[@launcher] with backend in "
                 f"{'/'.join(common.BACKENDS)}, gpus >= 1 and launcher in {'/'.join(LAUNCHERS)}."
@@ -181,6 +226,7 @@ def _cases(args: argparse.Namespace, device: str, gpus: int) -> list[common.Case
 # Running launches
 # ---------------------------------------------------------------------------------------------
 
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -203,14 +249,35 @@ def _command(spec: common.LaunchSpec, spec_path: Path) -> list[str]:
     if spec.launcher in ("nbkit", "notebook"):
         return [sys.executable, me, "--run-launch", str(spec_path)]
     if spec.launcher == "accelerate":
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(spec.gpus),
-               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-               "--main_process_port", str(_free_port())]
+        cmd = [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--num_processes",
+            str(spec.gpus),
+            "--num_machines",
+            "1",
+            "--mixed_precision",
+            "no",
+            "--dynamo_backend",
+            "no",
+            "--main_process_port",
+            str(_free_port()),
+        ]
         if spec.gpus > 1:
             cmd.append("--multi_gpu")  # with ACCELERATE_USE_CPU=true this is gloo on CPU
         return cmd + [me, "--worker", str(spec_path)]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(spec.gpus),
-            me, "--worker", str(spec_path)]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(spec.gpus),
+        me,
+        "--worker",
+        str(spec_path),
+    ]
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -235,8 +302,16 @@ def _run_subprocess(spec: common.LaunchSpec, spec_path: Path, timeout: float) ->
     # A working directory of its own: unsloth writes its compiled cache into the current one.
     cwd = Path(tempfile.gettempdir()) / "nbkit-bench"
     cwd.mkdir(exist_ok=True)
-    proc = subprocess.Popen(_command(spec, spec_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            bufsize=1, env=_child_env(spec.device), start_new_session=True, cwd=str(cwd))
+    proc = subprocess.Popen(
+        _command(spec, spec_path),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        bufsize=1,
+        env=_child_env(spec.device),
+        start_new_session=True,
+        cwd=str(cwd),
+    )
 
     def pump() -> None:
         assert proc.stdout is not None
@@ -287,8 +362,11 @@ def run_one(spec: common.LaunchSpec, workdir: Path, index: int, timeout: float) 
     slug = spec.config.replace(":", "-").replace("@", "-")
     spec_path = workdir / f"{index:02d}-{slug}.json"
     spec.results_path = str(workdir / f"{index:02d}-{slug}.jsonl")
-    print(f"\n=== {spec.config}: {len(spec.cases)} case(s) on {spec.gpus} {'GPU' if spec.device == 'cuda' else 'CPU process'}"
-          f"{'s' if spec.gpus > 1 else ''} via {spec.launcher} ===", flush=True)
+    print(
+        f"\n=== {spec.config}: {len(spec.cases)} case(s) on {spec.gpus} {'GPU' if spec.device == 'cuda' else 'CPU process'}"
+        f"{'s' if spec.gpus > 1 else ''} via {spec.launcher} ===",
+        flush=True,
+    )
     start = time.monotonic()
     reason, tail = _run_subprocess(spec, spec_path, timeout)
     rows, launch_error = _read_rows(Path(spec.results_path))
@@ -307,8 +385,10 @@ def run_one(spec: common.LaunchSpec, workdir: Path, index: int, timeout: float) 
     for case in missing:
         status = "timeout" if reason and "timeout" in reason else "error"
         rows.append(_placeholder(spec, case, status, why, output_tail="\n".join(tail), launch_wall_s=wall))
-    print(f"=== {spec.config}: {wall:.0f} s{'' if why is None or not missing else ' -- ' + why.splitlines()[0]} ===",
-          flush=True)
+    print(
+        f"=== {spec.config}: {wall:.0f} s{'' if why is None or not missing else ' -- ' + why.splitlines()[0]} ===",
+        flush=True,
+    )
     return rows
 
 
@@ -332,6 +412,7 @@ def _skip_reason(backend: str, gpus: int, device: str, gpu_count: int) -> str | 
 # Internal modes: inside a launch
 # ---------------------------------------------------------------------------------------------
 
+
 def _run_launch_mode(spec_path: str) -> int:
     """A fresh process standing in for a notebook kernel: call the notebook launcher from here."""
     spec = common.LaunchSpec.from_json(Path(spec_path).read_text())
@@ -347,7 +428,7 @@ def _run_launch_mode(spec_path: str) -> int:
             from accelerate import notebook_launcher
 
             notebook_launcher(common.run_launch, args=(spec,), num_processes=spec.gpus, use_port=str(_free_port()))
-    except BaseException as exc:  # noqa: BLE001  (recorded for the report, then the launch fails)
+    except BaseException as exc:
         message = f"{type(exc).__name__}: {exc}"
         with open(spec.results_path, "a") as f:
             f.write(json.dumps({"launch_error": message[-4000:]}) + "\n")
@@ -358,7 +439,8 @@ def _run_launch_mode(spec_path: str) -> int:
 
 def _worker_mode(spec_path: str) -> int:
     """One rank of a script launch (accelerate launch / torchrun): nbkit's per-rank set-up, then the
-    same function nbkit.launch runs."""
+    same function nbkit.launch runs.
+    """
     import nbkit
 
     spec = common.LaunchSpec.from_json(Path(spec_path).read_text())
@@ -382,16 +464,23 @@ _CASE_KEYS = ("precision", "seq_len", "batch", "grad_accum", "image", "memory_ca
 
 
 def _case_label(r: dict) -> str:
-    """"bf16 1024x4", plus " GA4" with gradient accumulation and " [ddp options]" where they differ."""
+    """ "bf16 1024x4", plus " GA4" with gradient accumulation and " [ddp options]" where they differ."""
     accum = f" GA{r['grad_accum']}" if r.get("grad_accum", 1) > 1 else ""
     return f"{r['precision']} {r['seq_len']}x{r['batch']}{accum}" + (f" [{r['ddp']}]" if r.get("ddp") else "")
 
 
 def _reference(rows: list[dict], row: dict) -> dict | None:
     """The 1-GPU row of the same backend and case: notebook_launcher's preferred (it runs one process
-    in the launching process itself, as a one-GPU notebook user trains), then nbkit.launch's."""
-    same = [r for r in rows if r["status"] == "ok" and r["gpus"] == 1 and r["backend"] == row["backend"]
-            and all(r.get(k) == row.get(k) for k in _CASE_KEYS)]
+    in the launching process itself, as a one-GPU notebook user trains), then nbkit.launch's.
+    """
+    same = [
+        r
+        for r in rows
+        if r["status"] == "ok"
+        and r["gpus"] == 1
+        and r["backend"] == row["backend"]
+        and all(r.get(k) == row.get(k) for k in _CASE_KEYS)
+    ]
     same.sort(key=lambda r: {"notebook": 0, "nbkit": 1}.get(r["launcher"], 2))
     return same[0] if same else None
 
@@ -417,18 +506,23 @@ def _fmt(value: Any, spec: str = ",.0f", suffix: str = "") -> str:
 def markdown(report: dict) -> str:
     env, rows = report["environment"], report["results"]
     versions = ", ".join(f"{k} {v}" for k, v in env["versions"].items() if v)
-    machine = (f"{env['gpu_count']}x {env['gpu']} ({env['gpu_memory_gib']} GiB), driver {env['driver']}, CUDA {env['cuda']}"
-               if env["gpu_count"] else f"CPU only ({env['cpu_count']} cores; gloo ranks)")
+    machine = (
+        f"{env['gpu_count']}x {env['gpu']} ({env['gpu_memory_gib']} GiB), driver {env['driver']}, CUDA {env['cuda']}"
+        if env["gpu_count"]
+        else f"CPU only ({env['cpu_count']} cores; gloo ranks)"
+    )
     s = report["settings"]
     lines = [
-        "# nbkit multi-GPU benchmark", "",
+        "# nbkit multi-GPU benchmark",
+        "",
         f"- Machine: {machine}; host {env['host']}",
         f"- Versions: {versions}; Python {env['python']}",
         f"- Date: {env['date']}; total {report['wall_s']:.0f} s",
         f"- Model: {report['model']['name']} (LoRA r={s['lora_r']} on all linear layers"
         f"{', one image per sequence' if s['image'] else ', text tokens'}); steady state = median of "
         f"{s['steps']} steps after {s['warmup']} warm-up steps (probe included)",
-        f"- Command: `{report['command']}`", "",
+        f"- Command: `{report['command']}`",
+        "",
         "| config | case | status | tok/s/GPU | tok/s total | scaling vs 1 GPU | step s (median) | spread p10-p90 "
         "| peak GiB/GPU | mem vs 1 GPU | launch to 1st step s | Python GC ms/step (slowest rank) |",
         "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
@@ -436,12 +530,12 @@ def markdown(report: dict) -> str:
     for r in rows:
         case = _case_label(r)
         if r["status"] != "ok":
-            lines.append(f"| {r['config']} | {case} | {r['status']}: {_short(r.get('error', ''))} "
-                         "| | | | | | | | | |")
+            lines.append(f"| {r['config']} | {case} | {r['status']}: {_short(r.get('error', ''))} | | | | | | | | | |")
             continue
         stats = r["step_time_s"]
-        scaling = (f"{r['scaling']:.2f}x ({100 * r['scaling_efficiency']:.0f}%)" if "scaling" in r and r["gpus"] > 1
-                   else "")
+        scaling = (
+            f"{r['scaling']:.2f}x ({100 * r['scaling_efficiency']:.0f}%)" if "scaling" in r and r["gpus"] > 1 else ""
+        )
         peak = max(r["peak_allocated_gib"]) if r.get("peak_allocated_gib") else None
         lines.append(
             f"| {r['config']} | {case} | ok | {_fmt(r['tokens_per_s_per_gpu'])} | {_fmt(r['tokens_per_s_total'])} "
@@ -465,25 +559,43 @@ def _launcher_section(rows: list[dict]) -> list[str]:
     for r in rows:
         if r["status"] != "ok" or r["launcher"] == "nbkit":
             continue
-        ref = next((o for o in rows if o["status"] == "ok" and o["launcher"] == "nbkit"
-                    and all(o.get(k) == r.get(k) for k in ("backend", "gpus", "ddp", *_CASE_KEYS))), None)
+        ref = next(
+            (
+                o
+                for o in rows
+                if o["status"] == "ok"
+                and o["launcher"] == "nbkit"
+                and all(o.get(k) == r.get(k) for k in ("backend", "gpus", "ddp", *_CASE_KEYS))
+            ),
+            None,
+        )
         if ref is not None:
             ratio = r["step_time_s"]["median"] / ref["step_time_s"]["median"]
-            out.append(f"| {r['backend']}:{r['gpus']} | {_case_label(r)} | {r['launcher']} "
-                       f"| {r['step_time_s']['median']:.3f} | {ref['step_time_s']['median']:.3f} | {100 * (ratio - 1):+.1f}% |")
+            out.append(
+                f"| {r['backend']}:{r['gpus']} | {_case_label(r)} | {r['launcher']} "
+                f"| {r['step_time_s']['median']:.3f} | {ref['step_time_s']['median']:.3f} | {100 * (ratio - 1):+.1f}% |"
+            )
     if not out:
         return []
-    return ["", "## Launchers: median step time vs nbkit.launch", "",
-            "| backend:gpus | case | launcher | step s | nbkit.launch step s | difference |",
-            "|---|---|---|---:|---:|---:|"] + out
+    return [
+        "",
+        "## Launchers: median step time vs nbkit.launch",
+        "",
+        "| backend:gpus | case | launcher | step s | nbkit.launch step s | difference |",
+        "|---|---|---|---:|---:|---:|",
+    ] + out
 
 
 def _ladder_section(report: dict) -> list[str]:
     if not report["settings"]["ladder"]:
         return []
-    out = ["", f"## Longest sequence that trains (batch 1, memory cap {report['settings']['memory_cap_gib']} GiB "
-                "per process)", "", "| config | precision | longest that trained | shortest that failed | tried |",
-           "|---|---|---:|---:|---|"]
+    out = [
+        "",
+        f"## Longest sequence that trains (batch 1, memory cap {report['settings']['memory_cap_gib']} GiB per process)",
+        "",
+        "| config | precision | longest that trained | shortest that failed | tried |",
+        "|---|---|---:|---:|---|",
+    ]
     by_config: dict[tuple[str, str], list[dict]] = {}
     for r in report["results"]:
         by_config.setdefault((r["config"], r["precision"]), []).append(r)
@@ -491,7 +603,9 @@ def _ladder_section(report: dict) -> list[str]:
         ok = [r["seq_len"] for r in rows if r["status"] == "ok"]
         failed = [r["seq_len"] for r in rows if r["status"] not in ("ok", "skipped")]
         tried = ", ".join(f"{r['seq_len']}:{r['status']}" for r in sorted(rows, key=lambda r: r["seq_len"]))
-        out.append(f"| {config} | {precision} | {max(ok) if ok else 'none'} | {min(failed) if failed else ''} | {tried} |")
+        out.append(
+            f"| {config} | {precision} | {max(ok) if ok else 'none'} | {min(failed) if failed else ''} | {tried} |"
+        )
     return out
 
 
@@ -500,17 +614,23 @@ def _profile_section(rows: list[dict]) -> list[str]:
     for r in rows:
         prof = r.get("profile")
         if r["status"] == "ok" and prof:  # kernel figures exist on GPUs only
-            out.append(f"| {r['config']} | {_case_label(r)} | {prof['step_ms']:.1f} "
-                       f"| {_fmt(prof.get('compute_ms_per_step'), '.1f')} | {_fmt(prof.get('nccl_ms_per_step'), '.1f')} "
-                       f"| {_fmt(prof.get('memcpy_ms_per_step'), '.1f')} | {_fmt(prof.get('compute_busy_pct'), '.0f', '%')} "
-                       f"| {_fmt(prof.get('host_ops_ms_per_step'), '.1f')} | {_fmt(prof.get('host_syncs_per_step'), '.1f')} "
-                       f"| {', '.join(prof.get('files', []))} |")
+            out.append(
+                f"| {r['config']} | {_case_label(r)} | {prof['step_ms']:.1f} "
+                f"| {_fmt(prof.get('compute_ms_per_step'), '.1f')} | {_fmt(prof.get('nccl_ms_per_step'), '.1f')} "
+                f"| {_fmt(prof.get('memcpy_ms_per_step'), '.1f')} | {_fmt(prof.get('compute_busy_pct'), '.0f', '%')} "
+                f"| {_fmt(prof.get('host_ops_ms_per_step'), '.1f')} | {_fmt(prof.get('host_syncs_per_step'), '.1f')} "
+                f"| {', '.join(prof.get('files', []))} |"
+            )
     if not out:
         return []
-    return ["", "## Profiles (per step, rank 0; GPU kernel time by kind, host time in torch ops)", "",
-            "| config | case | step ms | compute ms | NCCL ms | memcpy ms | compute busy | host ops ms "
-            "| host syncs | files |",
-            "|---|---|---:|---:|---:|---:|---:|---:|---:|---|"] + out
+    return [
+        "",
+        "## Profiles (per step, rank 0; GPU kernel time by kind, host time in torch ops)",
+        "",
+        "| config | case | step ms | compute ms | NCCL ms | memcpy ms | compute busy | host ops ms "
+        "| host syncs | files |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
+    ] + out
 
 
 def _failure_section(rows: list[dict]) -> list[str]:
@@ -520,8 +640,7 @@ def _failure_section(rows: list[dict]) -> list[str]:
     out = ["", "## Failures", ""]
     for r in failed:
         where = f" (rank {r['error_rank']}, {r.get('phase', '')})" if "error_rank" in r else ""
-        out.append(f"- {r['config']} {_case_label(r)}: {r['status']}{where}: "
-                   f"{(r.get('error') or '').strip()}")
+        out.append(f"- {r['config']} {_case_label(r)}: {r['status']}{where}: {(r.get('error') or '').strip()}")
     return out
 
 
@@ -534,6 +653,7 @@ def _write(report: dict, out: Path, md: Path) -> None:
 # ---------------------------------------------------------------------------------------------
 # Main
 # ---------------------------------------------------------------------------------------------
+
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
@@ -567,8 +687,11 @@ def main(argv: list[str] | None = None) -> int:
     md = Path(args.md) if args.md else out.with_suffix(".md")
     out.parent.mkdir(parents=True, exist_ok=True)
     md.parent.mkdir(parents=True, exist_ok=True)
-    profile_dir = ((Path(args.profile_dir) if args.profile_dir else out.parent / f"{out.stem}_profile").resolve()
-                   if args.profile else None)
+    profile_dir = (
+        (Path(args.profile_dir) if args.profile_dir else out.parent / f"{out.stem}_profile").resolve()
+        if args.profile
+        else None
+    )
 
     print(f"bench.py: resolving {args.model} ...", flush=True)
     t0 = time.monotonic()
@@ -580,24 +703,48 @@ def main(argv: list[str] | None = None) -> int:
         "command": " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
         "environment": common.environment(),
         "model": {"name": args.model, "path": model_path, "resolve_s": resolve_s},
-        "settings": {"steps": steps, "warmup": warmup, "lora_r": args.lora_r, "image": args.image, "t4": args.t4,
-                     "ladder": args.t4, "memory_cap_gib": memory_cap, "device": device, "ddp": args.ddp,
-                     "grad_accum": args.grad_accum,
-                     "savers": _parse_savers(args.savers), "unsloth_checkpointing": args.unsloth_checkpointing,
-                     "nbkit_unsloth_vlm_ddp_checkpointing": setting("unsloth_vlm_ddp_checkpointing"),
-                     "profile_dir": str(profile_dir) if profile_dir else None},
-        "results": [], "wall_s": 0.0,
+        "settings": {
+            "steps": steps,
+            "warmup": warmup,
+            "lora_r": args.lora_r,
+            "image": args.image,
+            "t4": args.t4,
+            "ladder": args.t4,
+            "memory_cap_gib": memory_cap,
+            "device": device,
+            "ddp": args.ddp,
+            "grad_accum": args.grad_accum,
+            "savers": _parse_savers(args.savers),
+            "unsloth_checkpointing": args.unsloth_checkpointing,
+            "nbkit_unsloth_vlm_ddp_checkpointing": setting("unsloth_vlm_ddp_checkpointing"),
+            "profile_dir": str(profile_dir) if profile_dir else None,
+        },
+        "results": [],
+        "wall_s": 0.0,
     }
     unsloth_checkpointing = common.parse_value(args.unsloth_checkpointing)
     with tempfile.TemporaryDirectory(prefix="nbkit-bench-") as tmp:
         for index, (backend, gpus, launcher) in enumerate(configs):
             spec = common.LaunchSpec(
-                backend=backend, gpus=gpus, launcher=launcher, model=args.model, model_path=model_path, device=device,
-                cases=_cases(args, device, gpus), results_path="", steps=steps, warmup=warmup, lora_r=args.lora_r,
-                image=args.image, memory_cap_gib=memory_cap, ladder=args.t4,
-                profile_dir=str(profile_dir) if profile_dir else None, profile_steps=args.profile_steps,
+                backend=backend,
+                gpus=gpus,
+                launcher=launcher,
+                model=args.model,
+                model_path=model_path,
+                device=device,
+                cases=_cases(args, device, gpus),
+                results_path="",
+                steps=steps,
+                warmup=warmup,
+                lora_r=args.lora_r,
+                image=args.image,
+                memory_cap_gib=memory_cap,
+                ladder=args.t4,
+                profile_dir=str(profile_dir) if profile_dir else None,
+                profile_steps=args.profile_steps,
                 grad_accum=args.grad_accum,
-                savers=report["settings"]["savers"], unsloth_checkpointing=unsloth_checkpointing,
+                savers=report["settings"]["savers"],
+                unsloth_checkpointing=unsloth_checkpointing,
             )
             elapsed = time.monotonic() - started
             why = _skip_reason(backend, gpus, device, gpu_count)
@@ -605,7 +752,9 @@ def main(argv: list[str] | None = None) -> int:
                 why = f"time limit ({args.time_limit:.0f} s) reached"
             if why is not None:
                 print(f"\n=== {spec.config}: skipped ({why}) ===", flush=True)
-                report["results"] += [_placeholder(spec, case, "skipped", why) for case in spec.cases[:1 if args.t4 else None]]
+                report["results"] += [
+                    _placeholder(spec, case, "skipped", why) for case in spec.cases[: 1 if args.t4 else None]
+                ]
             else:
                 timeout = args.launch_timeout
                 if args.time_limit is not None:

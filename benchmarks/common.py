@@ -46,41 +46,43 @@ import subprocess
 import sys
 import time
 import traceback
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any
 
-import nbkit  # noqa: F401  (first: nbkit.forksafety keeps this launching process fork-safe)
 import torch
 from torch import nn
+
+import nbkit  # noqa: F401  (first: nbkit.forksafety keeps this launching process fork-safe)
 
 __all__ = [
     "BACKENDS",
     "PRECISIONS",
     "Case",
     "LaunchSpec",
-    "parse_value",
-    "parse_ddp_options",
-    "ddp_label",
-    "setup_rank",
-    "teardown_rank",
-    "build_model",
-    "preload",
-    "synthetic_batch",
-    "shard_batch",
-    "probe",
-    "wrap_ddp",
     "Stepper",
-    "timed_steps",
-    "gc_pauses",
-    "step_stats",
-    "peak_memory_gib",
-    "gather",
     "agree",
-    "run_launch",
+    "build_model",
     "case_row",
+    "ddp_label",
     "environment",
+    "gather",
+    "gc_pauses",
+    "parse_ddp_options",
+    "parse_value",
+    "peak_memory_gib",
+    "preload",
+    "probe",
+    "run_launch",
+    "setup_rank",
+    "shard_batch",
+    "step_stats",
+    "synthetic_batch",
+    "teardown_rank",
+    "timed_steps",
+    "wrap_ddp",
 ]
 
 BACKENDS = ("unsloth", "nbkit", "plain")
@@ -104,6 +106,7 @@ IMAGE_GRID = (1, 16, 16)
 # ---------------------------------------------------------------------------------------------
 # What one launch runs
 # ---------------------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class Case:
@@ -167,10 +170,11 @@ class LaunchSpec:
         return json.dumps(asdict(self))
 
     @classmethod
-    def from_json(cls, text: str) -> "LaunchSpec":
+    def from_json(cls, text: str) -> LaunchSpec:
         data = json.loads(text)
-        data["cases"] = [Case(c["seq_len"], c["batch"], c["precision"], tuple(tuple(kv) for kv in c["ddp"]))
-                         for c in data["cases"]]
+        data["cases"] = [
+            Case(c["seq_len"], c["batch"], c["precision"], tuple(tuple(kv) for kv in c["ddp"])) for c in data["cases"]
+        ]
         return cls(**data)
 
 
@@ -222,7 +226,7 @@ def parse_ddp_options(text: str) -> tuple[tuple[str, Any], ...]:
 
 def ddp_label(options: dict[str, Any]) -> str:
     """The options that differ from the defaults, as "key=value,..." ("" for the defaults)."""
-    return ",".join(f"{k}={v}" for k, v in sorted(options.items()) if DDP_DEFAULTS.get(k, None) != v)
+    return ",".join(f"{k}={v}" for k, v in sorted(options.items()) if DDP_DEFAULTS.get(k) != v)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -232,8 +236,9 @@ def ddp_label(options: dict[str, Any]) -> str:
 _control_group: Any = None
 
 
-def setup_rank(device_kind: str | None = None, *, memory_cap_gib: float | None = None,
-               timeout_s: float = 300.0) -> torch.device:
+def setup_rank(
+    device_kind: str | None = None, *, memory_cap_gib: float | None = None, timeout_s: float = 300.0
+) -> torch.device:
     """Set this rank up: its device, an optional memory cap, the process group for several ranks.
 
     Takes "cuda" / "cpu" (None: cuda where available), a per-process cap in GiB (the T4 stand-in;
@@ -302,6 +307,7 @@ def agree(ok: bool) -> bool:
 # Models and batches
 # ---------------------------------------------------------------------------------------------
 
+
 def _is_vision(config: Any) -> bool:
     return getattr(config, "vision_config", None) is not None
 
@@ -350,8 +356,9 @@ def build_model(
         if backend == "plain":
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         torch.manual_seed(seed)
-        lora = LoraConfig(r=lora_r, lora_alpha=lora_r, lora_dropout=0.0, target_modules="all-linear",
-                          task_type="CAUSAL_LM")
+        lora = LoraConfig(
+            r=lora_r, lora_alpha=lora_r, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM"
+        )
         model = get_peft_model(model, lora)
         if backend == "nbkit":
             import nbkit.savers
@@ -364,21 +371,44 @@ def build_model(
     return model
 
 
-def _unsloth_model(path: str, dtype: torch.dtype, place: str, vision: bool, lora_r: int, max_seq_len: int,
-                   checkpointing: str | bool, seed: int) -> nn.Module:
+def _unsloth_model(
+    path: str,
+    dtype: torch.dtype,
+    place: str,
+    vision: bool,
+    lora_r: int,
+    max_seq_len: int,
+    checkpointing: str | bool,
+    seed: int,
+) -> nn.Module:
     import unsloth  # noqa: F401  (first, as unsloth requires; ~25 s, initialises CUDA)
     from unsloth import FastLanguageModel, FastVisionModel
 
     loader = FastVisionModel if vision else FastLanguageModel
     model, _ = loader.from_pretrained(
-        path, max_seq_length=max_seq_len, dtype=dtype, load_in_4bit=False, device_map=place,
+        path,
+        max_seq_length=max_seq_len,
+        dtype=dtype,
+        load_in_4bit=False,
+        device_map=place,
         use_gradient_checkpointing=checkpointing,
     )
-    lora = dict(r=lora_r, lora_alpha=lora_r, lora_dropout=0.0, bias="none", random_state=seed,
-                use_gradient_checkpointing=checkpointing)
+    lora = dict(
+        r=lora_r,
+        lora_alpha=lora_r,
+        lora_dropout=0.0,
+        bias="none",
+        random_state=seed,
+        use_gradient_checkpointing=checkpointing,
+    )
     if vision:
-        lora.update(target_modules="all-linear", finetune_vision_layers=True, finetune_language_layers=True,
-                    finetune_attention_modules=True, finetune_mlp_modules=True)
+        lora.update(
+            target_modules="all-linear",
+            finetune_vision_layers=True,
+            finetune_language_layers=True,
+            finetune_attention_modules=True,
+            finetune_mlp_modules=True,
+        )
     else:
         lora.update(target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
     model = loader.get_peft_model(model, **lora)
@@ -386,7 +416,7 @@ def _unsloth_model(path: str, dtype: torch.dtype, place: str, vision: bool, lora
     return model
 
 
-def preload(spec: "LaunchSpec") -> None:
+def preload(spec: LaunchSpec) -> None:
     """Import what the ranks of `spec` will use (transformers, the model's modeling module, nbkit's
     savers) in the process that launches, so that forked ranks inherit it as they inherit a
     notebook's earlier imports. Never imports unsloth (it initialises CUDA) nor peft: `import peft`
@@ -397,15 +427,19 @@ def preload(spec: "LaunchSpec") -> None:
     from transformers.models.auto import modeling_auto
 
     config = AutoConfig.from_pretrained(spec.model_path)
-    mapping = (modeling_auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING if _is_vision(config)
-               else modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING)
+    mapping = (
+        modeling_auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
+        if _is_vision(config)
+        else modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING
+    )
     mapping[type(config)]  # imports the modeling module
     if spec.backend == "nbkit":
         import nbkit.savers  # noqa: F401
 
 
-def synthetic_batch(config: Any, seq_len: int, batch: int, device: torch.device | str, *,
-                    image: bool = False, seed: int = 0) -> dict[str, torch.Tensor]:
+def synthetic_batch(
+    config: Any, seq_len: int, batch: int, device: torch.device | str, *, image: bool = False, seed: int = 0
+) -> dict[str, torch.Tensor]:
     """A training batch of `batch` random sequences of exactly `seq_len` tokens, labels = inputs
     (image tokens excepted).
 
@@ -420,8 +454,10 @@ def synthetic_batch(config: Any, seq_len: int, batch: int, device: torch.device 
         raise ValueError(f"A batch needs seq_len >= 2 and batch >= 1 (got {seq_len} x {batch}).")
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     vocab = text.vocab_size
-    markers = {getattr(config, name, None) for name in
-               ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")} - {None}
+    markers = {
+        getattr(config, name, None)
+        for name in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+    } - {None}
     generator = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab, (batch, seq_len), generator=generator)
     if markers:
@@ -453,10 +489,10 @@ def _image_inputs(config: Any, ids: torch.Tensor, generator: torch.Generator) ->
     channels = getattr(vision, "in_channels", 3)
     width = channels * vision.temporal_patch_size * vision.patch_size**2
     ids[:, 1] = config.vision_start_token_id
-    ids[:, 2:2 + tokens] = config.image_token_id
+    ids[:, 2 : 2 + tokens] = config.image_token_id
     ids[:, 2 + tokens] = config.vision_end_token_id
     kinds = torch.zeros_like(ids, dtype=torch.int32)
-    kinds[:, 2:2 + tokens] = 1
+    kinds[:, 2 : 2 + tokens] = 1
     return {
         "pixel_values": torch.randn(batch * patches, width, generator=generator),
         "image_grid_thw": torch.tensor([IMAGE_GRID] * batch),
@@ -466,7 +502,8 @@ def _image_inputs(config: Any, ids: torch.Tensor, generator: torch.Generator) ->
 
 def shard_batch(batch: dict[str, torch.Tensor], parts: int, index: int) -> dict[str, torch.Tensor]:
     """Rows index*n/parts .. (index+1)*n/parts of a synthetic batch (its images' patches included):
-    the share of one rank of `parts` in a global batch. Raises ValueError if the rows do not split evenly."""
+    the share of one rank of `parts` in a global batch. Raises ValueError if the rows do not split evenly.
+    """
     rows = batch["input_ids"].shape[0]
     if rows % parts:
         raise ValueError(f"A batch of {rows} rows does not split into {parts} equal parts.")
@@ -475,9 +512,9 @@ def shard_batch(batch: dict[str, torch.Tensor], parts: int, index: int) -> dict[
     for key, value in batch.items():
         if key == "pixel_values":  # (images x patches, width): each row's image is a block of patches
             per_row = value.shape[0] // rows
-            out[key] = value[index * size * per_row:(index + 1) * size * per_row]
+            out[key] = value[index * size * per_row : (index + 1) * size * per_row]
         else:
-            out[key] = value[index * size:(index + 1) * size]
+            out[key] = value[index * size : (index + 1) * size]
     return out
 
 
@@ -485,8 +522,10 @@ def shard_batch(batch: dict[str, torch.Tensor], parts: int, index: int) -> dict[
 # Training steps
 # ---------------------------------------------------------------------------------------------
 
-def wrap_ddp(model: nn.Module, device: torch.device, options: Iterable[tuple[str, Any]] = (), *,
-             unused: Iterable[str] = ()) -> nn.Module:
+
+def wrap_ddp(
+    model: nn.Module, device: torch.device, options: Iterable[tuple[str, Any]] = (), *, unused: Iterable[str] = ()
+) -> nn.Module:
     """`model` in DistributedDataParallel with `options` (see parse_ddp_options); `model` itself
     when torch.distributed is not initialised or has one rank.
 
@@ -539,8 +578,15 @@ class Stepper:
     only, as Trainer's gradient_accumulation_steps does; each micro-batch is the same batch).
     """
 
-    def __init__(self, model: nn.Module, precision: str, device: torch.device,
-                 optimizer: torch.optim.Optimizer | None = None, lr: float = 1e-4, grad_accum: int = 1):
+    def __init__(
+        self,
+        model: nn.Module,
+        precision: str,
+        device: torch.device,
+        optimizer: torch.optim.Optimizer | None = None,
+        lr: float = 1e-4,
+        grad_accum: int = 1,
+    ):
         if grad_accum < 1:
             raise ValueError(f"grad_accum must be at least 1 (got {grad_accum}).")
         self.model = model
@@ -560,7 +606,8 @@ class Stepper:
 
     def backward(self, batch: dict[str, torch.Tensor], scale: float = 1.0) -> torch.Tensor:
         """Forward and backward only (gradients accumulate, the loss multiplied by `scale`);
-        returns the detached, unscaled loss."""
+        returns the detached, unscaled loss.
+        """
         with self._autocast():
             loss = self.model(**batch).loss
         scaled = loss * scale if scale != 1.0 else loss
@@ -583,10 +630,11 @@ class Stepper:
         return loss
 
 
-def probe(stepper: "Stepper", batch: dict[str, torch.Tensor]) -> list[str]:
+def probe(stepper: Stepper, batch: dict[str, torch.Tensor]) -> list[str]:
     """One forward and backward of the bare model (no optimizer step); returns the names of the
     trainable parameters that got no gradient (the unused ones DDP must be told about). Leaves
-    every gradient cleared."""
+    every gradient cleared.
+    """
     stepper.backward(batch)
     _sync(stepper.device)
     unused = [n for n, p in stepper.model.named_parameters() if p.requires_grad and p.grad is None]
@@ -601,7 +649,8 @@ def _sync(device: torch.device) -> None:
 
 def timed_steps(stepper: Stepper, batch: dict[str, torch.Tensor], steps: int) -> tuple[list[float], list[float]]:
     """Run `steps` optimisation steps; returns (seconds per step, loss per step). Each step ends
-    with the device synchronised, so its time is the step's own."""
+    with the device synchronised, so its time is the step's own.
+    """
     times, losses = [], []
     for _ in range(steps):
         start = time.perf_counter()
@@ -616,7 +665,8 @@ def timed_steps(stepper: Stepper, batch: dict[str, torch.Tensor], steps: int) ->
 def gc_pauses() -> Iterator[dict[str, Any]]:
     """Python's garbage collections while the block runs: yields a dict that fills with the
     collections per generation ("collections"), their total and longest pause in milliseconds.
-    A host-bound step pays for them in full, and under DDP a pause on one rank stalls the others."""
+    A host-bound step pays for them in full, and under DDP a pause on one rank stalls the others.
+    """
     found: dict[str, Any] = {"collections": [0, 0, 0], "total_ms": 0.0, "max_ms": 0.0}
     started: list[float] = []
 
@@ -647,7 +697,11 @@ def step_stats(times: list[float]) -> dict[str, float]:
 
     median = statistics.median(ordered)
     return {
-        "median": median, "p10": pct(0.1), "p90": pct(0.9), "min": ordered[0], "max": ordered[-1],
+        "median": median,
+        "p10": pct(0.1),
+        "p90": pct(0.9),
+        "min": ordered[0],
+        "max": ordered[-1],
         "stdev": statistics.stdev(ordered) if len(ordered) > 1 else 0.0,
         "spread_pct": 100.0 * (pct(0.9) - pct(0.1)) / median if median > 0 else 0.0,
     }
@@ -657,8 +711,10 @@ def peak_memory_gib(device: torch.device) -> dict[str, float] | None:
     """Peak allocated and reserved GiB on `device` since the last reset; None on CPU."""
     if device.type != "cuda":
         return None
-    return {"allocated": torch.cuda.max_memory_allocated(device) / 2**30,
-            "reserved": torch.cuda.max_memory_reserved(device) / 2**30}
+    return {
+        "allocated": torch.cuda.max_memory_allocated(device) / 2**30,
+        "reserved": torch.cuda.max_memory_reserved(device) / 2**30,
+    }
 
 
 def _reset_memory(device: torch.device) -> None:
@@ -670,13 +726,24 @@ def _reset_memory(device: torch.device) -> None:
 
 def case_row(spec: LaunchSpec, case: Case, **fields: Any) -> dict:
     """A result row: what identifies the case (launch and case settings) followed by `fields`.
-    Rows of cases that never ran (skipped, lost to a timeout) are built the same way."""
+    Rows of cases that never ran (skipped, lost to a timeout) are built the same way.
+    """
     return {
-        "config": spec.config, "backend": spec.backend, "gpus": spec.gpus, "launcher": spec.launcher,
-        "model": spec.model, "precision": case.precision, "seq_len": case.seq_len, "batch": case.batch,
-        "image": spec.image, "ddp": ddp_label(dict(case.ddp)) if spec.gpus > 1 else "",
-        "memory_cap_gib": spec.memory_cap_gib, "steps": spec.steps, "warmup": spec.warmup,
-        "grad_accum": spec.grad_accum, **fields,
+        "config": spec.config,
+        "backend": spec.backend,
+        "gpus": spec.gpus,
+        "launcher": spec.launcher,
+        "model": spec.model,
+        "precision": case.precision,
+        "seq_len": case.seq_len,
+        "batch": case.batch,
+        "image": spec.image,
+        "ddp": ddp_label(dict(case.ddp)) if spec.gpus > 1 else "",
+        "memory_cap_gib": spec.memory_cap_gib,
+        "steps": spec.steps,
+        "warmup": spec.warmup,
+        "grad_accum": spec.grad_accum,
+        **fields,
     }
 
 
@@ -692,6 +759,7 @@ def _describe(exc: BaseException) -> tuple[str, str, str]:
 # One launch: every case of a spec, on every rank
 # ---------------------------------------------------------------------------------------------
 
+
 class _Launch:
     """The state of run_launch on one rank."""
 
@@ -699,8 +767,7 @@ class _Launch:
         self.spec = spec
         self.rank = int(os.environ.get("RANK", "0"))
         self.world = int(os.environ.get("WORLD_SIZE", "1"))
-        self.device = setup_rank(spec.device, memory_cap_gib=spec.memory_cap_gib,
-                                 timeout_s=spec.collective_timeout_s)
+        self.device = setup_rank(spec.device, memory_cap_gib=spec.memory_cap_gib, timeout_s=spec.collective_timeout_s)
         self.first_step_s: float | None = None
         self.results: list[dict] = []
 
@@ -722,8 +789,15 @@ class _Launch:
         failed = {r: f for r, f in enumerate(reasons) if f is not None}
         status = "oom" if any(f[0] == "oom" for f in failed.values()) else "error"
         first_rank, first = min(failed.items())
-        return self._row(case, status=status, error=first[1], error_rank=first_rank,
-                         error_detail=first[2], failed_ranks=sorted(failed), **fields)
+        return self._row(
+            case,
+            status=status,
+            error=first[1],
+            error_rank=first_rank,
+            error_detail=first[2],
+            failed_ranks=sorted(failed),
+            **fields,
+        )
 
     # -- the run ------------------------------------------------------------------------------
     def run(self) -> list[dict]:
@@ -749,9 +823,17 @@ class _Launch:
         spec = self.spec
         start = time.perf_counter()
         try:
-            model = build_model(spec.backend, spec.model_path, precision, self.device, lora_r=spec.lora_r,
-                                max_seq_len=max_seq_len, savers=spec.savers,
-                                unsloth_checkpointing=spec.unsloth_checkpointing, seed=spec.seed)
+            model = build_model(
+                spec.backend,
+                spec.model_path,
+                precision,
+                self.device,
+                lora_r=spec.lora_r,
+                max_seq_len=max_seq_len,
+                savers=spec.savers,
+                unsloth_checkpointing=spec.unsloth_checkpointing,
+                seed=spec.seed,
+            )
             return model, time.perf_counter() - start, None
         except Exception as exc:  # recorded for every case of this precision; the launch goes on
             return None, time.perf_counter() - start, _describe(exc)
@@ -790,8 +872,9 @@ class _Launch:
         _reset_memory(device)
         failure, unused, batch = None, [], None
         try:
-            batch = synthetic_batch(model.config, case.seq_len, case.batch, device, image=spec.image,
-                                    seed=spec.seed * 1000 + self.rank)
+            batch = synthetic_batch(
+                model.config, case.seq_len, case.batch, device, image=spec.image, seed=spec.seed * 1000 + self.rank
+            )
             unused = probe(Stepper(model, case.precision, device), batch)
         except Exception as exc:
             failure = _describe(exc)
@@ -826,9 +909,10 @@ class _Launch:
         if not ok:
             return self._failed(case, failure is None, failure, phase="train", **timing)
         # The slowest rank sets the pace of a DDP step, so its garbage collections are the ones that count.
-        figures["gc"] = {"ms_per_step": max(p["ms_per_step"] for p in gc_by_rank),
-                         "per_rank": [{k: p[k] for k in ("collections", "total_ms", "max_ms", "ms_per_step")}
-                                      for p in gc_by_rank]}
+        figures["gc"] = {
+            "ms_per_step": max(p["ms_per_step"] for p in gc_by_rank),
+            "per_rank": [{k: p[k] for k in ("collections", "total_ms", "max_ms", "ms_per_step")} for p in gc_by_rank],
+        }
         if memory[0] is not None:
             figures["peak_allocated_gib"] = [m["allocated"] for m in memory]
             figures["peak_reserved_gib"] = [m["reserved"] for m in memory]
@@ -839,9 +923,14 @@ class _Launch:
         tokens = case.tokens * self.spec.grad_accum  # per rank per optimisation step
         per_gpu = tokens / stats["median"]
         return {
-            "step_time_s": stats, "step_times_s": times, "tokens_per_step": tokens * self.world,
-            "tokens_per_s_per_gpu": per_gpu, "tokens_per_s_total": per_gpu * self.world,
-            "loss_first": losses[0], "loss_last": losses[-1], "loss_finite": all(map(math.isfinite, losses)),
+            "step_time_s": stats,
+            "step_times_s": times,
+            "tokens_per_step": tokens * self.world,
+            "tokens_per_s_per_gpu": per_gpu,
+            "tokens_per_s_total": per_gpu * self.world,
+            "loss_first": losses[0],
+            "loss_last": losses[-1],
+            "loss_finite": all(map(math.isfinite, losses)),
             "unused_trainable_params": len(unused),
         }
 
@@ -873,9 +962,11 @@ def _progress_line(row: dict) -> str:
     first = row.get("launch_to_first_step_s")
     first_text = f", first step {first:.1f} s after launch" if first is not None else ""
     gc_text = f", Python GC {row['gc']['ms_per_step']:.1f} ms/step" if "gc" in row else ""
-    return (f"{head}: {stats['median']:.3f} s/step (spread {stats['spread_pct']:.1f}%), "
-            f"{row['tokens_per_s_per_gpu']:,.0f} tok/s/GPU, {row['tokens_per_s_total']:,.0f} total{mem}{first_text}"
-            f"{gc_text}")
+    return (
+        f"{head}: {stats['median']:.3f} s/step (spread {stats['spread_pct']:.1f}%), "
+        f"{row['tokens_per_s_per_gpu']:,.0f} tok/s/GPU, {row['tokens_per_s_total']:,.0f} total{mem}{first_text}"
+        f"{gc_text}"
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -925,8 +1016,11 @@ def _profile(stepper: Stepper, batch: dict[str, torch.Tensor], spec: LaunchSpec,
         summary.update({f"{k}_ms_per_step": v / spec.profile_steps for k, v in kinds.items()})
         summary["compute_busy_pct"] = 100 * summary["compute_ms_per_step"] / wall_ms if wall_ms else 0.0
     # A step whose kernels take less than its wall time is bound by the host: the CPU side says where.
-    host_events = [e for e in averages if getattr(e, "device_type", None) != DeviceType.CUDA
-                   and not getattr(e, "is_user_annotation", False)]
+    host_events = [
+        e
+        for e in averages
+        if getattr(e, "device_type", None) != DeviceType.CUDA and not getattr(e, "is_user_annotation", False)
+    ]
     summary["host_ops_ms_per_step"] = sum(e.self_cpu_time_total for e in host_events) / 1000 / spec.profile_steps
     summary["host_syncs_per_step"] = sum(e.count for e in host_events if e.key in _HOST_SYNCS) / spec.profile_steps
     if rank == 0:
@@ -936,9 +1030,15 @@ def _profile(stepper: Stepper, batch: dict[str, torch.Tensor], spec: LaunchSpec,
         slug = "".join(ch if ch.isalnum() or ch in "._-" else "_" for ch in slug)
         sort = "self_cpu_time_total"
         if stepper.device.type == "cuda":  # torch < 2.4 named device times after CUDA
-            sort = "self_device_time_total" if hasattr(averages[0], "self_device_time_total") else "self_cuda_time_total"
-        lines = [f"{spec.config} {case.label()}: {spec.profile_steps} steps, rank 0", json.dumps(summary, indent=1),
-                 f"By {sort}:", averages.table(sort_by=sort, row_limit=30)]
+            sort = (
+                "self_device_time_total" if hasattr(averages[0], "self_device_time_total") else "self_cuda_time_total"
+            )
+        lines = [
+            f"{spec.config} {case.label()}: {spec.profile_steps} steps, rank 0",
+            json.dumps(summary, indent=1),
+            f"By {sort}:",
+            averages.table(sort_by=sort, row_limit=30),
+        ]
         if sort != "self_cpu_time_total":
             lines += ["By self_cpu_time_total:", averages.table(sort_by="self_cpu_time_total", row_limit=30)]
         (out / f"{slug}.txt").write_text("\n".join(lines) + "\n")
@@ -957,6 +1057,7 @@ def _device_us(event: Any) -> float:
 # The machine
 # ---------------------------------------------------------------------------------------------
 
+
 def _version(package: str) -> str | None:
     try:
         return importlib.metadata.version(package)
@@ -966,7 +1067,8 @@ def _version(package: str) -> str | None:
 
 def environment() -> dict[str, Any]:
     """GPU model/count/memory, driver, CUDA, library versions, date and host, without creating a
-    CUDA context (safe in the process that launches)."""
+    CUDA context (safe in the process that launches).
+    """
     from nbkit.distributed import visible_gpus
 
     gpus = visible_gpus()
@@ -974,8 +1076,17 @@ def environment() -> dict[str, Any]:
     exe = shutil.which("nvidia-smi")
     if exe is not None:
         with contextlib.suppress(subprocess.SubprocessError, OSError):
-            driver = subprocess.run([exe, "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True,
-                                    text=True, timeout=20, check=True).stdout.strip().splitlines()[0]
+            driver = (
+                subprocess.run(
+                    [exe, "--query-gpu=driver_version", "--format=csv,noheader"],
+                    capture_output=True,
+                    text=True,
+                    timeout=20,
+                    check=True,
+                )
+                .stdout.strip()
+                .splitlines()[0]
+            )
     return {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "host": socket.gethostname(),
@@ -986,8 +1097,19 @@ def environment() -> dict[str, Any]:
         "cuda": torch.version.cuda,
         "python": platform.python_version(),
         "cpu_count": os.cpu_count(),
-        "versions": {p: _version(p) for p in ("torch", "transformers", "peft", "accelerate", "unsloth",
-                                                   "unsloth_zoo", "trl", "bitsandbytes", "nbkit")},
+        "versions": {
+            p: _version(p)
+            for p in (
+                "torch",
+                "transformers",
+                "peft",
+                "accelerate",
+                "unsloth",
+                "unsloth_zoo",
+                "trl",
+                "bitsandbytes",
+                "nbkit",
+            )
+        },
         "argv": sys.argv,
     }
-

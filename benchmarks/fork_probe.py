@@ -31,8 +31,11 @@ torch.cuda._lazy_init = _traced_lazy_init
 
 def step(label: str, action) -> None:
     action()
-    print(f"{label:<14} cuda_initialized={torch.cuda.is_initialized()} "
-          f"bitsandbytes={'bitsandbytes' in sys.modules} torchao={'torchao' in sys.modules}", flush=True)
+    print(
+        f"{label:<14} cuda_initialized={torch.cuda.is_initialized()} "
+        f"bitsandbytes={'bitsandbytes' in sys.modules} torchao={'torchao' in sys.modules}",
+        flush=True,
+    )
     if _first:
         print(_first[0])
         raise SystemExit(1)

@@ -91,9 +91,13 @@ def measure(model: Any, optimizer: torch.optim.Optimizer, batch: dict[str, torch
     start = time.perf_counter()
     loss = step(model, optimizer, batch)
     torch.cuda.synchronize()
-    return {"measured_gib": torch.cuda.max_memory_allocated() / GIB, "resident_gib": resident,
-            "reserved_gib": torch.cuda.max_memory_reserved() / GIB, "step_s": time.perf_counter() - start,
-            "loss": loss}
+    return {
+        "measured_gib": torch.cuda.max_memory_allocated() / GIB,
+        "resident_gib": resident,
+        "reserved_gib": torch.cuda.max_memory_reserved() / GIB,
+        "step_s": time.perf_counter() - start,
+        "loss": loss,
+    }
 
 
 def main() -> int:
@@ -113,9 +117,16 @@ def main() -> int:
     gpu = torch.cuda.get_device_properties(0)
     gpu_gib = gpu.total_memory / GIB
     result: dict[str, Any] = {
-        "model": args.model, "gpu": gpu.name, "gpu_memory_gib": gpu_gib, "lora_rank": args.lora_rank,
-        "lora_modules": list(LORA_TARGET_MODULES), "checkpointing": checkpointing,
-        "torch": torch.__version__, "python": platform.python_version(), "target": f"+-{TARGET:.0%}", "rows": [],
+        "model": args.model,
+        "gpu": gpu.name,
+        "gpu_memory_gib": gpu_gib,
+        "lora_rank": args.lora_rank,
+        "lora_modules": list(LORA_TARGET_MODULES),
+        "checkpointing": checkpointing,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "target": f"+-{TARGET:.0%}",
+        "rows": [],
     }
     path = nbkit.resolve_model(args.model)
     model, result["savers"] = build(path, args.lora_rank, checkpointing)
@@ -126,10 +137,21 @@ def main() -> int:
     print(f"{args.model} on {gpu.name} ({gpu_gib:.1f} GiB), {result['savers']}")
     print(f"{'tokens':>8} {'estimate GiB':>13} {'measured GiB':>13} {'error':>8}  within +-{TARGET:.0%}")
     for seq_len in seq_lens:
-        estimate = nbkit.plan(args.model, gpus=1, gpu_memory_gib=gpu_gib, seq_len=seq_len, batch_size=1,
-                              lora_rank=args.lora_rank, checkpointing=checkpointing)
-        row: dict[str, Any] = {"seq_len": seq_len, "estimate_gib": estimate.peak_allocated_gib,
-                               "estimate_breakdown_gib": estimate.breakdown, "plan": str(estimate)}
+        estimate = nbkit.plan(
+            args.model,
+            gpus=1,
+            gpu_memory_gib=gpu_gib,
+            seq_len=seq_len,
+            batch_size=1,
+            lora_rank=args.lora_rank,
+            checkpointing=checkpointing,
+        )
+        row: dict[str, Any] = {
+            "seq_len": seq_len,
+            "estimate_gib": estimate.peak_allocated_gib,
+            "estimate_breakdown_gib": estimate.breakdown,
+            "plan": str(estimate),
+        }
         try:
             row.update(measure(model, optimizer, batch_for(config, seq_len, image)))
         except torch.cuda.OutOfMemoryError as exc:
@@ -140,8 +162,10 @@ def main() -> int:
         if isinstance(row["measured_gib"], float):
             row["relative_error"] = row["estimate_gib"] / row["measured_gib"] - 1
             row["within_target"] = abs(row["relative_error"]) <= TARGET
-            print(f"{seq_len:>8} {row['estimate_gib']:>13.2f} {row['measured_gib']:>13.2f} "
-                  f"{row['relative_error']:>+8.1%}  {'yes' if row['within_target'] else 'NO'}")
+            print(
+                f"{seq_len:>8} {row['estimate_gib']:>13.2f} {row['measured_gib']:>13.2f} "
+                f"{row['relative_error']:>+8.1%}  {'yes' if row['within_target'] else 'NO'}"
+            )
         else:
             print(f"{seq_len:>8} {row['estimate_gib']:>13.2f} {'OOM':>13}")
         result["rows"].append(row)

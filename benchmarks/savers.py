@@ -78,6 +78,7 @@ _CASE_OVERHEAD_S = 8.0
 # What runs in each rank
 # ---------------------------------------------------------------------------------------------
 
+
 def predict_step_s(history: dict[tuple[str, int], float], config: str, seq_len: int) -> float | None:
     """Expected seconds per step of `config` at `seq_len` from the medians measured so far, or None.
 
@@ -166,6 +167,7 @@ def _run_ranks(spec: common.LaunchSpec, plan: list[tuple[str, int]], deadline: f
 # The driver (no CUDA here: the ranks are forked from this process)
 # ---------------------------------------------------------------------------------------------
 
+
 def _tokens(text: str) -> int:
     text = text.strip().lower()
     return int(text[:-1]) * 1024 if text.endswith("k") else int(text)
@@ -173,7 +175,9 @@ def _tokens(text: str) -> int:
 
 def plan_cases(configs: list[str], seq_lens: list[int]) -> list[tuple[str, int]]:
     """(configuration, length) in the order they run: every configuration up to 16K tokens, then
-    the primary ones (all, plain) at the longer lengths, then the rest; shortest first in each tier."""
+    the primary ones (all, plain) at the longer lengths, then the rest; shortest first in each tier.
+    """
+
     def key(pair: tuple[str, int]) -> tuple[int, int, int]:
         config, length = pair
         tier = 0 if length <= EVERY_CONFIG_UP_TO or config in PRIMARY else 1
@@ -182,10 +186,12 @@ def plan_cases(configs: list[str], seq_lens: list[int]) -> list[tuple[str, int]]
     return sorted(((c, n) for c in configs for n in seq_lens), key=key)
 
 
-def _main_launch(args: argparse.Namespace, plan: list[tuple[str, int]], model_path: str, device: str,
-                 deadline: float, workdir: Path) -> list[dict]:
+def _main_launch(
+    args: argparse.Namespace, plan: list[tuple[str, int]], model_path: str, device: str, deadline: float, workdir: Path
+) -> list[dict]:
     """Run `plan` in as few launches as it takes: a launch that dies (a hang after an OOM on one rank
-    only, a crash) costs the case it was on, and the rest runs in a new launch."""
+    only, a crash) costs the case it was on, and the rest runs in a new launch.
+    """
     import nbkit
 
     rows: list[dict] = []
@@ -193,16 +199,34 @@ def _main_launch(args: argparse.Namespace, plan: list[tuple[str, int]], model_pa
         if not plan or time.time() > deadline - 30:
             break
         spec = common.LaunchSpec(
-            backend="plain", gpus=args.gpus, launcher="nbkit", model=args.model, model_path=model_path,
-            device=device, cases=[], results_path=str(workdir / f"main-{attempt}.jsonl"), steps=args.steps,
-            warmup=args.warmup, lora_r=args.lora_r, image=not args.no_image, collective_timeout_s=120.0,
+            backend="plain",
+            gpus=args.gpus,
+            launcher="nbkit",
+            model=args.model,
+            model_path=model_path,
+            device=device,
+            cases=[],
+            results_path=str(workdir / f"main-{attempt}.jsonl"),
+            steps=args.steps,
+            warmup=args.warmup,
+            lora_r=args.lora_r,
+            image=not args.no_image,
+            collective_timeout_s=120.0,
         )
         common.preload(spec)  # what a notebook would have imported before launching
         spec.launched_at = time.time()
         failure = None
         try:
-            nbkit.launch(_run_ranks, spec, plan, deadline, gpus=args.gpus, quiet=True, dashboard=False,
-                         timeout=max(60.0, deadline - time.time() + 90))
+            nbkit.launch(
+                _run_ranks,
+                spec,
+                plan,
+                deadline,
+                gpus=args.gpus,
+                quiet=True,
+                dashboard=False,
+                timeout=max(60.0, deadline - time.time() + 90),
+            )
         except Exception as exc:  # a failed launch: keep what it recorded, go on without its current case
             failure = f"{type(exc).__name__}: {exc}"
         done, _ = bench._read_rows(Path(spec.results_path))
@@ -213,24 +237,51 @@ def _main_launch(args: argparse.Namespace, plan: list[tuple[str, int]], model_pa
             break
         config, length = plan.pop(0)
         status = "oom" if "out of memory" in failure.lower() else "error"
-        print(f"savers.py: the launch failed during {config} at {length} tokens ({status}); "
-              f"{len(plan)} case(s) left", flush=True)
-        rows.append({"config": config, "seq_len": length, "batch": 1, "status": status,
-                     "error": failure[:4000], "phase": "launch"})
+        print(
+            f"savers.py: the launch failed during {config} at {length} tokens ({status}); {len(plan)} case(s) left",
+            flush=True,
+        )
+        rows.append(
+            {
+                "config": config,
+                "seq_len": length,
+                "batch": 1,
+                "status": status,
+                "error": failure[:4000],
+                "phase": "launch",
+            }
+        )
         if status == "oom":
             plan = [(c, n) for c, n in plan if not (c == config and n > length)]
     for config, length in plan:
-        rows.append({"config": config, "seq_len": length, "batch": 1, "status": "skipped",
-                     "error": "time budget: the launch ended before this case"})
+        rows.append(
+            {
+                "config": config,
+                "seq_len": length,
+                "batch": 1,
+                "status": "skipped",
+                "error": "time budget: the launch ended before this case",
+            }
+        )
     return rows
 
 
-def _unsloth_launch(args: argparse.Namespace, seq_lens: list[int], model_path: str, deadline: float,
-                    workdir: Path) -> list[dict]:
+def _unsloth_launch(
+    args: argparse.Namespace, seq_lens: list[int], model_path: str, deadline: float, workdir: Path
+) -> list[dict]:
     spec = common.LaunchSpec(
-        backend="unsloth", gpus=args.gpus, launcher="nbkit", model=args.model, model_path=model_path, device="cuda",
-        cases=[common.Case(n, 1, "bf16", common.parse_ddp_options("")) for n in seq_lens], results_path="",
-        steps=args.steps, warmup=args.warmup, lora_r=args.lora_r, image=not args.no_image,
+        backend="unsloth",
+        gpus=args.gpus,
+        launcher="nbkit",
+        model=args.model,
+        model_path=model_path,
+        device="cuda",
+        cases=[common.Case(n, 1, "bf16", common.parse_ddp_options("")) for n in seq_lens],
+        results_path="",
+        steps=args.steps,
+        warmup=args.warmup,
+        lora_r=args.lora_r,
+        image=not args.no_image,
     )
     timeout = max(60.0, min(UNSLOTH_SHARE_S, deadline - time.time()))
     rows = bench.run_one(spec, workdir, 0, timeout)
@@ -242,6 +293,7 @@ def _unsloth_launch(args: argparse.Namespace, seq_lens: list[int], model_path: s
 # ---------------------------------------------------------------------------------------------
 # Report
 # ---------------------------------------------------------------------------------------------
+
 
 def _ok(rows: list[dict], config: str, length: int) -> dict | None:
     return next((r for r in rows if r["config"] == config and r["seq_len"] == length and r["status"] == "ok"), None)
@@ -261,37 +313,56 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 def targets(rows: list[dict], length: int = TARGET_LEN) -> list[dict]:
     """The issue's performance targets at `length` tokens: what was measured and whether it holds."""
+
     def target(name: str, value: float | None, limit: float, shown: str) -> dict:
         verdict = "n/a" if value is None else ("PASS" if value <= limit else "FAIL")
-        return {"target": name, "value": value, "limit": limit, "shown": "" if value is None else shown.format(value),
-                "verdict": verdict}
+        return {
+            "target": name,
+            "value": value,
+            "limit": limit,
+            "shown": "" if value is None else shown.format(value),
+            "verdict": verdict,
+        }
 
     everything, unsloth = _ok(rows, "all", length), _ok(rows, "unsloth", length)
     recompute = _ok(rows, "recompute", length)
     return [
         target("all savers: peak memory <= 1.1x unsloth's", _ratio(_peak(everything), _peak(unsloth)), 1.1, "{:.2f}x"),
         target("all savers: step time <= unsloth's", _ratio(_median(everything), _median(unsloth)), 1.0, "{:.2f}x"),
-        target("tiled MLP: step time <= 1.10x recompute-only",
-               _ratio(_median(_ok(rows, "tiled_mlp", length)), _median(recompute)), 1.10, "{:.3f}x"),
-        target("offload: step time <= 1.05x recompute-only",
-               _ratio(_median(_ok(rows, "offload", length)), _median(recompute)), 1.05, "{:.3f}x"),
+        target(
+            "tiled MLP: step time <= 1.10x recompute-only",
+            _ratio(_median(_ok(rows, "tiled_mlp", length)), _median(recompute)),
+            1.10,
+            "{:.3f}x",
+        ),
+        target(
+            "offload: step time <= 1.05x recompute-only",
+            _ratio(_median(_ok(rows, "offload", length)), _median(recompute)),
+            1.05,
+            "{:.3f}x",
+        ),
     ]
 
 
 def markdown(report: dict) -> str:
     env, rows, s = report["environment"], report["results"], report["settings"]
-    machine = (f"{env['gpu_count']}x {env['gpu']} ({env['gpu_memory_gib']} GiB), driver {env['driver']}, "
-               f"CUDA {env['cuda']}" if env["gpu_count"] else f"CPU only ({env['cpu_count']} cores; gloo ranks)")
+    machine = (
+        f"{env['gpu_count']}x {env['gpu']} ({env['gpu_memory_gib']} GiB), driver {env['driver']}, CUDA {env['cuda']}"
+        if env["gpu_count"]
+        else f"CPU only ({env['cpu_count']} cores; gloo ranks)"
+    )
     versions = ", ".join(f"{k} {v}" for k, v in env["versions"].items() if v)
     lines = [
-        "# nbkit.savers benchmark", "",
+        "# nbkit.savers benchmark",
+        "",
         f"- Machine: {machine}; host {env['host']}",
         f"- Versions: {versions}; Python {env['python']}",
         f"- Date: {env['date']}; total {report['wall_s']:.0f} s (time budget {s['time_budget_s']:.0f} s)",
         f"- Model: {s['model']}, LoRA r={s['lora_r']} on all linear layers, {s['gpus']}-GPU DDP, batch 1 per GPU"
         f"{', one 64-token image per sequence' if s['image'] else ', text only'}; median of {s['steps']} steps after "
         f"{s['warmup']} warm-up steps (probe included); peak = max over GPUs of torch.cuda.max_memory_allocated",
-        f"- Command: `{report['command']}`", "",
+        f"- Command: `{report['command']}`",
+        "",
         "| config | tokens | status | s/step (median) | spread p10-p90 | tok/s/GPU | peak GiB/GPU | peak vs plain "
         "| step vs recompute |",
         "|---|---:|---|---:|---:|---:|---:|---:|---:|",
@@ -299,8 +370,9 @@ def markdown(report: dict) -> str:
     for r in sorted(rows, key=lambda r: (r["seq_len"], ALL_CONFIGS.index(r["config"]))):
         if r["status"] != "ok":
             why = (r.get("error") or "").strip().splitlines()[0:1]
-            lines.append(f"| {r['config']} | {r['seq_len']} | {r['status']}: {bench._short(why[0] if why else '')} "
-                         "| | | | | | |")
+            lines.append(
+                f"| {r['config']} | {r['seq_len']} | {r['status']}: {bench._short(why[0] if why else '')} | | | | | | |"
+            )
             continue
         peak = _peak(r)
         vs_plain = _ratio(peak, _peak(_ok(rows, "plain", r["seq_len"])))
@@ -310,16 +382,22 @@ def markdown(report: dict) -> str:
             f"| {r['tokens_per_s_per_gpu']:,.0f} | {bench._fmt(peak, '.2f')} | {bench._fmt(vs_plain, '.2f', 'x')} "
             f"| {bench._fmt(vs_recompute, '.3f', 'x')} |"
         )
-    lines += ["", f"## Targets at {TARGET_LEN} tokens (issue 4)", "",
-              "| target | measured | verdict |", "|---|---:|---|"]
+    lines += [
+        "",
+        f"## Targets at {TARGET_LEN} tokens (issue 4)",
+        "",
+        "| target | measured | verdict |",
+        "|---|---:|---|",
+    ]
     lines += [f"| {t['target']} | {t['shown']} | {t['verdict']} |" for t in report["targets"]]
     if report.get("follow_up"):
         lines += ["", "## Not measured in this run's time budget", "", f"`{report['follow_up']}`"]
     failed = [r for r in rows if r["status"] in ("oom", "error", "timeout")]
     if failed:
         lines += ["", "## Failures", ""]
-        lines += [f"- {r['config']} {r['seq_len']}: {r['status']}: {(r.get('error') or '').strip()[:600]}"
-                  for r in failed]
+        lines += [
+            f"- {r['config']} {r['seq_len']}: {r['status']}: {(r.get('error') or '').strip()[:600]}" for r in failed
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -341,18 +419,33 @@ def follow_up(rows: list[dict], argv: list[str]) -> str | None:
         if arg.startswith(("--configs=", "--seq-lens=", "--time-budget=", "--out=", "--md=")) or arg == "--unsloth":
             continue
         kept.append(arg)
-    return " ".join(shlex.quote(a) for a in ["python", "benchmarks/savers.py", *kept, "--configs", configs,
-                                               "--seq-lens", lengths, "--time-budget", "1800",
-                                               "--out", "savers_rest.json"])
+    return " ".join(
+        shlex.quote(a)
+        for a in [
+            "python",
+            "benchmarks/savers.py",
+            *kept,
+            "--configs",
+            configs,
+            "--seq-lens",
+            lengths,
+            "--time-budget",
+            "1800",
+            "--out",
+            "savers_rest.json",
+        ]
+    )
 
 
 # ---------------------------------------------------------------------------------------------
 # Main
 # ---------------------------------------------------------------------------------------------
 
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--model", default="random:qwen3-vl-2b", help="nbkit model name or local path")
     p.add_argument("--seq-lens", default="8k,16k,32k,64k", help="comma-separated tokens per sequence (16k = 16384)")
     p.add_argument("--configs", default=",".join(DEFAULT_CONFIGS), help=f"comma-separated, of {', '.join(ALL_CONFIGS)}")
@@ -362,9 +455,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per case, the probe step included")
     p.add_argument("--lora-r", type=int, default=16)
     p.add_argument("--no-image", action="store_true", help="text tokens only (the vision tower then does not run)")
-    p.add_argument("--time-budget", type=float,
-                   help=f"seconds for the whole run (default {DEFAULT_BUDGET_S:.0f}, "
-                        f"+{UNSLOTH_SHARE_S:.0f} with unsloth)")
+    p.add_argument(
+        "--time-budget",
+        type=float,
+        help=f"seconds for the whole run (default {DEFAULT_BUDGET_S:.0f}, +{UNSLOTH_SHARE_S:.0f} with unsloth)",
+    )
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto", help="cpu: gloo ranks (smoke test)")
     p.add_argument("--out", default="savers.json", help="JSON results")
     p.add_argument("--md", help="markdown table (default: --out with .md)")
@@ -386,8 +481,9 @@ def main(argv: list[str] | None = None) -> int:
         configs.append("unsloth")
     unknown = [c for c in configs if c not in ALL_CONFIGS]
     if unknown or not configs:
-        raise SystemExit(f"savers.py: unknown configuration(s) {', '.join(unknown) or '(none)'}; "
-                         f"use {', '.join(ALL_CONFIGS)}.")
+        raise SystemExit(
+            f"savers.py: unknown configuration(s) {', '.join(unknown) or '(none)'}; use {', '.join(ALL_CONFIGS)}."
+        )
     seq_lens = sorted({_tokens(n) for n in args.seq_lens.split(",") if n.strip()})
     if not seq_lens or args.steps < 1 or args.warmup < 1:
         raise SystemExit("savers.py: give at least one length, --steps >= 1 and --warmup >= 1 (the probe).")
@@ -408,11 +504,24 @@ def main(argv: list[str] | None = None) -> int:
     report: dict[str, Any] = {
         "command": " ".join(shlex.quote(a) for a in ["python", "benchmarks/savers.py", *argv]),
         "environment": common.environment(),
-        "settings": {"model": args.model, "model_path": model_path, "configs": configs, "seq_lens": seq_lens,
-                     "gpus": args.gpus, "steps": args.steps, "warmup": args.warmup, "lora_r": args.lora_r,
-                     "image": not args.no_image, "time_budget_s": budget, "device": device,
-                     "saver_options": {c: SAVER_CONFIGS.get(c) for c in configs}},
-        "results": [], "targets": [], "follow_up": None, "wall_s": 0.0,
+        "settings": {
+            "model": args.model,
+            "model_path": model_path,
+            "configs": configs,
+            "seq_lens": seq_lens,
+            "gpus": args.gpus,
+            "steps": args.steps,
+            "warmup": args.warmup,
+            "lora_r": args.lora_r,
+            "image": not args.no_image,
+            "time_budget_s": budget,
+            "device": device,
+            "saver_options": {c: SAVER_CONFIGS.get(c) for c in configs},
+        },
+        "results": [],
+        "targets": [],
+        "follow_up": None,
+        "wall_s": 0.0,
     }
 
     def write() -> None:

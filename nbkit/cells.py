@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import ast
 import builtins
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
-__all__ = ["Usage", "usage", "free_names", "run_cell"]
+__all__ = ["Usage", "free_names", "run_cell", "usage"]
 
 
 @dataclass
@@ -60,8 +61,11 @@ def _parts(stmt: ast.stmt) -> tuple[list[ast.AST], list[ast.AST], list[list[ast.
     if isinstance(stmt, (ast.While, ast.If)):
         return [stmt.test], [], [stmt.body, stmt.orelse]
     if isinstance(stmt, (ast.With, ast.AsyncWith)):
-        return ([i.context_expr for i in stmt.items],
-                [i.optional_vars for i in stmt.items if i.optional_vars is not None], [stmt.body])
+        return (
+            [i.context_expr for i in stmt.items],
+            [i.optional_vars for i in stmt.items if i.optional_vars is not None],
+            [stmt.body],
+        )
     if isinstance(stmt, (ast.Try, getattr(ast, "TryStar", ast.Try))):
         bodies = [stmt.body]
         for handler in stmt.handlers:

@@ -15,11 +15,12 @@ Code inside a launched rank calls `send(kind, payload)`; outside a launch `conne
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing import connection, get_context
-from typing import Any, Callable
+from typing import Any
 
-__all__ = ["Channel", "RankError", "send", "connected"]
+__all__ = ["Channel", "RankError", "connected", "send"]
 
 
 @dataclass

@@ -38,12 +38,19 @@ import re
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from nbkit import distributed, patching
 
-__all__ = ["MARKER", "resume_point", "is_complete", "enable", "CheckpointMarker"]  # CheckpointMarker: built on first use
+__all__ = [  # noqa: F822 (names built on first use, see __getattr__)
+    "MARKER",
+    "CheckpointMarker",
+    "enable",
+    "is_complete",
+    "resume_point",
+]  # CheckpointMarker: built on first use
 
 MARKER = "nbkit-complete.json"
 _PREFIX = "checkpoint"  # transformers.trainer_utils.PREFIX_CHECKPOINT_DIR
@@ -53,6 +60,7 @@ _STEP = re.compile(rf"^{_PREFIX}-(\d+)$")
 # --------------------------------------------------------------------------------------------
 # Reading: which checkpoints are complete, and where to resume
 # --------------------------------------------------------------------------------------------
+
 
 def _checkpoints(output_dir: str | os.PathLike[str]) -> list[tuple[int, Path]]:
     """(step, directory) of every `checkpoint-<step>` directory under output_dir, oldest first."""
@@ -120,8 +128,10 @@ def resume_point(output_dir: str | os.PathLike[str]) -> str | None:
     else:
         line = f"nbkit: no checkpoint in {output_dir} yet; starting fresh."
     if newer_unmarked:
-        line += (f" Skipped {', '.join(newer_unmarked)}: not marked complete (a save that was interrupted, "
-                 "or one written without nbkit).")
+        line += (
+            f" Skipped {', '.join(newer_unmarked)}: not marked complete (a save that was interrupted, "
+            "or one written without nbkit)."
+        )
     if distributed.is_main():
         print(line, flush=True)
     return str(chosen[1]) if chosen is not None else None
@@ -130,6 +140,7 @@ def resume_point(output_dir: str | os.PathLike[str]) -> str | None:
 # --------------------------------------------------------------------------------------------
 # Writing: the marker, the rotation
 # --------------------------------------------------------------------------------------------
+
 
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
@@ -141,7 +152,8 @@ def _fsync_dir(path: Path) -> None:
 
 def _mark_complete(checkpoint: Path, global_step: int) -> None:
     """Write the marker of a checkpoint whose files are all written: sync the files, then the
-    marker under a temporary name, then rename it into place (a crash leaves no partial marker)."""
+    marker under a temporary name, then rename it into place (a crash leaves no partial marker).
+    """
     files: dict[str, int] = {}
     for file in sorted(p for p in checkpoint.rglob("*") if p.is_file()):
         name = file.relative_to(checkpoint).as_posix()
@@ -172,7 +184,8 @@ def _unmark(checkpoint: Path) -> None:
 def _rotate(output_dir: str, save_total_limit: int | None, best_model_checkpoint: str | None) -> None:
     """Delete the oldest complete checkpoints until `save_total_limit` complete ones remain,
     keeping the newest complete one and the best one. Unmarked directories are never touched:
-    one of them may be the checkpoint being written right now."""
+    one of them may be the checkpoint being written right now.
+    """
     if not save_total_limit or save_total_limit <= 0:
         return
     complete = [path for _, path in _checkpoints(output_dir) if is_complete(path)]
@@ -245,6 +258,7 @@ def _marker_callback() -> type:
 # The patches that give every Trainer the marker, and the rotation that spares complete checkpoints
 # --------------------------------------------------------------------------------------------
 
+
 def enable() -> None:
     """Give every transformers Trainer (and TRL trainer) created from now on in this process the
     CheckpointMarker, and make checkpoint rotation spare the newest complete checkpoint.
@@ -262,11 +276,11 @@ def enable() -> None:
 @patching.patch(
     "transformers.trainer_callback:CallbackHandler.__init__",
     reason="every Trainer must mark its checkpoints complete so that a session ending mid-save "
-           "(Kaggle's 12 h limit) never resumes from a half-written checkpoint; the callback list "
-           "is built here for Trainer and every TRL trainer (Trainer.__init__ itself is already "
-           "patched by nbkit.reporting, and one attribute carries one patch)",
+    "(Kaggle's 12 h limit) never resumes from a half-written checkpoint; the callback list "
+    "is built here for Trainer and every TRL trainer (Trainer.__init__ itself is already "
+    "patched by nbkit.reporting, and one attribute carries one patch)",
     upstream="transformers resumes from the highest-numbered checkpoint directory, complete or not: "
-             "https://github.com/huggingface/transformers/issues/35782",
+    "https://github.com/huggingface/transformers/issues/35782",
     group="checkpoints",
 )
 def _handler_init(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -281,16 +295,20 @@ def _handler_init(original: Callable[..., Any]) -> Callable[..., Any]:
 @patching.patch(
     "transformers.trainer:rotate_checkpoints",
     reason="with save_total_limit, Trainer deletes older checkpoints right after writing a new one "
-           "and before it can be marked complete, so a session ending there leaves none to resume "
-           "from; count and delete complete checkpoints only",
+    "and before it can be marked complete, so a session ending there leaves none to resume "
+    "from; count and delete complete checkpoints only",
     upstream="nothing in transformers tells a complete checkpoint from a half-written one: "
-             "https://github.com/huggingface/transformers/issues/35782",
+    "https://github.com/huggingface/transformers/issues/35782",
     group="checkpoints",
 )
 def _complete_only_rotation(original: Callable[..., Any]) -> Callable[..., Any]:
-    def rotate_checkpoints(output_dir: str, save_total_limit: int | None = None,
-                           best_model_checkpoint: str | None = None, use_mtime: bool = False,
-                           checkpoint_prefix: str = _PREFIX) -> None:
+    def rotate_checkpoints(
+        output_dir: str,
+        save_total_limit: int | None = None,
+        best_model_checkpoint: str | None = None,
+        use_mtime: bool = False,
+        checkpoint_prefix: str = _PREFIX,
+    ) -> None:
         if checkpoint_prefix != _PREFIX:
             return original(output_dir, save_total_limit, best_model_checkpoint, use_mtime, checkpoint_prefix)
         _rotate(output_dir, save_total_limit, best_model_checkpoint)
@@ -306,11 +324,11 @@ def _indexed_cpu_device(trainer: Any) -> bool:
 @patching.patch(
     "transformers.trainer:Trainer._load_optimizer_and_scheduler",
     reason="resuming a multi-process CPU run (CI, nbkit.launch(gpus=N) without GPUs) fails: with several "
-           "processes Trainer loads optimizer.pt with map_location=args.device, accelerate makes that "
-           "torch.device('cpu', rank) on CPU, and torch.load cannot map storages to 'cpu:0' (\"don't know "
-           "how to restore data location\"); load both states onto the plain CPU device instead",
+    "processes Trainer loads optimizer.pt with map_location=args.device, accelerate makes that "
+    "torch.device('cpu', rank) on CPU, and torch.load cannot map storages to 'cpu:0' (\"don't know "
+    'how to restore data location"); load both states onto the plain CPU device instead',
     upstream="no upstream report yet; the map_location comes from "
-             "https://github.com/huggingface/transformers/pull/22273",
+    "https://github.com/huggingface/transformers/pull/22273",
     group="checkpoints",
 )
 def _cpu_resume(original: Callable[..., Any]) -> Callable[..., Any]:

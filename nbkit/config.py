@@ -10,7 +10,7 @@ import contextlib
 import os
 from collections.abc import Iterator, Mapping
 
-__all__ = ["configure", "setting", "SETTINGS", "environment"]
+__all__ = ["SETTINGS", "configure", "environment", "setting"]
 
 # name -> (environment variable, default, allowed values or None for free text)
 SETTINGS: dict[str, tuple[str, str, tuple[str, ...] | None]] = {
@@ -26,9 +26,7 @@ def setting(name: str) -> str:
     env, default, allowed = SETTINGS[name]
     value = os.environ.get(env, default)
     if allowed is not None and value not in allowed:
-        raise ValueError(
-            f"{env}={value!r} is not a valid value for nbkit's {name}; use one of {', '.join(allowed)}."
-        )
+        raise ValueError(f"{env}={value!r} is not a valid value for nbkit's {name}; use one of {', '.join(allowed)}.")
     return value
 
 
@@ -54,7 +52,8 @@ def configure(**settings: str) -> dict[str, str]:
 @contextlib.contextmanager
 def environment(values: Mapping[str, str]) -> Iterator[None]:
     """Set environment variables for the duration of a `with` block, then put back exactly what
-    was there before (including "unset")."""
+    was there before (including "unset").
+    """
     saved = {key: os.environ.get(key) for key in values}
     os.environ.update(values)
     try:

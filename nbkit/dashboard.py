@@ -30,10 +30,11 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
-__all__ = ["Dashboard", "Snapshot", "OutputCell", "display_mode", "widget_frontend", "latest", "relay_to", "relay"]
+__all__ = ["Dashboard", "OutputCell", "Snapshot", "display_mode", "latest", "relay", "relay_to", "widget_frontend"]
 
 _MODES = ("auto", "widget", "text", "off")
 _WIDGET_REFRESH_S = 0.5
@@ -43,12 +44,12 @@ _DEFAULT_TEXT_INTERVAL_S = 10.0
 # Programs that execute notebooks without a person watching: their kernels have no widget frontend.
 _HEADLESS_RUNNERS = ("papermill", "nbclient", "nbconvert", "jupyter-execute", "nbmake", "pytest", "testbook")
 
-_latest: "Dashboard | None" = None
+_latest: Dashboard | None = None
 _relay: Any = None
 _relay_lock = threading.Lock()
 
 
-def latest() -> "Dashboard | None":
+def latest() -> Dashboard | None:
     """The most recently created Dashboard in this process (None before the first launch)."""
     return _latest
 
@@ -56,7 +57,8 @@ def latest() -> "Dashboard | None":
 def relay_to(connection: Any) -> None:
     """Make every Dashboard created afterwards in this process forward its events to `connection`
     (a multiprocessing Connection) as ("event", rank, metrics) instead of showing them. Used by
-    nbkit.spawning's launcher process, whose dashboard lives in the notebook."""
+    nbkit.spawning's launcher process, whose dashboard lives in the notebook.
+    """
     global _relay
     _relay = connection
 
@@ -70,6 +72,7 @@ def relay(message: tuple) -> None:
 # --------------------------------------------------------------------------------------------
 # Where to show things
 # --------------------------------------------------------------------------------------------
+
 
 def display_mode() -> str:
     """How a dashboard created now would show: "widget", "text" or "off".
@@ -158,6 +161,7 @@ class OutputCell:
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
+        """Within the block, output of this (non-main) thread goes to the cell that started the run."""
         if self.shell is None or not self.parent or threading.current_thread() is threading.main_thread():
             yield
             return
@@ -175,6 +179,7 @@ class OutputCell:
 # --------------------------------------------------------------------------------------------
 # The state of a run, as the ranks reported it
 # --------------------------------------------------------------------------------------------
+
 
 @dataclass
 class Snapshot:
@@ -275,8 +280,7 @@ class Dashboard:
         now = time.monotonic()
         with self._lock:
             ranks = {r: {k: v for k, v in m.items() if not k.startswith("_")} for r, m in sorted(self._ranks.items())}
-            snap = Snapshot(ranks=ranks, peak_memory_gib=dict(sorted(self._peaks.items())),
-                            elapsed=now - self._created)
+            snap = Snapshot(ranks=ranks, peak_memory_gib=dict(sorted(self._peaks.items())), elapsed=now - self._created)
             steps = [m["step"] for m in ranks.values() if isinstance(m.get("step"), int)]
             totals = [m["total_steps"] for m in ranks.values() if isinstance(m.get("total_steps"), int)]
             snap.step = max(steps) if steps else None
@@ -284,7 +288,9 @@ class Dashboard:
             snap.loss = _mean(m.get("loss") for m in ranks.values())
             snap.learning_rate = _first(m.get("learning_rate") for m in ranks.values())
             snap.grad_norm = _first(m.get("grad_norm") for m in ranks.values())
-            rates = [m["tokens_per_second"] for m in ranks.values() if isinstance(m.get("tokens_per_second"), (int, float))]
+            rates = [
+                m["tokens_per_second"] for m in ranks.values() if isinstance(m.get("tokens_per_second"), (int, float))
+            ]
             snap.tokens_per_second = sum(rates) if rates else None
             snap.curve = [(s, sum(by_rank.values()) / len(by_rank)) for s, by_rank in sorted(self._losses.items())]
             if self._pace is not None and snap.step and snap.total_steps and snap.step > self._pace[1]:
@@ -295,7 +301,8 @@ class Dashboard:
     def summary(self, success: bool = True) -> dict[str, Any]:
         """What the run came to: final_loss, step, total_steps, total_time (s), tokens_per_second
         (all ranks, averaged from each rank's first token report to its last), peak_memory_gib
-        ({rank: (GiB, device)}), success."""
+        ({rank: (GiB, device)}), success.
+        """
         snap = self.snapshot()
         rates = []
         with self._lock:
@@ -339,6 +346,7 @@ class Dashboard:
 # Rendering
 # --------------------------------------------------------------------------------------------
 
+
 def text_line(snap: Snapshot) -> str:
     """One line: 'nbkit: step 12/100 (12%) | loss 2.3456 | ... | 0:12 elapsed, ETA 1:28'."""
     parts = []
@@ -381,8 +389,10 @@ def summary_text(summary: dict[str, Any]) -> str:
 
 def summary_html(summary: dict[str, Any], curve: list[tuple[int, float]]) -> str:
     """The static end-of-run panel: a small table and the loss curve as an embedded PNG."""
-    rows = [("result", "finished" if summary["success"] else "stopped (failed or interrupted)"),
-            ("total time", _duration(summary["total_time"]))]
+    rows = [
+        ("result", "finished" if summary["success"] else "stopped (failed or interrupted)"),
+        ("total time", _duration(summary["total_time"])),
+    ]
     if summary["step"] is not None:
         total = f" / {summary['total_steps']}" if summary["total_steps"] else ""
         rows.append(("steps", f"{summary['step']}{total}"))
@@ -392,8 +402,9 @@ def summary_html(summary: dict[str, Any], curve: list[tuple[int, float]]) -> str
         rows.append(("tokens/s (all ranks)", f"{summary['tokens_per_second']:,.0f}"))
     for rank, (gib, device) in summary["peak_memory_gib"].items():
         rows.append((f"peak memory, rank {rank} ({device})", f"{gib:.2f} GiB"))
-    table = "".join(f"<tr><th style='text-align:left'>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>"
-                    for k, v in rows)
+    table = "".join(
+        f"<tr><th style='text-align:left'>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>" for k, v in rows
+    )
     image = ""
     png = loss_curve_png(curve)
     if png:
@@ -406,10 +417,14 @@ def rank_table_html(snap: Snapshot) -> str:
     body = []
     for rank, m in snap.ranks.items():
         peak = snap.peak_memory_gib.get(rank)
-        cells = [str(rank), _fmt(m.get("step"), "{}"), _fmt(m.get("loss"), "{:.4f}"),
-                 _fmt(m.get("tokens_per_second"), "{:,.0f}"),
-                 f"{peak[0]:.2f} GiB ({peak[1]})" if peak else "",
-                 _duration(m["elapsed"]) if isinstance(m.get("elapsed"), (int, float)) else ""]
+        cells = [
+            str(rank),
+            _fmt(m.get("step"), "{}"),
+            _fmt(m.get("loss"), "{:.4f}"),
+            _fmt(m.get("tokens_per_second"), "{:,.0f}"),
+            f"{peak[0]:.2f} GiB ({peak[1]})" if peak else "",
+            _duration(m["elapsed"]) if isinstance(m.get("elapsed"), (int, float)) else "",
+        ]
         body.append("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells) + "</tr>")
     return f"<table>{head}{''.join(body)}</table>"
 
@@ -516,7 +531,7 @@ def _fmt(value: Any, spec: str) -> str:
 
 
 def _duration(seconds: float) -> str:
-    seconds = int(round(seconds))
+    seconds = round(seconds)
     hours, rest = divmod(seconds, 3600)
     minutes, secs = divmod(rest, 60)
     return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"

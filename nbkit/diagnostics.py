@@ -21,10 +21,22 @@ from typing import Any
 
 from nbkit import distributed
 
-__all__ = ["doctor", "Report", "Problem"]
+__all__ = ["Problem", "Report", "doctor"]
 
-LIBRARIES = ("torch", "transformers", "peft", "accelerate", "trl", "datasets", "unsloth", "unsloth_zoo",
-             "bitsandbytes", "torchvision", "ipywidgets", "ipykernel")
+LIBRARIES = (
+    "torch",
+    "transformers",
+    "peft",
+    "accelerate",
+    "trl",
+    "datasets",
+    "unsloth",
+    "unsloth_zoo",
+    "bitsandbytes",
+    "torchvision",
+    "ipywidgets",
+    "ipykernel",
+)
 
 # unsloth's own requirements, release by release (from its package metadata; landscape.md). A
 # version outside them is the usual cause of unsloth failing at import or at its first step.
@@ -42,15 +54,25 @@ UNSLOTH_PINS: dict[str, dict[str, str]] = {
 }
 
 # Environment variables that hold credentials. Only their presence is ever reported.
-SECRET_VARIABLES = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "KAGGLE_KEY", "KAGGLE_USERNAME", "WANDB_API_KEY",
-                    "OPENAI_API_KEY", "COMET_API_KEY", "NEPTUNE_API_TOKEN", "MLFLOW_TRACKING_PASSWORD")
+SECRET_VARIABLES = (
+    "HF_TOKEN",
+    "HUGGING_FACE_HUB_TOKEN",
+    "KAGGLE_KEY",
+    "KAGGLE_USERNAME",
+    "WANDB_API_KEY",
+    "OPENAI_API_KEY",
+    "COMET_API_KEY",
+    "NEPTUNE_API_TOKEN",
+    "MLFLOW_TRACKING_PASSWORD",
+)
 _SECRET_NAME = re.compile(r"(TOKEN|SECRET|PASSWORD|PASSWD|API_KEY|ACCESS_KEY|PRIVATE_KEY)", re.IGNORECASE)
 
 
 @dataclass
 class Problem:
     """One thing to fix: what is wrong, what to do, and how bad ("error" blocks training,
-    "warning" costs speed or may break later)."""
+    "warning" costs speed or may break later).
+    """
 
     what: str
     fix: str
@@ -73,6 +95,7 @@ class Report:
 
     @property
     def ok(self) -> bool:
+        """True when no problem is an error."""
         return not any(p.severity == "error" for p in self.problems)
 
     def __str__(self) -> str:
@@ -107,7 +130,8 @@ class Report:
 
 def doctor() -> Report:
     """Inspect this machine and process. Never initialises CUDA, never imports unsloth or
-    bitsandbytes, never reads a secret's value. Safe in the notebook before launching."""
+    bitsandbytes, never reads a secret's value. Safe in the notebook before launching.
+    """
     from nbkit import dashboard, spawning
 
     versions = {name: _version(name) for name in LIBRARIES}
@@ -119,20 +143,26 @@ def doctor() -> Report:
         gpus=gpus,
         cuda_initialized=cuda_initialized,
         fork_blocker=blocker,
-        launch_mode=("fork one process per GPU (fast start)" if blocker is None
-                     else "start fresh processes (%%ddp spawn mode); nbkit.launch refuses"),
+        launch_mode=(
+            "fork one process per GPU (fast start)"
+            if blocker is None
+            else "start fresh processes (%%ddp spawn mode); nbkit.launch refuses"
+        ),
         dashboard=_dashboard_mode(dashboard),
         versions=versions,
         secrets=_secrets(),
     )
     report.problems += _gpu_problems(gpus, report.platform)
     if blocker is not None:
-        report.problems.append(Problem(
-            blocker,
-            "Restart the kernel and keep GPU work (model loading, `import unsloth`/`bitsandbytes`, "
-            "Trainer/Accelerator creation) inside the launched function or %%ddp cell. Until then %%ddp "
-            "runs cells in fresh processes (slower to start; names must be picklable).",
-            "warning"))
+        report.problems.append(
+            Problem(
+                blocker,
+                "Restart the kernel and keep GPU work (model loading, `import unsloth`/`bitsandbytes`, "
+                "Trainer/Accelerator creation) inside the launched function or %%ddp cell. Until then %%ddp "
+                "runs cells in fresh processes (slower to start; names must be picklable).",
+                "warning",
+            )
+        )
     report.problems += _version_problems(versions)
     return report
 
@@ -161,8 +191,11 @@ def _dashboard_mode(dashboard: Any) -> str:
         mode = dashboard.display_mode()
     except ValueError as exc:
         return str(exc)
-    return {"widget": "live ipywidgets panel", "text": "text lines (no widget frontend seen)",
-            "off": "off (NBKIT_DASHBOARD=off)"}[mode]
+    return {
+        "widget": "live ipywidgets panel",
+        "text": "text lines (no widget frontend seen)",
+        "off": "off (NBKIT_DASHBOARD=off)",
+    }[mode]
 
 
 def _secrets() -> dict[str, bool]:
@@ -176,19 +209,29 @@ def _secrets() -> dict[str, bool]:
 def _gpu_problems(gpus: list[distributed.GPU], platform: str) -> list[Problem]:
     problems = []
     if not gpus:
-        fix = ("On Kaggle: Settings > Accelerator > GPU T4 x2. On Colab: Runtime > Change runtime type. "
-               "On CPU, nbkit.launch(gpus=N) / %%ddp --gpus N run N CPU processes (for trying code only).")
+        fix = (
+            "On Kaggle: Settings > Accelerator > GPU T4 x2. On Colab: Runtime > Change runtime type. "
+            "On CPU, nbkit.launch(gpus=N) / %%ddp --gpus N run N CPU processes (for trying code only)."
+        )
         problems.append(Problem("No GPU is visible to this process.", fix))
         return problems
     if len({(g.name, round(g.memory_gib)) for g in gpus}) > 1:
-        problems.append(Problem(
-            "The visible GPUs differ (" + ", ".join(g.name for g in gpus) + "): DDP runs at the pace of "
-            "the slowest and must fit in the smallest.",
-            "Set CUDA_VISIBLE_DEVICES to identical GPUs before anything imports torch.", "warning"))
+        problems.append(
+            Problem(
+                "The visible GPUs differ (" + ", ".join(g.name for g in gpus) + "): DDP runs at the pace of "
+                "the slowest and must fit in the smallest.",
+                "Set CUDA_VISIBLE_DEVICES to identical GPUs before anything imports torch.",
+                "warning",
+            )
+        )
     if platform.startswith("Kaggle") and len(gpus) == 1:
-        problems.append(Problem(
-            f"Only one GPU ({gpus[0].name}) is visible on Kaggle.",
-            "For two GPUs choose Settings > Accelerator > GPU T4 x2.", "warning"))
+        problems.append(
+            Problem(
+                f"Only one GPU ({gpus[0].name}) is visible on Kaggle.",
+                "For two GPUs choose Settings > Accelerator > GPU T4 x2.",
+                "warning",
+            )
+        )
     return problems
 
 
@@ -208,17 +251,24 @@ def _version_problems(versions: dict[str, str | None]) -> list[Problem]:
         except InvalidVersion:
             return
         if not ok:
-            problems.append(Problem(
-                f"{name} {installed} is outside what {whose} supports ({name}{spec}).",
-                f'pip install "{name}{spec}" and restart the kernel.'))
+            problems.append(
+                Problem(
+                    f"{name} {installed} is outside what {whose} supports ({name}{spec}).",
+                    f'pip install "{name}{spec}" and restart the kernel.',
+                )
+            )
 
     try:
         requirements = importlib.metadata.requires("nbkit") or []
     except importlib.metadata.PackageNotFoundError:  # imported from a source folder on sys.path
         requirements = []
-        problems.append(Problem(
-            "nbkit is imported from a folder, not installed, so the versions it needs are not checked.",
-            "pip install the nbkit folder (pip install -e PATH) to have them checked.", "warning"))
+        problems.append(
+            Problem(
+                "nbkit is imported from a folder, not installed, so the versions it needs are not checked.",
+                "pip install the nbkit folder (pip install -e PATH) to have them checked.",
+                "warning",
+            )
+        )
     for requirement in requirements:
         parsed = Requirement(requirement)
         if parsed.marker is None and parsed.specifier:  # extras come with a marker
@@ -228,10 +278,14 @@ def _version_problems(versions: dict[str, str | None]) -> list[Problem]:
         pins = UNSLOTH_PINS.get(unsloth)
         if pins is None:
             known = ", ".join(UNSLOTH_PINS)
-            problems.append(Problem(
-                f"unsloth {unsloth}: nbkit knows the requirements of unsloth {known} only, so combinations "
-                "with it are not checked.",
-                "If unsloth fails at import, install the versions its release notes name.", "warning"))
+            problems.append(
+                Problem(
+                    f"unsloth {unsloth}: nbkit knows the requirements of unsloth {known} only, so combinations "
+                    "with it are not checked.",
+                    "If unsloth fails at import, install the versions its release notes name.",
+                    "warning",
+                )
+            )
         else:
             for name, spec in pins.items():
                 check(name, spec, f"unsloth {unsloth}")
@@ -239,15 +293,18 @@ def _version_problems(versions: dict[str, str | None]) -> list[Problem]:
     if torch and vision:
         expected = _torchvision_for(torch)
         if expected is not None and not vision.startswith(expected):
-            problems.append(Problem(
-                f"torchvision {vision} does not belong to torch {torch} (expected {expected}.x): it imports "
-                "but its operators fail, which breaks transformers' image processors.",
-                f'pip install "torchvision=={expected}.*" matching your torch build, or pip uninstall torchvision '
-                "(transformers then uses its PIL image processors)."))
+            problems.append(
+                Problem(
+                    f"torchvision {vision} does not belong to torch {torch} (expected {expected}.x): it imports "
+                    "but its operators fail, which breaks transformers' image processors.",
+                    f'pip install "torchvision=={expected}.*" matching your torch build, or pip uninstall torchvision '
+                    "(transformers then uses its PIL image processors).",
+                )
+            )
     return problems
 
 
 def _torchvision_for(torch_version: str) -> str | None:
-    """torchvision's release line for a torch 2.x release: 0.(minor + 15), e.g. 2.13 -> 0.28."""
+    """Torchvision's release line for a torch 2.x release: 0.(minor + 15), e.g. 2.13 -> 0.28."""
     match = re.match(r"2\.(\d+)", torch_version)
     return f"0.{int(match.group(1)) + 15}" if match else None

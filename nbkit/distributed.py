@@ -16,15 +16,15 @@ from functools import lru_cache
 
 __all__ = [
     "GPU",
-    "rank",
-    "local_rank",
-    "world_size",
-    "is_main",
-    "is_distributed",
-    "device",
-    "precision",
-    "visible_gpus",
     "cuda_initialized",
+    "device",
+    "is_distributed",
+    "is_main",
+    "local_rank",
+    "precision",
+    "rank",
+    "visible_gpus",
+    "world_size",
 ]
 
 
@@ -139,7 +139,10 @@ def _nvidia_smi_gpus() -> list[GPU] | None:
     try:
         out = subprocess.run(
             [exe, "--query-gpu=index,name,memory.total,compute_cap", "--format=csv,noheader,nounits"],
-            capture_output=True, text=True, timeout=20, check=True,
+            capture_output=True,
+            text=True,
+            timeout=20,
+            check=True,
         ).stdout
     except (subprocess.SubprocessError, OSError):
         return None

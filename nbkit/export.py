@@ -34,9 +34,22 @@ __all__ = ["export_script"]
 
 _PARAMETER_TAGS = {"parameters", "injected-parameters"}
 _PYTHON_CELL_MAGICS = {"time", "capture", "timeit"}  # their body is plain Python
-_SETUP_CALLS = {"seed", "manual_seed", "set_seed", "filterwarnings", "simplefilter", "basicConfig", "configure",
-                "set_verbosity", "set_verbosity_error", "set_verbosity_warning", "set_verbosity_info",
-                "use_deterministic_algorithms", "set_float32_matmul_precision", "disable_progress_bar"}
+_SETUP_CALLS = {
+    "seed",
+    "manual_seed",
+    "set_seed",
+    "filterwarnings",
+    "simplefilter",
+    "basicConfig",
+    "configure",
+    "set_verbosity",
+    "set_verbosity_error",
+    "set_verbosity_warning",
+    "set_verbosity_info",
+    "use_deterministic_algorithms",
+    "set_float32_matmul_precision",
+    "disable_progress_bar",
+}
 _SETUP_OBJECTS = {("os", "environ"), ("sys", "path")}
 
 
@@ -72,12 +85,15 @@ def export_script(notebook_path: str | os.PathLike[str], cell: str | int, out: s
     try:
         tree = ast.parse(body)
     except SyntaxError as exc:
-        raise ValueError(f"Cell {index} of {nb_path.name} is not valid Python at line {exc.lineno}: {exc.msg}.") from exc
+        raise ValueError(
+            f"Cell {index} of {nb_path.name} is not valid Python at line {exc.lineno}: {exc.msg}."
+        ) from exc
 
     statements, skipped = _earlier_statements(notebook.cells[:index])
     kept = _slice(statements, cells.free_names(tree.body))
-    function = _unused_name("ddp_cell", {n for s in statements for n in cells.usage([s.node]).binds}
-                            | cells.usage(tree.body).binds)
+    function = _unused_name(
+        "ddp_cell", {n for s in statements for n in cells.usage([s.node]).binds} | cells.usage(tree.body).binds
+    )
     out_path = Path(out)
     script = _render(nb_path, index, cell, options, kept, skipped, function, body, tree, out_path.name)
     out_path.write_text(script)
@@ -88,12 +104,15 @@ def export_script(notebook_path: str | os.PathLike[str], cell: str | int, out: s
 # Finding and reading cells
 # --------------------------------------------------------------------------------------------
 
+
 def _find_cell(nb_cells: list[Any], wanted: str | int) -> int:
     if isinstance(wanted, int) or str(wanted).isdigit():
         index = int(wanted)
         if 0 <= index < len(nb_cells):
             return index
-        raise ValueError(f"The notebook has {len(nb_cells)} cells (0 to {len(nb_cells) - 1}); there is no cell {index}.")
+        raise ValueError(
+            f"The notebook has {len(nb_cells)} cells (0 to {len(nb_cells) - 1}); there is no cell {index}."
+        )
     tagged = [i for i, c in enumerate(nb_cells) if wanted in c.get("metadata", {}).get("tags", [])]
     if len(tagged) == 1:
         return tagged[0]
@@ -124,13 +143,14 @@ def _ddp_options(magic_line: str | None) -> Any:
     from nbkit.magics import ddp_options
 
     if magic_line is not None and magic_line.split()[0] == "%%ddp":
-        return ddp_options(magic_line[len("%%ddp"):])
+        return ddp_options(magic_line[len("%%ddp") :])
     return ddp_options("")
 
 
 def _without_line_magics(source: str) -> str:
     """Line magics and shell escapes have no meaning in a script: each becomes `pass`, keeping
-    the line (and any block it sits in) valid."""
+    the line (and any block it sits in) valid.
+    """
     lines = []
     for line in source.splitlines():
         code = line.lstrip()
@@ -161,7 +181,7 @@ def _earlier_statements(nb_cells: list[Any]) -> tuple[list[_Statement], list[str
         parameters = bool(_PARAMETER_TAGS & set(cell.get("metadata", {}).get("tags", [])))
         for node in tree.body:
             first = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
-            code = "".join(lines[first - 1: node.end_lineno]).rstrip() + "\n"
+            code = "".join(lines[first - 1 : node.end_lineno]).rstrip() + "\n"
             statements.append(_Statement(index, code, node, parameters))
     return statements, skipped
 
@@ -170,6 +190,7 @@ def _earlier_statements(nb_cells: list[Any]) -> tuple[list[_Statement], list[str
 # The slice
 # --------------------------------------------------------------------------------------------
 
+
 def _slice(statements: list[_Statement], needed: set[str]) -> list[_Statement]:
     """The statements (in notebook order) that the needed names depend on; see the module doc.
 
@@ -177,10 +198,15 @@ def _slice(statements: list[_Statement], needed: set[str]) -> list[_Statement]:
     every binding of a name it uses matters, even one that comes after the def. Running the kept
     statements in notebook order then rebuilds the state the cell saw.
     """
+
     def wanted(statement: _Statement, names: set[str]) -> bool:
         root = _mutated_root(statement.node)
-        return bool(statement.parameters or cells.usage([statement.node]).binds & names
-                    or (root is not None and root in names) or _is_setup(statement.node))
+        return bool(
+            statement.parameters
+            or cells.usage([statement.node]).binds & names
+            or (root is not None and root in names)
+            or _is_setup(statement.node)
+        )
 
     needed = set(needed)
     while True:
@@ -196,7 +222,7 @@ def _slice(statements: list[_Statement], needed: set[str]) -> list[_Statement]:
 
 
 def _mutated_root(node: ast.stmt) -> str | None:
-    """x for `x.a = ...`, `x[k] = ...`, `x.a += ...`, `x.method(...)`; None otherwise."""
+    """X for `x.a = ...`, `x[k] = ...`, `x.a += ...`, `x.method(...)`; None otherwise."""
     if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
         targets = node.targets if isinstance(node, ast.Assign) else [node.target]
         for target in targets:
@@ -216,11 +242,16 @@ def _root(node: ast.AST) -> str | None:
 
 def _is_setup(node: ast.stmt) -> bool:
     """Process-wide set-up a training script needs too: os.environ / sys.path changes, seeding,
-    warning and logging settings, nbkit.configure(...)."""
+    warning and logging settings, nbkit.configure(...).
+    """
     if not isinstance(node, (ast.Assign, ast.AugAssign, ast.Expr)):
         return False
-    if any(isinstance(sub, ast.Attribute) and isinstance(sub.value, ast.Name)
-           and (sub.value.id, sub.attr) in _SETUP_OBJECTS for sub in ast.walk(node)):
+    if any(
+        isinstance(sub, ast.Attribute)
+        and isinstance(sub.value, ast.Name)
+        and (sub.value.id, sub.attr) in _SETUP_OBJECTS
+        for sub in ast.walk(node)
+    ):
         return True
     if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call):
         func = node.value.func
@@ -232,18 +263,32 @@ def _is_setup(node: ast.stmt) -> bool:
 # Writing the script
 # --------------------------------------------------------------------------------------------
 
-def _render(nb_path: Path, index: int, wanted: Any, options: Any, kept: list[_Statement], skipped: list[str],
-            function: str, body: str, tree: ast.Module, script: str) -> str:
+
+def _render(
+    nb_path: Path,
+    index: int,
+    wanted: Any,
+    options: Any,
+    kept: list[_Statement],
+    skipped: list[str],
+    function: str,
+    body: str,
+    tree: ast.Module,
+    script: str,
+) -> str:
     gpus = options.gpus
     n = gpus if gpus is not None else "<GPUs>"
     forks = f"{gpus} processes" if gpus is not None else "one process per visible GPU"
-    doc = [f"Exported by nbkit from {nb_path.name}, cell {index} ({wanted!r}).", "",
-           f"Run:  torchrun --nproc_per_node {n} {script}",
-           f"  or: accelerate launch --num_processes {n} {script}",
-           f"  or: python {script}   (nbkit.launch forks {forks})"]
+    doc = [
+        f"Exported by nbkit from {nb_path.name}, cell {index} ({wanted!r}).",
+        "",
+        f"Run:  torchrun --nproc_per_node {n} {script}",
+        f"  or: accelerate launch --num_processes {n} {script}",
+        f"  or: python {script}   (nbkit.launch forks {forks})",
+    ]
     if skipped:
         doc += ["", "Not exported (notebook only): " + ", ".join(skipped) + "."]
-    out = ['#!/usr/bin/env python', '"""' + "\n".join(doc) + '\n"""', ""]
+    out = ["#!/usr/bin/env python", '"""' + "\n".join(doc) + '\n"""', ""]
     env = _env(options)
     if env:
         out.append("import os")
@@ -257,18 +302,31 @@ def _render(nb_path: Path, index: int, wanted: Any, options: Any, kept: list[_St
         elif isinstance(statement.node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             out.append("")
         out.append(statement.code.rstrip())
-    out += ["", "", f"def {function}():", f'    """The %%ddp cell (cell {index}); runs on every rank."""',
-            _function_body(body, tree), "", ""]
+    out += [
+        "",
+        "",
+        f"def {function}():",
+        f'    """The %%ddp cell (cell {index}); runs on every rank."""',
+        _function_body(body, tree),
+        "",
+        "",
+    ]
     call = [f"gpus={gpus!r}"]
     if options.timeout is not None:
         call.append(f"timeout={options.timeout!r}")
     if not options.all_ranks:
         call.append("quiet=True")
     result = options.out or "result"
-    out += ['if __name__ == "__main__":', "    import nbkit", "",
-            "    # Under torchrun / accelerate launch this runs the function on each rank directly.",
-            f"    {result} = nbkit.launch({function}, {', '.join(call)})",
-            f"    if nbkit.is_main() and {result} is not None:", f"        print({result})", ""]
+    out += [
+        'if __name__ == "__main__":',
+        "    import nbkit",
+        "",
+        "    # Under torchrun / accelerate launch this runs the function on each rank directly.",
+        f"    {result} = nbkit.launch({function}, {', '.join(call)})",
+        f"    if nbkit.is_main() and {result} is not None:",
+        f"        print({result})",
+        "",
+    ]
     return "\n".join(out)
 
 
@@ -291,8 +349,9 @@ def _function_body(body: str, tree: ast.Module) -> str:
         lines.append("pass")
     inside_strings = _lines_inside_strings("\n".join(lines) + "\n")
     # Lines inside a multi-line string are part of its value: indenting them would change it.
-    return "\n".join(line if (i + 1) in inside_strings or not line.strip() else "    " + line
-                     for i, line in enumerate(lines))
+    return "\n".join(
+        line if (i + 1) in inside_strings or not line.strip() else "    " + line for i, line in enumerate(lines)
+    )
 
 
 def _lines_inside_strings(source: str) -> set[int]:

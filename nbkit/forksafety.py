@@ -9,7 +9,7 @@ nbkit.launch raises, and `%%ddp` then starts fresh processes instead of forking.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from nbkit import distributed, patching
 
@@ -19,11 +19,11 @@ __all__ = ["install"]
 @patching.patch(
     "torch.utils._triton:has_triton",
     reason="has_triton() asks the current CUDA device for its compute capability, which creates a CUDA "
-           "context; torchao calls it at import time, and transformers and peft import torchao wherever it is "
-           "installed (unsloth installs it). Measured on 2x H200: resolving a model path then initialised "
-           "CUDA in the notebook process. nvidia-smi gives the same answer without a context.",
+    "context; torchao calls it at import time, and transformers and peft import torchao wherever it is "
+    "installed (unsloth installs it). Measured on 2x H200: resolving a model path then initialised "
+    "CUDA in the notebook process. nvidia-smi gives the same answer without a context.",
     upstream="none filed yet: torchao/prototype/mx_formats/kernels.py calls has_triton() at import "
-             "(torchao 0.18.0); torch/utils/_triton.py asks the device for its properties",
+    "(torchao 0.18.0); torch/utils/_triton.py asks the device for its properties",
     group="forksafety",
 )
 def _context_free_has_triton(original: Callable[[], bool]) -> Callable[[], bool]:
@@ -48,9 +48,9 @@ def _context_free_has_triton(original: Callable[[], bool]) -> Callable[[], bool]
 @patching.patch(
     "torch.cuda:get_device_capability",
     reason="asking for a GPU's compute capability creates a CUDA context; torchao's is_sm_at_least_*() "
-           "helpers do it at import time (torchao/prototype/mx_formats/kernels.py), and transformers and "
-           "peft import torchao wherever it is installed. Measured on 2x H200. nvidia-smi answers the same "
-           "question without a context.",
+    "helpers do it at import time (torchao/prototype/mx_formats/kernels.py), and transformers and "
+    "peft import torchao wherever it is installed. Measured on 2x H200. nvidia-smi answers the same "
+    "question without a context.",
     upstream="none filed yet: torchao 0.18.0 queries the device while its modules import",
     group="forksafety",
 )
@@ -71,7 +71,8 @@ def _context_free_capability(original: Callable[..., tuple[int, int]]) -> Callab
 
 def _index(device: object) -> int | None:
     """The visible-device index a torch device argument names (None: current device, which is 0
-    before CUDA is initialised); None when it cannot be told without CUDA."""
+    before CUDA is initialised); None when it cannot be told without CUDA.
+    """
     import torch
 
     if device is None:

@@ -15,8 +15,9 @@ import functools
 import inspect
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -24,14 +25,15 @@ from nbkit import distributed
 from nbkit.config import setting
 from nbkit.patching import patch
 
-__all__ = ["DeviceMapError", "resolve_device_map", "fit_error", "AUTOMATIC_DEVICE_MAPS", "FIT_CHECK_SEQ_LEN"]
+if TYPE_CHECKING:
+    from nbkit import planner
+
+__all__ = ["AUTOMATIC_DEVICE_MAPS", "FIT_CHECK_SEQ_LEN", "DeviceMapError", "fit_error", "resolve_device_map"]
 
 # Names that let the loader place the model itself. transformers routes the first four through
 # accelerate's infer_auto_device_map; unsloth 2026.10.9 adds its head-aware planner under "unsloth"
 # and "unsloth_balanced" (unsloth/models/loader_utils.py, AUTOMATIC_DEVICE_MAPS).
-AUTOMATIC_DEVICE_MAPS = frozenset(
-    {"auto", "balanced", "balanced_low_0", "sequential", "unsloth", "unsloth_balanced"}
-)
+AUTOMATIC_DEVICE_MAPS = frozenset({"auto", "balanced", "balanced_low_0", "sequential", "unsloth", "unsloth_balanced"})
 
 SEED_DDP_DEVICE_MAP = "https://github.com/unslothai/unsloth/pull/3809"
 
@@ -273,14 +275,14 @@ def _check_fits_one_gpu(values: dict[str, Any], loader: _Loader, quantized: bool
         config = planner.load_config(source, **hub)
         # 8-bit is estimated as 4-bit: a lower bound, so the check never refuses a load that could fit.
         estimate = planner.plan(config, gpus=1, seq_len=seq_len, load_in_4bit=quantized)
-    except Exception:  # noqa: BLE001 - no config or no estimate: the check cannot judge, the load goes on
+    except Exception:
         return
     message = fit_error(estimate, source)
     if message is not None:
         raise DeviceMapError(message)
 
 
-def fit_error(estimate: "planner.Plan", source: Any) -> str | None:
+def fit_error(estimate: planner.Plan, source: Any) -> str | None:
     """The message for a DDP load that cannot fit on one GPU (None when it fits).
 
     Takes a single-GPU plan (gpus=1) and what was being loaded.

@@ -19,12 +19,13 @@ import importlib.abc
 import logging
 import sys
 import threading
+from collections.abc import Callable
 from types import ModuleType
-from typing import Any, Callable
+from typing import Any
 
 from nbkit import patching
 
-__all__ = ["install", "uninstall", "installed", "pending", "apply_when_imported", "trainer_callback"]
+__all__ = ["apply_when_imported", "install", "installed", "pending", "trainer_callback", "uninstall"]
 
 # group -> module declaring its patches
 _DECLARATIONS = {"guard": "nbkit.guard", "savers": "nbkit.savers.unsloth"}
@@ -57,7 +58,8 @@ def install(*, guard: bool = True, savers: bool = True) -> list[str]:
 def apply_when_imported(group: str) -> None:
     """Apply the registered patches of `group` now where their module is imported, and right
     after its import otherwise. Imports nothing itself (unsloth's import alone takes ~25 s and
-    initialises CUDA; transformers' takes seconds that a rank without a Trainer should not pay)."""
+    initialises CUDA; transformers' takes seconds that a rank without a Trainer should not pay).
+    """
     with _lock:
         for p in patching.registered(group):
             module = p.target.partition(":")[0]
@@ -71,7 +73,8 @@ def apply_when_imported(group: str) -> None:
 def trainer_callback(name: str, behaviour: type, module: str) -> type:
     """The transformers TrainerCallback class `name`, made of `behaviour` (a plain class with the
     callback's methods) and TrainerCallback, built on first use and then the same class each time:
-    modules that every launched rank imports must not import transformers themselves."""
+    modules that every launched rank imports must not import transformers themselves.
+    """
     from transformers import TrainerCallback
 
     return type(name, (behaviour, TrainerCallback), {"__module__": module, "__doc__": behaviour.__doc__})

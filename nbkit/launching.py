@@ -29,14 +29,15 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any
 
 from nbkit import channel, distributed, patching
 from nbkit.config import environment
 from nbkit.dashboard import Dashboard
 
-__all__ = ["launch", "LaunchError"]
+__all__ = ["LaunchError", "launch"]
 
 
 class LaunchError(RuntimeError):
@@ -48,8 +49,14 @@ class LaunchError(RuntimeError):
         timed_out: True when the run was stopped because `timeout` passed.
     """
 
-    def __init__(self, message: str, *, failures: Mapping[int, str] | None = None,
-                 errors: Mapping[int, channel.RankError] | None = None, timed_out: bool = False):
+    def __init__(
+        self,
+        message: str,
+        *,
+        failures: Mapping[int, str] | None = None,
+        errors: Mapping[int, channel.RankError] | None = None,
+        timed_out: bool = False,
+    ):
         super().__init__(message)
         self.failures = dict(failures or {})
         self.errors = dict(errors or {})
@@ -72,6 +79,7 @@ def launch(
         fn: the training function. It runs in forked processes, so it may be defined in the
             notebook and use names from earlier cells. Import CUDA-initialising libraries
             (unsloth, bitsandbytes) inside it, never before launching.
+        *args: positional arguments for `fn`.
         gpus: how many processes. None: one per visible GPU. On a machine without CUDA, `gpus=N`
             runs N CPU processes that train with real gloo DDP (for tests and CI).
         timeout: seconds after which a run that has not finished is stopped (LaunchError).
@@ -121,6 +129,7 @@ def launch(
 # --------------------------------------------------------------------------------------------
 # Checks before launching: each error says what happened and what to do.
 # --------------------------------------------------------------------------------------------
+
 
 def _has_cuda() -> bool:
     import torch
@@ -198,16 +207,24 @@ def check_can_fork() -> None:
 def _likely_cuda_cause() -> str:
     for module, why in (
         ("unsloth", "unsloth was imported in this notebook process (importing it initialises CUDA)"),
-        ("bitsandbytes", "bitsandbytes was imported in this notebook process (unless nbkit was imported first, "
-                         "its import initialises CUDA; peft and unsloth import it wherever it is installed, as "
-                         "on Kaggle)"),
-        ("torchao", "torchao was imported before nbkit (transformers and peft import it wherever it is "
-                    "installed, and its import queries the GPU); `import nbkit` first makes that harmless"),
+        (
+            "bitsandbytes",
+            "bitsandbytes was imported in this notebook process (unless nbkit was imported first, "
+            "its import initialises CUDA; peft and unsloth import it wherever it is installed, as "
+            "on Kaggle)",
+        ),
+        (
+            "torchao",
+            "torchao was imported before nbkit (transformers and peft import it wherever it is "
+            "installed, and its import queries the GPU); `import nbkit` first makes that harmless",
+        ),
     ):
         if module in sys.modules:
             return why
-    return ("a tensor or model was put on a GPU, or a CUDA query such as torch.cuda.get_device_name() "
-            "ran, in an earlier cell")
+    return (
+        "a tensor or model was put on a GPU, or a CUDA query such as torch.cuda.get_device_name() "
+        "ran, in an earlier cell"
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -216,19 +233,23 @@ def _likely_cuda_cause() -> str:
 
 # (text in a rank's error, what it means and what to do): added to the LaunchError of such a run.
 _FAILURE_HINTS = (
-    ("Cannot re-initialize CUDA in forked subprocess",
-     "The notebook process touched the CUDA driver before launching (torch.cuda.is_available() "
-     "or device_count() before `import nbkit`, or a library that queries the GPU on import), so "
-     "forked ranks cannot use CUDA. Import nbkit first in the notebook, or restart the kernel and "
-     "keep GPU work inside the launched function; %%ddp can start fresh processes instead."),
-    ("Expected to have finished reduction in the prior iteration",
-     "DDP found trainable weights that got no gradient in a step. A common cause is a VLM's "
-     "LoRA'd vision tower on a batch without images; others are experts a step does not route to, "
-     "or outputs the loss does not use. Train only what every batch uses (unsloth: "
-     "get_peft_model(..., finetune_vision_layers=False) for text-only data), or give every batch an "
-     "image. With unsloth vision models nbkit keeps unsloth's faster single-GPU checkpointing, which "
-     "needs this; nbkit.configure(unsloth_vlm_ddp_checkpointing='unsloth') before loading the model "
-     "trains such data with unsloth's slower DDP checkpointing instead."),
+    (
+        "Cannot re-initialize CUDA in forked subprocess",
+        "The notebook process touched the CUDA driver before launching (torch.cuda.is_available() "
+        "or device_count() before `import nbkit`, or a library that queries the GPU on import), so "
+        "forked ranks cannot use CUDA. Import nbkit first in the notebook, or restart the kernel and "
+        "keep GPU work inside the launched function; %%ddp can start fresh processes instead.",
+    ),
+    (
+        "Expected to have finished reduction in the prior iteration",
+        "DDP found trainable weights that got no gradient in a step. A common cause is a VLM's "
+        "LoRA'd vision tower on a batch without images; others are experts a step does not route to, "
+        "or outputs the loss does not use. Train only what every batch uses (unsloth: "
+        "get_peft_model(..., finetune_vision_layers=False) for text-only data), or give every batch an "
+        "image. With unsloth vision models nbkit keeps unsloth's faster single-GPU checkpointing, which "
+        "needs this; nbkit.configure(unsloth_vlm_ddp_checkpointing='unsloth') before loading the model "
+        "trains such data with unsloth's slower DDP checkpointing instead.",
+    ),
 )
 
 
@@ -259,7 +280,7 @@ class _Run:
             except Exception:  # a display problem must never take the training run down
                 logging.getLogger("nbkit").exception("nbkit: the event handler failed")
 
-    def execute(self, child: "_Child", *, timeout: float | None, env: dict[str, str]) -> None:
+    def execute(self, child: _Child, *, timeout: float | None, env: dict[str, str]) -> None:
         """Run the ranks to completion; raise LaunchError or KeyboardInterrupt when they do not."""
         # Objects left over from an earlier launch (torch elastic's store and its threads) must be
         # destroyed here, where their threads exist; collected in a child they abort it.
@@ -268,8 +289,12 @@ class _Run:
         watchdog = threading.Timer(timeout, self._on_timeout) if timeout else None
         failure: BaseException | None = None
         try:
-            with _launch_environment(child.use_cpu, env), _loopback_rendezvous() as port, _elastic_quiet(), \
-                    _kernel_signals_kept():
+            with (
+                _launch_environment(child.use_cpu, env),
+                _loopback_rendezvous() as port,
+                _elastic_quiet(),
+                _kernel_signals_kept(),
+            ):
                 if watchdog is not None:
                     watchdog.daemon = True
                     watchdog.start()
@@ -290,15 +315,21 @@ class _Run:
             print(f"nbkit: interrupted; stopped ranks {', '.join(map(str, sorted(self.pids)))}.", file=sys.stderr)
             raise KeyboardInterrupt
         if self.timed_out:
-            raise LaunchError(self._timeout_message(), failures={r: "timed out" for r in self.pids},
-                              errors=self.errors, timed_out=True)
+            raise LaunchError(
+                self._timeout_message(),
+                failures={r: "timed out" for r in self.pids},
+                errors=self.errors,
+                timed_out=True,
+            )
         if failure is not None or self.errors:
             raise self._failure_error(failure)
 
     def result(self) -> Any:
         if self.payload is None:
-            raise LaunchError("Rank 0 finished without sending its return value back (it may have called "
-                              "sys.exit or os._exit). Return from the function instead.")
+            raise LaunchError(
+                "Rank 0 finished without sending its return value back (it may have called "
+                "sys.exit or os._exit). Return from the function instead."
+            )
         return pickle.loads(self.payload)
 
     # -- stopping ---------------------------------------------------------------------------
@@ -325,8 +356,10 @@ class _Run:
 
     # -- messages ---------------------------------------------------------------------------
     def _timeout_message(self) -> str:
-        hint = ("A rank that waits in a collective (all-reduce, barrier) for a peer that never arrives hangs "
-                "like this: check that every rank runs the same steps on the same number of batches.")
+        hint = (
+            "A rank that waits in a collective (all-reduce, barrier) for a peer that never arrives hangs "
+            "like this: check that every rank runs the same steps on the same number of batches."
+        )
         return f"The launch did not finish within the timeout; all {self.nprocs} ranks were stopped. {hint}"
 
     def _failure_error(self, failure: BaseException | None) -> LaunchError:
@@ -352,8 +385,10 @@ class _Run:
             if err is not None:
                 lines.append(err.traceback.rstrip())
             elif "SIGKILL" in why:
-                lines.append("SIGKILL usually means the machine ran out of CPU memory (the OOM killer): "
-                             "use a smaller batch or fewer dataloader workers.")
+                lines.append(
+                    "SIGKILL usually means the machine ran out of CPU memory (the OOM killer): "
+                    "use a smaller batch or fewer dataloader workers."
+                )
         return LaunchError("\n".join(lines), failures=failures, errors=self.errors)
 
 
@@ -369,7 +404,7 @@ def _elastic_failures(failure: BaseException | None) -> dict[int, str]:
 
 
 def _is_interrupt(exc: BaseException) -> bool:
-    """torch elastic turns SIGINT into SignalException while its handlers are installed."""
+    """Torch elastic turns SIGINT into SignalException while its handlers are installed."""
     sigval = getattr(exc, "sigval", None)
     return sigval is not None and sigval in (signal.SIGINT, signal.SIGTERM)
 
@@ -409,8 +444,9 @@ def _loopback_rendezvous() -> Iterator[int]:
     sock.bind(("127.0.0.1", 0))
     sock.listen()
     port = sock.getsockname()[1]
-    store = dist.TCPStore("127.0.0.1", port, is_master=True, multi_tenant=True,
-                          master_listen_fd=sock.detach(), wait_for_workers=False)  # the store owns the fd now
+    store = dist.TCPStore(
+        "127.0.0.1", port, is_master=True, multi_tenant=True, master_listen_fd=sock.detach(), wait_for_workers=False
+    )  # the store owns the fd now
     try:
         yield port
     finally:
@@ -430,7 +466,7 @@ def _launch_environment(use_cpu: bool, extra: dict[str, str]) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _elastic_quiet() -> Iterator[None]:
-    """torch elastic logs every failure at length; nbkit reports it once, as a LaunchError."""
+    """Torch elastic logs every failure at length; nbkit reports it once, as a LaunchError."""
     logs = [logging.getLogger(name) for name in ("torch.distributed.elastic", "torch.multiprocessing")]
     levels = [log.level for log in logs]
     for log in logs:
@@ -447,8 +483,9 @@ _HANDLED_SIGNALS = [s for s in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT") if has
 
 @contextlib.contextmanager
 def _kernel_signals_kept() -> Iterator[None]:
-    """torch elastic installs its own SIGINT/SIGTERM handlers and never restores them, which
-    would change how the kernel reacts to the next interrupt; put the kernel's back."""
+    """Torch elastic installs its own SIGINT/SIGTERM handlers and never restores them, which
+    would change how the kernel reacts to the next interrupt; put the kernel's back.
+    """
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -464,8 +501,8 @@ def _kernel_signals_kept() -> Iterator[None]:
 @patching.patch(
     "accelerate.launchers:are_libraries_initialized",
     reason="notebook_launcher refuses to fork once bitsandbytes is merely imported, and peft imports it "
-           "wherever it is installed (Kaggle), so `import peft` in a notebook blocked every launch. The "
-           "real hazard is a CUDA context in the parent, which nbkit checks itself (check_can_fork).",
+    "wherever it is installed (Kaggle), so `import peft` in a notebook blocked every launch. The "
+    "real hazard is a CUDA context in the parent, which nbkit checks itself (check_can_fork).",
     upstream="https://github.com/huggingface/accelerate/issues/1807",
     group="launch",
 )
@@ -476,7 +513,7 @@ def _fork_hazards_are_checked_by_nbkit(original: Callable[..., list[str]]) -> Ca
     return are_libraries_initialized
 
 
-def _start(child: "_Child", nprocs: int, port: int) -> None:
+def _start(child: _Child, nprocs: int, port: int) -> None:
     if nprocs > 1:
         from accelerate import notebook_launcher
 
@@ -492,9 +529,16 @@ def _start(child: "_Child", nprocs: int, port: int) -> None:
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     config = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=1, run_id="nbkit", rdzv_backend="static",
-        rdzv_endpoint=f"127.0.0.1:{port}", rdzv_configs={"rank": 0}, max_restarts=0,
-        monitor_interval=0.1, start_method="fork",
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=1,
+        run_id="nbkit",
+        rdzv_backend="static",
+        rdzv_endpoint=f"127.0.0.1:{port}",
+        rdzv_configs={"rank": 0},
+        max_restarts=0,
+        monitor_interval=0.1,
+        start_method="fork",
     )
     with contextlib.redirect_stdout(io.StringIO()):
         elastic_launch(config=config, entrypoint=child)()
@@ -504,11 +548,13 @@ def _start(child: "_Child", nprocs: int, port: int) -> None:
 # The rank side: what runs first in every forked process.
 # --------------------------------------------------------------------------------------------
 
+
 class _Child:
     """The function notebook_launcher forks: sets the rank up, runs fn, reports back."""
 
-    def __init__(self, fn: Callable[..., Any], args: tuple, kwargs: dict, chan: channel.Channel, *,
-                 quiet: bool, use_cpu: bool):
+    def __init__(
+        self, fn: Callable[..., Any], args: tuple, kwargs: dict, chan: channel.Channel, *, quiet: bool, use_cpu: bool
+    ):
         self.fn, self.args, self.kwargs = fn, args, kwargs
         self.channel, self.quiet, self.use_cpu = chan, quiet, use_cpu
         # The notebook's streams, taken before launch() hides the launcher's own banner.
@@ -543,13 +589,18 @@ class _Child:
             if rank == 0:
                 channel.send("result", pickle_for_notebook(value))
         except BaseException as exc:
-            channel.send("error", channel.RankError(
-                rank=rank, type=type(exc).__qualname__, message=str(exc),
-                # tb_next: start the traceback in the user's function, not in this wrapper
-                traceback="".join(traceback.format_exception(type(exc), exc, exc.__traceback__.tb_next)),
-                time=time.time(),
-                secondary=isinstance(exc, KeyboardInterrupt) or _is_interrupt(exc),
-            ))
+            channel.send(
+                "error",
+                channel.RankError(
+                    rank=rank,
+                    type=type(exc).__qualname__,
+                    message=str(exc),
+                    # tb_next: start the traceback in the user's function, not in this wrapper
+                    traceback="".join(traceback.format_exception(type(exc), exc, exc.__traceback__.tb_next)),
+                    time=time.time(),
+                    secondary=isinstance(exc, KeyboardInterrupt) or _is_interrupt(exc),
+                ),
+            )
             raise
         finally:
             for stream in (sys.stdout, sys.stderr):
@@ -571,7 +622,7 @@ def _route_output(rank: int, quiet: bool) -> None:
     if rank == 0:
         return
     if quiet:
-        devnull = open(os.devnull, "w")
+        devnull = open(os.devnull, "w")  # noqa: SIM115 (the rank's stdout for the rest of its life)
         sys.stdout = sys.stderr = devnull
         return
     sys.stdout = _Prefixed(sys.stdout, f"[rank {rank}] ")
@@ -579,7 +630,7 @@ def _route_output(rank: int, quiet: bool) -> None:
 
 
 class _Prefixed(io.TextIOBase):
-    """A text stream that starts every line written to `target` with `prefix`.
+    r"""A text stream that starts every line written to `target` with `prefix`.
 
     Lines end at "\n" or at "\r" (progress bars redraw a line with "\r"); text is passed on at
     once, so the notebook sees a rank's output as it happens.

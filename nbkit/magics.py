@@ -36,7 +36,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-__all__ = ["register", "unregister", "ddp_options", "NbkitMagics"]
+__all__ = ["NbkitMagics", "ddp_options", "register", "unregister"]
 
 _NBKIT_DIR = os.path.dirname(os.path.abspath(__file__))
 
@@ -56,14 +56,22 @@ def unregister(ipython: Any) -> None:
 
 @magics_class
 class NbkitMagics(Magics):
+    """The %%ddp cell magic and the %nbkit line magic."""
+
     @cell_magic
     @magic_arguments()
     @argument("--gpus", type=int, default=None, help="processes to run (default: one per visible GPU)")
     @argument("--out", default=None, metavar="NAME", help="store rank 0's value in the notebook under NAME")
     @argument("--timeout", type=float, default=None, metavar="S", help="stop every rank after S seconds")
     @argument("--all-ranks", action="store_true", help="show the output of every rank, not only rank 0")
-    @argument("--env", nargs="+", action="append", default=[], metavar="KEY=VALUE",
-              help="environment variables for the processes")
+    @argument(
+        "--env",
+        nargs="+",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="environment variables for the processes",
+    )
     @argument("--spawn", action="store_true", help="start fresh processes even where forking would work")
     def ddp(self, line: str, cell: str) -> Any:
         """Run this cell on every GPU (see nbkit.magics)."""
@@ -81,14 +89,16 @@ class NbkitMagics(Magics):
         blocker = None if args.spawn else spawning.fork_blocker()
         try:
             if args.spawn or blocker is not None:
-                value = spawning.run_source(source, self.shell.user_ns, filename=filename,
-                                            reason=blocker or "asked for with --spawn", **options)
+                value = spawning.run_source(
+                    source, self.shell.user_ns, filename=filename, reason=blocker or "asked for with --spawn", **options
+                )
             else:
                 value = launch(_cell_runner(source, self.shell.user_ns, filename), **options)
         except LaunchError as exc:
             # The same error, without the frames of nbkit's own plumbing in the ranks' tracebacks.
-            error = LaunchError(_PLUMBING.sub("", str(exc)), failures=exc.failures, errors=exc.errors,
-                                timed_out=exc.timed_out)
+            error = LaunchError(
+                _PLUMBING.sub("", str(exc)), failures=exc.failures, errors=exc.errors, timed_out=exc.timed_out
+            )
             error._render_traceback_ = _renderer(error)  # IPython shows this instead of a traceback
             raise error from None
         except spawning.BringAlongError as exc:
@@ -107,8 +117,10 @@ class NbkitMagics(Magics):
         command, rest = (words[0], words[1:]) if words else ("", [])
         handlers = {"doctor": self._doctor, "plan": self._plan, "export": self._export}
         if command not in handlers:
-            raise UsageError("%nbkit takes one of: doctor | plan MODEL [options] | "
-                             "export NOTEBOOK CELL_OR_TAG -o OUT.py  (%nbkit plan -h for options)")
+            raise UsageError(
+                "%nbkit takes one of: doctor | plan MODEL [options] | "
+                "export NOTEBOOK CELL_OR_TAG -o OUT.py  (%nbkit plan -h for options)"
+            )
         try:
             handlers[command](rest)
         except _HelpShown:
@@ -152,13 +164,16 @@ class NbkitMagics(Magics):
             path = export_script(args.notebook, args.cell, args.out)
         except (ValueError, FileNotFoundError) as exc:
             raise UsageError(str(exc)) from None
-        print(f"nbkit: wrote {path}. Run it with: torchrun --nproc_per_node <GPUs> {path}  "
-              f"(or: accelerate launch {path}; or python {path}, which forks one process per GPU)")
+        print(
+            f"nbkit: wrote {path}. Run it with: torchrun --nproc_per_node <GPUs> {path}  "
+            f"(or: accelerate launch {path}; or python {path}, which forks one process per GPU)"
+        )
 
 
 def ddp_options(line: str) -> argparse.Namespace:
     """The options of a %%ddp line (the text after "%%ddp"), parsed exactly as the magic does.
-    Raises UsageError for options it does not know."""
+    Raises UsageError for options it does not know.
+    """
     return parse_argstring(NbkitMagics.ddp, line)
 
 
@@ -193,7 +208,8 @@ _PLUMBING = re.compile(
 
 def _renderer(exc: BaseException) -> Any:
     """What IPython shows for `exc` (its `_render_traceback_` protocol): the message alone, which
-    already holds the failing rank's traceback; nbkit's frames in the notebook would add nothing."""
+    already holds the failing rank's traceback; nbkit's frames in the notebook would add nothing.
+    """
     return lambda: [f"\x1b[0;31m{type(exc).__name__}\x1b[0m: {exc}"]
 
 

@@ -47,7 +47,7 @@ if TYPE_CHECKING:
     import torch
     from transformers import PretrainedConfig, PreTrainedTokenizerBase, ProcessorMixin
 
-__all__ = ["MODELS", "FORMAT_VERSION", "resolve_model", "load_config", "load_processor", "cache_root"]
+__all__ = ["FORMAT_VERSION", "MODELS", "cache_root", "load_config", "load_processor", "resolve_model"]
 
 FORMAT_VERSION = 1
 
@@ -580,11 +580,12 @@ def _processor_class(path: str) -> type | None:
 
 
 def _image_only_processor(processor_class: type, path: str, **kwargs: Any) -> ProcessorMixin:
-    from nbkit import patching
     from transformers import AutoConfig, AutoTokenizer
 
     # The top-level AutoImageProcessor is a torchvision placeholder here; the module's is real.
     from transformers.models.auto.image_processing_auto import AutoImageProcessor
+
+    from nbkit import patching
 
     model_type = AutoConfig.from_pretrained(path).model_type
     video_type = (_json_file(path, "video_preprocessor_config.json") or {}).get("video_processor_type")

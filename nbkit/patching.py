@@ -19,12 +19,13 @@ Example::
 
 from __future__ import annotations
 
-import importlib
 import functools
+import importlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
-__all__ = ["Patch", "patch", "apply", "revert", "applied", "registered", "describe"]
+__all__ = ["Patch", "applied", "apply", "describe", "patch", "registered", "revert"]
 
 _MISSING = object()
 
@@ -55,6 +56,7 @@ class Patch:
 
     @property
     def is_applied(self) -> bool:
+        """Whether the replacement is in place now."""
         return self._saved is not None
 
     def _resolve(self) -> tuple[Any, str] | None:
@@ -183,7 +185,8 @@ def applied(group: str | None = None) -> list[str]:
 
 def describe(group: str | None = None) -> str:
     """A markdown table of the declared patches (of one group, if given): group, target, why, and
-    the upstream issue. docs/patches.md holds this table for all of nbkit's patches."""
+    the upstream issue. docs/patches.md holds this table for all of nbkit's patches.
+    """
     rows = ["| group | target | why | upstream |", "| --- | --- | --- | --- |"]
     for p in sorted(registered(group), key=lambda p: (p.group, p.target)):
         cells = [p.group, f"`{p.target}`", p.reason, p.upstream]

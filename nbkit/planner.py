@@ -33,7 +33,7 @@ from typing import Any
 
 from nbkit import distributed
 
-__all__ = ["Plan", "plan", "load_config", "LORA_TARGET_MODULES", "STRATEGIES"]
+__all__ = ["LORA_TARGET_MODULES", "STRATEGIES", "Plan", "load_config", "plan"]
 
 STRATEGIES = ("ddp", "model_parallel", "does_not_fit")
 LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -106,6 +106,7 @@ class Plan:
 
     @property
     def peak_allocated_gib(self) -> float:
+        """Peak memory torch allocates per GPU (per_gpu_gib without the CUDA context and allocator overhead)."""
         return self.per_gpu_gib - self.breakdown["overhead"]
 
     def __str__(self) -> str:
@@ -191,8 +192,9 @@ def plan(
     config = load_config(model)
     counts = _counts(config, lora_rank)
     label = os.fspath(model) if isinstance(model, (str, os.PathLike)) else counts.architecture
-    return _plan(label, counts, config, gpus, gpu_memory_gib, seq_len, batch_size, load_in_4bit, lora_rank,
-                 checkpointing)
+    return _plan(
+        label, counts, config, gpus, gpu_memory_gib, seq_len, batch_size, load_in_4bit, lora_rank, checkpointing
+    )
 
 
 def _machine(gpus: int | None, gpu_memory_gib: float | None) -> tuple[int, float]:
@@ -261,8 +263,9 @@ def _count_on_meta(config: Any, lora_rank: int) -> _Counts:
         for m in model.modules()
         if isinstance(m, torch.nn.Linear) and m is not output and id(m.weight) in element
     }
-    bytes_4 = (bytes_16 - sum(n * element[i] for i, n in quantized.items())
-               + NF4_BYTES_PER_WEIGHT * sum(quantized.values()))
+    bytes_4 = (
+        bytes_16 - sum(n * element[i] for i, n in quantized.items()) + NF4_BYTES_PER_WEIGHT * sum(quantized.values())
+    )
     lora_params, lora_modules = 0, set()
     for name, module in model.named_modules():
         leaf = name.rsplit(".", 1)[-1]
@@ -323,13 +326,19 @@ class _Shape:
     vocab: int
 
     @classmethod
-    def of(cls, config: Any) -> "_Shape":
+    def of(cls, config: Any) -> _Shape:
         text = config.get_text_config()
         heads = text.num_attention_heads
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
         kv_heads = getattr(text, "num_key_value_heads", None) or heads
-        return cls(text.hidden_size, text.intermediate_size, text.num_hidden_layers, heads * head_dim,
-                   kv_heads * head_dim, text.vocab_size)
+        return cls(
+            text.hidden_size,
+            text.intermediate_size,
+            text.num_hidden_layers,
+            heads * head_dim,
+            kv_heads * head_dim,
+            text.vocab_size,
+        )
 
 
 def _layer_saved_per_token(s: _Shape, qk_norm: bool, tiled_mlp: bool, lora_rank: int) -> int:
@@ -373,13 +382,27 @@ class _Estimate:
         logits = max(0.0, self.loss_phase - max(self.layer_phase, self.vision_phase))
         allocated = self.weights + self.lora + activations + logits
         overhead = CUDA_CONTEXT_GIB * GIB + ALLOCATOR_SLACK * allocated
-        parts = {"weights": self.weights, "lora": self.lora, "activations": activations, "logits": logits,
-                 "overhead": overhead}
+        parts = {
+            "weights": self.weights,
+            "lora": self.lora,
+            "activations": activations,
+            "logits": logits,
+            "overhead": overhead,
+        }
         return {k: v / GIB for k, v in parts.items()}, sum(parts.values()) / GIB
 
 
-def _estimate(counts: _Counts, config: Any, gpus: int, seq_len: int, batch_size: int, load_in_4bit: bool,
-              lora_rank: int, checkpointing: str | None, split: int = 1) -> _Estimate:
+def _estimate(
+    counts: _Counts,
+    config: Any,
+    gpus: int,
+    seq_len: int,
+    batch_size: int,
+    load_in_4bit: bool,
+    lora_rank: int,
+    checkpointing: str | None,
+    split: int = 1,
+) -> _Estimate:
     """Peak bytes for one GPU; split > 1 spreads the weights and checkpoints over that many GPUs."""
     s = _Shape.of(config)
     tokens = seq_len * batch_size
@@ -417,22 +440,39 @@ def _estimate(counts: _Counts, config: Any, gpus: int, seq_len: int, batch_size:
     if split > 1:
         share = MODEL_PARALLEL_IMBALANCE / split
         weights, lora, persistent = weights * share, lora * share, persistent * share
-    return _Estimate(float(weights), float(lora), float(persistent), float(layer_phase), float(loss_phase),
-                     float(vision_phase))
+    return _Estimate(
+        float(weights), float(lora), float(persistent), float(layer_phase), float(loss_phase), float(vision_phase)
+    )
 
 
-def _plan(label: str, counts: _Counts, config: Any, gpus: int, gpu_memory_gib: float, seq_len: int,
-          batch_size: int, load_in_4bit: bool, lora_rank: int, checkpointing: str | None) -> Plan:
+def _plan(
+    label: str,
+    counts: _Counts,
+    config: Any,
+    gpus: int,
+    gpu_memory_gib: float,
+    seq_len: int,
+    batch_size: int,
+    load_in_4bit: bool,
+    lora_rank: int,
+    checkpointing: str | None,
+) -> Plan:
     usable = gpu_memory_gib * (1 - SAFETY_MARGIN)
 
     def per_gpu(split: int = 1, **changes: Any) -> float:
-        args = dict(seq_len=seq_len, batch_size=batch_size, load_in_4bit=load_in_4bit, lora_rank=lora_rank,
-                    checkpointing=checkpointing)
+        args = dict(
+            seq_len=seq_len,
+            batch_size=batch_size,
+            load_in_4bit=load_in_4bit,
+            lora_rank=lora_rank,
+            checkpointing=checkpointing,
+        )
         args.update(changes)
         return _estimate(counts, config, gpus, split=split, **args).bytes_per_gpu()[1]
 
-    breakdown, total = _estimate(counts, config, gpus, seq_len, batch_size, load_in_4bit, lora_rank,
-                                 checkpointing).bytes_per_gpu()
+    breakdown, total = _estimate(
+        counts, config, gpus, seq_len, batch_size, load_in_4bit, lora_rank, checkpointing
+    ).bytes_per_gpu()
     split_total = per_gpu(split=gpus) if gpus > 1 else total
     if total <= usable:
         strategy = "ddp"
@@ -442,21 +482,42 @@ def _plan(label: str, counts: _Counts, config: Any, gpus: int, gpu_memory_gib: f
         strategy = "does_not_fit"
     advice = _advice(strategy, per_gpu, usable, gpus, seq_len, batch_size, load_in_4bit, checkpointing)
     return Plan(
-        model=label, strategy=strategy, gpus=gpus, gpu_memory_gib=gpu_memory_gib, seq_len=seq_len,
-        batch_size=batch_size, load_in_4bit=load_in_4bit, lora_rank=lora_rank, checkpointing=checkpointing,
-        parameters=counts.parameters, lora_parameters=counts.lora_parameters, lora_modules=counts.lora_modules,
-        breakdown=breakdown, per_gpu_gib=total, model_parallel_gib=split_total, usable_gib=usable,
+        model=label,
+        strategy=strategy,
+        gpus=gpus,
+        gpu_memory_gib=gpu_memory_gib,
+        seq_len=seq_len,
+        batch_size=batch_size,
+        load_in_4bit=load_in_4bit,
+        lora_rank=lora_rank,
+        checkpointing=checkpointing,
+        parameters=counts.parameters,
+        lora_parameters=counts.lora_parameters,
+        lora_modules=counts.lora_modules,
+        breakdown=breakdown,
+        per_gpu_gib=total,
+        model_parallel_gib=split_total,
+        usable_gib=usable,
         advice=tuple(advice),
     )
 
 
-def _advice(strategy: str, per_gpu: Any, usable: float, gpus: int, seq_len: int, batch_size: int,
-            load_in_4bit: bool, checkpointing: str | None) -> list[str]:
+def _advice(
+    strategy: str,
+    per_gpu: Any,
+    usable: float,
+    gpus: int,
+    seq_len: int,
+    batch_size: int,
+    load_in_4bit: bool,
+    checkpointing: str | None,
+) -> list[str]:
     """What would make DDP fit (or, failing that, anything fit), with the estimate for each change."""
     if strategy == "ddp":
         return []
-    lines = ["To train with DDP (faster than model parallel) instead:" if strategy == "model_parallel"
-             else "What would fit:"]
+    lines = [
+        "To train with DDP (faster than model parallel) instead:" if strategy == "model_parallel" else "What would fit:"
+    ]
     for change, value in (("load_in_4bit", True), ("checkpointing", "offload")):
         if {"load_in_4bit": load_in_4bit, "checkpointing": checkpointing}[change] != value:
             gib = per_gpu(**{change: value})
@@ -472,8 +533,9 @@ def _advice(strategy: str, per_gpu: Any, usable: float, gpus: int, seq_len: int,
             more = next((n for n in range(gpus + 1, 17) if per_gpu(split=n, load_in_4bit=four_bit) <= usable), None)
             if more is not None:
                 how = " in 4-bit" if four_bit and not load_in_4bit else ""
-                lines.append(f"  * {more} GPUs of this size{how}, with the model split over them "
-                             "(device_map='balanced').")
+                lines.append(
+                    f"  * {more} GPUs of this size{how}, with the model split over them (device_map='balanced')."
+                )
     if len(lines) == 1:
         lines.append("  * nothing short of larger GPUs: even one 256-token sequence in 4-bit is too much.")
     return lines

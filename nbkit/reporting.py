@@ -32,7 +32,7 @@ from typing import Any
 
 from nbkit import channel, distributed, patching
 
-__all__ = ["report", "setup_rank", "DashboardCallback"]  # DashboardCallback: built on first use
+__all__ = ["DashboardCallback", "report", "setup_rank"]  # noqa: F822 (DashboardCallback: built on first use)
 
 
 class _Clock:
@@ -100,7 +100,8 @@ def _no_library_progress_bars() -> None:
     """In a rank forked from a notebook kernel, tqdm bars (transformers' "Loading weights",
     datasets' map) are notebook widgets whose messages ipykernel drops from a forked process, with a
     warning in the kernel log for every update; and N ranks would draw N of them. The dashboard shows
-    the run's progress instead, so the hub's bars, which transformers and datasets use, are off."""
+    the run's progress instead, so the hub's bars, which transformers and datasets use, are off.
+    """
     try:
         from huggingface_hub.utils import disable_progress_bars
     except ImportError:
@@ -116,6 +117,7 @@ def _no_library_progress_bars() -> None:
 # --------------------------------------------------------------------------------------------
 # Building an event
 # --------------------------------------------------------------------------------------------
+
 
 def _event(step: Any, loss: Any, metrics: dict[str, Any]) -> dict[str, Any]:
     now = time.monotonic()
@@ -167,8 +169,7 @@ def _peak_memory() -> dict[str, Any]:
     # (and in the notebook process make every later fork fail): only where it is already live.
     if torch is not None and torch.cuda.is_initialized():
         index = torch.cuda.current_device()
-        return {"peak_memory_gib": torch.cuda.max_memory_allocated(index) / 2**30,
-                "memory_device": f"cuda:{index}"}
+        return {"peak_memory_gib": torch.cuda.max_memory_allocated(index) / 2**30, "memory_device": f"cuda:{index}"}
     peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
     scale = 2**30 if sys.platform == "darwin" else 2**20  # macOS reports bytes
     return {"peak_memory_gib": peak_kib / scale, "memory_device": "cpu"}
@@ -177,6 +178,7 @@ def _peak_memory() -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------
 # Outside a launch: a dashboard in this process
 # --------------------------------------------------------------------------------------------
+
 
 class _LocalDashboard:
     """The dashboard that report() feeds when no launch is listening.
@@ -235,6 +237,7 @@ _local = _LocalDashboard()
 # transformers: the callback, and the patches that add it to every Trainer in a launched rank
 # --------------------------------------------------------------------------------------------
 
+
 def __getattr__(name: str) -> Any:
     # DashboardCallback subclasses transformers' TrainerCallback; building it on first use keeps
     # `import nbkit.reporting` (which every launched rank does) from importing transformers.
@@ -266,7 +269,8 @@ class _StepReporter:
 
     def add_micro_batch(self, loss: Any, tokens: int) -> None:
         """Count one micro-batch (called from Trainer.training_step); the loss stays a tensor so
-        that no device synchronisation happens before the step ends."""
+        that no device synchronisation happens before the step ends.
+        """
         if loss is not None:
             self._loss = loss if self._loss is None else self._loss + loss
         self._tokens += tokens
@@ -285,12 +289,14 @@ class _StepReporter:
         loss, self._loss, self._tokens = self._loss, None, 0
         report(step=state.global_step, loss=loss, **metrics)
 
-    def on_log(self, args: Any, state: Any, control: Any, logs: Mapping[str, Any] | None = None,
-               **kwargs: Any) -> None:
+    def on_log(self, args: Any, state: Any, control: Any, logs: Mapping[str, Any] | None = None, **kwargs: Any) -> None:
         # The logged loss is a window average over all ranks; the per-step, per-rank loss went
         # out in on_step_end, so only what a step event lacks is sent here.
-        extra = {k: v for k, v in (logs or {}).items()
-                 if k == "grad_norm" or (k.startswith("eval_") and isinstance(v, numbers.Real))}
+        extra = {
+            k: v
+            for k, v in (logs or {}).items()
+            if k == "grad_norm" or (k.startswith("eval_") and isinstance(v, numbers.Real))
+        }
         if extra:
             report(step=state.global_step, **extra)
 
@@ -302,11 +308,11 @@ def _in_launched_rank() -> bool:
 @patching.patch(
     "transformers.trainer:Trainer.__init__",
     reason="in a launched rank, report to nbkit's dashboard and draw no per-rank progress bar: "
-           "transformers picks NotebookProgressCallback in every forked rank (it has no rank "
-           "check), so a notebook shows one bar per GPU; rank 0 still prints the log lines",
+    "transformers picks NotebookProgressCallback in every forked rank (it has no rank "
+    "check), so a notebook shows one bar per GPU; rank 0 still prints the log lines",
     upstream="transformers has no hook to add default callbacks or to silence progress bars "
-             "per process: https://github.com/huggingface/transformers/issues/12108 (callbacks "
-             "cannot see the step loss) is the nearest thread",
+    "per process: https://github.com/huggingface/transformers/issues/12108 (callbacks "
+    "cannot see the step loss) is the nearest thread",
     group="reporting",
     when=_in_launched_rank,
 )
@@ -334,7 +340,7 @@ def _trainer_init(original):
 @patching.patch(
     "transformers.trainer:Trainer.training_step",
     reason="the dashboard's per-step loss and tokens/s need each micro-batch's loss and input "
-           "size, which no TrainerCallback event receives",
+    "size, which no TrainerCallback event receives",
     upstream="https://github.com/huggingface/transformers/issues/12108",
     group="reporting",
     when=_in_launched_rank,

@@ -1,4 +1,4 @@
-"""Spawn mode: run a notebook cell's source in fresh processes when forking is not possible.
+r"""Spawn mode: run a notebook cell's source in fresh processes when forking is not possible.
 
 nbkit.launch forks the notebook process, which is fast and shares every name, but a process
 that has initialised CUDA (say, after inference in an earlier cell), imported bitsandbytes, or
@@ -40,14 +40,15 @@ import textwrap
 import threading
 import time
 import types
+from collections.abc import Mapping
 from multiprocessing import Pipe
 from multiprocessing.connection import Connection
-from typing import Any, Mapping
+from typing import Any
 
 from nbkit import cells, dashboard, distributed, launching
 from nbkit.launching import LaunchError
 
-__all__ = ["run_source", "fork_blocker", "bring_along", "BringAlongError"]
+__all__ = ["BringAlongError", "bring_along", "fork_blocker", "run_source"]
 
 # IPython's own names in a notebook namespace (history, output cache, helpers): never brought along.
 _IPYTHON_NAME = re.compile(r"^(In|Out|get_ipython|exit|quit|_(i+|\d+|i\d+|oh|ih|dh)?|__+|__\w+__)$")
@@ -68,7 +69,8 @@ class BringAlongError(ValueError):
 
 def fork_blocker() -> str | None:
     """Why nbkit.launch cannot fork from this process now (the first sentence of its refusal),
-    or None when it can. Never initialises CUDA."""
+    or None when it can. Never initialises CUDA.
+    """
     try:
         launching.check_can_fork()
     except RuntimeError as exc:
@@ -105,8 +107,15 @@ def run_source(
     why = f" Why: {reason.rstrip('.')}." if reason else ""
     print(f"nbkit: running in fresh processes (spawn mode).{why} Brought along: {brought}.", flush=True)
     job = {
-        "source": source, "filename": filename, "items": items, "sys_path": list(sys.path),
-        "gpus": gpus, "timeout": timeout, "quiet": quiet, "env": dict(env or {}), "dashboard": dashboard,
+        "source": source,
+        "filename": filename,
+        "items": items,
+        "sys_path": list(sys.path),
+        "gpus": gpus,
+        "timeout": timeout,
+        "quiet": quiet,
+        "env": dict(env or {}),
+        "dashboard": dashboard,
     }
     return _Coordinator(job, timeout).run()
 
@@ -114,6 +123,7 @@ def run_source(
 # --------------------------------------------------------------------------------------------
 # What to bring along
 # --------------------------------------------------------------------------------------------
+
 
 def bring_along(source: str, namespace: Mapping[str, Any]) -> list[tuple]:
     """The notebook names `source` needs, as items to re-create them, dependencies first.
@@ -142,8 +152,9 @@ def bring_along(source: str, namespace: Mapping[str, Any]) -> list[tuple]:
         data, notebook_globals = _pickle(name, value)
         for dependency in sorted(notebook_globals):
             if namespace.get(dependency) is None:
-                raise BringAlongError(name, f"it refers to {dependency!r}, defined in the notebook but no "
-                                      "longer under that name")
+                raise BringAlongError(
+                    name, f"it refers to {dependency!r}, defined in the notebook but no longer under that name"
+                )
             visit(dependency)
         items.append(("value", name, data))
 
@@ -156,8 +167,9 @@ def _notebook_source(name: str, value: Any, namespace: Mapping[str, Any]) -> str
     if getattr(value, "__name__", "") == "<lambda>":
         raise BringAlongError(name, "it is a lambda; define it with def (in an earlier cell or in this one)")
     if getattr(value, "__closure__", None):
-        raise BringAlongError(name, "it is a closure (a function made by another function), whose captured "
-                              "values have no source")
+        raise BringAlongError(
+            name, "it is a closure (a function made by another function), whose captured values have no source"
+        )
     try:
         return textwrap.dedent(inspect.getsource(value))
     except (OSError, TypeError):
@@ -168,16 +180,20 @@ def _notebook_source(name: str, value: Any, namespace: Mapping[str, Any]) -> str
         with contextlib.suppress(SyntaxError):
             tree = ast.parse(cell)
             for node in tree.body:
-                if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == value.__name__:
+                if (
+                    isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                    and node.name == value.__name__
+                ):
                     first = min([node.lineno] + [d.lineno for d in node.decorator_list])
-                    return "".join(cell.splitlines(True)[first - 1:node.end_lineno])
+                    return "".join(cell.splitlines(True)[first - 1 : node.end_lineno])
     raise BringAlongError(name, "its source code cannot be found")
 
 
 class _NotebookGlobals(launching.CpuPickler):
     """The launcher's pickler (tensors to the CPU) that also notes the functions and classes of
     the notebook (module __main__) a value refers to: those must exist in the rank before it is
-    unpickled there."""
+    unpickled there.
+    """
 
     def __init__(self, file: io.BytesIO):
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
@@ -203,6 +219,7 @@ def _pickle(name: str, value: Any) -> tuple[bytes, set[str]]:
 # The notebook side: start the launcher process, relay its messages
 # --------------------------------------------------------------------------------------------
 
+
 class _Coordinator:
     def __init__(self, job: dict[str, Any], timeout: float | None):
         self.job, self.timeout = job, timeout
@@ -218,14 +235,25 @@ class _Coordinator:
             pickle.dump(self.job, f, protocol=pickle.HIGHEST_PROTOCOL)
         try:
             proc = subprocess.Popen(
-                [sys.executable, "-c", "from nbkit.spawning import _coordinate; _coordinate()", path,
-                 str(writer.fileno())],
-                pass_fds=(writer.fileno(),), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE, env=_child_environment(), cwd=os.getcwd(),
+                [
+                    sys.executable,
+                    "-c",
+                    "from nbkit.spawning import _coordinate; _coordinate()",
+                    path,
+                    str(writer.fileno()),
+                ],
+                pass_fds=(writer.fileno(),),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                env=_child_environment(),
+                cwd=os.getcwd(),
             )
             writer.close()  # the child holds the only writer: EOF means it is gone
-            forwarders = [self._forward(proc.stdout, self.stdout, keep=False),
-                          self._forward(proc.stderr, self.stderr, keep=True)]
+            forwarders = [
+                self._forward(proc.stdout, self.stdout, keep=False),
+                self._forward(proc.stderr, self.stderr, keep=True),
+            ]
             try:
                 outcome = self._wait(reader, proc)
             except KeyboardInterrupt:
@@ -265,8 +293,13 @@ class _Coordinator:
             if deadline is not None and time.monotonic() > deadline:
                 # The launcher enforces `timeout` itself; this only catches a launcher that hangs.
                 self._stop(proc)
-                return ("error", "The launch did not finish within the timeout; all processes were stopped.",
-                        {}, {}, True)
+                return (
+                    "error",
+                    "The launch did not finish within the timeout; all processes were stopped.",
+                    {},
+                    {},
+                    True,
+                )
 
     def _event(self, rank: int, metrics: dict[str, Any]) -> None:
         if self.board is None:
@@ -283,15 +316,19 @@ class _Coordinator:
         self._close_board(success)
         if outcome is None:
             tail = "".join(self.stderr_tail).strip()
-            raise LaunchError(f"The launcher process (spawn mode) exited with code {returncode} before "
-                              f"reporting a result.{' Its last output:' + chr(10) + tail if tail else ''}")
+            raise LaunchError(
+                f"The launcher process (spawn mode) exited with code {returncode} before "
+                f"reporting a result.{' Its last output:' + chr(10) + tail if tail else ''}"
+            )
         kind = outcome[0]
         if kind == "result":
             try:
                 return pickle.loads(outcome[1])
             except Exception as exc:
-                raise LaunchError(f"Rank 0's value came back but cannot be rebuilt in the notebook ({exc}). "
-                                  "Return plain data (numbers, strings, dicts, lists, tensors).") from exc
+                raise LaunchError(
+                    f"Rank 0's value came back but cannot be rebuilt in the notebook ({exc}). "
+                    "Return plain data (numbers, strings, dicts, lists, tensors)."
+                ) from exc
         if kind == "error":
             _, message, failures, errors, timed_out = outcome
             raise LaunchError(message, failures=failures, errors=errors, timed_out=timed_out)
@@ -306,7 +343,8 @@ class _Coordinator:
 
     def _forward(self, pipe: Any, stream: Any, keep: bool) -> threading.Thread:
         """Copy a pipe of the launcher process to the notebook as it arrives (progress bars and
-        partial lines included)."""
+        partial lines included).
+        """
 
         def copy() -> None:
             decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
@@ -348,6 +386,7 @@ def _child_environment() -> dict[str, str]:
 # The launcher process and its ranks
 # --------------------------------------------------------------------------------------------
 
+
 def _coordinate() -> None:
     """Entry point of the launcher process: argv = [payload path, writer fd]."""
     path, fd = sys.argv[1], int(sys.argv[2])
@@ -359,8 +398,15 @@ def _coordinate() -> None:
     linecache.cache[job["filename"]] = (len(job["source"]), None, job["source"].splitlines(True), job["filename"])
     dashboard.relay_to(conn)
     try:
-        value = launching.launch(_run_rank, job, gpus=job["gpus"], timeout=job["timeout"], quiet=job["quiet"],
-                                 env=job["env"], dashboard=job["dashboard"])
+        value = launching.launch(
+            _run_rank,
+            job,
+            gpus=job["gpus"],
+            timeout=job["timeout"],
+            quiet=job["quiet"],
+            env=job["env"],
+            dashboard=job["dashboard"],
+        )
         message: tuple = ("result", value)
     except LaunchError as exc:
         message = ("error", str(exc), exc.failures, exc.errors, exc.timed_out)
@@ -394,4 +440,3 @@ def _run_rank(job: dict[str, Any]) -> bytes | None:
     # Pickled here, unpickled in the notebook, where the notebook's own classes exist (the
     # launcher process in between has none of them).
     return launching.pickle_for_notebook(value) if distributed.rank() == 0 else None
-

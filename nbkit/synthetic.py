@@ -19,15 +19,60 @@ from typing import Any
 
 from PIL import Image, ImageDraw, ImageFont
 
-__all__ = ["vision_dataset", "text_dataset", "WORDS", "NUMBERS", "VISION_QUESTIONS", "TEXT_TASKS", "corpus"]
+__all__ = ["NUMBERS", "TEXT_TASKS", "VISION_QUESTIONS", "WORDS", "corpus", "text_dataset", "vision_dataset"]
 
 # Short, distinct words: readable at 64x64 and easy to check.
 WORDS: tuple[str, ...] = (
-    "cat", "dog", "sun", "moon", "star", "tree", "fish", "bird", "book", "ship",
-    "rain", "leaf", "king", "lamp", "door", "milk", "rose", "frog", "cake", "bell",
-    "fire", "snow", "wind", "gold", "blue", "red", "green", "apple", "house", "river",
-    "cloud", "stone", "bread", "chair", "table", "horse", "mouse", "light", "water", "plant",
-    "smile", "train", "music", "heart", "sand", "wolf", "bear", "duck", "kite", "ring",
+    "cat",
+    "dog",
+    "sun",
+    "moon",
+    "star",
+    "tree",
+    "fish",
+    "bird",
+    "book",
+    "ship",
+    "rain",
+    "leaf",
+    "king",
+    "lamp",
+    "door",
+    "milk",
+    "rose",
+    "frog",
+    "cake",
+    "bell",
+    "fire",
+    "snow",
+    "wind",
+    "gold",
+    "blue",
+    "red",
+    "green",
+    "apple",
+    "house",
+    "river",
+    "cloud",
+    "stone",
+    "bread",
+    "chair",
+    "table",
+    "horse",
+    "mouse",
+    "light",
+    "water",
+    "plant",
+    "smile",
+    "train",
+    "music",
+    "heart",
+    "sand",
+    "wolf",
+    "bear",
+    "duck",
+    "kite",
+    "ring",
 )
 
 # Numbers are drawn as text too, so the answers mix words and digits.
@@ -150,9 +195,7 @@ def text_dataset(n: int = 256, *, seed: int = 0) -> list[dict[str, Any]]:
     items = []
     for _ in range(n):
         prompt, answer = _text_item(rng.choice(TEXT_TASKS), rng)
-        items.append(
-            {"messages": [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}]}
-        )
+        items.append({"messages": [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}]})
     return items
 
 

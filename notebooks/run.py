@@ -38,16 +38,33 @@ NOTEBOOKS = ("qwen3_vl_2xT4", "text_llm_ddp", "model_parallel", "long_context")
 
 # Per notebook: (model without a GPU, model on GPUs without the hub, CPU-sized parameters).
 _OFFLINE: dict[str, tuple[str, str, dict[str, Any]]] = {
-    "qwen3_vl_2xT4": ("tiny:qwen3-vl", "random:qwen3-vl-2b",
-                      dict(max_steps=16, num_samples=64, batch_size=2, max_seq_length=256, image_size=64,
-                           learning_rate=1e-2)),
-    "text_llm_ddp": ("tiny:qwen3", "random:qwen3-1.7b",
-                     dict(max_steps=16, num_samples=128, batch_size=4, max_seq_length=128, learning_rate=1e-2)),
-    "model_parallel": ("tiny:qwen3", "random:qwen3-1.7b",  # one process: twice the batch of the DDP notebooks' two
-                       dict(max_steps=16, num_samples=128, batch_size=8, max_seq_length=128, learning_rate=1e-2)),
-    "long_context": ("tiny:qwen3", "random:qwen3-1.7b",
-                     dict(max_steps=16, num_samples=400, batch_size=1, max_seq_length=512, learning_rate=1e-2,
-                          measure_lengths=[256, 2048])),
+    "qwen3_vl_2xT4": (
+        "tiny:qwen3-vl",
+        "random:qwen3-vl-2b",
+        dict(max_steps=16, num_samples=64, batch_size=2, max_seq_length=256, image_size=64, learning_rate=1e-2),
+    ),
+    "text_llm_ddp": (
+        "tiny:qwen3",
+        "random:qwen3-1.7b",
+        dict(max_steps=16, num_samples=128, batch_size=4, max_seq_length=128, learning_rate=1e-2),
+    ),
+    "model_parallel": (
+        "tiny:qwen3",
+        "random:qwen3-1.7b",  # one process: twice the batch of the DDP notebooks' two
+        dict(max_steps=16, num_samples=128, batch_size=8, max_seq_length=128, learning_rate=1e-2),
+    ),
+    "long_context": (
+        "tiny:qwen3",
+        "random:qwen3-1.7b",
+        dict(
+            max_steps=16,
+            num_samples=400,
+            batch_size=1,
+            max_seq_length=512,
+            learning_rate=1e-2,
+            measure_lengths=[256, 2048],
+        ),
+    ),
 }
 _CPU_PROCESSES = 2
 _KERNEL = "nbkit-run"
@@ -97,7 +114,8 @@ def parameters(name: str, out: Path, *, gpu: bool, hub: bool, overrides: Mapping
 def _kernel_environment(hub: bool) -> Iterator[str]:
     """A kernelspec for this very interpreter, visible to papermill while the notebooks run, the
     nbkit of this checkout first on the kernel's path, and an offline hub where it cannot be
-    reached. Yields the kernel name."""
+    reached. Yields the kernel name.
+    """
     from ipykernel.kernelspec import write_kernel_spec
 
     from nbkit.config import environment
@@ -143,8 +161,13 @@ def run(
             print(f"nbkit: running {name} ({', '.join(f'{k}={v!r}' for k, v in params.items())})", flush=True)
             start = time.monotonic()
             papermill.execute_notebook(
-                str(HERE / f"{name}.ipynb"), str(target), parameters=params, kernel_name=kernel,
-                cwd=str(out), progress_bar=False, execution_timeout=timeout,
+                str(HERE / f"{name}.ipynb"),
+                str(target),
+                parameters=params,
+                kernel_name=kernel,
+                cwd=str(out),
+                progress_bar=False,
+                execution_timeout=timeout,
             )
             print(f"nbkit: {name} finished in {time.monotonic() - start:.0f} s -> {target}", flush=True)
             executed.append(target)
@@ -160,10 +183,18 @@ def _literal(text: str) -> Any:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("names", nargs="*", metavar="NAME", help=f"notebooks to run (default: all): {', '.join(NOTEBOOKS)}")
+    parser.add_argument(
+        "names", nargs="*", metavar="NAME", help=f"notebooks to run (default: all): {', '.join(NOTEBOOKS)}"
+    )
     parser.add_argument("--out", required=True, help="folder for the executed notebooks and their runs' files")
-    parser.add_argument("-p", "--parameter", action="append", default=[], metavar="KEY=VALUE",
-                        help="set a notebook parameter (repeatable)")
+    parser.add_argument(
+        "-p",
+        "--parameter",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="set a notebook parameter (repeatable)",
+    )
     parser.add_argument("--timeout", type=float, default=1800, help="seconds one cell may run (default 1800)")
     args = parser.parse_args(argv)
     overrides = {}

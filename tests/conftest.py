@@ -13,7 +13,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 # Tests fork processes after tokenizing; the Rust thread pool must not be live across a fork.
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
 
-import torch  # noqa: E402
+import torch
 
 # The test models are tiny and CI has 2 shared cores: a second intra-op thread only spin-waits
 # (measured here: 15 steps of tiny:qwen3 took 1.6 s on one thread, 15 s on two under load).

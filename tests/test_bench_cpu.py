@@ -47,8 +47,13 @@ def test_gc_pauses_are_counted_per_generation_inside_the_block_only():
 
 def test_ddp_options_parse_and_reject_unknown_keys():
     options = dict(common.parse_ddp_options("bucket_cap_mb=100, static_graph=true,comm_hook=bf16"))
-    assert options == {"bucket_cap_mb": 100, "static_graph": True, "comm_hook": "bf16",
-                       "find_unused_parameters": "auto", "freeze_unused": True}
+    assert options == {
+        "bucket_cap_mb": 100,
+        "static_graph": True,
+        "comm_hook": "bf16",
+        "find_unused_parameters": "auto",
+        "freeze_unused": True,
+    }
     assert common.ddp_label(options) == "bucket_cap_mb=100,comm_hook=bf16,static_graph=True"
     with pytest.raises(ValueError, match="bucket_cap_mb"):  # the message lists the known keys
         common.parse_ddp_options("bucket_size=100")
@@ -74,9 +79,28 @@ def test_synthetic_image_batch_shards_back_into_the_global_batch(tiny_vl_path):
 
 def test_bench_runs_launches_side_by_side_and_records_failures(tmp_path, tiny_vl_path):
     out, md = tmp_path / "results.json", tmp_path / "results.md"
-    cmd = [sys.executable, str(BENCHMARKS / "bench.py"), "--configs", "nbkit:2,nbkit:2@accelerate,unsloth:1",
-           "--model", "tiny:qwen3-vl", "--seq-lens", "32,128", "--image", "--steps", "2", "--warmup", "1",
-           "--profile", "--profile-steps", "1", "--out", str(out), "--md", str(md)]
+    cmd = [
+        sys.executable,
+        str(BENCHMARKS / "bench.py"),
+        "--configs",
+        "nbkit:2,nbkit:2@accelerate,unsloth:1",
+        "--model",
+        "tiny:qwen3-vl",
+        "--seq-lens",
+        "32,128",
+        "--image",
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+        "--profile",
+        "--profile-steps",
+        "1",
+        "--out",
+        str(out),
+        "--md",
+        str(md),
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "[nbkit:2] fp32 128x4:" in done.stdout  # progress lines as it goes
@@ -123,9 +147,24 @@ def test_bench_runs_launches_side_by_side_and_records_failures(tmp_path, tiny_vl
 
 def test_gradient_accumulation_counts_every_micro_batch(tmp_path):
     out = tmp_path / "ga.json"
-    cmd = [sys.executable, str(BENCHMARKS / "bench.py"), "--configs", "nbkit:1@notebook,nbkit:2",
-           "--model", "tiny:qwen3", "--seq-lens", "64x2", "--grad-accum", "3", "--steps", "2", "--warmup", "1",
-           "--out", str(out)]
+    cmd = [
+        sys.executable,
+        str(BENCHMARKS / "bench.py"),
+        "--configs",
+        "nbkit:1@notebook,nbkit:2",
+        "--model",
+        "tiny:qwen3",
+        "--seq-lens",
+        "64x2",
+        "--grad-accum",
+        "3",
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+        "--out",
+        str(out),
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     rows = {r["config"]: r for r in json.loads(out.read_text())["results"]}
@@ -135,7 +174,8 @@ def test_gradient_accumulation_counts_every_micro_batch(tmp_path):
         assert row["tokens_per_step"] == 64 * 2 * 3 * world
         assert row["tokens_per_s_per_gpu"] == pytest.approx(64 * 2 * 3 / row["step_time_s"]["median"])
     assert rows["nbkit:2"]["scaling"] == pytest.approx(
-        rows["nbkit:2"]["tokens_per_s_total"] / rows["nbkit:1@notebook"]["tokens_per_s_total"])
+        rows["nbkit:2"]["tokens_per_s_total"] / rows["nbkit:1@notebook"]["tokens_per_s_total"]
+    )
     assert "64x2 GA3" in out.with_suffix(".md").read_text()
 
 
@@ -149,8 +189,9 @@ def test_accumulated_micro_batches_give_the_update_of_their_mean(tiny_text_path)
     for accum in (1, 3):
         model = AutoModelForCausalLM.from_pretrained(tiny_text_path)
         before = model.lm_head.weight.detach().clone()
-        common.Stepper(model, "fp32", torch.device("cpu"), optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
-                       grad_accum=accum).step(batch)
+        common.Stepper(
+            model, "fp32", torch.device("cpu"), optimizer=torch.optim.SGD(model.parameters(), lr=1.0), grad_accum=accum
+        ).step(batch)
         updates.append(model.lm_head.weight.detach() - before)
     assert updates[0].abs().max() > 0
     torch.testing.assert_close(updates[1], updates[0])  # the same batch three times, each a third: one step's update

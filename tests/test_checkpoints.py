@@ -47,8 +47,11 @@ def test_the_marker_tells_complete_checkpoints_from_half_written_ones(tmp_path: 
     assert [is_complete(p) for p in (first, second, unmarked, truncated, missing)] == [True, True, False, False, False]
     marker = json.loads((second / MARKER).read_text())
     assert marker["global_step"] == 20
-    assert marker["files"] == {"adapter_model.safetensors": 4096, "sub/optimizer.pt": 1024,
-                               "trainer_state.json": len(json.dumps({"global_step": 20}))}
+    assert marker["files"] == {
+        "adapter_model.safetensors": 4096,
+        "sub/optimizer.pt": 1024,
+        "trainer_state.json": len(json.dumps({"global_step": 20})),
+    }
     assert not list(second.glob(f".{MARKER}*"))  # the temporary name was renamed away
 
     assert resume_point(out) == str(second)
@@ -58,15 +61,21 @@ def test_the_marker_tells_complete_checkpoints_from_half_written_ones(tmp_path: 
         "without nbkit).\n"
     )
     assert sorted(p.name for p in out.iterdir()) == [  # resume_point deletes nothing
-        "checkpoint-10", "checkpoint-20", "checkpoint-30", "checkpoint-40", "checkpoint-50", "checkpoint-60",
+        "checkpoint-10",
+        "checkpoint-20",
+        "checkpoint-30",
+        "checkpoint-40",
+        "checkpoint-50",
+        "checkpoint-60",
         "checkpoint-notes",
     ]
 
     only_partial = tmp_path / "partial"
     _write_checkpoint(only_partial, 5, marked=False)
     assert resume_point(only_partial) is None
-    assert capsys.readouterr().out.startswith(f"nbkit: no complete checkpoint in {only_partial}; starting fresh. "
-                                              "Skipped checkpoint-5:")
+    assert capsys.readouterr().out.startswith(
+        f"nbkit: no complete checkpoint in {only_partial}; starting fresh. Skipped checkpoint-5:"
+    )
 
 
 def test_rotation_deletes_only_complete_checkpoints_and_keeps_the_newest_and_best(tmp_path: Path) -> None:
@@ -81,6 +90,7 @@ def test_rotation_deletes_only_complete_checkpoints_and_keeps_the_newest_and_bes
 
 # ----------------------------------------------------------------------------------------------
 # Real training: 2 gloo ranks, Trainer saving every 2 steps with save_total_limit=1.
+
 
 class _Killed(Exception):
     pass
@@ -99,12 +109,22 @@ def _train(path: str, out: str, max_steps: int, kill_at: int | None) -> dict:
             self.steps.append(state.global_step)
 
     torch.manual_seed(0)
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(path),
-                           LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(path), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear")
+    )
     g = torch.Generator().manual_seed(1)
     data = [{"input_ids": (ids := torch.randint(8, 1000, (16,), generator=g)), "labels": ids} for _ in range(64)]
-    args = TrainingArguments(output_dir=out, per_device_train_batch_size=2, max_steps=max_steps, learning_rate=1e-3,
-                             save_steps=2, save_total_limit=1, report_to=[], disable_tqdm=True, logging_steps=1)
+    args = TrainingArguments(
+        output_dir=out,
+        per_device_train_batch_size=2,
+        max_steps=max_steps,
+        learning_rate=1e-3,
+        save_steps=2,
+        save_total_limit=1,
+        report_to=[],
+        disable_tqdm=True,
+        logging_steps=1,
+    )
     steps = StepsRun()
     trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[steps])
     if kill_at is not None and nbkit.is_main():

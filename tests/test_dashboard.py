@@ -12,11 +12,26 @@ from nbkit import dashboard
 from nbkit.dashboard import Dashboard
 
 
-def _step(step: int, loss: float, *, rate: float = 100.0, seen: int | None = None, elapsed: float | None = None,
-          memory: float = 1.0) -> dict:
-    return {"step": step, "total_steps": 10, "loss": loss, "learning_rate": 1e-4, "tokens_per_second": rate,
-            "tokens_seen": seen if seen is not None else 100 * step, "elapsed": elapsed if elapsed is not None else step,
-            "peak_memory_gib": memory, "memory_device": "cpu"}
+def _step(
+    step: int,
+    loss: float,
+    *,
+    rate: float = 100.0,
+    seen: int | None = None,
+    elapsed: float | None = None,
+    memory: float = 1.0,
+) -> dict:
+    return {
+        "step": step,
+        "total_steps": 10,
+        "loss": loss,
+        "learning_rate": 1e-4,
+        "tokens_per_second": rate,
+        "tokens_seen": seen if seen is not None else 100 * step,
+        "elapsed": elapsed if elapsed is not None else step,
+        "peak_memory_gib": memory,
+        "memory_device": "cpu",
+    }
 
 
 def test_snapshot_sums_rates_averages_losses_and_keeps_peaks():
@@ -84,8 +99,11 @@ def test_interval_zero_prints_every_event_and_failure_says_so():
         board.event(0, _step(step, 1.0 / step))
     board.close(success=False)
     lines = out.getvalue().splitlines()
-    assert [line.split(" | ")[0] for line in lines[:3]] == ["nbkit: step 1/10 (10%)", "nbkit: step 2/10 (20%)",
-                                                            "nbkit: step 3/10 (30%)"]
+    assert [line.split(" | ")[0] for line in lines[:3]] == [
+        "nbkit: step 1/10 (10%)",
+        "nbkit: step 2/10 (20%)",
+        "nbkit: step 3/10 (30%)",
+    ]
     assert lines[3].startswith("nbkit: stopped (failed or interrupted)")
 
 

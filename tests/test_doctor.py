@@ -14,8 +14,11 @@ doctor_module = importlib.import_module("nbkit.diagnostics")
 
 
 def test_a_set_secret_is_reported_as_set_and_its_value_never_appears(monkeypatch):
-    values = {"HF_TOKEN": "hf_SeCrEtVaLuE123", "WANDB_API_KEY": "wandb-0123456789abcdef",
-              "MY_SERVICE_TOKEN": "tok-zzz-987"}
+    values = {
+        "HF_TOKEN": "hf_SeCrEtVaLuE123",
+        "WANDB_API_KEY": "wandb-0123456789abcdef",
+        "MY_SERVICE_TOKEN": "tok-zzz-987",
+    }
     for name, value in values.items():
         monkeypatch.setenv(name, value)
     monkeypatch.delenv("KAGGLE_KEY", raising=False)
@@ -71,12 +74,15 @@ def test_a_fork_blocker_in_this_process_is_flagged_with_the_way_out():
     assert "Restart the kernel" in problem.fix
 
 
-@pytest.mark.parametrize(("installed", "flagged"), [
-    ({"unsloth": "2026.10.9", "unsloth_zoo": "2026.10.9", "transformers": "5.0.0"}, "transformers 5.0.0"),
-    ({"unsloth": "2026.10.9", "unsloth_zoo": "2026.10.9", "trl": "1.16.0"}, "trl 1.16.0"),
-    ({"unsloth": "2026.10.9", "unsloth_zoo": "2026.9.1"}, "unsloth_zoo 2026.9.1"),
-    ({"torch": "2.13.0", "torchvision": "0.24.0"}, "torchvision 0.24.0 does not belong to torch 2.13.0"),
-])
+@pytest.mark.parametrize(
+    ("installed", "flagged"),
+    [
+        ({"unsloth": "2026.10.9", "unsloth_zoo": "2026.10.9", "transformers": "5.0.0"}, "transformers 5.0.0"),
+        ({"unsloth": "2026.10.9", "unsloth_zoo": "2026.10.9", "trl": "1.16.0"}, "trl 1.16.0"),
+        ({"unsloth": "2026.10.9", "unsloth_zoo": "2026.9.1"}, "unsloth_zoo 2026.9.1"),
+        ({"torch": "2.13.0", "torchvision": "0.24.0"}, "torchvision 0.24.0 does not belong to torch 2.13.0"),
+    ],
+)
 def test_known_bad_combinations_are_flagged(monkeypatch, installed, flagged):
     real = doctor_module._version
     monkeypatch.setattr(doctor_module, "_version", lambda name: installed.get(name, real(name)))
@@ -86,9 +92,18 @@ def test_known_bad_combinations_are_flagged(monkeypatch, installed, flagged):
 
 
 def test_a_supported_unsloth_stack_raises_no_version_problem(monkeypatch):
-    good = {"unsloth": "2026.10.9", "unsloth_zoo": "2026.10.9", "torch": "2.13.0", "transformers": "5.17.0",
-            "trl": "1.15.0", "peft": "0.21.0", "accelerate": "1.15.0", "bitsandbytes": "0.49.0",
-            "datasets": "4.8.5", "torchvision": "0.28.0"}
+    good = {
+        "unsloth": "2026.10.9",
+        "unsloth_zoo": "2026.10.9",
+        "torch": "2.13.0",
+        "transformers": "5.17.0",
+        "trl": "1.15.0",
+        "peft": "0.21.0",
+        "accelerate": "1.15.0",
+        "bitsandbytes": "0.49.0",
+        "datasets": "4.8.5",
+        "torchvision": "0.28.0",
+    }
     monkeypatch.setattr(doctor_module, "_version", lambda name: good.get(name))
     assert [p.what for p in doctor().problems if " is outside " in p.what or "torchvision" in p.what] == []
 

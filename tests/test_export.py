@@ -72,9 +72,14 @@ def test_the_script_holds_what_the_cell_needs_and_nothing_else(exported):
 
 def test_runs_under_torchrun_with_two_gloo_processes(exported):
     script, out_dir = exported
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", script.name],
-                          cwd=script.parent, capture_output=True, text=True, timeout=240,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", script.name],
+        cwd=script.parent,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((out_dir / "result.json").read_text())
     # ranks contribute 3 and 6; three all-reduces over 2 ranks multiply the sum by 4

@@ -45,8 +45,9 @@ def _train(backend: str, path: str) -> dict:
         trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
         before = {n: p.detach().cpu().clone() for n, p in trainable.items()}
         batches = [
-            common.shard_batch(common.synthetic_batch(model.config, SEQ_LEN, GLOBAL_BATCH, device, image=True, seed=s),
-                               world, rank)
+            common.shard_batch(
+                common.synthetic_batch(model.config, SEQ_LEN, GLOBAL_BATCH, device, image=True, seed=s), world, rank
+            )
             for s in range(STEPS)
         ]
         unused = common.probe(common.Stepper(model, "bf16", device), batches[0])
@@ -76,11 +77,16 @@ def two_gpus() -> None:
         pytest.skip(f"needs 2 GPUs, this machine has {len(gpus)}")
 
 
-@pytest.mark.parametrize("backend", [
-    "nbkit",
-    pytest.param("unsloth", marks=pytest.mark.skipif(importlib.util.find_spec("unsloth") is None,
-                                                     reason="unsloth is not installed")),
-])
+@pytest.mark.parametrize(
+    "backend",
+    [
+        "nbkit",
+        pytest.param(
+            "unsloth",
+            marks=pytest.mark.skipif(importlib.util.find_spec("unsloth") is None, reason="unsloth is not installed"),
+        ),
+    ],
+)
 def test_ddp_on_two_gpus_equals_one_gpu_on_the_same_global_batch(backend, two_gpus, tiny_vl_path):
     one = nbkit.launch(_train, backend, tiny_vl_path, gpus=1, timeout=900, dashboard=False)
     two = nbkit.launch(_train, backend, tiny_vl_path, gpus=2, timeout=900, dashboard=False)

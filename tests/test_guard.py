@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
@@ -22,7 +23,7 @@ def _error(call: Callable[[], Any]) -> list[str] | None:
     """[exception type, message] of what call raises, None when it returns."""
     try:
         call()
-    except Exception as exc:  # noqa: BLE001 - the test compares the type by name
+    except Exception as exc:
         return [type(exc).__name__, str(exc)]
     return None
 
@@ -38,8 +39,11 @@ def _policy_matrix(out_dir: str, tiny_path: str) -> dict[str, Any]:
     r["automatic"] = {str(m): nbkit.resolve_device_map(m) for m in AUTOMATIC}
     own = {"model.embed_tokens": f"cuda:{mine}", "model.layers": mine, "lm_head": "cpu"}
     r["own_dict_is_unchanged"] = nbkit.resolve_device_map(own) is own
-    r["foreign_dict"] = _error(lambda: nbkit.resolve_device_map(
-        {"model.embed_tokens": "cpu", "model.layers.1": f"cuda:{other}", "lm_head": other}))
+    r["foreign_dict"] = _error(
+        lambda: nbkit.resolve_device_map(
+            {"model.embed_tokens": "cpu", "model.layers.1": f"cuda:{other}", "lm_head": other}
+        )
+    )
     r["foreign_device"] = _error(lambda: nbkit.resolve_device_map(torch.device("cuda", other)))
     model = AutoModelForCausalLM.from_pretrained(tiny_path, device_map="auto")
     r["auto_class_device"] = str(model.device)
@@ -80,9 +84,15 @@ def test_every_policy_branch_in_a_two_process_launch(tmp_path, tiny_text_path, c
             kind, message = r[key]
             assert kind == "DeviceMapError", key
             assert f"device_map={asked!r}" in message and f"rank {rank} of 2" in message
-            for teaches in ("data parallel", "device_map=None", "model parallel", "device_map='balanced'",
-                            "outside nbkit.launch", "nbkit.configure(device_map_policy='data_parallel')",
-                            "NBKIT_DEVICE_MAP_POLICY"):
+            for teaches in (
+                "data parallel",
+                "device_map=None",
+                "model parallel",
+                "device_map='balanced'",
+                "outside nbkit.launch",
+                "nbkit.configure(device_map_policy='data_parallel')",
+                "NBKIT_DEVICE_MAP_POLICY",
+            ):
                 assert teaches in message, (key, teaches)
         # quantized loads and unset maps are placed on the rank's device whatever the policy
         assert r["env_error_quantized"] == r["env_error_unset"] == {"": "cpu"}
@@ -117,8 +127,14 @@ def test_outside_a_launch_everything_passes_through(tiny_text_path, capfd, monke
 def test_a_model_too_large_for_one_gpu_is_refused_with_numbers_and_alternatives():
     from transformers import LlamaConfig
 
-    seventy_b = LlamaConfig(vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
-                            num_attention_heads=64, num_key_value_heads=8)
+    seventy_b = LlamaConfig(
+        vocab_size=128256,
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_hidden_layers=80,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+    )
     estimate = plan(seventy_b, gpus=1, gpu_memory_gib=15, seq_len=512)
     message = guard.fit_error(estimate, "meta-llama/Llama-3.3-70B")
     assert message is not None
@@ -143,8 +159,14 @@ def test_ddp_load_of_a_model_no_gpu_holds_fails_before_loading(tmp_path):
     """On 2 GPUs: a 70B config (no weights on disk at all) is refused by the fit check, not by a missing file."""
     from transformers import LlamaConfig
 
-    LlamaConfig(vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
-                num_attention_heads=64, num_key_value_heads=8).save_pretrained(tmp_path)
+    LlamaConfig(
+        vocab_size=128256,
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_hidden_layers=80,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+    ).save_pretrained(tmp_path)
     kind, message = nbkit.launch(_load_huge, str(tmp_path), gpus=2)
     assert kind == "DeviceMapError" and "does not fit on one GPU" in message
 

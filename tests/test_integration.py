@@ -17,8 +17,9 @@ import nbkit
 from nbkit import integration, patching
 
 GUARD_TARGET = "transformers.modeling_utils:PreTrainedModel.from_pretrained"
-UNSLOTH_TARGETS = [f"unsloth.models.loader:{name}.from_pretrained"
-                   for name in ("FastVisionModel", "FastModel", "FastLanguageModel")]
+UNSLOTH_TARGETS = [
+    f"unsloth.models.loader:{name}.from_pretrained" for name in ("FastVisionModel", "FastModel", "FastLanguageModel")
+]
 
 
 @pytest.fixture(autouse=True)
@@ -30,8 +31,13 @@ def _nothing_installed():
 
 def _descriptors() -> dict[str, Any]:
     """What every class whose from_pretrained users call holds in its own __dict__ (None: inherited)."""
-    classes = (PreTrainedModel, _BaseAutoModelClass, AutoModelForCausalLM, AutoModelForImageTextToText,
-               Qwen3ForCausalLM)
+    classes = (
+        PreTrainedModel,
+        _BaseAutoModelClass,
+        AutoModelForCausalLM,
+        AutoModelForImageTextToText,
+        Qwen3ForCausalLM,
+    )
     return {cls.__name__: vars(cls).get("from_pretrained") for cls in classes}
 
 
@@ -46,7 +52,8 @@ def test_install_is_idempotent_and_uninstall_restores_the_exact_descriptors():
     assert patched.__func__.__wrapped__ is original.__func__
     assert Qwen3ForCausalLM.from_pretrained.__func__ is patched.__func__  # model classes inherit the guard
     assert {k: v for k, v in _descriptors().items() if k != "PreTrainedModel"} == {
-        k: v for k, v in before.items() if k != "PreTrainedModel"}  # Auto classes untouched (they call it)
+        k: v for k, v in before.items() if k != "PreTrainedModel"
+    }  # Auto classes untouched (they call it)
 
     assert nbkit.install() == integration.installed()
     assert vars(PreTrainedModel)["from_pretrained"] is patched  # a second install wraps nothing again
@@ -75,7 +82,7 @@ def test_groups_can_be_left_out_and_a_missing_savers_module_is_skipped():
 # A stand-in for unsloth.models.loader (unsloth cannot be installed without a GPU): the same class
 # layout (FastVisionModel inherits FastModel's staticmethod), the same leading parameters, and a
 # functools.wraps decorator that, like unsloth's, sees which keywords the caller passed explicitly.
-_FAKE_LOADER = '''
+_FAKE_LOADER = """
 import functools
 
 DEFAULT_DEVICE_MAP = "sequential"
@@ -107,7 +114,7 @@ class FastVisionModel(FastModel):
 
 
 ORIGINALS = {cls.__name__: vars(cls).get("from_pretrained") for cls in (FastLanguageModel, FastModel, FastVisionModel)}
-'''
+"""
 
 
 def _unsloth_imported_inside(fake_root: str) -> dict[str, Any]:
@@ -123,8 +130,9 @@ def _unsloth_imported_inside(fake_root: str) -> dict[str, Any]:
     calls = {
         "default_4bit_balanced": lambda: FastVisionModel.from_pretrained("m", device_map="balanced"),
         "16bit_balanced": lambda: FastVisionModel.from_pretrained("m", load_in_4bit=False, device_map="balanced"),
-        "positional_auto": lambda: FastLanguageModel.from_pretrained("m", 2048, None, False, False, False, False,
-                                                                     None, "auto"),
+        "positional_auto": lambda: FastLanguageModel.from_pretrained(
+            "m", 2048, None, False, False, False, False, None, "auto"
+        ),
         "load_in_16bit_auto": lambda: FastModel.from_pretrained("m", load_in_16bit=True, device_map="auto"),
         "unset": lambda: FastLanguageModel.from_pretrained("m"),
         "other_rank": lambda: FastModel.from_pretrained("m", device_map={"": f"cuda:{1 - nbkit.local_rank()}"}),
@@ -138,8 +146,10 @@ def _unsloth_imported_inside(fake_root: str) -> dict[str, Any]:
         except nbkit.DeviceMapError as exc:
             r[name] = f"DeviceMapError: {exc}"
     nbkit.uninstall()
-    r["restored"] = {cls.__name__: vars(cls).get("from_pretrained") is loader.ORIGINALS[cls.__name__]
-                     for cls in (FastLanguageModel, FastModel, FastVisionModel)}
+    r["restored"] = {
+        cls.__name__: vars(cls).get("from_pretrained") is loader.ORIGINALS[cls.__name__]
+        for cls in (FastLanguageModel, FastModel, FastVisionModel)
+    }
     r["after_uninstall"] = FastVisionModel.from_pretrained("m", load_in_4bit=False, device_map="balanced")["device_map"]
     return r
 

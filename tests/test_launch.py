@@ -204,7 +204,6 @@ def test_checks_before_launching():
         nbkit.launch(train_gen, gpus=2)
 
 
-
 def test_bitsandbytes_imported_without_cuda_does_not_block_forking(monkeypatch):
     # peft imports bitsandbytes wherever it is installed; accelerate alone would refuse to fork.
     # What breaks fork is a CUDA context, and there is none here.

@@ -34,8 +34,15 @@ def _train_both(path: str, out_dir: str) -> dict:
     before = _lora_weights(model)
     g = torch.Generator().manual_seed(1)
     data = [{"input_ids": (ids := torch.randint(8, 1000, (24,), generator=g)), "labels": ids} for _ in range(16)]
-    args = TrainingArguments(output_dir=f"{out_dir}/trainer", per_device_train_batch_size=2, max_steps=3,
-                             learning_rate=5e-3, report_to=[], save_strategy="no", disable_tqdm=True)
+    args = TrainingArguments(
+        output_dir=f"{out_dir}/trainer",
+        per_device_train_batch_size=2,
+        max_steps=3,
+        learning_rate=5e-3,
+        report_to=[],
+        save_strategy="no",
+        disable_tqdm=True,
+    )
     Trainer(model=model, args=args, train_dataset=data).train()
     after = _lora_weights(model)
     report["trainer"] = {
@@ -48,11 +55,22 @@ def _train_both(path: str, out_dir: str) -> dict:
     # TRL's SFTTrainer on the synthetic chat dataset.
     model = lora_model()
     tokenizer = AutoTokenizer.from_pretrained(path)
-    config = SFTConfig(output_dir=f"{out_dir}/sft", per_device_train_batch_size=2, max_steps=3,
-                       learning_rate=5e-3, report_to=[], save_strategy="no", disable_tqdm=True, max_length=64, logging_steps=1,
-                       bf16=nbkit.precision() == "bf16", fp16=nbkit.precision() == "fp16")
-    trainer = SFTTrainer(model=model, args=config, processing_class=tokenizer,
-                         train_dataset=Dataset.from_list(nbkit.text_dataset(24)))
+    config = SFTConfig(
+        output_dir=f"{out_dir}/sft",
+        per_device_train_batch_size=2,
+        max_steps=3,
+        learning_rate=5e-3,
+        report_to=[],
+        save_strategy="no",
+        disable_tqdm=True,
+        max_length=64,
+        logging_steps=1,
+        bf16=nbkit.precision() == "bf16",
+        fp16=nbkit.precision() == "fp16",
+    )
+    trainer = SFTTrainer(
+        model=model, args=config, processing_class=tokenizer, train_dataset=Dataset.from_list(nbkit.text_dataset(24))
+    )
     trainer.train()
     report["sft"] = {
         "args_world_size": config.world_size,

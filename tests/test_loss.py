@@ -275,8 +275,14 @@ def test_qwen3_vl_with_an_image(tiny_vl_path):
 def _tiny_text_model(cls_name: str, **overrides):
     config_cls = getattr(transformers, cls_name + "Config")
     config = config_cls(
-        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=8, **overrides,
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        **overrides,
     )
     torch.manual_seed(0)
     return getattr(transformers, cls_name + "ForCausalLM")(config)

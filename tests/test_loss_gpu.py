@@ -53,7 +53,12 @@ def test_hidden_on_cuda1_head_on_cuda0_matches_single_device(softcap):
     h1 = hidden.to("cuda:1").requires_grad_()
     w, b = weight.to("cuda:0").requires_grad_(), bias.to("cuda:0").requires_grad_()
     ours = chunked.linear_cross_entropy(
-        h1, w, labels.to("cuda:1"), bias=b, softcap=softcap, chunk_size=128,
+        h1,
+        w,
+        labels.to("cuda:1"),
+        bias=b,
+        softcap=softcap,
+        chunk_size=128,
         num_items_in_batch=torch.tensor(321, device="cuda:1"),
     )
     ours.backward()
@@ -108,7 +113,7 @@ def test_peak_memory_is_a_chunk_not_the_logits():
     device = torch.device("cuda:0")
     g = torch.Generator(device=device).manual_seed(0)
     hidden = torch.randn(N, H, device=device, dtype=torch.bfloat16, generator=g).requires_grad_()
-    weight = (torch.randn(V, H, device=device, dtype=torch.bfloat16, generator=g) / H**0.5)
+    weight = torch.randn(V, H, device=device, dtype=torch.bfloat16, generator=g) / H**0.5
     labels = torch.randint(0, V, (N,), device=device, generator=g)
 
     def peak_extra(fn) -> float:
@@ -121,7 +126,9 @@ def test_peak_memory_is_a_chunk_not_the_logits():
 
     ours = peak_extra(lambda: chunked.linear_cross_entropy(hidden, weight, labels).backward())
     hidden.grad = None
-    reference = peak_extra(lambda: F.cross_entropy(F.linear(hidden, weight).float(), F.pad(labels, (0, 1), value=-100)[1:]).backward())
+    reference = peak_extra(
+        lambda: F.cross_entropy(F.linear(hidden, weight).float(), F.pad(labels, (0, 1), value=-100)[1:]).backward()
+    )
     print(f"peak extra memory: chunked {ours:.2f} GiB, full logits {reference:.2f} GiB")
     assert reference > 4.5
     assert ours < 1.5

@@ -19,22 +19,28 @@ SECRET = "hf_DoNotPrintMe_4242"
 CELLS = {
     "setup": "%load_ext nbkit\nimport os, json\nos.environ['NBKIT_DASHBOARD_INTERVAL'] = '0'\nbase = 40",
     "names": "def helper(r):\n    return base + r\n\nclass Box:\n    def __init__(self, v):\n        self.v = v\n\nbox = Box(2)",
-    "train": ("%%ddp --gpus 2 --out res\nimport nbkit\nfor s in range(1, 3):\n"
-              "    nbkit.report(step=s, loss=1.0 / s, total_steps=2, tokens=10)\n"
-              "print(f'rank {nbkit.rank()} says hi')\nhelper(nbkit.rank()) + box.v"),
-    "inspect": ("import nbkit.dashboard as d\n"
-                "print(json.dumps({'res': res, 'events': [[r, e] for r, e in d.latest().events]}))"),
+    "train": (
+        "%%ddp --gpus 2 --out res\nimport nbkit\nfor s in range(1, 3):\n"
+        "    nbkit.report(step=s, loss=1.0 / s, total_steps=2, tokens=10)\n"
+        "print(f'rank {nbkit.rank()} says hi')\nhelper(nbkit.rank()) + box.v"
+    ),
+    "inspect": (
+        "import nbkit.dashboard as d\nprint(json.dumps({'res': res, 'events': [[r, e] for r, e in d.latest().events]}))"
+    ),
     "fail": "%%ddp --gpus 2\nimport nbkit\nif nbkit.rank() == 1:\n    raise ValueError('rank one is broken')\n1",
     "widgets": "os.environ['NBKIT_DASHBOARD'] = 'widget'",
     "again": "%%ddp --gpus 2 --out again\nimport nbkit\nnbkit.report(step=1, loss=0.5, total_steps=1)\nbase + 2",
     "text": "os.environ['NBKIT_DASHBOARD'] = 'text'\nprint(again)",
     "doctor": "%nbkit doctor",
     "plan": "%nbkit plan tiny:qwen3 --gpus 2 --gpu-memory 15 --seq-len 256",
-    "blocker": ("import threading\nlock = threading.Lock()\n"
-                "from accelerate import PartialState\nstate = PartialState()"),
+    "blocker": (
+        "import threading\nlock = threading.Lock()\nfrom accelerate import PartialState\nstate = PartialState()"
+    ),
     "unbringable": "%%ddp --gpus 2\nlock",
-    "spawned": ("%%ddp --gpus 2 --out spawned\nimport nbkit, math\nnbkit.report(step=1, loss=0.25, total_steps=1)\n"
-                "[helper(nbkit.rank()), box.v, math.floor(2.5), type(box).__name__]"),
+    "spawned": (
+        "%%ddp --gpus 2 --out spawned\nimport nbkit, math\nnbkit.report(step=1, loss=0.25, total_steps=1)\n"
+        "[helper(nbkit.rank()), box.v, math.floor(2.5), type(box).__name__]"
+    ),
 }
 
 
@@ -42,8 +48,9 @@ def _run(cells: dict[str, str], path, kernel_name: str) -> dict[str, dict]:
     """Execute the cells in a fresh kernel of this interpreter; {cell name: its outputs}."""
     nb = new_notebook()
     nb.cells = [new_code_cell(source) for source in cells.values()]
-    NotebookClient(nb, kernel_name=kernel_name, timeout=300, allow_errors=True,
-                   resources={"metadata": {"path": str(path)}}).execute()
+    NotebookClient(
+        nb, kernel_name=kernel_name, timeout=300, allow_errors=True, resources={"metadata": {"path": str(path)}}
+    ).execute()
     return {name: _read(cell) for name, cell in zip(cells, nb.cells)}
 
 
@@ -86,8 +93,9 @@ def test_dashboard_events_arrive_in_order_and_the_text_fallback_prints_them(outp
         mine = [e for r, e in events if r == rank]
         assert [e["step"] for e in mine] == [1, 2]
         assert [e["loss"] for e in mine] == [1.0, 0.5]
-        assert all(e["total_steps"] == 2 and e["tokens_seen"] > 0 and "peak_memory_gib" in e and "elapsed" in e
-                   for e in mine)
+        assert all(
+            e["total_steps"] == 2 and e["tokens_seen"] > 0 and "peak_memory_gib" in e and "elapsed" in e for e in mine
+        )
     text = outputs["train"]["stdout"]
     assert "nbkit: step 1/2 (50%) | loss 1.0000" in text
     assert "nbkit: step 2/2 (100%) | loss 0.5000" in text
@@ -156,14 +164,20 @@ def test_after_cuda_is_initialised_in_the_kernel_ddp_spawns_and_uses_every_gpu(t
     gpus = torch.cuda.device_count()
     if gpus < 2:
         pytest.skip("needs 2 GPUs")
-    out = _run({
-        "setup": "%load_ext nbkit\nimport torch\nx = torch.ones(3, device='cuda')  # inference in the notebook",
-        "train": ("%%ddp --out r\nimport torch, nbkit, torch.distributed as dist\n"
-                  "torch.cuda.set_device(nbkit.local_rank())\ndist.init_process_group('nccl')\n"
-                  "t = torch.ones(1, device='cuda') * (nbkit.rank() + 1)\ndist.all_reduce(t)\n"
-                  "nbkit.report(step=1, loss=t.item(), total_steps=1)\ndist.destroy_process_group()\n"
-                  "(t.item(), x.sum().item(), str(x.device))"),
-    }, tmp_path, kernel_name)
+    out = _run(
+        {
+            "setup": "%load_ext nbkit\nimport torch\nx = torch.ones(3, device='cuda')  # inference in the notebook",
+            "train": (
+                "%%ddp --out r\nimport torch, nbkit, torch.distributed as dist\n"
+                "torch.cuda.set_device(nbkit.local_rank())\ndist.init_process_group('nccl')\n"
+                "t = torch.ones(1, device='cuda') * (nbkit.rank() + 1)\ndist.all_reduce(t)\n"
+                "nbkit.report(step=1, loss=t.item(), total_steps=1)\ndist.destroy_process_group()\n"
+                "(t.item(), x.sum().item(), str(x.device))"
+            ),
+        },
+        tmp_path,
+        kernel_name,
+    )
     train = out["train"]
     assert train["error"] is None, train["error"]
     assert "spawn mode" in train["stdout"] and "CUDA is already initialised" in train["stdout"]

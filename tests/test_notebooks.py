@@ -18,8 +18,16 @@ import torch
 from nbkit.checkpoints import is_complete
 
 NOTEBOOKS_DIR = Path(__file__).resolve().parent.parent / "notebooks"
-REQUIRED_PARAMETERS = {"model_name", "dataset_name", "max_steps", "gpus", "backend", "output_dir", "max_seq_length",
-                       "load_in_4bit"}
+REQUIRED_PARAMETERS = {
+    "model_name",
+    "dataset_name",
+    "max_steps",
+    "gpus",
+    "backend",
+    "output_dir",
+    "max_seq_length",
+    "load_in_4bit",
+}
 
 
 def _load_runner():
@@ -47,9 +55,13 @@ def test_committed_notebooks_are_clean_and_share_their_parameters() -> None:
         code = [cell for cell in nb.cells if cell.cell_type == "code"]
         assert not _outputs(nb) and all(cell.execution_count is None for cell in code), f"{name} has outputs"
         (parameters,) = [cell for cell in code if "parameters" in cell.metadata.get("tags", [])]
-        names = {target.id for node in ast.parse(parameters.source).body if isinstance(node, ast.Assign)
-                 for target in node.targets}
-        assert REQUIRED_PARAMETERS <= names, f"{name} lacks parameters {REQUIRED_PARAMETERS - names}"
+        names = {
+            target.id
+            for node in ast.parse(parameters.source).body
+            if isinstance(node, ast.Assign)
+            for target in node.targets
+        }
+        assert names >= REQUIRED_PARAMETERS, f"{name} lacks parameters {REQUIRED_PARAMETERS - names}"
         sources = "\n".join(cell.source for cell in code)
         for line in ("%load_ext nbkit", "%nbkit doctor", "%nbkit plan", "nbkit.checkpoints.resume_point(output_dir)"):
             assert line in sources, f"{name} lacks {line!r}"
@@ -63,10 +75,14 @@ def test_cpu_parameters_replace_what_needs_a_gpu_or_the_hub(tmp_path: Path) -> N
     assert cpu["model_name"] == "tiny:qwen3-vl" and cpu["dataset_name"] == "synthetic" and cpu["gpus"] == 2
     assert cpu["max_steps"] == 3 and cpu["output_dir"] == str(tmp_path.resolve() / "qwen3_vl_2xT4")
     gpu_offline = runner.parameters("text_llm_ddp", tmp_path, gpu=True, hub=False)
-    assert gpu_offline == {"output_dir": str(tmp_path.resolve() / "text_llm_ddp"),
-                           "model_name": "random:qwen3-1.7b", "dataset_name": "synthetic"}
+    assert gpu_offline == {
+        "output_dir": str(tmp_path.resolve() / "text_llm_ddp"),
+        "model_name": "random:qwen3-1.7b",
+        "dataset_name": "synthetic",
+    }
     assert runner.parameters("long_context", tmp_path, gpu=True, hub=True) == {
-        "output_dir": str(tmp_path.resolve() / "long_context")}
+        "output_dir": str(tmp_path.resolve() / "long_context")
+    }
     with pytest.raises(ValueError, match="no notebook 'flagship'"):
         runner.parameters("flagship", tmp_path, gpu=False, hub=False)
 
@@ -126,5 +142,10 @@ def test_notebook_trains_saves_and_answers_on_cpu(name: str, tmp_path: Path) -> 
         assert again["train"]["global_step"] == max_steps + 4
         assert again["steps"] == list(range(1, max_steps + 5)) and again["losses"][:max_steps] == losses
     if name == "long_context":
-        assert {(m["tokens"], m["savers"]) for m in summary["memory"]} == {(256, False), (256, True), (2048, False), (2048, True)}
+        assert {(m["tokens"], m["savers"]) for m in summary["memory"]} == {
+            (256, False),
+            (256, True),
+            (2048, False),
+            (2048, True),
+        }
         assert all(m["peak"] > 0 and m["added"] >= 0 for m in summary["memory"])

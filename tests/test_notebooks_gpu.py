@@ -47,11 +47,26 @@ def test_flagship_trains_on_two_capped_gpus_with_unsloth_in_fp16(tmp_path: Path)
     nbkit.resolve_model("random:qwen3-vl-2b")
 
     start = time.monotonic()
-    (executed,) = runner.run(["qwen3_vl_2xT4"], tmp_path, dict(
-        model_name="random:qwen3-vl-2b", dataset_name="synthetic", backend="unsloth", precision="fp16",
-        gpu_memory_cap_gib=T4_USABLE_GIB, gpus=2, max_steps=STEPS, save_steps=STEPS // 2, batch_size=2,
-        num_samples=128, image_size=448, max_seq_length=1024, learning_rate=1e-3,
-    ), timeout=600)
+    (executed,) = runner.run(
+        ["qwen3_vl_2xT4"],
+        tmp_path,
+        dict(
+            model_name="random:qwen3-vl-2b",
+            dataset_name="synthetic",
+            backend="unsloth",
+            precision="fp16",
+            gpu_memory_cap_gib=T4_USABLE_GIB,
+            gpus=2,
+            max_steps=STEPS,
+            save_steps=STEPS // 2,
+            batch_size=2,
+            num_samples=128,
+            image_size=448,
+            max_seq_length=1024,
+            learning_rate=1e-3,
+        ),
+        timeout=600,
+    )
     wall = time.monotonic() - start
 
     nb = nbformat.read(executed, as_version=4)
@@ -68,8 +83,8 @@ def test_flagship_trains_on_two_capped_gpus_with_unsloth_in_fp16(tmp_path: Path)
 
     record = {
         "what": "notebooks/qwen3_vl_2xT4.ipynb on 2 GPUs capped at 15 GiB each (a T4's usable memory), "
-                "random:qwen3-vl-2b, unsloth, fp16, LoRA r=16 on the language model, batch 2 per GPU, "
-                "synthetic 448x448 images",
+        "random:qwen3-vl-2b, unsloth, fp16, LoRA r=16 on the language model, batch 2 per GPU, "
+        "synthetic 448x448 images",
         "gpu": nbkit.visible_gpus()[0].name,
         "steps": train["global_step"],
         "seconds_per_step_mean_incl_first": train["seconds_per_step"],

@@ -25,7 +25,11 @@ def test_other_names_pass_through_and_typos_are_errors(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="random:qwen3-vl-4b"):
         load_config("random:qwen3-vl-8b")
     assert set(MODELS) == {
-        "tiny:qwen3", "tiny:qwen3-vl", "random:qwen3-1.7b", "random:qwen3-vl-2b", "random:qwen3-vl-4b"
+        "tiny:qwen3",
+        "tiny:qwen3-vl",
+        "random:qwen3-1.7b",
+        "random:qwen3-vl-2b",
+        "random:qwen3-vl-4b",
     }
 
 
@@ -50,7 +54,10 @@ def test_tiny_text_model_loads_and_learns(tiny_text_path: str) -> None:
 
     batch = tokenizer.apply_chat_template(
         [item["messages"] for item in text_dataset(8)],
-        tokenize=True, return_dict=True, return_tensors="pt", padding=True,
+        tokenize=True,
+        return_dict=True,
+        return_tensors="pt",
+        padding=True,
     )
     labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -88,7 +95,9 @@ def test_chat_template_renders_turns_images_and_generation_prompt(tiny_text_path
     # Assistant turns are marked for TRL's assistant_only_loss: the answer and its <|im_end|>.
     out = tokenizer.apply_chat_template(
         [{"role": "user", "content": "Reverse 'dog'."}, {"role": "assistant", "content": "god"}],
-        tokenize=True, return_dict=True, return_assistant_tokens_mask=True,
+        tokenize=True,
+        return_dict=True,
+        return_assistant_tokens_mask=True,
     )
     masked = [t for t, m in zip(out["input_ids"], out["assistant_masks"]) if m]
     assert tokenizer.decode(masked) == "god<|im_end|>"
@@ -149,8 +158,11 @@ def test_cpu_processor_patch_is_declared_needed_and_reversible(tiny_vl_path: str
     if is_torchvision_available():
         pytest.skip("with torchvision, load_processor is plain AutoProcessor and needs no patch")
     processor = load_processor(tiny_vl_path)
-    parts = dict(image_processor=processor.image_processor, tokenizer=processor.tokenizer,
-                 video_processor=processor.video_processor)
+    parts = dict(
+        image_processor=processor.image_processor,
+        tokenizer=processor.tokenizer,
+        video_processor=processor.video_processor,
+    )
     patching.revert("offline")
     original = ProcessorMixin.__dict__["check_argument_for_proper_class"]
     assert not declared.is_applied
@@ -289,24 +301,34 @@ def test_sharded_weights_load_like_a_single_file(
 _HEADS = dict(num_key_value_heads=8, head_dim=128)
 _PUBLISHED = {
     "random:qwen3-1.7b": dict(
-        hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16, **_HEADS,
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        **_HEADS,
         params=(1.6e9, 1.8e9),
     ),
     "random:qwen3-vl-2b": dict(
-        hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16, **_HEADS,
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        **_HEADS,
         params=(2.0e9, 2.3e9),
     ),
     "random:qwen3-vl-4b": dict(
-        hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32, **_HEADS,
+        hidden_size=2560,
+        intermediate_size=9728,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        **_HEADS,
         params=(4.2e9, 4.6e9),
     ),
 }
 
 
 @pytest.mark.parametrize("name", sorted(_PUBLISHED))
-def test_random_configs_have_the_published_shapes(
-    name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_random_configs_have_the_published_shapes(name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import transformers
 
     monkeypatch.setenv("NBKIT_CACHE", str(tmp_path))
@@ -367,9 +389,7 @@ def test_gpu_random_vl_model_builds_fast_and_trains() -> None:
 def test_gpu_unsloth_loads_the_tiny_models(tiny_text_path: str, tiny_vl_path: str) -> None:
     unsloth = pytest.importorskip("unsloth")
 
-    model, tokenizer = unsloth.FastLanguageModel.from_pretrained(
-        tiny_text_path, load_in_4bit=False, max_seq_length=256
-    )
+    model, tokenizer = unsloth.FastLanguageModel.from_pretrained(tiny_text_path, load_in_4bit=False, max_seq_length=256)
     model = unsloth.FastLanguageModel.get_peft_model(model, r=8, target_modules=["q_proj", "v_proj"])
     batch = tokenizer.apply_chat_template(
         [text_dataset(1)[0]["messages"]], tokenize=True, return_dict=True, return_tensors="pt"

@@ -8,8 +8,15 @@ from pathlib import Path
 from nbkit import patching
 
 # Every module that declares patches through nbkit.patching.
-DECLARING = ("nbkit.forksafety", "nbkit.launching", "nbkit.guard", "nbkit.savers.unsloth", "nbkit.reporting",
-             "nbkit.checkpoints", "nbkit.offline")
+DECLARING = (
+    "nbkit.forksafety",
+    "nbkit.launching",
+    "nbkit.guard",
+    "nbkit.savers.unsloth",
+    "nbkit.reporting",
+    "nbkit.checkpoints",
+    "nbkit.offline",
+)
 DOC = Path(__file__).resolve().parents[1] / "docs" / "patches.md"
 
 

@@ -21,23 +21,54 @@ T4 = dict(gpus=2, gpu_memory_gib=15)
 def qwen3_vl_2b() -> Qwen3VLConfig:
     """Qwen/Qwen3-VL-2B-Instruct's published shapes, built here without nbkit.offline."""
     return Qwen3VLConfig(
-        text_config=dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
-                         num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
-        vision_config=dict(depth=24, hidden_size=1024, intermediate_size=4096, num_heads=16, out_hidden_size=2048,
-                           num_position_embeddings=2304, deepstack_visual_indexes=[5, 11, 17], patch_size=16),
+        text_config=dict(
+            vocab_size=151936,
+            hidden_size=2048,
+            intermediate_size=6144,
+            num_hidden_layers=28,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            head_dim=128,
+            tie_word_embeddings=True,
+        ),
+        vision_config=dict(
+            depth=24,
+            hidden_size=1024,
+            intermediate_size=4096,
+            num_heads=16,
+            out_hidden_size=2048,
+            num_position_embeddings=2304,
+            deepstack_visual_indexes=[5, 11, 17],
+            patch_size=16,
+        ),
         tie_word_embeddings=True,
     )
 
 
 def qwen3_8b() -> Qwen3Config:
     """Qwen3-8B's shapes (untied lm_head): 16 GB of bf16 weights, more than one T4 holds."""
-    return Qwen3Config(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
-                       num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False)
+    return Qwen3Config(
+        vocab_size=151936,
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        tie_word_embeddings=False,
+    )
 
 
 def llama_70b() -> LlamaConfig:
-    return LlamaConfig(vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
-                       num_attention_heads=64, num_key_value_heads=8, tie_word_embeddings=False)
+    return LlamaConfig(
+        vocab_size=128256,
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_hidden_layers=80,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        tie_word_embeddings=False,
+    )
 
 
 def text_counts(c) -> dict[str, int]:
@@ -113,8 +144,15 @@ def test_layer_activation_formula_matches_what_autograd_saves():
     layer with peft LoRA under bf16 autocast (measured on CPU with saved_tensors_hooks)."""
     from peft import LoraConfig, get_peft_model
 
-    config = Qwen3Config(vocab_size=256, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+    config = Qwen3Config(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=176,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+    )
     config._attn_implementation = "sdpa"
     model = get_peft_model(
         Qwen3ForCausalLM(config).to(torch.bfloat16), LoraConfig(r=8, target_modules=list(planner.LORA_TARGET_MODULES))
@@ -133,8 +171,10 @@ def test_layer_activation_formula_matches_what_autograd_saves():
                 seen.setdefault(storage.data_ptr(), (inside[0], storage.nbytes()))
             return t
 
-        hooks = [layer.register_forward_pre_hook(lambda *_: inside.__setitem__(0, True)),
-                 layer.register_forward_hook(lambda *_: inside.__setitem__(0, False))]
+        hooks = [
+            layer.register_forward_pre_hook(lambda *_: inside.__setitem__(0, True)),
+            layer.register_forward_hook(lambda *_: inside.__setitem__(0, False)),
+        ]
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", torch.bfloat16):
             model(input_ids=torch.randint(0, 256, (1, tokens)), use_cache=False)
         for hook in hooks:
@@ -158,8 +198,10 @@ def test_qwen3_vl_2b_on_two_t4s_is_ddp_and_memory_grows_with_tokens():
     long = nbkit.plan("random:qwen3-vl-2b", **T4, seq_len=16384)
     assert long.breakdown["activations"] > 4 * p.breakdown["activations"]
     assert long.breakdown["weights"] == p.breakdown["weights"]
-    modes = {mode: nbkit.plan(qwen3_vl_2b(), **T4, seq_len=8192, checkpointing=mode).breakdown["activations"]
-             for mode in ("offload", "recompute", None)}
+    modes = {
+        mode: nbkit.plan(qwen3_vl_2b(), **T4, seq_len=8192, checkpointing=mode).breakdown["activations"]
+        for mode in ("offload", "recompute", None)
+    }
     assert modes["offload"] < modes["recompute"] < modes[None]
     assert nbkit.plan(qwen3_vl_2b(), **T4, seq_len=8192, batch_size=2).per_gpu_gib > long.per_gpu_gib / 2
 

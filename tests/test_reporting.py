@@ -78,8 +78,16 @@ def _train_tiny(use_cpu: bool) -> list[str]:
     model = AutoModelForCausalLM.from_config(load_config("tiny:qwen3"))
     data = [{"input_ids": torch.randint(0, 100, (16,)), "labels": torch.randint(0, 100, (16,))} for _ in range(16)]
     # Trainer creates output_dir even with save_strategy="no": somewhere temporary, not the cwd.
-    args = TrainingArguments(output_dir=tempfile.mkdtemp(prefix="nbkit-test-"), max_steps=4, per_device_train_batch_size=2, logging_steps=2,
-                             report_to="none", save_strategy="no", learning_rate=1e-3, use_cpu=use_cpu)
+    args = TrainingArguments(
+        output_dir=tempfile.mkdtemp(prefix="nbkit-test-"),
+        max_steps=4,
+        per_device_train_batch_size=2,
+        logging_steps=2,
+        report_to="none",
+        save_strategy="no",
+        learning_rate=1e-3,
+        use_cpu=use_cpu,
+    )
     trainer = Trainer(model=model, args=args, train_dataset=data)
     callbacks = [type(c).__name__ for c in trainer.callback_handler.callbacks]
     trainer.train()

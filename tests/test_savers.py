@@ -29,14 +29,15 @@ TOLERANCE = 1e-4
 IMAGE_GRID = (1, 4, 4)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _pretrained(kind: str) -> torch.nn.Module:
     auto = AutoModelForImageTextToText if kind == "qwen3-vl" else AutoModelForCausalLM
     return auto.from_pretrained(nbkit.resolve_model(f"tiny:{kind}"), dtype=torch.float32)
 
 
-def tiny_model(kind: str, *, lora: bool = True, dropout: float = 0.0, targets: list[str] | None = None,
-               seed: int = 0) -> torch.nn.Module:
+def tiny_model(
+    kind: str, *, lora: bool = True, dropout: float = 0.0, targets: list[str] | None = None, seed: int = 0
+) -> torch.nn.Module:
     """A fresh tiny:qwen3 or tiny:qwen3-vl in fp32, with LoRA (random A and B, r=4) unless lora=False."""
     model = copy.deepcopy(_pretrained(kind))
     if not lora:
@@ -46,8 +47,9 @@ def tiny_model(kind: str, *, lora: bool = True, dropout: float = 0.0, targets: l
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(seed)
-    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, target_modules=targets or LANGUAGE_LINEARS,
-                        init_lora_weights=False)
+    config = LoraConfig(
+        r=4, lora_alpha=8, lora_dropout=dropout, target_modules=targets or LANGUAGE_LINEARS, init_lora_weights=False
+    )
     return get_peft_model(model, config)
 
 
@@ -73,7 +75,7 @@ def make_batch(model: torch.nn.Module, lengths: list[int], seed: int) -> dict[st
         t, h, w = IMAGE_GRID
         tokens = t * h * w // vision.spatial_merge_size**2
         ids[:, 1] = config.vision_start_token_id
-        ids[:, 2:2 + tokens] = config.image_token_id
+        ids[:, 2 : 2 + tokens] = config.image_token_id
         ids[:, 2 + tokens] = config.vision_end_token_id
         labels[:, : 3 + tokens] = -100
         patch = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
@@ -110,8 +112,10 @@ def assert_grads_match(grads: dict[str, torch.Tensor], reference: dict[str, torc
 
 def count_calls(module: torch.nn.Module, counts: dict[str, int], key: str):
     """Count calls of `module` (pre-hook: a recompute stopped early still counts)."""
+
     def hook(*_):
         counts[key] += 1
+
     return module.register_forward_pre_hook(hook)
 
 

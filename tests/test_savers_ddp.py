@@ -80,7 +80,8 @@ def _run_matrix(kind: str, device_type: str = "cpu", cases: list = CASES) -> dic
             accumulated = {name: 0 for name in names.values()}
             for p, name in names.items():
                 p.register_post_accumulate_grad_hook(
-                    lambda p, name=name: accumulated.__setitem__(name, accumulated[name] + 1))
+                    lambda p, name=name: accumulated.__setitem__(name, accumulated[name] + 1)
+                )
             ddp = DistributedDataParallel(model, device_ids=[device.index] if cuda else None, **ddp_options)
             reduced = {name: 0 for name in names.values()}
 
@@ -128,8 +129,13 @@ def _reference(kind: str, device: str = "cpu") -> tuple[list[float], dict[str, t
     return losses, {name: g.cpu() for name, g in trainable_grads(model).items()}
 
 
-def check_matrix(results: dict[str, list[dict]], reference_losses: list[float],
-                 reference_grads: dict[str, torch.Tensor], cases: list, tolerance: float = TOLERANCE) -> None:
+def check_matrix(
+    results: dict[str, list[dict]],
+    reference_losses: list[float],
+    reference_grads: dict[str, torch.Tensor],
+    cases: list,
+    tolerance: float = TOLERANCE,
+) -> None:
     """Assert every case's losses and gradients equal the reference and every hook count is one."""
     assert len(results) == len(cases)
     assert all(g.norm() > 0 for g in reference_grads.values())

@@ -45,8 +45,10 @@ def _lora(model: torch.nn.Module, dropout: float) -> torch.nn.Module:
     from peft import LoraConfig, get_peft_model  # not at import: see test_savers.tiny_model
 
     torch.manual_seed(0)
-    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, target_modules=LANGUAGE_LINEARS,
-                                            init_lora_weights=False))
+    return get_peft_model(
+        model,
+        LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, target_modules=LANGUAGE_LINEARS, init_lora_weights=False),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -125,8 +127,16 @@ def _allocated_after_forward(model: torch.nn.Module, batch: dict[str, torch.Tens
 
 @one_gpu
 def test_offload_moves_saved_layer_inputs_to_the_host():
-    config = Qwen3Config(vocab_size=1024, hidden_size=512, intermediate_size=1024, num_hidden_layers=8,
-                         num_attention_heads=8, num_key_value_heads=4, head_dim=64, max_position_embeddings=4096)
+    config = Qwen3Config(
+        vocab_size=1024,
+        hidden_size=512,
+        intermediate_size=1024,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=64,
+        max_position_embeddings=4096,
+    )
     torch.manual_seed(0)
     model = _lora(Qwen3ForCausalLM(config).to("cuda"), dropout=0.0)
     batch = {"input_ids": torch.randint(0, 1024, (2, 2048), device="cuda")}
@@ -176,7 +186,9 @@ def ddp_on_gpus(kind: str) -> None:
 @pytest.mark.parametrize("kind", ["qwen3", "qwen3-vl"])
 def test_ddp_on_two_gpus_matches_one_gpu(kind):
     here = Path(__file__).resolve().parent
-    code = (f"import sys; sys.path[:0] = [{str(here)!r}, {str(here.parent)!r}]; "
-            f"import test_savers_gpu; test_savers_gpu.ddp_on_gpus({kind!r})")
+    code = (
+        f"import sys; sys.path[:0] = [{str(here)!r}, {str(here.parent)!r}]; "
+        f"import test_savers_gpu; test_savers_gpu.ddp_on_gpus({kind!r})"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, (proc.stdout[-4000:], proc.stderr[-6000:])

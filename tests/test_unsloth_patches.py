@@ -56,14 +56,14 @@ WHEELS = _wheels()
 TRAINER = "transformers.trainer:Trainer._build_accelerator_args"
 
 
-@pytest.mark.parametrize("version", sorted(WHEELS) or [pytest.param("none", marks=pytest.mark.skip("no unsloth wheels"))])
+@pytest.mark.parametrize(
+    "version", sorted(WHEELS) or [pytest.param("none", marks=pytest.mark.skip("no unsloth wheels"))]
+)
 def test_detection_on_real_releases(version):
     zoo = zipfile.ZipFile(WHEELS[version]["unsloth_zoo"])
     main = zipfile.ZipFile(WHEELS[version]["unsloth"])
     models = [
-        main.read(n).decode("utf-8", "replace")
-        for n in main.namelist()
-        if re.fullmatch(r"unsloth/models/[^/]+\.py", n)
+        main.read(n).decode("utf-8", "replace") for n in main.namelist() if re.fullmatch(r"unsloth/models/[^/]+\.py", n)
     ]
     assert models, "an unsloth wheel without unsloth/models/*.py"
     found = (
@@ -107,7 +107,7 @@ def other(hidden_states):
 
 # -------------------------------------------------------------------------------- stand-in unsloth
 
-_FUSED_LOSS = '''
+_FUSED_LOSS = """
 import torch
 
 class UnslothFusedLoss(torch.autograd.Function):
@@ -125,9 +125,9 @@ class UnslothFusedLoss(torch.autograd.Function):
 def unsloth_fused_ce_loss(trainer, hidden_states, lm_head_weight, lm_head_bias, labels, mask=None, n_items=None):
     {move}
     return UnslothFusedLoss.apply(None, hidden_states, lm_head_weight, lm_head_bias, labels, mask, n_items)
-'''
+"""
 
-_TILED_MLP = '''
+_TILED_MLP = """
 import torch
 
 class TiledMLP(torch.autograd.Function):
@@ -148,16 +148,16 @@ class TiledMLP(torch.autograd.Function):
                 torch.autograd.backward(ctx.mlp_forward(piece), g)
             grads.append(piece.grad)
         return None, None, torch.cat(grads, dim=-2), None, None, None
-'''
+"""
 
-_DDP_DEFAULTS = '''
+_DDP_DEFAULTS = """
 def choose(args):
     args.ddp_find_unused_parameters = False
 
 def patch_tiled():
     from unsloth_zoo.tiled_mlp import TiledMLP
     TiledMLP.apply = staticmethod(lambda *a: None)
-'''
+"""
 
 
 def _write(root: Path, files: dict[str, str]) -> None:
@@ -267,7 +267,9 @@ def test_nothing_is_imported_or_patched_without_unsloth():
     assert "unsloth" not in sys.modules and "unsloth_zoo" not in sys.modules
 
 
-def test_trainer_gets_find_unused_false_only_for_lora_text_models_under_ddp(stand_in, monkeypatch, tiny_text_path, tmp_path):
+def test_trainer_gets_find_unused_false_only_for_lora_text_models_under_ddp(
+    stand_in, monkeypatch, tiny_text_path, tmp_path
+):
     peft = pytest.importorskip("peft")
     from accelerate.utils import DistributedDataParallelKwargs
     from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
@@ -303,7 +305,7 @@ def test_trainer_gets_find_unused_false_only_for_lora_text_models_under_ddp(stan
         target.revert()
 
 
-_VISION = '''
+_VISION = """
 def is_distributed():
     import os
     return int(os.environ.get("WORLD_SIZE", "1")) > 1
@@ -319,7 +321,7 @@ class FastBaseModel:
         model._unsloth_gradient_checkpointing = "unsloth"
         model._unsloth_vlm_gc_non_reentrant = not vlm_gradient_checkpointing_reentrant()
         return model
-'''
+"""
 
 
 def test_dense_vision_models_keep_single_gpu_checkpointing_and_trainer_follows(
@@ -336,11 +338,14 @@ def test_dense_vision_models_keep_single_gpu_checkpointing_and_trainer_follows(
 
     def load(path, auto):
         model = auto.from_pretrained(path)
-        return FastBaseModel.post_patch_model(peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["q_proj"])))
+        return FastBaseModel.post_patch_model(
+            peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["q_proj"]))
+        )
 
     def find_unused(model, **args) -> bool:
-        trainer = types.SimpleNamespace(args=TrainingArguments(output_dir=str(tmp_path), report_to=[], **args),
-                                        model=model)
+        trainer = types.SimpleNamespace(
+            args=TrainingArguments(output_dir=str(tmp_path), report_to=[], **args), model=model
+        )
         (handler,) = Trainer._build_accelerator_args(trainer)["kwargs_handlers"]
         assert isinstance(handler, DistributedDataParallelKwargs)
         return handler.find_unused_parameters

@@ -61,9 +61,7 @@ def apply(
     (then no saver is left on).
     """
     if checkpointing not in _CHECKPOINTING_MODES:
-        raise ValueError(
-            f"checkpointing={checkpointing!r} is not valid; use 'offload', 'recompute' or None."
-        )
+        raise ValueError(f"checkpointing={checkpointing!r} is not valid; use 'offload', 'recompute' or None.")
     if not isinstance(tiled_mlp, (bool, int)) or (not isinstance(tiled_mlp, bool) and tiled_mlp < 1):
         raise ValueError(f"tiled_mlp={tiled_mlp!r} is not valid; use True, False or a shard count >= 1.")
     tiled = None if tiled_mlp is False else "auto" if tiled_mlp is True else tiled_mlp

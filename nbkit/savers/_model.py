@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["base_model", "decoder_layers", "layer_mlp", "module_device", "add_mixin", "remove_mixin", "has_mixin"]
+__all__ = ["add_mixin", "base_model", "decoder_layers", "has_mixin", "layer_mlp", "module_device", "remove_mixin"]
 
 # Attribute names under which transformers VLMs keep their vision / audio encoders.
 _ENCODER_NAMES = ("visual", "vision_tower", "vision_model", "vision_encoder", "image_encoder", "audio_tower")

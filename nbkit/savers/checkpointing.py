@@ -38,7 +38,7 @@ from torch.utils.checkpoint import checkpoint
 
 from nbkit.savers._model import add_mixin, base_model, decoder_layers, has_mixin, module_device, remove_mixin
 
-__all__ = ["enable", "disable", "HostOffloader"]
+__all__ = ["HostOffloader", "disable", "enable"]
 
 _CACHE_KWARGS = ("past_key_values", "past_key_value", "layer_past")
 
@@ -50,7 +50,7 @@ class _Offloaded:
     forward), which is the next one the backward will ask for: fetching this one prefetches it.
     """
 
-    __slots__ = ("host", "device", "on_device", "ready", "prev", "used", "__weakref__")
+    __slots__ = ("__weakref__", "device", "host", "on_device", "prev", "ready", "used")
 
     def __init__(self, host: torch.Tensor, device: torch.device, ready: torch.cuda.Event, prev: Any):
         self.host = host
@@ -73,12 +73,13 @@ class HostOffloader:
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._last: weakref.ref[_Offloaded] | None = None
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> "HostOffloader":
+    def __deepcopy__(self, memo: dict[int, Any]) -> HostOffloader:
         # Streams and parked tensors belong to this process's run; a copied model (a reference model
         # made with copy.deepcopy) gets its own, empty offloader.
         return HostOffloader()
 
     def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+        """The saved-tensor hooks that offload what autograd keeps for backward."""
         return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
     def _stream(self, device: torch.device) -> torch.cuda.Stream:
@@ -203,4 +204,3 @@ def disable(model: nn.Module) -> None:
     if state is not None:
         for config, value in state.use_cache:
             config.use_cache = value
-

@@ -24,7 +24,8 @@ computes the loss from the full hidden states it was about to project.
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -32,7 +33,7 @@ from torch import nn
 
 from nbkit.savers._model import base_model
 
-__all__ = ["linear_cross_entropy", "apply", "remove", "is_applied"]
+__all__ = ["apply", "is_applied", "linear_cross_entropy", "remove"]
 
 # Rows per chunk are chosen so that one chunk of fp32 logits takes about this many bytes.
 _CHUNK_BYTES = 256 * 2**20
@@ -130,7 +131,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
         want = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2])
         # The compute dtype was fixed by the caller; autocast must not cast a second time in here.
         with torch.autocast(hidden.device.type, enabled=False):
-            loss, grad_hidden, grad_weight, grad_bias = _chunked_pass(hidden, weight, bias, labels, want=want, **options)
+            loss, grad_hidden, grad_weight, grad_bias = _chunked_pass(
+                hidden, weight, bias, labels, want=want, **options
+            )
         ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
         return loss
 
@@ -182,9 +185,7 @@ def linear_cross_entropy(
         labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
     hidden = hidden.reshape(-1, hidden.shape[-1])
     labels = labels.reshape(-1)
-    compute_dtype = (
-        torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else weight.dtype
-    )
+    compute_dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else weight.dtype
     options = dict(
         ignore_index=ignore_index,
         num_items=num_items_in_batch,
@@ -279,9 +280,12 @@ class _Head:
             shift=shift_labels is None,
         )
 
-    def _check_logits(self, logits: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def _check_logits(
+        self, logits: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> None:
         """Once per model: the last position's logits as the model made them must be ours, else the model
-        transforms its logits in a way this loss does not reproduce (a scale, a cap it does not declare)."""
+        transforms its logits in a way this loss does not reproduce (a scale, a cap it does not declare).
+        """
         with torch.no_grad():
             ours = F.linear(hidden[..., -1:, :].to(weight.device), weight, bias).float()
             if self.softcap is not None:
@@ -309,7 +313,9 @@ class _Head:
 _MISSING = object()
 
 
-def _reference_loss(logits, labels, vocab_size=None, num_items_in_batch=None, ignore_index=-100, shift_labels=None, **kwargs):  # type: ignore[no-untyped-def]
+def _reference_loss(
+    logits, labels, vocab_size=None, num_items_in_batch=None, ignore_index=-100, shift_labels=None, **kwargs
+):  # type: ignore[no-untyped-def]
     """Signature of transformers' ForCausalLMLoss, used only to read the arguments the model passed."""
 
 

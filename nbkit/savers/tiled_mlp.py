@@ -31,14 +31,15 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
 
 from nbkit.savers._model import add_mixin, base_model, decoder_layers, has_mixin, layer_mlp, remove_mixin
 
-__all__ = ["enable", "disable", "shard_count"]
+__all__ = ["disable", "enable", "shard_count"]
 
 # Automatic shards hold about this many hidden sizes of tokens each.
 _TOKENS_PER_SHARD_PER_HIDDEN = 2
@@ -110,8 +111,9 @@ class _TiledGrad(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor], shards: int,
-                *params: torch.Tensor) -> torch.Tensor:
+    def forward(
+        ctx: Any, x: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor], shards: int, *params: torch.Tensor
+    ) -> torch.Tensor:
         ctx.fn, ctx.shards, ctx.params = fn, shards, params
         ctx.rng = _RngReplay(x.device)
         ctx.autocast = _autocast_like_now(x.device.type)

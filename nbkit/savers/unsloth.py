@@ -42,8 +42,9 @@ import inspect
 import logging
 import sys
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -54,12 +55,12 @@ from nbkit.savers._model import base_model
 
 __all__ = [
     "fused_loss_moves_hidden_states",
-    "tiled_backward_runs_backward_per_shard",
+    "needs_cross_device_loss_fix",
+    "needs_find_unused_fix",
+    "needs_tiled_mlp_fix",
     "replaces_tiled_mlp_apply",
     "sets_ddp_find_unused_parameters",
-    "needs_cross_device_loss_fix",
-    "needs_tiled_mlp_fix",
-    "needs_find_unused_fix",
+    "tiled_backward_runs_backward_per_shard",
     "unsloth_chooses_vlm_checkpointing",
 ]
 
@@ -91,7 +92,8 @@ def _is_name(node: ast.AST, name: str) -> bool:
 def fused_loss_moves_hidden_states(source: str) -> bool:
     """Whether unsloth_zoo's `unsloth_fused_ce_loss` (in `source`) reassigns `hidden_states` from
     `hidden_states.to(...)` before its chunked loss: the fix for hidden states and lm_head on different
-    devices. False when the function is absent or does not."""
+    devices. False when the function is absent or does not.
+    """
     tree = _parse(source)
     if tree is None:
         return False
@@ -111,7 +113,8 @@ def fused_loss_moves_hidden_states(source: str) -> bool:
 
 def tiled_backward_runs_backward_per_shard(source: str) -> bool:
     """Whether `TiledMLP.backward` (in `source`) calls a `.backward(...)` inside a loop: each call
-    accumulates every weight's gradient once more, which DDP refuses. False when absent."""
+    accumulates every weight's gradient once more, which DDP refuses. False when absent.
+    """
     tree = _parse(source)
     if tree is None:
         return False
@@ -142,7 +145,8 @@ def replaces_tiled_mlp_apply(source: str) -> bool:
 
 def sets_ddp_find_unused_parameters(source: str) -> bool:
     """Whether `source` assigns some `<args>.ddp_find_unused_parameters` (unsloth choosing DDP's
-    find_unused_parameters for its models itself)."""
+    find_unused_parameters for its models itself).
+    """
     tree = _parse(source)
     if tree is None:
         return False
@@ -171,7 +175,7 @@ def _imported_source(module_name: str, qualname: str) -> str | None:
 
 
 def _unsloth_models_dir() -> Path | None:
-    """unsloth's `models` package directory, found without importing unsloth; None if not installed."""
+    """Unsloth's `models` package directory, found without importing unsloth; None if not installed."""
     module = sys.modules.get("unsloth")
     locations = getattr(module, "__path__", None)
     if locations is None:
@@ -186,7 +190,7 @@ def _unsloth_models_dir() -> Path | None:
     return models if models.is_dir() else None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _unsloth_ships(models_dir: Path, needle: str, check: Callable[[str], bool] | None = None) -> bool:
     for path in sorted(models_dir.glob("*.py")):
         text = path.read_text(encoding="utf-8", errors="replace")
@@ -218,7 +222,7 @@ def needs_tiled_mlp_fix() -> bool:
 
 
 def needs_find_unused_fix() -> bool:
-    """unsloth is installed and never chooses DDP's find_unused_parameters for its models itself."""
+    """Unsloth is installed and never chooses DDP's find_unused_parameters for its models itself."""
     models = _unsloth_models_dir()
     return models is not None and not _unsloth_ships(
         models, "ddp_find_unused_parameters", sets_ddp_find_unused_parameters
@@ -227,7 +231,8 @@ def needs_find_unused_fix() -> bool:
 
 def unsloth_chooses_vlm_checkpointing() -> bool:
     """The installed unsloth decides its vision models' checkpointing through
-    vlm_gradient_checkpointing_reentrant (read from its source, without importing it)."""
+    vlm_gradient_checkpointing_reentrant (read from its source, without importing it).
+    """
     models = _unsloth_models_dir()
     return models is not None and _unsloth_ships(models, "def vlm_gradient_checkpointing_reentrant")
 
@@ -236,7 +241,7 @@ def unsloth_chooses_vlm_checkpointing() -> bool:
 # The patches
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _forward_parameters(cls: type) -> list[str]:
     return list(inspect.signature(cls.forward).parameters)[1:]
 
@@ -303,7 +308,8 @@ _MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 
 def _has_experts(config: Any) -> bool:
     """Mixture-of-experts layers in the model or its language part (experts a step skips leave
-    weights without gradient, which find_unused_parameters=False cannot take)."""
+    weights without gradient, which find_unused_parameters=False cannot take).
+    """
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     return any(getattr(c, key, None) for c in (config, text) for key in _MOE_KEYS)
 
@@ -382,7 +388,9 @@ def _reentrant_lora_text_model_under_ddp(trainer: Any) -> bool:
     if _has_experts(config):
         return False
     trainable = [name for name, p in model.named_parameters() if p.requires_grad]
-    if not trainable or not all("lora_" in name and "embed" not in name and "lm_head" not in name for name in trainable):
+    if not trainable or not all(
+        "lora_" in name and "embed" not in name and "lm_head" not in name for name in trainable
+    ):
         return False
     return bool(trainer.args.gradient_checkpointing) or any(
         getattr(m, "gradient_checkpointing", False) is True for m in base.modules()
