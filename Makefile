@@ -11,7 +11,7 @@ PY := $(VENV)/bin/python
 TORCH_INDEX ?=
 DEMO_OUT ?= notebooks/outputs
 
-.PHONY: setup test demo clean
+.PHONY: setup lint test demo clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -22,7 +22,12 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 
 setup: $(VENV)/.installed
 
-test: setup
+# ruff (lint + format) over the whole tree; mypy over the package (config in pyproject.toml).
+lint: setup
+	$(VENV)/bin/ruff check nbkit tests benchmarks notebooks/run.py
+	$(VENV)/bin/ruff format --check nbkit tests benchmarks notebooks/run.py
+
+test: lint
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q
 
 demo: setup

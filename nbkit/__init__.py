@@ -24,7 +24,11 @@ __version__ = "0.1.0"
 _EXPORTS: dict[str, str] = {
     # launching
     "launch": "nbkit.launching",
-    "LaunchError": "nbkit.launching",
+    # errors: one family (nbkit.errors)
+    "NbkitError": "nbkit.errors",
+    "LaunchError": "nbkit.errors",
+    "DeviceMapError": "nbkit.errors",
+    "BringAlongError": "nbkit.errors",
     # where this process stands
     "rank": "nbkit.distributed",
     "local_rank": "nbkit.distributed",
@@ -40,7 +44,6 @@ _EXPORTS: dict[str, str] = {
     "uninstall": "nbkit.integration",
     # the guard and the planner
     "resolve_device_map": "nbkit.guard",
-    "DeviceMapError": "nbkit.guard",
     "plan": "nbkit.planner",
     "Plan": "nbkit.planner",
     # offline models and data

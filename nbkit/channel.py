@@ -16,25 +16,10 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
 from multiprocessing import connection, get_context
 from typing import Any
 
-__all__ = ["Channel", "RankError", "connected", "send"]
-
-
-@dataclass
-class RankError:
-    """An exception raised inside a rank, as text (the exception object may not survive pickling)."""
-
-    rank: int
-    type: str
-    message: str
-    traceback: str
-    time: float
-    # True for exceptions that a stop request caused (SIGTERM/SIGINT turned into exceptions),
-    # which are never the root cause of a failed launch.
-    secondary: bool = False
+__all__ = ["Channel", "connected", "send"]
 
 
 _writer: connection.Connection | None = None

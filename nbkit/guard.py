@@ -23,6 +23,7 @@ import torch
 
 from nbkit import distributed
 from nbkit.config import setting
+from nbkit.errors import DeviceMapError
 from nbkit.patching import patch
 
 if TYPE_CHECKING:
@@ -38,10 +39,6 @@ AUTOMATIC_DEVICE_MAPS = frozenset({"auto", "balanced", "balanced_low_0", "sequen
 SEED_DDP_DEVICE_MAP = "https://github.com/unslothai/unsloth/pull/3809"
 
 _notice_printed = False
-
-
-class DeviceMapError(ValueError):
-    """A device map that cannot work in this distributed run; the message says what to do instead."""
 
 
 def resolve_device_map(device_map: Any, *, quantized: bool = False) -> Any:

@@ -36,31 +36,9 @@ from typing import Any
 from nbkit import channel, distributed, patching
 from nbkit.config import environment
 from nbkit.dashboard import Dashboard
+from nbkit.errors import LaunchError, RankError
 
 __all__ = ["LaunchError", "launch"]
-
-
-class LaunchError(RuntimeError):
-    """A launched run failed.
-
-    Attributes:
-        failures: {rank: description} for every rank that failed first-hand (raised, or died).
-        errors: the RankError of each rank that raised (rank -> channel.RankError).
-        timed_out: True when the run was stopped because `timeout` passed.
-    """
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        failures: Mapping[int, str] | None = None,
-        errors: Mapping[int, channel.RankError] | None = None,
-        timed_out: bool = False,
-    ):
-        super().__init__(message)
-        self.failures = dict(failures or {})
-        self.errors = dict(errors or {})
-        self.timed_out = timed_out
 
 
 def launch(
@@ -259,7 +237,7 @@ class _Run:
     on_event: Callable[[int, dict], None] | None
     channel: channel.Channel = field(init=False)
     pids: dict[int, int] = field(default_factory=dict)
-    errors: dict[int, channel.RankError] = field(default_factory=dict)
+    errors: dict[int, RankError] = field(default_factory=dict)
     payload: bytes | None = None
     timed_out: bool = False
     interrupted: bool = False
@@ -591,7 +569,7 @@ class _Child:
         except BaseException as exc:
             channel.send(
                 "error",
-                channel.RankError(
+                RankError(
                     rank=rank,
                     type=type(exc).__qualname__,
                     message=str(exc),

@@ -76,7 +76,8 @@ class NbkitMagics(Magics):
     def ddp(self, line: str, cell: str) -> Any:
         """Run this cell on every GPU (see nbkit.magics)."""
         from nbkit import spawning
-        from nbkit.launching import LaunchError, launch
+        from nbkit.errors import LaunchError
+        from nbkit.launching import launch
 
         args = ddp_options(line)
         env = _parse_env(args.env)
@@ -99,11 +100,7 @@ class NbkitMagics(Magics):
             error = LaunchError(
                 _PLUMBING.sub("", str(exc)), failures=exc.failures, errors=exc.errors, timed_out=exc.timed_out
             )
-            error._render_traceback_ = _renderer(error)  # IPython shows this instead of a traceback
             raise error from None
-        except spawning.BringAlongError as exc:
-            exc._render_traceback_ = _renderer(exc)
-            raise
         if args.out is not None:
             self.shell.user_ns[args.out] = value
         if cell.rstrip().endswith(";"):  # IPython's "no output" convention
@@ -204,13 +201,6 @@ _PLUMBING = re.compile(
     r'^  File "' + re.escape(_NBKIT_DIR) + r'/(cells|spawning|magics)\.py", line \d+, in \w+\n(    .*\n)*',
     re.MULTILINE,
 )
-
-
-def _renderer(exc: BaseException) -> Any:
-    """What IPython shows for `exc` (its `_render_traceback_` protocol): the message alone, which
-    already holds the failing rank's traceback; nbkit's frames in the notebook would add nothing.
-    """
-    return lambda: [f"\x1b[0;31m{type(exc).__name__}\x1b[0m: {exc}"]
 
 
 class _HelpShown(Exception):

@@ -46,25 +46,13 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from nbkit import cells, dashboard, distributed, launching
-from nbkit.launching import LaunchError
+from nbkit.errors import BringAlongError, LaunchError
 
 __all__ = ["BringAlongError", "bring_along", "fork_blocker", "run_source"]
 
 # IPython's own names in a notebook namespace (history, output cache, helpers): never brought along.
 _IPYTHON_NAME = re.compile(r"^(In|Out|get_ipython|exit|quit|_(i+|\d+|i\d+|oh|ih|dh)?|__+|__\w+__)$")
 _INTERRUPT_GRACE_S = 15.0
-
-
-class BringAlongError(ValueError):
-    """A name the cell uses cannot be re-created in fresh processes. `name` is that name."""
-
-    def __init__(self, name: str, why: str):
-        super().__init__(
-            f"%%ddp in spawn mode cannot bring {name!r} along to the fresh processes: {why}. Create it inside "
-            "the cell instead, or restart the kernel and run %%ddp before anything initialises CUDA (fork "
-            "mode shares every name)."
-        )
-        self.name = name
 
 
 def fork_blocker() -> str | None:

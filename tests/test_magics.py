@@ -209,7 +209,8 @@ def test_bring_along_orders_dependencies_and_rejects_what_it_cannot_rebuild():
     import math
     import threading
 
-    from nbkit.spawning import BringAlongError, bring_along
+    from nbkit.errors import BringAlongError
+    from nbkit.spawning import bring_along
 
     namespace = {"m": math, "scale": 3, "lock": threading.Lock(), "lam": lambda: 1}
     # as IPython defines a function in a cell: source in linecache, module __main__

@@ -1,0 +1,92 @@
+"""The errors nbkit raises on purpose: one family, each with structured fields.
+
+Every error here derives from NbkitError, so `except nbkit.NbkitError` catches all of them, and each
+also derives from the built-in type code outside nbkit already expects (LaunchError is a
+RuntimeError, DeviceMapError a ValueError), so existing `except RuntimeError` blocks keep working.
+
+Messages say what happened and what to do. In IPython, `_render_traceback_` shows the message
+alone: it already holds what the user needs (for a LaunchError, the failing rank's traceback), and
+the frames of nbkit's own plumbing in the notebook would add nothing.
+
+This module imports nothing from nbkit, so every other module can import it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+__all__ = ["BringAlongError", "DeviceMapError", "LaunchError", "NbkitError", "RankError"]
+
+
+class NbkitError(Exception):
+    """The base of every error nbkit raises on purpose."""
+
+    def _render_traceback_(self) -> list[str]:
+        """What IPython shows in place of a traceback: the error's name and its message."""
+        return [f"\x1b[0;31m{type(self).__name__}\x1b[0m: {self}"]
+
+
+@dataclass
+class RankError:
+    """An exception raised inside a rank, as text (the exception object may not survive pickling).
+
+    Attributes:
+        rank: the global rank that raised.
+        type: the exception's qualified class name.
+        message: str(exception).
+        traceback: the formatted traceback, starting in the user's code.
+        time: when it was raised (time.time() in the rank).
+        secondary: True for exceptions that a stop request caused (SIGTERM/SIGINT turned into
+            exceptions), which are never the root cause of a failed run.
+    """
+
+    rank: int
+    type: str
+    message: str
+    traceback: str
+    time: float
+    secondary: bool = False
+
+
+class LaunchError(NbkitError, RuntimeError):
+    """A launched run failed.
+
+    Attributes:
+        failures: {rank: description} for every rank that failed first-hand (raised, or died).
+        errors: the RankError of each rank that raised.
+        timed_out: True when the run was stopped because `timeout` passed.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        failures: Mapping[int, str] | None = None,
+        errors: Mapping[int, RankError] | None = None,
+        timed_out: bool = False,
+    ):
+        super().__init__(message)
+        self.failures = dict(failures or {})
+        self.errors = dict(errors or {})
+        self.timed_out = timed_out
+
+
+class DeviceMapError(NbkitError, ValueError):
+    """A device map that cannot work in this distributed run; the message says what to do instead."""
+
+
+class BringAlongError(NbkitError, ValueError):
+    """A name a cell uses cannot be re-created in fresh processes.
+
+    Attributes:
+        name: that name.
+    """
+
+    def __init__(self, name: str, why: str):
+        super().__init__(
+            f"%%ddp in spawn mode cannot bring {name!r} along to the fresh processes: {why}. Create it inside "
+            "the cell instead, or restart the kernel and run %%ddp before anything initialises CUDA (fork "
+            "mode shares every name)."
+        )
+        self.name = name
