@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from nbkit import cells
+from nbkit import cells, ddp_options
 
 __all__ = ["export_script"]
 
@@ -139,12 +139,10 @@ def _split_cell_magic(source: str) -> tuple[str | None, str]:
     return first, body
 
 
-def _ddp_options(magic_line: str | None) -> Any:
-    from nbkit.magics import ddp_options
-
+def _ddp_options(magic_line: str | None) -> ddp_options.DdpOptions:
     if magic_line is not None and magic_line.split()[0] == "%%ddp":
-        return ddp_options(magic_line[len("%%ddp") :])
-    return ddp_options("")
+        return ddp_options.parse(magic_line[len("%%ddp") :])
+    return ddp_options.parse("")
 
 
 def _without_line_magics(source: str) -> str:
@@ -289,7 +287,7 @@ def _render(
     if skipped:
         doc += ["", "Not exported (notebook only): " + ", ".join(skipped) + "."]
     out = ["#!/usr/bin/env python", '"""' + "\n".join(doc) + '\n"""', ""]
-    env = _env(options)
+    env = options.env
     if env:
         out.append("import os")
         out += [f"os.environ.setdefault({k!r}, {v!r})  # %%ddp --env" for k, v in env.items()]
@@ -328,15 +326,6 @@ def _render(
         "",
     ]
     return "\n".join(out)
-
-
-def _env(options: Any) -> dict[str, str]:
-    env = {}
-    for group in options.env:
-        for item in group:
-            key, _, value = item.partition("=")
-            env[key] = value
-    return env
 
 
 def _function_body(body: str, tree: ast.Module) -> str:

@@ -34,9 +34,10 @@ from typing import Any
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
-from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-__all__ = ["NbkitMagics", "ddp_options", "register", "unregister"]
+from nbkit import ddp_options
+
+__all__ = ["NbkitMagics", "register", "unregister"]
 
 _NBKIT_DIR = os.path.dirname(os.path.abspath(__file__))
 
@@ -59,34 +60,20 @@ class NbkitMagics(Magics):
     """The %%ddp cell magic and the %nbkit line magic."""
 
     @cell_magic
-    @magic_arguments()
-    @argument("--gpus", type=int, default=None, help="processes to run (default: one per visible GPU)")
-    @argument("--out", default=None, metavar="NAME", help="store rank 0's value in the notebook under NAME")
-    @argument("--timeout", type=float, default=None, metavar="S", help="stop every rank after S seconds")
-    @argument("--all-ranks", action="store_true", help="show the output of every rank, not only rank 0")
-    @argument(
-        "--env",
-        nargs="+",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="environment variables for the processes",
-    )
-    @argument("--spawn", action="store_true", help="start fresh processes even where forking would work")
     def ddp(self, line: str, cell: str) -> Any:
         """Run this cell on every GPU (see nbkit.magics)."""
         from nbkit import spawning
         from nbkit.errors import LaunchError
         from nbkit.launching import launch
 
-        args = ddp_options(line)
-        env = _parse_env(args.env)
-        if args.out is not None and not args.out.isidentifier():
-            raise UsageError(f"--out needs a Python name to store the value under; {args.out!r} is not one.")
+        try:
+            args = ddp_options.parse(line)
+        except ddp_options.OptionsError as exc:
+            raise UsageError(str(exc)) from None
         source = self.shell.transform_cell(cell)
         # Registered in linecache, so tracebacks of the ranks show the cell's lines.
         filename = self.shell.compile.cache(source, self.shell.execution_count)
-        options = dict(gpus=args.gpus, timeout=args.timeout, quiet=not args.all_ranks, env=env)
+        options = dict(gpus=args.gpus, timeout=args.timeout, quiet=not args.all_ranks, env=args.env)
         blocker = None if args.spawn else spawning.fork_blocker()
         try:
             if args.spawn or blocker is not None:
@@ -167,13 +154,6 @@ class NbkitMagics(Magics):
         )
 
 
-def ddp_options(line: str) -> argparse.Namespace:
-    """The options of a %%ddp line (the text after "%%ddp"), parsed exactly as the magic does.
-    Raises UsageError for options it does not know.
-    """
-    return parse_argstring(NbkitMagics.ddp, line)
-
-
 def _cell_runner(source: str, namespace: dict[str, Any], filename: str) -> Any:
     from nbkit.cells import run_cell
 
@@ -183,16 +163,6 @@ def _cell_runner(source: str, namespace: dict[str, Any], filename: str) -> Any:
         return run_cell(source, namespace, filename)
 
     return run_ddp_cell
-
-
-def _parse_env(groups: list[list[str]]) -> dict[str, str]:
-    env = {}
-    for item in (i for group in groups for i in group):
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise UsageError(f"--env takes KEY=VALUE pairs; got {item!r}.")
-        env[key] = value
-    return env
 
 
 # A frame of nbkit's own cell plumbing in a rank's traceback: its "File" line and the source and
