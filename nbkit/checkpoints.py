@@ -42,11 +42,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from nbkit import distributed, patching
+from nbkit import callbacks, distributed, patching
 
 __all__ = [  # noqa: F822 (names built on first use, see __getattr__)
     "MARKER",
     "CheckpointMarker",
+    "disable",
     "enable",
     "is_complete",
     "resume_point",
@@ -240,18 +241,13 @@ class _Marking:
             _rotate(args.output_dir, args.save_total_limit, state.best_model_checkpoint)
 
 
-def __getattr__(name: str) -> Any:
-    # CheckpointMarker subclasses transformers' TrainerCallback; building it on first use keeps
-    # `import nbkit.checkpoints` (done in every launched rank) from importing transformers.
-    if name == "CheckpointMarker":
-        return _marker_callback()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# CheckpointMarker subclasses transformers' TrainerCallback; building it on first use keeps
+# `import nbkit.checkpoints` (done in every launched rank) from importing transformers.
+__getattr__ = callbacks.lazy_module_attributes(__name__, CheckpointMarker=_Marking)
 
 
 def _marker_callback() -> type:
-    from nbkit import integration
-
-    return integration.trainer_callback("CheckpointMarker", _Marking, __name__)
+    return callbacks.trainer_callback("CheckpointMarker", _Marking, __name__)
 
 
 # --------------------------------------------------------------------------------------------
@@ -264,13 +260,20 @@ def enable() -> None:
     CheckpointMarker, and make checkpoint rotation spare the newest complete checkpoint.
 
     Idempotent; imports nothing heavy: where transformers' trainer is not imported yet, the patches
-    wait for it (nbkit.integration's import watcher). nbkit.launch runs it in every rank; call it
-    yourself in a process that trains without nbkit.launch. Undo with
-    `nbkit.patching.revert("checkpoints")`.
+    wait for it (nbkit.patching's import hook). nbkit.launch runs it in every rank; call it
+    yourself in a process that trains without nbkit.launch. `disable()` undoes it.
     """
-    from nbkit import integration
+    patching.apply("checkpoints")
 
-    integration.apply_when_imported("checkpoints")
+
+def disable() -> None:
+    """Undo `enable()` in this process: Trainers created afterwards get no CheckpointMarker.
+
+    Restores transformers' CallbackHandler.__init__, rotate_checkpoints and the optimizer loading
+    exactly as they were, and drops the patches still waiting for transformers' trainer. Trainers
+    that already exist keep the marker they were given. A no-op when not enabled.
+    """
+    patching.revert("checkpoints")
 
 
 @patching.patch(

@@ -1,7 +1,10 @@
-"""nbkit's settings.
+"""nbkit's settings: every NBKIT_* environment variable nbkit reads is declared and read here.
 
 Each setting lives in an environment variable, so launched processes (forked or freshly started)
-see what the notebook configured without anything being passed along.
+see what the notebook configured without anything being passed along. `nbkit.configure(...)`
+changes them for this process and every process it launches afterwards; `setting(name)` reads one.
+(NBKIT_LAUNCHED is written, not read, by nbkit: nbkit.launch sets it to 1 in every rank it starts,
+for the user's code to see.)
 """
 
 from __future__ import annotations
@@ -9,50 +12,114 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 
-__all__ = ["SETTINGS", "configure", "environment", "setting"]
+__all__ = ["SETTINGS", "Setting", "configure", "environment", "setting"]
 
-# name -> (environment variable, default, allowed values or None for free text)
-SETTINGS: dict[str, tuple[str, str, tuple[str, ...] | None]] = {
-    "device_map_policy": ("NBKIT_DEVICE_MAP_POLICY", "data_parallel", ("data_parallel", "error")),
+
+@dataclass(frozen=True)
+class Setting:
+    """One setting.
+
+    Attributes:
+        env: the environment variable that holds it.
+        default: its value where the variable is unset or empty.
+        choices: the values it may take (compared lower-cased, without surrounding spaces), or None
+            for free text.
+        number: whether it must be a number (`setting()` still returns the text).
+    """
+
+    env: str
+    default: str
+    choices: tuple[str, ...] | None = None
+    number: bool = False
+
+
+SETTINGS: dict[str, Setting] = {
+    # What nbkit.guard does with a device map that would split a model inside a DDP rank.
+    "device_map_policy": Setting("NBKIT_DEVICE_MAP_POLICY", "data_parallel", ("data_parallel", "error")),
     # "reentrant": unsloth VLMs keep unsloth's single-GPU (reentrant, offloading) checkpointing under
     # DDP, with find_unused_parameters=False; "unsloth": unsloth's own DDP choice (non-reentrant).
-    "unsloth_vlm_ddp_checkpointing": ("NBKIT_UNSLOTH_VLM_DDP_CHECKPOINTING", "reentrant", ("reentrant", "unsloth")),
+    "unsloth_vlm_ddp_checkpointing": Setting(
+        "NBKIT_UNSLOTH_VLM_DDP_CHECKPOINTING", "reentrant", ("reentrant", "unsloth")
+    ),
+    # How a launch's dashboard shows (nbkit.dashboard.display_mode): "auto" picks widget or text.
+    "dashboard": Setting("NBKIT_DASHBOARD", "auto", ("auto", "widget", "text", "off")),
+    # Seconds between the text dashboard's lines.
+    "dashboard_interval": Setting("NBKIT_DASHBOARD_INTERVAL", "10", number=True),
+    # Where nbkit.offline keeps the checkpoints it builds ("" : ~/.cache/nbkit).
+    "cache": Setting("NBKIT_CACHE", ""),
 }
 
 
 def setting(name: str) -> str:
-    """Current value of one setting (the environment variable wins over the default)."""
-    env, default, allowed = SETTINGS[name]
-    value = os.environ.get(env, default)
-    if allowed is not None and value not in allowed:
-        raise ValueError(f"{env}={value!r} is not a valid value for nbkit's {name}; use one of {', '.join(allowed)}.")
-    return value
+    """The current value of one setting: its environment variable where set, else its default.
+
+    Args:
+        name: a key of SETTINGS.
+
+    Returns:
+        The value as text (lower-cased for settings with choices).
+
+    Raises:
+        ValueError: where the environment variable holds a value the setting does not allow.
+    """
+    spec = SETTINGS[name]
+    value = os.environ.get(spec.env, "").strip() or spec.default
+    problem = _problem(spec, value)
+    if problem:
+        raise ValueError(f"{spec.env}={os.environ.get(spec.env)!r} is not valid for nbkit's {name}; {problem}.")
+    return value.lower() if spec.choices is not None else value
 
 
 def configure(**settings: str) -> dict[str, str]:
     """Change nbkit settings for this process and every process it launches afterwards.
 
-    Takes keyword arguments named after the settings: device_map_policy ("data_parallel" or
-    "error"; see nbkit.guard) and unsloth_vlm_ddp_checkpointing ("reentrant" or "unsloth"; see
-    docs/unsloth_patches.md, fix 4). Returns all settings as they now stand. Raises ValueError for an
-    unknown setting or value; nothing is changed then.
+    Args:
+        **settings: values named after the settings: device_map_policy ("data_parallel" or
+            "error"; see nbkit.guard), unsloth_vlm_ddp_checkpointing ("reentrant" or "unsloth"; see
+            docs/unsloth_patches.md, fix 4), dashboard ("auto", "widget", "text" or "off"),
+            dashboard_interval (seconds between text lines), cache (a folder for nbkit's offline
+            models).
+
+    Returns:
+        All settings as they now stand.
+
+    Raises:
+        ValueError: for an unknown setting or value; nothing is changed then.
     """
     for name, value in settings.items():
         if name not in SETTINGS:
             raise ValueError(f"nbkit has no setting {name!r}; known settings: {', '.join(SETTINGS)}.")
-        _, _, allowed = SETTINGS[name]
-        if allowed is not None and value not in allowed:
-            raise ValueError(f"{name}={value!r} is not valid; use one of {', '.join(map(repr, allowed))}.")
+        problem = _problem(SETTINGS[name], str(value).strip())
+        if problem:
+            raise ValueError(f"{name}={value!r} is not valid; {problem}.")
     for name, value in settings.items():
-        os.environ[SETTINGS[name][0]] = value
+        os.environ[SETTINGS[name].env] = str(value)
     return {name: setting(name) for name in SETTINGS}
+
+
+def _problem(spec: Setting, value: str) -> str | None:
+    """What is wrong with `value` for `spec`, or None."""
+    if spec.choices is not None and value.lower() not in spec.choices:
+        return f"use one of {', '.join(map(repr, spec.choices))}"
+    if spec.number:
+        try:
+            float(value)
+        except ValueError:
+            return "use a number"
+    return None
 
 
 @contextlib.contextmanager
 def environment(values: Mapping[str, str]) -> Iterator[None]:
-    """Set environment variables for the duration of a `with` block, then put back exactly what
-    was there before (including "unset").
+    """Set environment variables for the duration of a `with` block, then put back exactly what was there before.
+
+    Args:
+        values: variable -> value; variables that were unset are unset again afterwards.
+
+    Yields:
+        None, with the variables set.
     """
     saved = {key: os.environ.get(key) for key in values}
     os.environ.update(values)

@@ -34,12 +34,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from nbkit.config import setting
+from nbkit.shell import current as _shell
+
 __all__ = ["Dashboard", "OutputCell", "Snapshot", "display_mode", "latest", "relay", "relay_to", "widget_frontend"]
 
-_MODES = ("auto", "widget", "text", "off")
 _WIDGET_REFRESH_S = 0.5
 _CURVE_REFRESH_S = 2.0
-_DEFAULT_TEXT_INTERVAL_S = 10.0
 
 # Programs that execute notebooks without a person watching: their kernels have no widget frontend.
 _HEADLESS_RUNNERS = ("papermill", "nbclient", "nbconvert", "jupyter-execute", "nbmake", "pytest", "testbook")
@@ -80,9 +81,7 @@ def display_mode() -> str:
     NBKIT_DASHBOARD overrides ("widget", "text", "off"); otherwise "widget" when
     `widget_frontend()` says a person is watching a widget-capable frontend, else "text".
     """
-    wanted = os.environ.get("NBKIT_DASHBOARD", "auto").strip().lower() or "auto"
-    if wanted not in _MODES:
-        raise ValueError(f"NBKIT_DASHBOARD={wanted!r} is not valid; use one of {', '.join(_MODES)}.")
+    wanted = setting("dashboard")
     if wanted != "auto":
         return wanted
     return "widget" if widget_frontend() else "text"
@@ -139,11 +138,6 @@ def _ancestor_cmdlines(depth: int = 4) -> list[str]:
         except (OSError, ValueError, IndexError):
             break
     return lines
-
-
-def _shell() -> Any:
-    ipython = sys.modules.get("IPython")  # never import IPython just to ask
-    return ipython.get_ipython() if ipython is not None else None
 
 
 class OutputCell:
@@ -219,7 +213,7 @@ class Dashboard:
         self.events: list[tuple[int, dict[str, Any]]] = []
         self.mode = "relay" if _relay is not None else (mode or display_mode())
         if interval is None:
-            interval = float(os.environ.get("NBKIT_DASHBOARD_INTERVAL", _DEFAULT_TEXT_INTERVAL_S))
+            interval = float(setting("dashboard_interval"))
         self.interval = interval
         self.closed = False
         self._lock = threading.RLock()

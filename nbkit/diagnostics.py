@@ -15,11 +15,13 @@ import importlib.metadata
 import os
 import re
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nbkit import distributed
+from nbkit import distributed, patching
+from nbkit import shell as nbkit_shell
 
 __all__ = ["Problem", "Report", "doctor"]
 
@@ -92,6 +94,9 @@ class Report:
     versions: dict[str, str | None]
     secrets: dict[str, bool]
     problems: list[Problem] = field(default_factory=list)
+    # nbkit's patches of other libraries, group -> targets: in place now, and waiting for an import.
+    patches_applied: dict[str, list[str]] = field(default_factory=dict)
+    patches_pending: dict[str, list[str]] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -111,6 +116,8 @@ class Report:
         state = "initialised" if self.cuda_initialized else "not initialised"
         lines.append(f"  this process: CUDA {state}; %%ddp / nbkit.launch would {self.launch_mode}")
         lines.append(f"  dashboard: {self.dashboard}")
+        lines.append(f"  patches applied: {_groups(self.patches_applied)}")
+        lines.append(f"  patches pending (applied when their module is imported): {_groups(self.patches_pending)}")
         lines.append("  versions: " + ", ".join(f"{k} {v or '-'}" for k, v in self.versions.items()))
         present = [k for k, v in self.secrets.items() if v]
         absent = [k for k, v in self.secrets.items() if not v]
@@ -151,6 +158,8 @@ def doctor() -> Report:
         dashboard=_dashboard_mode(dashboard),
         versions=versions,
         secrets=_secrets(),
+        patches_applied=_by_group(patching.applied),
+        patches_pending=_by_group(patching.pending),
     )
     report.problems += _gpu_problems(gpus, report.platform)
     if blocker is not None:
@@ -167,6 +176,16 @@ def doctor() -> Report:
     return report
 
 
+def _by_group(targets: Callable[[str], list[str]]) -> dict[str, list[str]]:
+    """Group -> targets, for the groups where `targets(group)` names any."""
+    groups = dict.fromkeys(p.group for p in patching.registered())
+    return {group: found for group in groups if (found := targets(group))}
+
+
+def _groups(patches: dict[str, list[str]]) -> str:
+    return "; ".join(f"{group} ({', '.join(targets)})" for group, targets in patches.items()) or "none"
+
+
 def _version(name: str) -> str | None:
     try:
         return importlib.metadata.version(name)
@@ -180,8 +199,7 @@ def _platform() -> str:
         return f"Kaggle ({'batch run: Save & Run All' if run_type == 'Batch' else 'interactive session'})"
     if os.environ.get("COLAB_RELEASE_TAG") or os.environ.get("COLAB_GPU") is not None:
         return "Colab"
-    ipython = sys.modules.get("IPython")
-    shell = ipython.get_ipython() if ipython is not None else None
+    shell = nbkit_shell.current()
     where = "Jupyter kernel" if hasattr(shell, "kernel") else ("IPython" if shell is not None else "script")
     return f"local ({where})"
 

@@ -99,8 +99,6 @@ def install() -> None:
     """
     import os
 
-    from nbkit import integration
-
     os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
 
-    integration.apply_when_imported("forksafety")
+    patching.apply("forksafety")

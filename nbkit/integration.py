@@ -1,179 +1,155 @@
-"""nbkit.install() / nbkit.uninstall(): switch nbkit's patches of other libraries on and off.
+"""nbkit.install() / nbkit.uninstall(): the table of patch groups, and switching them on and off.
 
-The patches themselves are declared next to the code they serve (nbkit.guard for the model-loading
-guard, nbkit.savers.unsloth for unsloth's savers) through nbkit.patching; this module only imports
-those declarations and applies them.
+Every change nbkit makes to another library belongs to one group of GROUPS below, declared (with
+nbkit.patching's `@patch`) in the module the table names, next to the code it serves. This table is
+the one place that lists them and says when each is applied; `install()` and `uninstall()` switch
+any of them on and off by name, and nbkit.patching keeps the state (applied, or pending until the
+patched library is imported).
 
 A patch is applied when its library is imported, never by importing it here: `import unsloth`
 takes ~25 s and initialises CUDA, so installing in every launched rank must not import it for a
 user who trains with plain transformers, and must still catch the user who imports it later,
-inside the launched function. Patches whose module is already imported are applied at once; the
-others are applied by an import hook right after their module has finished loading.
+inside the launched function.
 """
 
 from __future__ import annotations
 
-import functools
 import importlib
-import importlib.abc
-import logging
-import sys
-import threading
-from collections.abc import Callable
-from types import ModuleType
-from typing import Any
+from dataclasses import dataclass
 
 from nbkit import patching
 
-__all__ = ["apply_when_imported", "install", "installed", "pending", "trainer_callback", "uninstall"]
-
-# group -> module declaring its patches
-_DECLARATIONS = {"guard": "nbkit.guard", "savers": "nbkit.savers.unsloth"}
-
-_log = logging.getLogger("nbkit")
-_lock = threading.RLock()
-_groups: list[str] = []  # what install() switched on, in order
+__all__ = ["DEFAULT_GROUPS", "GROUPS", "Group", "describe", "install", "uninstall"]
 
 
-def install(*, guard: bool = True, savers: bool = True) -> list[str]:
-    """Apply nbkit's patches: the model-loading guard and the unsloth savers fixes.
+@dataclass(frozen=True)
+class Group:
+    """One group of patches.
 
-    Takes which groups to switch on. Returns the targets ("module:Class.attr") patched now;
-    patches of libraries not imported yet (unsloth, typically) are applied when they are imported.
+    Attributes:
+        name: the group's name, as the patches declare it and install()/uninstall() take it.
+        module: the nbkit module that declares the group's patches.
+        applied: when nbkit applies the group by itself.
+    """
+
+    name: str
+    module: str
+    applied: str
+
+
+GROUPS: dict[str, Group] = {
+    g.name: g
+    for g in (
+        Group(
+            "forksafety",
+            "nbkit.forksafety",
+            "by `import nbkit`, in every process, so that the notebook never creates a CUDA context before launching",
+        ),
+        Group(
+            "guard",
+            "nbkit.guard",
+            "by `nbkit.install()`, which nbkit.launch runs in every rank: device maps that would split a model "
+            "inside a DDP rank",
+        ),
+        Group(
+            "unsloth_savers",
+            "nbkit.savers.unsloth",
+            "by `nbkit.install()`, which nbkit.launch runs in every rank; each fix only where the installed "
+            "unsloth lacks it ([unsloth_patches.md](unsloth_patches.md))",
+        ),
+        Group(
+            "reporting",
+            "nbkit.reporting",
+            "in every rank nbkit.launch starts (the dashboard callback); its patches act only there",
+        ),
+        Group(
+            "checkpoints",
+            "nbkit.checkpoints",
+            "in every rank nbkit.launch starts, and by `nbkit.checkpoints.enable()` elsewhere "
+            "(complete-checkpoint markers; `nbkit.checkpoints.disable()` reverts it)",
+        ),
+        Group(
+            "launch",
+            "nbkit.launching",
+            "only while nbkit.launch starts its ranks through accelerate's notebook_launcher",
+        ),
+        Group(
+            "offline",
+            "nbkit.offline",
+            "when nbkit.offline builds a Qwen3-VL processor on a machine without torchvision",
+        ),
+    )
+}
+
+# What `install()` applies when no group is named: the groups every launched rank gets from it.
+DEFAULT_GROUPS = ("guard", "unsloth_savers")
+
+
+def install(*groups: str) -> list[str]:
+    """Apply nbkit's patches of the named groups (default: the model-loading guard and unsloth's savers fixes).
+
     Idempotent: a second call changes nothing. Safe on every rank and in the notebook process; it
-    imports none of the patched libraries. A missing savers module (not part of this install) is
-    skipped. nbkit.launch calls this in every rank it starts.
+    imports none of the patched libraries: patches of libraries not imported yet (unsloth,
+    typically) wait and are applied right after their import (`nbkit.patching.pending()`). A group
+    whose declaring module is not part of this installation is skipped. nbkit.launch calls
+    `install()` in every rank it starts.
+
+    Args:
+        *groups: names from GROUPS; none means DEFAULT_GROUPS.
+
+    Returns:
+        The targets ("module:Class.attr") of the named groups that are patched now.
+
+    Raises:
+        ValueError: for a name that is not a group; nothing is applied then.
     """
-    with _lock:
-        for group, wanted in (("guard", guard), ("savers", savers)):
-            if not wanted or group in _groups:
-                continue
-            if not _declare(group):
-                continue
-            _groups.append(group)
-            apply_when_imported(group)
-        return installed()
+    names = _checked(groups or DEFAULT_GROUPS)
+    return [target for name in names if _declare(GROUPS[name]) for target in patching.apply(name)]
 
 
-def apply_when_imported(group: str) -> None:
-    """Apply the registered patches of `group` now where their module is imported, and right
-    after its import otherwise. Imports nothing itself (unsloth's import alone takes ~25 s and
-    initialises CUDA; transformers' takes seconds that a rank without a Trainer should not pay).
+def uninstall(group: str | None = None) -> None:
+    """Revert one group of nbkit's patches, or all of them, restoring the original attributes exactly.
+
+    Also drops patches still waiting for their library's import. A no-op for what is not applied.
+
+    Args:
+        group: a name from GROUPS, or None for every group (including those applied by
+            `import nbkit`, nbkit.launch and nbkit.checkpoints.enable()).
+
+    Raises:
+        ValueError: for a name that is not a group.
     """
-    with _lock:
-        for p in patching.registered(group):
-            module = p.target.partition(":")[0]
-            if module in sys.modules:
-                p.apply()
-            else:
-                _watcher().arm(module, p)
+    if group is not None:
+        _checked((group,))
+    patching.revert(group)
 
 
-@functools.cache
-def trainer_callback(name: str, behaviour: type, module: str) -> type:
-    """The transformers TrainerCallback class `name`, made of `behaviour` (a plain class with the
-    callback's methods) and TrainerCallback, built on first use and then the same class each time:
-    modules that every launched rank imports must not import transformers themselves.
+def describe() -> str:
+    """The markdown table of the groups: name, declaring module, and when nbkit applies it.
+
+    Returns:
+        The table that docs/patches.md shows above nbkit.patching.describe()'s list of patches.
     """
-    from transformers import TrainerCallback
-
-    return type(name, (behaviour, TrainerCallback), {"__module__": module, "__doc__": behaviour.__doc__})
-
-
-def uninstall() -> None:
-    """Revert everything install() applied, restoring the original functions exactly.
-
-    Also disarms patches still waiting for their library to be imported. A no-op when nothing is
-    installed.
-    """
-    with _lock:
-        for group in reversed(_groups):
-            patching.revert(group)
-        if _WATCHER is not None:
-            _WATCHER.disarm()
-            if _WATCHER in sys.meta_path:
-                sys.meta_path.remove(_WATCHER)
-        _groups.clear()
+    rows = ["| group | declared in | applied |", "| --- | --- | --- |"]
+    rows += [f"| `{g.name}` | `{g.module}` | {g.applied} |" for g in GROUPS.values()]
+    return "\n".join(rows) + "\n"
 
 
-def installed() -> list[str]:
-    """Targets patched now by install()."""
-    return [t for g in _groups for t in patching.applied(g)]
+def _checked(names: tuple[str, ...]) -> tuple[str, ...]:
+    unknown = [name for name in names if name not in GROUPS]
+    if unknown:
+        raise ValueError(
+            f"nbkit has no patch group {', '.join(map(repr, unknown))}; the groups are {', '.join(GROUPS)}."
+        )
+    return names
 
 
-def pending() -> list[str]:
-    """Targets install() will patch when their library is imported."""
-    return [] if _WATCHER is None else _WATCHER.waiting()
-
-
-def _declare(group: str) -> bool:
-    name = _DECLARATIONS[group]
+def _declare(group: Group) -> bool:
+    """Import the module that declares `group`'s patches; False where it is not installed."""
     try:
-        importlib.import_module(name)
+        importlib.import_module(group.module)
     except ModuleNotFoundError as error:
-        if error.name != name:
+        if error.name != group.module:
             raise  # the module exists but something it needs does not: a real error
         return False
     return True
-
-
-class _ImportWatcher(importlib.abc.MetaPathFinder):
-    """Runs patches right after the modules they target finish importing.
-
-    It finds nothing itself: for a watched module it asks the other finders for the spec and wraps
-    that spec's loader so that, once the module has executed, the waiting patches are applied.
-    """
-
-    def __init__(self) -> None:
-        self._waiting: dict[str, list[patching.Patch]] = {}
-
-    def arm(self, module: str, p: patching.Patch) -> None:
-        if p not in self._waiting.setdefault(module, []):
-            self._waiting[module].append(p)
-
-    def disarm(self) -> None:
-        self._waiting.clear()
-
-    def waiting(self) -> list[str]:
-        return [p.target for patches in self._waiting.values() for p in patches]
-
-    def find_spec(self, fullname: str, path: Any, target: ModuleType | None = None) -> Any:
-        if fullname not in self._waiting:
-            return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None:
-                break
-        else:
-            return None
-        if spec.loader is None or not hasattr(spec.loader, "exec_module"):
-            return spec
-        spec.loader.exec_module = self._after(fullname, spec.loader.exec_module)  # type: ignore[method-assign]
-        return spec
-
-    def _after(self, fullname: str, exec_module: Callable[[ModuleType], None]) -> Callable[[ModuleType], None]:
-        def exec_then_patch(module: ModuleType) -> None:
-            exec_module(module)
-            with _lock:
-                patches = self._waiting.pop(fullname, [])
-            for p in patches:
-                try:
-                    p.apply()
-                except Exception:  # a patch must never break the user's import
-                    _log.exception("nbkit: could not apply the patch of %s", p.target)
-
-        return exec_then_patch
-
-
-_WATCHER: _ImportWatcher | None = None
-
-
-def _watcher() -> _ImportWatcher:
-    global _WATCHER
-    if _WATCHER is None:
-        _WATCHER = _ImportWatcher()
-    if _WATCHER not in sys.meta_path:
-        sys.meta_path.insert(0, _WATCHER)
-    return _WATCHER

@@ -41,6 +41,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from nbkit.config import setting
 from nbkit.patching import patch
 
 if TYPE_CHECKING:
@@ -310,7 +311,7 @@ def cache_root(cache_dir: str | os.PathLike[str] | None = None) -> Path:
     """Where checkpoints are kept: `cache_dir`, else $NBKIT_CACHE/models, else ~/.cache/nbkit/models."""
     if cache_dir is not None:
         return Path(cache_dir)
-    env = os.environ.get("NBKIT_CACHE")
+    env = setting("cache")
     if env:
         return Path(env) / "models"
     return Path.home() / ".cache" / "nbkit" / "models"

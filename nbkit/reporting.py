@@ -30,7 +30,8 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from nbkit import channel, distributed, patching
+from nbkit import callbacks, channel, distributed, patching
+from nbkit import shell as nbkit_shell
 
 __all__ = ["DashboardCallback", "report", "setup_rank"]  # noqa: F822 (DashboardCallback: built on first use)
 
@@ -88,10 +89,8 @@ def setup_rank() -> None:
     _clock = _Clock()
     # Importing transformers takes seconds to tens of seconds: a rank that never builds a Trainer
     # must not pay for it, so the patches wait for transformers.trainer to be imported
-    # (nbkit.integration's import watcher applies them right after).
-    from nbkit import integration
-
-    integration.apply_when_imported("reporting")
+    # (nbkit.patching's import hook applies them right after).
+    patching.apply("reporting")
     if channel.connected():
         _no_library_progress_bars()
 
@@ -196,7 +195,7 @@ class _LocalDashboard:
     def event(self, rank: int, event: dict[str, Any]) -> None:
         from nbkit.dashboard import Dashboard
 
-        shell = _ipython()
+        shell = nbkit_shell.current()
         cell = getattr(shell, "execution_count", None)
         with self._lock:
             if self._board is not None and cell != self._cell:
@@ -225,11 +224,6 @@ class _LocalDashboard:
             self._hooked.add(id(shell))
 
 
-def _ipython() -> Any:
-    ipython = sys.modules.get("IPython")  # never import IPython just to ask
-    return ipython.get_ipython() if ipython is not None else None
-
-
 _local = _LocalDashboard()
 
 
@@ -238,18 +232,8 @@ _local = _LocalDashboard()
 # --------------------------------------------------------------------------------------------
 
 
-def __getattr__(name: str) -> Any:
-    # DashboardCallback subclasses transformers' TrainerCallback; building it on first use keeps
-    # `import nbkit.reporting` (which every launched rank does) from importing transformers.
-    if name == "DashboardCallback":
-        return _dashboard_callback()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 def _dashboard_callback() -> type:
-    from nbkit import integration
-
-    return integration.trainer_callback("DashboardCallback", _StepReporter, __name__)
+    return callbacks.trainer_callback("DashboardCallback", _StepReporter, __name__)
 
 
 class _StepReporter:
@@ -299,6 +283,11 @@ class _StepReporter:
         }
         if extra:
             report(step=state.global_step, **extra)
+
+
+# DashboardCallback subclasses transformers' TrainerCallback; building it on first use keeps
+# `import nbkit.reporting` (which every launched rank does) from importing transformers.
+__getattr__ = callbacks.lazy_module_attributes(__name__, DashboardCallback=_StepReporter)
 
 
 def _in_launched_rank() -> bool:

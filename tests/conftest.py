@@ -70,3 +70,15 @@ def kernel_name(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("JUPYTER_PATH", os.pathsep.join(filter(None, [str(root), os.environ.get("JUPYTER_PATH")])))
         yield name
+
+
+@pytest.fixture(autouse=True)
+def patch_groups_as_found() -> Iterator[None]:
+    """`nbkit.uninstall()` reverts every group, including forksafety, which `import nbkit` applied:
+    tests that call it put back the groups that were applied before them."""
+    from nbkit import patching
+
+    before = {p.group for p in patching.registered() if p.is_applied}
+    yield
+    for group in before:
+        patching.apply(group)

@@ -32,7 +32,7 @@ def _policy_matrix(out_dir: str, tiny_path: str) -> dict[str, Any]:
     """Runs on each rank of a 2-process launch; writes what each branch did to rank<N>.json."""
     from transformers import AutoModelForCausalLM
 
-    from nbkit import integration
+    from nbkit import patching
 
     mine, other = nbkit.local_rank(), 1 - nbkit.local_rank()
     r: dict[str, Any] = {}
@@ -47,7 +47,7 @@ def _policy_matrix(out_dir: str, tiny_path: str) -> dict[str, Any]:
     r["foreign_device"] = _error(lambda: nbkit.resolve_device_map(torch.device("cuda", other)))
     model = AutoModelForCausalLM.from_pretrained(tiny_path, device_map="auto")
     r["auto_class_device"] = str(model.device)
-    r["installed"] = integration.installed()
+    r["installed"] = patching.applied()
 
     os.environ["NBKIT_DEVICE_MAP_POLICY"] = "error"
     r["env_error"] = _error(lambda: nbkit.resolve_device_map("balanced"))

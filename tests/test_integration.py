@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import os
 import sys
 import textwrap
@@ -55,28 +57,35 @@ def test_install_is_idempotent_and_uninstall_restores_the_exact_descriptors():
         k: v for k, v in before.items() if k != "PreTrainedModel"
     }  # Auto classes untouched (they call it)
 
-    assert nbkit.install() == integration.installed()
+    assert nbkit.install() == patching.applied("guard") + patching.applied("unsloth_savers")
     assert vars(PreTrainedModel)["from_pretrained"] is patched  # a second install wraps nothing again
 
     nbkit.uninstall()
     after = _descriptors()
     assert all(after[name] is before[name] for name in before)
     assert "from_pretrained" not in vars(Qwen3ForCausalLM)
-    assert integration.installed() == [] and integration.pending() == []
-    assert not patching.applied("guard")
-    assert not any(isinstance(finder, integration._ImportWatcher) for finder in sys.meta_path)
+    assert patching.applied() == [] and patching.pending() == []
+    assert not any(isinstance(finder, patching._ImportWatcher) for finder in sys.meta_path)
     nbkit.uninstall()  # nothing left to undo
     assert _descriptors() == after
 
 
-def test_groups_can_be_left_out_and_a_missing_savers_module_is_skipped():
+def test_groups_can_be_chosen_and_unknown_names_are_refused():
     original = vars(PreTrainedModel)["from_pretrained"]
-    targets = nbkit.install(guard=False)
+    targets = nbkit.install("unsloth_savers")
     assert GUARD_TARGET not in targets and not patching.applied("guard")
-    assert set(targets) <= {p.target for p in patching.registered("savers")}
+    assert set(targets) <= {p.target for p in patching.registered("unsloth_savers")}
     assert vars(PreTrainedModel)["from_pretrained"] is original
     assert GUARD_TARGET in nbkit.install()  # now the guard too, keeping the savers as they are
-    assert set(targets) <= set(integration.installed())
+    assert set(targets) <= set(patching.applied())
+    with pytest.raises(ValueError, match="no patch group 'savers'; the groups are forksafety, guard"):
+        nbkit.install("guard", "savers")
+    with pytest.raises(ValueError, match="no patch group 'gaurd'"):
+        nbkit.uninstall("gaurd")
+    assert GUARD_TARGET in patching.applied("guard")  # a refused call changes nothing
+    nbkit.uninstall("guard")
+    assert vars(PreTrainedModel)["from_pretrained"] is original
+    assert set(targets) <= set(patching.applied("unsloth_savers") + patching.pending("unsloth_savers"))
 
 
 # A stand-in for unsloth.models.loader (unsloth cannot be installed without a GPU): the same class
@@ -118,12 +127,12 @@ ORIGINALS = {cls.__name__: vars(cls).get("from_pretrained") for cls in (FastLang
 
 
 def _unsloth_imported_inside(fake_root: str) -> dict[str, Any]:
-    r: dict[str, Any] = {"pending": integration.pending(), "imported_early": "unsloth" in sys.modules}
+    r: dict[str, Any] = {"pending": patching.pending(), "imported_early": "unsloth" in sys.modules}
     sys.path.insert(0, fake_root)
     from unsloth.models import loader
     from unsloth.models.loader import FastLanguageModel, FastModel, FastVisionModel
 
-    r["installed"] = integration.installed()
+    r["installed"] = patching.applied()
     original = loader.ORIGINALS["FastModel"].__func__
     r["vision_wraps_the_original"] = FastVisionModel.from_pretrained.__wrapped__ is original
     os.environ["NBKIT_DEVICE_MAP_POLICY"] = "error"
@@ -176,3 +185,108 @@ def test_unsloth_loaders_are_guarded_once_unsloth_is_imported_in_the_launched_fu
     assert r["own_rank"] == {"": "cuda:0"}  # an explicit map on the rank's own device is kept
     assert r["restored"] == {"FastLanguageModel": True, "FastModel": True, "FastVisionModel": True}
     assert r["after_uninstall"] == "balanced"
+
+
+_ABSENT = object()
+
+
+def _values(group: str) -> dict[str, Any]:
+    """target -> what the patched owner holds itself now (its __dict__ entry, _ABSENT for an inherited
+    attribute), for the group's targets whose module is imported; imports nothing."""
+    found = {}
+    for p in patching.registered(group):
+        module, _, path = p.target.partition(":")
+        owner: Any = sys.modules.get(module)
+        if owner is None:
+            continue
+        *parents, attr = path.split(".")
+        for name in parents:
+            owner = getattr(owner, name)
+        found[p.target] = vars(owner).get(attr, _ABSENT)
+    return found
+
+
+def _install_and_uninstall_each_group() -> dict[str, Any]:
+    """Per group: what install(group) patched, left pending and restored; run where every group acts."""
+    results = {}
+    for name, group in integration.GROUPS.items():
+        importlib.import_module(group.module)
+        for p in patching.registered(name):  # the libraries that are installed, imported as a user would
+            with contextlib.suppress(ImportError):
+                importlib.import_module(p.module)
+        nbkit.uninstall(name)
+        before = _values(name)
+        targets = nbkit.install(name)
+        patched = _values(name)
+        again = nbkit.install(name)
+        r = {
+            "targets": targets,
+            "pending": patching.pending(name),
+            "idempotent": again == targets and _values(name) == patched,
+            "replaced": all(patched[t] is not before[t] for t in targets),
+            "not_imported": sorted(p.target for p in patching.registered(name) if p.module not in sys.modules),
+        }
+        nbkit.uninstall(name)
+        after = _values(name)
+        r["restored"] = after.keys() == before.keys() and all(after[t] is before[t] for t in before)
+        r["left"] = patching.applied(name) + patching.pending(name)
+        results[name] = r
+    return results
+
+
+def _check_each_group(results: dict[str, Any], acting: set[str]) -> None:
+    assert set(results) == set(integration.GROUPS)
+    for name, r in results.items():
+        assert r["restored"] and r["left"] == [] and r["idempotent"] and r["replaced"], (name, r)
+        assert sorted(r["pending"]) == r["not_imported"], name  # waiting exactly for what is not imported
+        assert bool(r["targets"]) == (name in acting), (name, r["targets"])
+
+
+def test_install_and_uninstall_of_every_group_restore_the_originals_exactly():
+    results = _install_and_uninstall_each_group()
+    # reporting's patches act only in launched ranks; unsloth is not installed here, so its loaders
+    # (guard) and fixes (unsloth_savers) wait for its import, as does the fix of Trainer where
+    # transformers ships it
+    _check_each_group(results, acting=set(integration.GROUPS) - {"reporting", "unsloth_savers"})
+    assert set(results["guard"]["pending"]) == set(UNSLOTH_TARGETS)
+    assert results["reporting"]["pending"] == []
+
+
+def _in_a_rank() -> dict[str, Any]:
+    groups = {p.group for p in patching.registered() if p.is_applied}
+    return {"applied_by_launch": sorted(groups), "results": _install_and_uninstall_each_group()}
+
+
+def test_every_group_installs_and_uninstalls_exactly_in_a_launched_rank():
+    r = nbkit.launch(_in_a_rank, gpus=1)
+    # what nbkit.launch sets up in every rank, before the user's function runs (forksafety: the
+    # fixture reverted it in this process, which the rank was forked from)
+    assert r["applied_by_launch"] == ["checkpoints", "guard", "reporting"]
+    _check_each_group(r["results"], acting=set(integration.GROUPS) - {"unsloth_savers"})
+
+
+def test_checkpoints_enable_and_disable():
+    from transformers.trainer_callback import CallbackHandler
+
+    from nbkit import checkpoints
+
+    original = vars(CallbackHandler)["__init__"]
+    checkpoints.enable()
+    assert vars(CallbackHandler)["__init__"] is not original
+    handler = CallbackHandler([], None, None, None, None)
+    assert [type(cb).__name__ for cb in handler.callbacks] == ["CheckpointMarker"]
+    checkpoints.disable()
+    assert vars(CallbackHandler)["__init__"] is original
+    assert CallbackHandler([], None, None, None, None).callbacks == []
+    assert patching.applied("checkpoints") == []
+
+
+def test_doctor_lists_applied_and_pending_patches():
+    nbkit.install()
+    text = str(nbkit.doctor())
+    assert f"patches applied: guard ({GUARD_TARGET})" in text
+    pending = next(line for line in text.splitlines() if line.startswith("  patches pending"))
+    assert all(target in pending for target in UNSLOTH_TARGETS)
+    nbkit.uninstall()
+    text = str(nbkit.doctor())
+    assert "  patches applied: none" in text and "applied when their module is imported): none" in text

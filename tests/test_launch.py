@@ -227,17 +227,13 @@ def test_accelerator_created_in_the_notebook_is_refused():
 
 
 def test_inside_an_outside_distributed_run_fn_is_called_directly(monkeypatch):
-    from nbkit import integration, patching
-
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("LOCAL_RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
     try:
         assert nbkit.launch(lambda a, b=0: (os.getpid(), nbkit.rank(), a + b), 2, b=3) == (os.getpid(), 1, 5)
     finally:  # the rank set-up ran in this test process: leave it as other tests expect it
-        integration.uninstall()
-        for group in ("reporting", "checkpoints"):
-            patching.revert(group)
+        nbkit.uninstall()
 
 
 _INTERRUPT_SCRIPT = textwrap.dedent(

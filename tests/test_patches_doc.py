@@ -1,30 +1,32 @@
-"""docs/patches.md lists every patch nbkit declares, as nbkit.patching.describe() renders it."""
+"""docs/patches.md lists every patch group and every patch nbkit declares, as nbkit renders them."""
 
 from __future__ import annotations
 
 import importlib
 from pathlib import Path
 
-from nbkit import patching
+from nbkit import integration, patching
 
-# Every module that declares patches through nbkit.patching.
-DECLARING = (
-    "nbkit.forksafety",
-    "nbkit.launching",
-    "nbkit.guard",
-    "nbkit.savers.unsloth",
-    "nbkit.reporting",
-    "nbkit.checkpoints",
-    "nbkit.offline",
-)
 DOC = Path(__file__).resolve().parents[1] / "docs" / "patches.md"
 
 
-def test_docs_list_every_declared_patch():
-    for module in DECLARING:
-        importlib.import_module(module)
-    table = patching.describe()
-    assert table in DOC.read_text(), (
+def _declare_all() -> None:
+    for group in integration.GROUPS.values():
+        importlib.import_module(group.module)
+
+
+def test_every_group_is_in_the_table_and_declared_where_it_says():
+    _declare_all()
+    assert {p.group for p in patching.registered()} == set(integration.GROUPS)
+    for p in patching.registered():
+        declaring = integration.GROUPS[p.group].module
+        assert p.factory.__module__ == declaring, (p.target, p.factory.__module__, declaring)
+
+
+def test_docs_list_every_group_and_every_declared_patch():
+    _declare_all()
+    text = DOC.read_text()
+    assert integration.describe() in text and patching.describe() in text, (
         "docs/patches.md is out of date: paste in the output of "
         "`python -c 'import tests.test_patches_doc as t; t.render()'`"
     )
@@ -33,6 +35,7 @@ def test_docs_list_every_declared_patch():
 
 
 def render() -> None:
-    for module in DECLARING:
-        importlib.import_module(module)
+    """Print the two tables that docs/patches.md holds."""
+    _declare_all()
+    print(integration.describe())
     print(patching.describe())

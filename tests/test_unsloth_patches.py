@@ -220,12 +220,12 @@ def _tiled_weight_grads(tiled_mlp: types.ModuleType) -> tuple[dict[str, int], di
 
 def test_fixes_applied_on_import_where_missing(stand_in, monkeypatch):
     stand_in(fixed=False)
-    integration.install(guard=False)
+    integration.install("unsloth_savers")
     loss_module, tiled_mlp = _import_stand_in()
-    applied = integration.installed()
+    applied = patching.applied()
     assert "unsloth_zoo.fused_losses.cross_entropy_loss:UnslothFusedLoss.apply" in applied
     assert "unsloth_zoo.tiled_mlp:TiledMLP.apply" in applied
-    assert TRAINER in applied + integration.pending()  # now, or when transformers.trainer is imported
+    assert TRAINER in applied + patching.pending()  # now, or when transformers.trainer is imported
 
     # Hidden states and labels on another device than lm_head (meta stands in for a second GPU).
     hidden, labels = torch.randn(2, 3, 4, requires_grad=True), torch.zeros(2, 3, dtype=torch.long)
@@ -253,11 +253,11 @@ def test_fixes_applied_on_import_where_missing(stand_in, monkeypatch):
 
 def test_left_alone_where_unsloth_ships_the_fix(stand_in):
     stand_in(fixed=True)
-    integration.install(guard=False)
+    integration.install("unsloth_savers")
     _import_stand_in()
     assert not fixes.needs_cross_device_loss_fix()
     assert fixes.needs_tiled_mlp_fix() is False and fixes.needs_find_unused_fix() is False
-    assert not [t for t in integration.installed() if "unsloth" in t or "Trainer" in t]
+    assert not [t for t in patching.applied() if "unsloth" in t or "Trainer" in t]
 
 
 def test_nothing_is_imported_or_patched_without_unsloth():
@@ -276,7 +276,7 @@ def test_trainer_gets_find_unused_false_only_for_lora_text_models_under_ddp(
 
     stand_in(fixed=False)
     _import_stand_in()
-    (target,) = [p for p in patching.registered("savers") if p.target == TRAINER]
+    (target,) = [p for p in patching.registered("unsloth_savers") if p.target == TRAINER]
     assert target.apply()
     try:
         model = AutoModelForCausalLM.from_pretrained(tiny_text_path)
@@ -333,7 +333,7 @@ def test_dense_vision_models_keep_single_gpu_checkpointing_and_trainer_follows(
 
     root = stand_in(fixed=True)  # unsloth chooses find_unused_parameters itself: only fix 4 is nbkit's
     _write(root, {"unsloth/models/vision.py": _VISION})
-    integration.install(guard=False)
+    integration.install("unsloth_savers")
     from unsloth.models.vision import FastBaseModel
 
     def load(path, auto):

@@ -28,7 +28,7 @@ Fixes 1-3 are detected by *feature*, never by version: the `when` predicates rea
 unsloth / unsloth_zoo modules already imported (or, for unsloth's own package, its source files,
 without importing it: `import unsloth` initialises CUDA). Where the feature is present the patch is
 left out. Each fix acts only in a distributed run or when devices actually differ, so single-GPU
-runs are unchanged. nbkit.install() applies these (group "savers") when the modules are imported.
+runs are unchanged. nbkit.install() applies these (group "unsloth_savers") when the modules are imported.
 
 The detection functions take source text, so they are tested against real unsloth releases.
 """
@@ -251,7 +251,7 @@ def _forward_parameters(cls: type) -> list[str]:
     reason="hidden states on another GPU than lm_head fail inside the chunked loss's functorch transform "
     "('Cannot access storage of TensorWrapper'); move them (differentiably) to lm_head's device first",
     upstream="https://github.com/unslothai/unsloth-zoo/pull/423",
-    group="savers",
+    group="unsloth_savers",
     when=needs_cross_device_loss_fix,
 )
 def _fused_loss_on_head_device(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -277,7 +277,7 @@ def _fused_loss_on_head_device(original: Callable[..., Any]) -> Callable[..., An
     "per shard ('marked ready twice'); under DDP run nbkit's tiled MLP, which returns each weight's "
     "gradient once",
     upstream="https://github.com/unslothai/unsloth/pull/4077",
-    group="savers",
+    group="unsloth_savers",
     when=needs_tiled_mlp_fix,
 )
 def _tiled_mlp_ddp_safe(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -329,7 +329,7 @@ def _dense_vision_model(model: Any) -> bool:
     "(benchmarks/RESULTS.md); keep the single-GPU one for dense vision models, Trainer then uses "
     "find_unused_parameters=False",
     upstream="https://github.com/unslothai/unsloth/issues/3713",
-    group="savers",
+    group="unsloth_savers",
     when=unsloth_chooses_vlm_checkpointing,
 )
 def _vlm_keeps_single_gpu_checkpointing(original: Callable[[], bool]) -> Callable[[], bool]:
@@ -407,7 +407,7 @@ def _find_unused_fix_wanted() -> bool:
     "find_unused_parameters=True for peft models then fails under DDP ('Expected to mark a variable ready "
     "only once'); where every trainable weight gets a gradient each step False is correct",
     upstream="https://github.com/unslothai/unsloth/issues/3713",
-    group="savers",
+    group="unsloth_savers",
     when=_find_unused_fix_wanted,
 )
 def _find_unused_false_for_unsloth_lora(original: Callable[..., Any]) -> Callable[..., Any]:
