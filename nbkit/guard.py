@@ -265,11 +265,12 @@ def _check_fits_one_gpu(values: dict[str, Any], loader: _Loader, quantized: bool
     if source is None:
         return
     from nbkit import planner
+    from nbkit.offline import load_config
 
     hub = {k: values[k] for k in _HUB_KWARGS if values.get(k) is not None}
     seq_len = int(values.get("max_seq_length") or FIT_CHECK_SEQ_LEN)
     try:
-        config = planner.load_config(source, **hub)
+        config = load_config(source, **hub)
         # 8-bit is estimated as 4-bit: a lower bound, so the check never refuses a load that could fit.
         estimate = planner.plan(config, gpus=1, seq_len=seq_len, load_in_4bit=quantized)
     except Exception:

@@ -250,19 +250,32 @@ def _spec(name: str) -> _Spec | None:
 # configs
 
 
-def load_config(name: str) -> PretrainedConfig:
+def load_config(model: str | os.PathLike[str] | PretrainedConfig, **hub_kwargs: Any) -> PretrainedConfig:
     """The transformers config of a model, without building or loading any weights.
 
-    Takes an nbkit name (tiny:..., random:...) or anything AutoConfig.from_pretrained accepts (hub
-    id, local path). Returns a Qwen3Config / Qwen3VLConfig built in code for nbkit names (identical
-    to the config.json that resolve_model writes), AutoConfig.from_pretrained(name) otherwise.
-    Raises ValueError for unknown tiny:/random: names. Safe on any rank; no CUDA.
+    Safe on any rank; no CUDA. nbkit.plan and the model-loading guard read configs through it.
+
+    Args:
+        model: an nbkit name (tiny:..., random:...), anything AutoConfig.from_pretrained accepts
+            (hub id, local path), or a PretrainedConfig (returned as it is).
+        **hub_kwargs: passed to AutoConfig.from_pretrained (revision, token, cache_dir, ...).
+
+    Returns:
+        A Qwen3Config / Qwen3VLConfig built in code for nbkit names (identical to the config.json
+        that resolve_model writes), AutoConfig.from_pretrained(model, **hub_kwargs) otherwise.
+
+    Raises:
+        ValueError: for unknown tiny:/random: names.
+        OSError: what AutoConfig raises for a name it cannot find.
     """
+    from transformers import AutoConfig, PretrainedConfig
+
+    if isinstance(model, PretrainedConfig):
+        return model
+    name = os.fspath(model)
     spec = _spec(name)
     if spec is None:
-        from transformers import AutoConfig
-
-        return AutoConfig.from_pretrained(name)
+        return AutoConfig.from_pretrained(name, **hub_kwargs)
     return _config(spec)
 
 

@@ -32,12 +32,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nbkit import distributed
+from nbkit.offline import load_config
 
-__all__ = ["LORA_TARGET_MODULES", "STRATEGIES", "Plan", "load_config", "plan"]
+__all__ = ["LORA_TARGET_MODULES", "STRATEGIES", "Plan", "plan"]
 
 STRATEGIES = ("ddp", "model_parallel", "does_not_fit")
 LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-CHECKPOINTING = ("offload", "recompute", None)
 
 GIB = 2**30
 # Bytes per weight of bitsandbytes NF4: half a byte plus one fp32 absmax per 64-weight block
@@ -51,10 +51,8 @@ DDP_BUCKET_BYTES_PER_PARAM = 4
 # Layer inputs of the offloaded checkpointing alive on the GPU at once: the one being copied out
 # (forward) or in (backward), plus the prefetched next one.
 OFFLOAD_LAYER_INPUTS_ON_GPU = 2
-# nbkit.savers.loss: rows per chunk make one fp32 chunk of logits about 256 MiB (its _CHUNK_BYTES;
-# a test keeps the two equal); at its peak a chunk holds fp32 logits plus the 16-bit logits of this
-# chunk and the 16-bit gradient of the last.
-LOSS_CHUNK_FP32_BYTES = 256 * 2**20
+# nbkit.savers.loss (rows per chunk: its rows_per_chunk): at its peak a chunk holds fp32 logits
+# plus the 16-bit logits of this chunk and the 16-bit gradient of the last.
 LOSS_CHUNK_PEAK_BYTES_PER_LOGIT = 4 + 2 + 2
 # A typical image for the vision tower's forward (a 512x512 image at patch size 16 = 1024 patches),
 # and the bytes per patch per vision hidden unit its frozen forward holds at once (one block's
@@ -141,26 +139,6 @@ class Plan:
         return "\n".join(lines)
 
 
-def load_config(model: Any, **hub_kwargs: Any) -> Any:
-    """The transformers config for `model`, reading no weights.
-
-    Takes a PretrainedConfig (returned as is), an nbkit name ("tiny:...", "random:..."), a local
-    path or a hub id (hub_kwargs such as revision/token/cache_dir go to AutoConfig.from_pretrained).
-    Raises what AutoConfig raises for a name it cannot find (OSError) and ValueError for unknown
-    nbkit names.
-    """
-    from transformers import AutoConfig, PretrainedConfig
-
-    if isinstance(model, PretrainedConfig):
-        return model
-    name = os.fspath(model)
-    if name.startswith(("tiny:", "random:")):
-        from nbkit.offline import load_config as offline_config
-
-        return offline_config(name)
-    return AutoConfig.from_pretrained(name, **hub_kwargs)
-
-
 def plan(
     model: Any,
     *,
@@ -183,6 +161,8 @@ def plan(
     Returns a Plan. Raises ValueError for arguments out of range, or when no GPU is visible and
     gpus / gpu_memory_gib were not given. Runs anywhere (CPU, any rank); never touches CUDA.
     """
+    from nbkit.savers import CHECKPOINTING
+
     if checkpointing not in CHECKPOINTING:
         raise ValueError(f"checkpointing={checkpointing!r} is not one of {CHECKPOINTING}.")
     for name, value in (("seq_len", seq_len), ("batch_size", batch_size), ("lora_rank", lora_rank)):
@@ -406,6 +386,7 @@ def _estimate(
     """Peak bytes for one GPU; split > 1 spreads the weights and checkpoints over that many GPUs."""
     s = _Shape.of(config)
     tokens = seq_len * batch_size
+    from nbkit.savers.loss import rows_per_chunk
     from nbkit.savers.tiled_mlp import shard_count
 
     shards = shard_count(tokens, seq_len, s.hidden)  # what the tiled MLP will use; one shard: the plain MLP
@@ -429,7 +410,7 @@ def _estimate(
     layer_phase = recompute + max(_layer_backward_per_token(s) * tokens, mlp_backward)
     if load_in_4bit:
         layer_phase += 2 * 2 * counts.largest_linear  # dequantised weight and its transpose/grad path
-    rows = min(tokens, max(1, LOSS_CHUNK_FP32_BYTES // (4 * s.vocab)))
+    rows = min(tokens, rows_per_chunk(s.vocab))
     # the final norm's fp32 input, its 16-bit output and the loss's gradient for it, plus one chunk
     loss_phase = (4 + 2 + 2) * s.hidden * tokens + LOSS_CHUNK_PEAK_BYTES_PER_LOGIT * rows * s.vocab
     vision = getattr(config, "vision_config", None)

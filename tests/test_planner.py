@@ -242,9 +242,3 @@ def test_arguments_are_checked_and_a_cpu_machine_must_say_which_gpus():
         nbkit.plan(qwen3_8b(), **T4, seq_len=0)
     with pytest.raises(ValueError, match="gpus"):
         nbkit.plan(qwen3_8b(), gpus=0, gpu_memory_gib=15)
-
-
-def test_the_planner_follows_the_savers_it_models():
-    from nbkit.savers import loss
-
-    assert planner.LOSS_CHUNK_FP32_BYTES == loss._CHUNK_BYTES

@@ -25,9 +25,10 @@ from nbkit.savers import checkpointing as _checkpointing
 from nbkit.savers import tiled_mlp as _tiled_mlp
 from nbkit.savers._model import base_model, decoder_layers
 
-__all__ = ["apply", "remove"]
+__all__ = ["CHECKPOINTING", "apply", "remove"]
 
-_CHECKPOINTING_MODES = ("offload", "recompute", None)
+# The checkpointing modes apply() takes (nbkit.plan models the same ones).
+CHECKPOINTING = ("offload", "recompute", None)
 
 
 @dataclass(frozen=True)
@@ -60,7 +61,7 @@ def apply(
     model is then left as it was), and, from the chunked loss, for a model without an lm_head
     (then no saver is left on).
     """
-    if checkpointing not in _CHECKPOINTING_MODES:
+    if checkpointing not in CHECKPOINTING:
         raise ValueError(f"checkpointing={checkpointing!r} is not valid; use 'offload', 'recompute' or None.")
     if not isinstance(tiled_mlp, (bool, int)) or (not isinstance(tiled_mlp, bool) and tiled_mlp < 1):
         raise ValueError(f"tiled_mlp={tiled_mlp!r} is not valid; use True, False or a shard count >= 1.")

@@ -33,13 +33,20 @@ from torch import nn
 
 from nbkit.savers._model import base_model
 
-__all__ = ["apply", "is_applied", "linear_cross_entropy", "remove"]
+__all__ = ["apply", "is_applied", "linear_cross_entropy", "remove", "rows_per_chunk"]
 
 # Rows per chunk are chosen so that one chunk of fp32 logits takes about this many bytes.
 _CHUNK_BYTES = 256 * 2**20
 
 
-def _rows_per_chunk(vocab: int, requested: int | None) -> int:
+def rows_per_chunk(vocab: int, requested: int | None = None) -> int:
+    """Rows of logits per chunk: `requested`, or as many as make one fp32 chunk about 256 MiB.
+
+    nbkit.plan models the loss's peak memory with this same number.
+
+    Raises:
+        ValueError: for a requested size below 1.
+    """
     if requested is not None:
         if requested < 1:
             raise ValueError(f"chunk_size must be a positive number of rows, not {requested}.")
@@ -190,7 +197,7 @@ def linear_cross_entropy(
         ignore_index=ignore_index,
         num_items=num_items_in_batch,
         softcap=softcap,
-        rows=_rows_per_chunk(weight.shape[0], chunk_size),
+        rows=rows_per_chunk(weight.shape[0], chunk_size),
         compute_dtype=compute_dtype,
     )
     tensors = (hidden, weight) if bias is None else (hidden, weight, bias)
