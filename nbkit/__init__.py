@@ -56,8 +56,19 @@ _EXPORTS: dict[str, str] = {
     "doctor": "nbkit.diagnostics",
 }
 
-# submodules used as namespaces: nbkit.savers.apply(...), nbkit.checkpoints.resume_point(...)
-_SUBMODULES = ("savers", "checkpoints", "offline")
+# submodules used as namespaces, imported on first use: nbkit.savers.apply(...),
+# nbkit.checkpoints.resume_point(...), nbkit.dashboard.latest(), nbkit.export.notebook_to_script(...)
+_SUBMODULES = (
+    "checkpoints",
+    "config",
+    "dashboard",
+    "export",
+    "integration",
+    "offline",
+    "patching",
+    "savers",
+    "synthetic",
+)
 
 __all__ = sorted(_EXPORTS) + list(_SUBMODULES) + ["__version__"]
 
