@@ -46,7 +46,7 @@ def launch(
     *args: Any,
     gpus: int | None = None,
     timeout: float | None = None,
-    quiet: bool = False,
+    quiet: bool = True,
     env: Mapping[str, str] | None = None,
     dashboard: bool = True,
     **kwargs: Any,
@@ -61,7 +61,8 @@ def launch(
         gpus: how many processes. None: one per visible GPU. On a machine without CUDA, `gpus=N`
             runs N CPU processes that train with real gloo DDP (for tests and CI).
         timeout: seconds after which a run that has not finished is stopped (LaunchError).
-        quiet: silence ranks other than 0 (by default their output is prefixed "[rank N] ").
+        quiet: show rank 0's output only (the default, as in %%ddp); False shows the other ranks' too,
+            each line prefixed "[rank N] " (%%ddp --all-ranks).
         env: extra environment variables for the launched processes.
         dashboard: show the ranks' reports (nbkit.report, the Trainer callback that nbkit adds to
             every Trainer in the ranks) as one live panel, or text lines without a widget frontend.

@@ -61,17 +61,17 @@ def _print_from_each_rank() -> None:
     print(f"second line {nbkit.rank()}", file=sys.stderr)
 
 
-def test_rank0_output_plain_other_ranks_prefixed_or_silenced(capfd):
-    nbkit.launch(_print_from_each_rank, gpus=2)
+def test_rank0_output_only_by_default_other_ranks_prefixed_on_request(capfd):
+    nbkit.launch(_print_from_each_rank, gpus=2)  # the default, as in %%ddp: rank 0 only
+    out, err = capfd.readouterr()
+    assert "hello from 0" in out
+    assert "rank 1" not in out + err and "from 1" not in out
+
+    nbkit.launch(_print_from_each_rank, gpus=2, quiet=False)
     out, err = capfd.readouterr()
     assert "hello from 0\n" in out and "[rank 0]" not in out
     assert "[rank 1] hello from 1\n" in out
     assert "[rank 1] second line 1\n" in err
-
-    nbkit.launch(_print_from_each_rank, gpus=2, quiet=True)
-    out, err = capfd.readouterr()
-    assert "hello from 0" in out
-    assert "rank 1" not in out + err and "from 1" not in out
 
 
 def _fail_on_rank1(pid_dir: str) -> None:
