@@ -1,25 +1,85 @@
 """Messages from launched ranks back to the notebook process.
 
 One pipe per local rank is created before the processes are forked; each rank writes only to its
-own pipe (so a rank killed mid-message cannot block the others behind a shared lock), and a thread
-in the notebook process reads all of them. Messages are `(kind, rank, payload)` tuples:
+own pipe (so a rank killed mid-message cannot block the others behind a shared lock), and one
+thread in the notebook process reads all of them. Every message is an `Envelope(rank, body)` whose
+body is one of the dataclasses below:
 
-    "started"  payload: the rank's pid
-    "event"    payload: a dict of metrics (nbkit.report, the Trainer callback)
-    "result"   payload: rank 0's pickled return value (bytes)
-    "error"    payload: RankError of an exception raised in the rank
+    Started   the rank runs; its pid, so the notebook can watch the process itself
+    Report    a dict of metrics (nbkit.report, the Trainer callback)
+    Result    rank 0's pickled return value
+    Raised    the RankError of an exception raised in the rank
+    Returned  the rank's function returned (and rank 0's Result was sent before it)
 
-Code inside a launched rank calls `send(kind, payload)`; outside a launch `connected()` is False.
+Code inside a launched rank calls `send(body)`; outside a launch `connected()` is False.
 """
 
 from __future__ import annotations
 
-import threading
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from multiprocessing import connection, get_context
 from typing import Any
 
-__all__ = ["Channel", "connected", "send"]
+from nbkit.errors import RankError
+
+__all__ = [
+    "Body",
+    "Channel",
+    "Envelope",
+    "Raised",
+    "Report",
+    "Result",
+    "Returned",
+    "Started",
+    "connected",
+    "send",
+]
+
+
+@dataclass(frozen=True)
+class Started:
+    """The rank is running in process `pid`."""
+
+    pid: int
+
+
+@dataclass(frozen=True)
+class Report:
+    """Metrics a rank reported (nbkit.report or the Trainer callback)."""
+
+    metrics: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Result:
+    """Rank 0's return value, pickled (launching.pickle_for_notebook)."""
+
+    payload: bytes
+
+
+@dataclass(frozen=True)
+class Raised:
+    """An exception raised in the rank."""
+
+    error: RankError
+
+
+@dataclass(frozen=True)
+class Returned:
+    """The rank's function returned; anything the rank does after this is the launcher's teardown."""
+
+
+Body = Started | Report | Result | Raised | Returned
+
+
+@dataclass(frozen=True)
+class Envelope:
+    """One message on the wire: which global rank sent it, and what."""
+
+    rank: int
+    body: Body
 
 
 _writer: connection.Connection | None = None
@@ -31,11 +91,11 @@ def connected() -> bool:
     return _writer is not None
 
 
-def send(kind: str, payload: Any) -> None:
+def send(body: Body) -> None:
     """Send one message to the notebook process. A no-op outside a launched rank."""
     if _writer is None:
         return
-    _writer.send((kind, _writer_rank, payload))
+    _writer.send(Envelope(_writer_rank, body))
 
 
 class Channel:
@@ -46,8 +106,8 @@ class Channel:
         pairs = [ctx.Pipe(duplex=False) for _ in range(nprocs)]
         self._readers = [r for r, _ in pairs]
         self._writers = [w for _, w in pairs]
-        self._thread: threading.Thread | None = None
-        self._stop = threading.Event()
+        self._open = list(self._readers)
+        self._started = 0
 
     # -- rank side -------------------------------------------------------------------------
     def attach(self, local_rank: int, rank: int) -> None:
@@ -60,45 +120,36 @@ class Channel:
         _writer, _writer_rank = self._writers[local_rank], rank
 
     # -- notebook side ---------------------------------------------------------------------
-    def start(self, handle: Callable[[str, int, Any], None]) -> None:
-        """Read messages on a daemon thread and pass each to `handle(kind, rank, payload)`."""
-        self._thread = threading.Thread(target=self._read, args=(handle,), name="nbkit-channel", daemon=True)
-        self._thread.start()
-
-    def _read(self, handle: Callable[[str, int, Any], None]) -> None:
-        open_readers = list(self._readers)
-        started = 0
-        while open_readers:
-            # After stop(), one last pass takes whatever the ranks wrote before they exited.
-            final = self._stop.is_set()
-            ready = connection.wait(open_readers, timeout=0 if final else 0.1)
-            for reader in ready:
+    def receive(self, handle: Callable[[Envelope], None], timeout: float) -> bool:
+        """Pass every message that arrives within `timeout` seconds (0: only those already
+        waiting) to `handle`, in the calling thread. Returns whether any arrived.
+        """
+        if not self._open:  # every rank's pipe is closed: nothing can arrive
+            time.sleep(timeout)
+            return False
+        ready = connection.wait(self._open, timeout=timeout)
+        for reader in ready:
+            while reader in self._open and reader.poll(0):
                 try:
-                    kind, rank, payload = reader.recv()
-                except (EOFError, OSError):
-                    open_readers.remove(reader)
-                    continue
-                except Exception:  # a rank killed mid-message leaves a truncated pickle
-                    open_readers.remove(reader)
-                    continue
-                if kind == "started":
-                    started += 1
-                    if started == len(self._writers):
+                    message = reader.recv()
+                except Exception:  # EOF, or a rank killed mid-message left a truncated pickle
+                    self._open.remove(reader)
+                    break
+                if isinstance(message.body, Started):
+                    self._started += 1
+                    if self._started == len(self._writers):
                         # Every rank is forked and holds its own end: dropping ours lets a rank
                         # that dies mid-message show up as EOF instead of a reader blocked forever.
                         self._close_writers()
-                handle(kind, rank, payload)
-            if final and not ready:
-                break
+                handle(message)
+        return bool(ready)
 
-    def stop(self) -> None:
-        """Drain what is left, stop the reader thread and close every pipe end."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=10)
+    def close(self) -> None:
+        """Close every pipe end this process holds (after the ranks are gone)."""
         self._close_writers()
         for end in self._readers:
             end.close()
+        self._open = []
 
     def _close_writers(self) -> None:
         for end in self._writers:

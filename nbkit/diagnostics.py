@@ -139,17 +139,17 @@ def doctor() -> Report:
     """Inspect this machine and process. Never initialises CUDA, never imports unsloth or
     bitsandbytes, never reads a secret's value. Safe in the notebook before launching.
     """
-    from nbkit import dashboard, spawning
+    from nbkit import dashboard, forksafety
 
     versions = {name: _version(name) for name in LIBRARIES}
     gpus = distributed.visible_gpus()
     cuda_initialized = "torch" in sys.modules and sys.modules["torch"].cuda.is_initialized()
-    blocker = spawning.fork_blocker()
+    blocker = forksafety.fork_blocker()
     report = Report(
         platform=_platform(),
         gpus=gpus,
         cuda_initialized=cuda_initialized,
-        fork_blocker=blocker,
+        fork_blocker=blocker.summary if blocker is not None else None,
         launch_mode=(
             "fork one process per GPU (fast start)"
             if blocker is None
@@ -165,7 +165,7 @@ def doctor() -> Report:
     if blocker is not None:
         report.problems.append(
             Problem(
-                blocker,
+                blocker.summary,
                 "Restart the kernel and keep GPU work (model loading, `import unsloth`/`bitsandbytes`, "
                 "Trainer/Accelerator creation) inside the launched function or %%ddp cell. Until then %%ddp "
                 "runs cells in fresh processes (slower to start; names must be picklable).",

@@ -1,19 +1,97 @@
-"""Keeping the notebook process free of a CUDA context until it launches.
+"""Keeping the notebook process free of a CUDA context until it launches, and saying why not.
 
 nbkit.launch forks the training processes, and a process that has created a CUDA context cannot
 fork working children. Some libraries create one merely by being imported. The ones nbkit can
 make harmless are patched here, as soon as `import nbkit` runs; the ones it cannot (bitsandbytes
-initialises CUDA on import, and peft and unsloth import it) are named in the error that
-nbkit.launch raises, and `%%ddp` then starts fresh processes instead of forking.
+initialises CUDA on import, and peft and unsloth import it) are named by `fork_blocker()`, whose
+answer nbkit.launch raises, `%%ddp` reads to start fresh processes instead of forking, and
+`nbkit.doctor()` reports.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from nbkit import distributed, patching
 
-__all__ = ["install"]
+__all__ = ["ForkBlocker", "fork_blocker", "install"]
+
+
+@dataclass(frozen=True)
+class ForkBlocker:
+    """Why this process cannot fork working training processes now.
+
+    Attributes:
+        code: "cuda-initialized" (a CUDA context exists here) or "accelerate-state" (an accelerate
+            Accelerator/PartialState exists here).
+        summary: one sentence naming what happened (what %%ddp prints as its reason for spawn mode).
+        message: the full explanation with what to do (what nbkit.launch raises).
+    """
+
+    code: str
+    summary: str
+    message: str
+
+    def __str__(self) -> str:
+        return self.summary
+
+
+def fork_blocker() -> ForkBlocker | None:
+    """Why ranks cannot be forked from this process now, or None when they can.
+
+    Never initialises CUDA (torch.cuda.is_initialized() only reads a flag).
+    """
+    import torch
+
+    if torch.cuda.is_initialized():
+        summary = "CUDA is already initialised in this notebook process."
+        return ForkBlocker(
+            "cuda-initialized",
+            summary,
+            "CUDA is already initialised in this notebook process, so the training processes cannot be "
+            f"forked from it (CUDA does not survive fork). Likely cause: {_likely_cuda_cause()}. "
+            "Restart the kernel and keep everything that touches the GPU inside the launched function "
+            "(import unsloth/bitsandbytes there, load the model there). The %%ddp magic can instead "
+            "start fresh processes when this happens.",
+        )
+    accelerate_state = sys.modules.get("accelerate.state")
+    if accelerate_state is not None and (
+        accelerate_state.PartialState._shared_state or accelerate_state.AcceleratorState._shared_state
+    ):
+        return ForkBlocker(
+            "accelerate-state",
+            "An accelerate Accelerator (or PartialState) already exists in this notebook process.",
+            "An accelerate Accelerator (or PartialState) already exists in this notebook process, often "
+            "because a Trainer, TrainingArguments.device or Accelerator() ran in an earlier cell. Each "
+            "launched process must create its own. Restart the kernel and create Trainer/TrainingArguments/"
+            "Accelerator only inside the launched function.",
+        )
+    return None
+
+
+def _likely_cuda_cause() -> str:
+    for module, why in (
+        ("unsloth", "unsloth was imported in this notebook process (importing it initialises CUDA)"),
+        (
+            "bitsandbytes",
+            "bitsandbytes was imported in this notebook process (unless nbkit was imported first, "
+            "its import initialises CUDA; peft and unsloth import it wherever it is installed, as "
+            "on Kaggle)",
+        ),
+        (
+            "torchao",
+            "torchao was imported before nbkit (transformers and peft import it wherever it is "
+            "installed, and its import queries the GPU); `import nbkit` first makes that harmless",
+        ),
+    ):
+        if module in sys.modules:
+            return why
+    return (
+        "a tensor or model was put on a GPU, or a CUDA query such as torch.cuda.get_device_name() "
+        "ran, in an earlier cell"
+    )
 
 
 @patching.patch(

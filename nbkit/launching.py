@@ -14,12 +14,16 @@ processes instead of N independent runs) and GLOO_SOCKET_IFNAME=lo.
 
 from __future__ import annotations
 
+import _thread
 import contextlib
+import dataclasses
 import gc
 import inspect
 import io
 import logging
+import math
 import multiprocessing
+import numbers
 import os
 import pickle
 import re
@@ -33,7 +37,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from nbkit import channel, distributed, patching
+from nbkit import channel, distributed, forksafety, patching
 from nbkit.config import environment
 from nbkit.dashboard import Dashboard
 from nbkit.errors import LaunchError, RankError
@@ -59,8 +63,10 @@ def launch(
             (unsloth, bitsandbytes) inside it, never before launching.
         *args: positional arguments for `fn`.
         gpus: how many processes. None: one per visible GPU. On a machine without CUDA, `gpus=N`
-            runs N CPU processes that train with real gloo DDP (for tests and CI).
-        timeout: seconds after which a run that has not finished is stopped (LaunchError).
+            runs N CPU processes that train with real gloo DDP (for tests and CI), N at most
+            `cpu_rank_limit()`.
+        timeout: seconds (a finite number > 0) after which a run that has not finished is stopped
+            (LaunchError); None waits as long as the ranks run.
         quiet: show rank 0's output only (the default, as in %%ddp); False shows the other ranks' too,
             each line prefixed "[rank N] " (%%ddp --all-ranks).
         env: extra environment variables for the launched processes.
@@ -74,29 +80,41 @@ def launch(
         notebook process never initialises CUDA.
 
     Raises:
-        LaunchError: a rank raised or died, the run timed out, or rank 0's value could not be
-            sent back. The message names the failing rank(s) and holds their traceback.
-        RuntimeError / ValueError / TypeError: the run could not start (CUDA already initialised
-            here, an Accelerator created here, more GPUs than exist, a function that cannot run in
-            a child); nothing was started and the message says what to do.
+        LaunchError: a rank raised, ended without returning (os._exit, a signal, an exit code), the
+            run timed out, or rank 0's value could not be sent back. The message leads with the
+            rank that failed first and how, and holds its traceback. Every rank is stopped and
+            every resource of the launch (pipes, the rendezvous socket, threads) released first.
+        RuntimeError / ValueError / TypeError: the run could not start (an argument out of range,
+            CUDA already initialised here, an Accelerator created here, more GPUs than exist, a
+            function that cannot run in a child); nothing was started and the message says what
+            to do.
 
     Inside a distributed run already (torchrun, accelerate launch, several nodes), `fn` is called
     directly on each rank and its value returned there.
+
+    There is no `max_restarts` (accelerate's notebook_launcher has one, tested by its
+    `test_fault_tolerant`): a restart re-forks the same notebook state, so what fails on one
+    machine (a bug, an OOM, a hung collective) fails again, and the user learns it only after
+    every attempt has run. Training that should survive a failure resumes from its checkpoint,
+    which a retry around the call does in plain sight:
+    `for attempt in range(3): try: return nbkit.launch(...) except nbkit.LaunchError: ...`
+    (every failed launch leaves nothing behind, so the next one starts at once).
     """
     if distributed.is_distributed():
         _prepare_rank(quiet=False, rank=distributed.rank())
         return fn(*args, **kwargs)
 
     _check_function(fn)
+    timeout = check_timeout(timeout)
     has_cuda = _has_cuda()
     nprocs = _count_processes(gpus, has_cuda)
-    check_can_fork()
+    _check_can_fork()
     board = Dashboard(nprocs) if dashboard else None
-    run = _Run(nprocs, board.event if board is not None else None)
-    child = _Child(fn, args, kwargs, run.channel, quiet=quiet, use_cpu=not has_cuda)
+    run = _Run(nprocs, board.event if board is not None else None, timeout)
+    child = _Child(fn, args, kwargs, run.pipes, quiet=quiet, use_cpu=not has_cuda)
     succeeded = False
     try:
-        run.execute(child, timeout=timeout, env=dict(env or {}))
+        run.execute(child, env=dict(env or {}))
         value = run.result()
         succeeded = True
     finally:
@@ -136,8 +154,34 @@ def _check_function(fn: Callable[..., Any]) -> None:
         )
 
 
+def check_timeout(timeout: Any) -> float | None:
+    """`timeout` as seconds (float), or None; raises TypeError/ValueError, saying what is accepted,
+    for anything but a finite number > 0 or None (strings, booleans, 0, negatives, NaN, inf).
+    """
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
+        raise TypeError(
+            f"timeout must be a number of seconds (or None for no limit); got {type(timeout).__name__} {timeout!r}."
+        )
+    if not math.isfinite(timeout) or timeout <= 0:
+        raise ValueError(f"timeout must be a finite number of seconds above 0 (or None for no limit); got {timeout!r}.")
+    return float(timeout)
+
+
+def cpu_rank_limit() -> int:
+    """The most CPU ranks launch starts on a machine without CUDA: the CPU count, at least 8.
+
+    CPU ranks exist to try training code on gloo before the GPUs (tests, CI); more ranks than
+    cores only make every collective wait for a core. The floor of 8 keeps 4- and 8-rank tests
+    possible on small CI machines. Without a limit a typo such as gpus=1000 forked 1000 processes
+    (52 s and 14 GiB measured, issue 14).
+    """
+    return max(8, os.cpu_count() or 1)
+
+
 def _count_processes(gpus: int | None, has_cuda: bool) -> int:
-    if gpus is not None and (not isinstance(gpus, int) or isinstance(gpus, bool) or gpus < 1):
+    if gpus is not None and (not isinstance(gpus, numbers.Integral) or isinstance(gpus, bool) or gpus < 1):
         raise ValueError(f"gpus must be a positive whole number or None (all visible GPUs); got {gpus!r}.")
     if not has_cuda:
         if gpus is None:
@@ -146,7 +190,13 @@ def _count_processes(gpus: int | None, has_cuda: bool) -> int:
                 "On Kaggle, choose Settings > Accelerator > GPU T4 x2; on Colab, Runtime > Change runtime type. "
                 "To try the code on the CPU, pass gpus=N: N CPU processes then train together over gloo."
             )
-        return gpus
+        if gpus > cpu_rank_limit():
+            raise ValueError(
+                f"gpus={gpus} would start {gpus} CPU processes (no GPU is visible), more than this machine's "
+                f"limit of {cpu_rank_limit()} (its CPU count, at least 8). Use a smaller gpus=N to try the code "
+                "on the CPU, or run on a machine with GPUs."
+            )
+        return int(gpus)
     visible = distributed.visible_gpus()
     if gpus is None:
         return len(visible)
@@ -156,54 +206,13 @@ def _count_processes(gpus: int | None, has_cuda: bool) -> int:
             f"Asked for {gpus} GPUs but this machine shows {len(visible)} ({names}). Use gpus={len(visible)} "
             "or gpus=None for all of them; CUDA_VISIBLE_DEVICES limits which ones are visible."
         )
-    return gpus
+    return int(gpus)
 
 
-def check_can_fork() -> None:
-    """Raise RuntimeError, saying what to do, if ranks cannot be forked from this process now."""
-    import torch
-
-    if torch.cuda.is_initialized():
-        raise RuntimeError(
-            "CUDA is already initialised in this notebook process, so the training processes cannot be "
-            f"forked from it (CUDA does not survive fork). Likely cause: {_likely_cuda_cause()}. "
-            "Restart the kernel and keep everything that touches the GPU inside the launched function "
-            "(import unsloth/bitsandbytes there, load the model there). The %%ddp magic can instead "
-            "start fresh processes when this happens."
-        )
-    accelerate_state = sys.modules.get("accelerate.state")
-    if accelerate_state is not None and (
-        accelerate_state.PartialState._shared_state or accelerate_state.AcceleratorState._shared_state
-    ):
-        raise RuntimeError(
-            "An accelerate Accelerator (or PartialState) already exists in this notebook process, often "
-            "because a Trainer, TrainingArguments.device or Accelerator() ran in an earlier cell. Each "
-            "launched process must create its own. Restart the kernel and create Trainer/TrainingArguments/"
-            "Accelerator only inside the launched function."
-        )
-
-
-def _likely_cuda_cause() -> str:
-    for module, why in (
-        ("unsloth", "unsloth was imported in this notebook process (importing it initialises CUDA)"),
-        (
-            "bitsandbytes",
-            "bitsandbytes was imported in this notebook process (unless nbkit was imported first, "
-            "its import initialises CUDA; peft and unsloth import it wherever it is installed, as "
-            "on Kaggle)",
-        ),
-        (
-            "torchao",
-            "torchao was imported before nbkit (transformers and peft import it wherever it is "
-            "installed, and its import queries the GPU); `import nbkit` first makes that harmless",
-        ),
-    ):
-        if module in sys.modules:
-            return why
-    return (
-        "a tensor or model was put on a GPU, or a CUDA query such as torch.cuda.get_device_name() "
-        "ran, in an earlier cell"
-    )
+def _check_can_fork() -> None:
+    blocker = forksafety.fork_blocker()
+    if blocker is not None:
+        raise RuntimeError(blocker.message)
 
 
 # --------------------------------------------------------------------------------------------
@@ -231,68 +240,178 @@ _FAILURE_HINTS = (
     ),
 )
 
+# How often the supervisor looks at the ranks: a rank that ends is named within this (plus the
+# time to stop the others), far inside the 2 s that issue 14 asks for.
+_WATCH_INTERVAL_S = 0.05
+# After the supervisor has stopped every rank, how long torch elastic gets to notice on its own
+# (it polls every 0.1 s) before the supervisor ends its wait (see _Run._abandon_launcher).
+_LAUNCHER_GRACE_S = 1.0
+# The signal number whose Python handler ends torch elastic's wait. It is never sent to any
+# process: _thread.interrupt_main(signum) only runs that handler in the main thread. SIGUSR2 because
+# nothing in a notebook process handles it; the handler is installed for the launch only.
+_ABANDON_SIGNAL = signal.SIGUSR2
+
+
+_CRASH_SIGNALS = {getattr(signal, name) for name in ("SIGSEGV", "SIGBUS", "SIGABRT", "SIGILL", "SIGFPE")}
+
+
+@dataclass(frozen=True)
+class ExitStatus:
+    """How a rank process ended: an exit code, a signal, or unknown (its status was collected by
+    the launcher before nbkit looked; filled in from the launcher's report when it has one).
+    """
+
+    code: int | None = None
+    signal: int | None = None
+
+    def __str__(self) -> str:
+        if self.signal is not None:
+            try:
+                name = signal.Signals(self.signal).name
+            except ValueError:
+                name = str(self.signal)
+            return f"died from signal {name}"
+        if self.code is not None:
+            return f"exited with code {self.code} without returning from the function"
+        return "ended without returning from the function"
+
+    @property
+    def hint(self) -> str:
+        """What this way of ending usually means, and what to do."""
+        if self.signal == signal.SIGKILL:
+            return (
+                "SIGKILL usually means the machine ran out of CPU memory (the OOM killer): "
+                "use a smaller batch or fewer dataloader workers."
+            )
+        if self.signal in _CRASH_SIGNALS:
+            return (
+                "A crash in native code (a C/C++/CUDA extension, or a library built for another CPU or "
+                "driver); the rank's own output above shows where, when Python's fault handler got to print."
+            )
+        if self.signal is not None:
+            return "The signal came from outside the function: another program, or the machine, stopped the rank."
+        return (
+            "The process ended without returning or raising: something called os._exit() or exited the "
+            "process from native code. Return from the function instead."
+        )
+
+
+def exit_status(pid: int) -> ExitStatus | None:
+    """How child process `pid` ended, or None while it runs. Never reaps it: torch elastic, which
+    started it, still collects its status (os.waitid with WNOWAIT reads it and leaves it there).
+    """
+    if not hasattr(os, "waitid"):  # macOS: alive or not, nothing more
+        return None if _alive(pid) else ExitStatus()
+    try:
+        info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:  # collected already (or not ours): it has ended, the status is gone
+        return ExitStatus()
+    if info is None or info.si_pid == 0:
+        return None
+    if info.si_code == os.CLD_EXITED:
+        return ExitStatus(code=info.si_status)
+    return ExitStatus(signal=info.si_status)
+
+
+class _LauncherAbandoned(Exception):
+    """Raised in the main thread to end torch elastic's wait for ranks that are all gone."""
+
 
 @dataclass
 class _Run:
+    """One launch, seen from the notebook process.
+
+    A supervisor thread reads the ranks' messages and watches their processes (their pids arrive
+    in Started): the first rank that raises, or ends without returning for any reason (a signal,
+    an exit code, os._exit, KeyboardInterrupt), is recorded as the failure, and the others are
+    stopped at once. A run past its timeout is stopped the same way. Torch elastic, which forked
+    the ranks, then returns; where it cannot notice (every rank ended with code 0 without a
+    result, which it takes for success still in progress), the supervisor ends its wait.
+    """
+
     nprocs: int
     on_event: Callable[[int, dict], None] | None
-    channel: channel.Channel = field(init=False)
+    timeout: float | None
+    pipes: channel.Channel = field(init=False)
     pids: dict[int, int] = field(default_factory=dict)
+    returned: set[int] = field(default_factory=set)
     errors: dict[int, RankError] = field(default_factory=dict)
+    exits: dict[int, ExitStatus] = field(default_factory=dict)
+    failed: list[int] = field(default_factory=list)  # first-hand failures, in the order they happened
+    killed: set[int] = field(default_factory=set)
     payload: bytes | None = None
     timed_out: bool = False
     interrupted: bool = False
+    stopped_at: float | None = None
 
     def __post_init__(self) -> None:
-        self.channel = channel.Channel(self.nprocs)
+        self.pipes = channel.Channel(self.nprocs)
+        self._lock = threading.Lock()
+        self._in_launcher = False
+        self._abandoned_at = -math.inf
+        self.abandoned = False
+        self._done = threading.Event()
 
-    def _handle(self, kind: str, rank: int, payload: Any) -> None:
-        if kind == "started":
-            self.pids[rank] = payload
-        elif kind == "error":
-            self.errors.setdefault(rank, payload)
-        elif kind == "result":
-            self.payload = payload
-        elif kind == "event" and self.on_event is not None:
-            try:
-                self.on_event(rank, payload)
-            except Exception:  # a display problem must never take the training run down
-                logging.getLogger("nbkit").exception("nbkit: the event handler failed")
+    # -- the launch -------------------------------------------------------------------------
+    def execute(self, child: _Child, *, env: dict[str, str]) -> None:
+        """Run the ranks to completion; raise LaunchError or KeyboardInterrupt when they do not.
 
-    def execute(self, child: _Child, *, timeout: float | None, env: dict[str, str]) -> None:
-        """Run the ranks to completion; raise LaunchError or KeyboardInterrupt when they do not."""
-        # Objects left over from an earlier launch (torch elastic's store and its threads) must be
-        # destroyed here, where their threads exist; collected in a child they abort it.
-        gc.collect()
-        self.channel.start(self._handle)
-        watchdog = threading.Timer(timeout, self._on_timeout) if timeout else None
+        Whatever happens, no rank, pipe, thread or listening socket of the launch is left behind.
+        """
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        watcher = threading.Thread(target=self._watch, args=(deadline,), name="nbkit-supervisor", daemon=True)
         failure: BaseException | None = None
+        launcher_failures: dict[int, ExitStatus] = {}
+        watcher.start()
         try:
             with (
                 _launch_environment(child.use_cpu, env),
                 _loopback_rendezvous() as port,
                 _elastic_quiet(),
                 _kernel_signals_kept(),
+                _abandon_handler(self._on_abandon),
+                _launcher_banner_muted(),
             ):
-                if watchdog is not None:
-                    watchdog.daemon = True
-                    watchdog.start()
-                _start(child, self.nprocs, port)
+                self._set_in_launcher(True)
+                try:
+                    _start(child, self.nprocs, port)
+                finally:
+                    self._set_in_launcher(False)
+        except _LauncherAbandoned:
+            pass
         except KeyboardInterrupt:
             self.interrupted = True
         except Exception as exc:  # ChildFailedError, SignalException, anything elastic raises
-            if _is_interrupt(exc):
+            if self.abandoned:
+                pass
+            elif _is_interrupt(exc):
                 self.interrupted = True
             else:
                 failure = exc
+                launcher_failures = _elastic_failures(exc)
         finally:
-            if watchdog is not None:
-                watchdog.cancel()
+            self._done.set()
+            watcher.join()
             self._stop_leftovers()
-            self.channel.stop()
+            self.pipes.close()
+            # Torch elastic's agent, store and their threads sit in reference cycles (the store's
+            # listening socket, ~17 descriptors and a thread stayed until the next collection,
+            # issue 14): collect them now, in this process where their threads exist.
+            failure_text = f"{type(failure).__name__}: {failure}" if failure is not None else ""
+            failure = None
+            gc.collect()
         if self.interrupted:
             print(f"nbkit: interrupted; stopped ranks {', '.join(map(str, sorted(self.pids)))}.", file=sys.stderr)
             raise KeyboardInterrupt
+        for rank, status in launcher_failures.items():  # what only torch elastic saw
+            if self.exits.get(rank) == ExitStatus():
+                self.exits[rank] = status
+        if self.abandoned:
+            # Torch elastic collects a status before nbkit reads it only to go on waiting, which it
+            # does for code 0 alone (any other code ends its wait with a failure).
+            self.exits = {r: ExitStatus(code=0) if s == ExitStatus() else s for r, s in self.exits.items()}
+        if self.failed:
+            raise self._failure_error()
         if self.timed_out:
             raise LaunchError(
                 self._timeout_message(),
@@ -300,24 +419,127 @@ class _Run:
                 errors=self.errors,
                 timed_out=True,
             )
-        if failure is not None or self.errors:
-            raise self._failure_error(failure)
+        if launcher_failures or failure_text:
+            # torch elastic saw a failure the supervisor did not (a rank that died before it started)
+            for rank in launcher_failures:
+                self.failed.append(rank)
+            if self.failed:
+                raise self._failure_error()
+            raise LaunchError(f"The launch failed before any rank ran: {failure_text}")
 
     def result(self) -> Any:
+        """Rank 0's return value (after a successful execute)."""
         if self.payload is None:
-            raise LaunchError(
-                "Rank 0 finished without sending its return value back (it may have called "
-                "sys.exit or os._exit). Return from the function instead."
-            )
+            raise LaunchError("Rank 0 finished without its return value reaching the notebook.")
         return pickle.loads(self.payload)
 
-    # -- stopping ---------------------------------------------------------------------------
-    def _on_timeout(self) -> None:
-        self.timed_out = True
-        # SIGKILL: a rank stuck in a collective sits in C code, where SIGTERM handlers never run.
-        for pid in self.pids.values():
-            _kill(pid, signal.SIGKILL)
+    # -- the supervisor thread --------------------------------------------------------------
+    def _watch(self, deadline: float | None) -> None:
+        while not self._done.is_set():
+            self.pipes.receive(self._handle, timeout=_WATCH_INTERVAL_S)
+            self._check_exits(drain=True)
+            if deadline is not None and time.monotonic() > deadline and self.stopped_at is None:
+                self.timed_out = True
+                self._stop_ranks()
+            if self.stopped_at is not None and time.monotonic() - self.stopped_at > _LAUNCHER_GRACE_S:
+                self._stop_ranks(failed_too=True)  # a failed rank that hangs on its way out
+                self._abandon_launcher()
+        self.pipes.receive(self._handle, timeout=0)  # what the ranks wrote before they ended
 
+    def _handle(self, message: channel.Envelope) -> None:
+        rank, body = message.rank, message.body
+        if isinstance(body, channel.Started):
+            self.pids[rank] = body.pid
+            if self.stopped_at is not None:  # started after the run was stopped
+                self.killed.add(rank)
+                _kill(body.pid, signal.SIGKILL)
+        elif isinstance(body, channel.Returned):
+            self.returned.add(rank)
+        elif isinstance(body, channel.Result):
+            self.payload = body.payload
+        elif isinstance(body, channel.Raised):
+            # A peer that already ended caused this one's error (a collective that lost it): it
+            # is recorded, and named, first.
+            self._check_exits(drain=False)
+            if rank in self.errors:
+                return
+            if self.stopped_at is not None:  # caused by the stop (or an interrupt), not a cause
+                self.errors[rank] = dataclasses.replace(body.error, secondary=True)
+                return
+            self.errors[rank] = body.error
+            self._fail(rank)
+        elif isinstance(body, channel.Report) and self.on_event is not None:
+            try:
+                self.on_event(rank, body.metrics)
+            except Exception:  # a display problem must never take the training run down
+                logging.getLogger("nbkit").exception("nbkit: the event handler failed")
+
+    def _check_exits(self, *, drain: bool) -> None:
+        """Record ranks that ended without returning; a rank's first-hand end is a failure."""
+        ended = {}
+        for rank, pid in self.pids.items():
+            if rank not in self.exits and rank not in self.returned:
+                status = exit_status(pid)
+                if status is not None:
+                    ended[rank] = status
+        if not ended:
+            return
+        if drain:  # messages a rank wrote before it ended (its Raised, its Returned) come first
+            self.pipes.receive(self._handle, timeout=0)
+        # torch elastic answers one rank's failure with SIGTERM to the others: those come last.
+        for rank, status in sorted(ended.items(), key=lambda item: item[1].signal == signal.SIGTERM):
+            if rank in self.returned or rank in self.exits:
+                continue
+            self.exits[rank] = status
+            consequence = rank in self.killed or (self.failed and status.signal == signal.SIGTERM)
+            if rank not in self.errors and not consequence and self.stopped_at is None:
+                self._fail(rank)
+
+    def _fail(self, rank: int) -> None:
+        if rank not in self.failed:
+            self.failed.append(rank)
+        self._stop_ranks()
+
+    def _stop_ranks(self, *, failed_too: bool = False) -> None:
+        """Stop every rank still running (SIGKILL: a rank blocked in a collective sits in C code).
+
+        A rank that failed itself is left to end on its own (its output flushed) unless `failed_too`.
+        """
+        if self.stopped_at is None:
+            self.stopped_at = time.monotonic()
+        for rank, pid in self.pids.items():
+            if rank in self.exits or (rank in self.failed and not failed_too):
+                continue
+            if exit_status(pid) is None:
+                self.killed.add(rank)
+                _kill(pid, signal.SIGKILL)
+
+    def _abandon_launcher(self) -> None:
+        """End torch elastic's wait once every rank is gone after a stop.
+
+        Torch elastic takes a rank that ended with code 0 for one whose return value is still on
+        its way, so a launch whose ranks all ended that way (os._exit(0), or one rank doing it)
+        would wait forever. The supervisor runs a handler in the main thread that raises there.
+        """
+        if len(self.pids) < self.nprocs or any(exit_status(pid) is None for pid in self.pids.values()):
+            return
+        now = time.monotonic()
+        with self._lock:
+            if self._in_launcher and now - self._abandoned_at > _LAUNCHER_GRACE_S:
+                self._abandoned_at = now  # asked again a while later should the first ask be swallowed
+                self.abandoned = True
+                _thread.interrupt_main(_ABANDON_SIGNAL)
+
+    def _set_in_launcher(self, value: bool) -> None:
+        with self._lock:
+            self._in_launcher = value
+
+    def _on_abandon(self) -> None:
+        """The abandon handler, in the main thread: raise only while torch elastic still waits."""
+        if self._in_launcher:
+            raise _LauncherAbandoned
+
+    # -- stopping ---------------------------------------------------------------------------
     def _stop_leftovers(self) -> None:
         """Make sure no rank outlives the launch: SIGTERM, a short grace, then SIGKILL."""
         alive = [pid for pid in self.pids.values() if _alive(pid)]
@@ -331,7 +553,7 @@ class _Run:
             _kill(pid, signal.SIGKILL)
         for pid in self.pids.values():
             with contextlib.suppress(ChildProcessError, OSError):
-                os.waitpid(pid, os.WNOHANG)
+                os.waitpid(pid, 0 if pid in alive else os.WNOHANG)
 
     # -- messages ---------------------------------------------------------------------------
     def _timeout_message(self) -> str:
@@ -339,22 +561,23 @@ class _Run:
             "A rank that waits in a collective (all-reduce, barrier) for a peer that never arrives hangs "
             "like this: check that every rank runs the same steps on the same number of batches."
         )
-        return f"The launch did not finish within the timeout; all {self.nprocs} ranks were stopped. {hint}"
+        return (
+            f"The launch did not finish within the timeout ({self.timeout:g} s); all {self.nprocs} ranks "
+            f"were stopped. {hint}"
+        )
 
-    def _failure_error(self, failure: BaseException | None) -> LaunchError:
+    def _failure_error(self) -> LaunchError:
         failures: dict[int, str] = {}
-        primary = {r: e for r, e in self.errors.items() if not e.secondary}
-        for rank, err in sorted(primary.items(), key=lambda item: item[1].time):
-            failures[rank] = f"{err.type}: {err.message}"
-        for rank, why in _elastic_failures(failure).items():
-            if rank not in primary:  # died without raising: a signal or a hard exit
-                failures.setdefault(rank, why)
-        if not failures:  # only stop-induced errors: report them rather than nothing
-            failures = {r: f"{e.type}: {e.message}" for r, e in self.errors.items()}
-        if not failures:
-            return LaunchError(f"The launch failed before any rank ran: {type(failure).__name__}: {failure}")
-        ranks = ", ".join(f"rank {r}" for r in failures)
-        lines = [f"{ranks} failed ({self.nprocs} processes launched; the others were stopped)."]
+        for rank in self.failed:
+            err = self.errors.get(rank)
+            failures[rank] = f"{err.type}: {err.message}" if err is not None else str(self.exits.get(rank, ""))
+        heads = [
+            f"rank {r} failed" if r in self.errors else f"rank {r} {self.exits.get(r, ExitStatus())}" for r in failures
+        ]
+        launched = (
+            "1 process launched" if self.nprocs == 1 else f"{self.nprocs} processes launched; the others were stopped"
+        )
+        lines = [f"{', then '.join(heads)} ({launched})."]
         for marker, hint in _FAILURE_HINTS:
             if any(marker in e.message for e in self.errors.values()):
                 lines.append(hint)
@@ -363,22 +586,19 @@ class _Run:
             err = self.errors.get(rank)
             if err is not None:
                 lines.append(err.traceback.rstrip())
-            elif "SIGKILL" in why:
-                lines.append(
-                    "SIGKILL usually means the machine ran out of CPU memory (the OOM killer): "
-                    "use a smaller batch or fewer dataloader workers."
-                )
+            else:
+                lines.append(self.exits.get(rank, ExitStatus()).hint)
         return LaunchError("\n".join(lines), failures=failures, errors=self.errors)
 
 
-def _elastic_failures(failure: BaseException | None) -> dict[int, str]:
-    """{rank: why} from torch elastic's ChildFailedError, for ranks that died without raising."""
-    described: dict[int, str] = {}
+def _elastic_failures(failure: BaseException) -> dict[int, ExitStatus]:
+    """{rank: how it ended} from torch elastic's ChildFailedError."""
+    described: dict[int, ExitStatus] = {}
     for rank, proc in getattr(failure, "failures", {}).items():
         if proc.exitcode is not None and proc.exitcode < 0:
-            described[rank] = f"died from signal {proc.signal_name()}"
+            described[rank] = ExitStatus(signal=-proc.exitcode)
         else:
-            described[rank] = f"exited with code {proc.exitcode}"
+            described[rank] = ExitStatus(code=proc.exitcode)
     return described
 
 
@@ -405,6 +625,54 @@ def _alive(pid: int) -> bool:
 def _kill(pid: int, sig: signal.Signals) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.kill(pid, sig)
+
+
+@contextlib.contextmanager
+def _abandon_handler(handler: Callable[[], None]) -> Iterator[None]:
+    """Run `handler` in the main thread when the supervisor asks (see _Run._abandon_launcher)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signal handlers belong to the main thread: a launch from another one cannot be ended early
+        return
+    previous = signal.signal(_ABANDON_SIGNAL, lambda signum, frame: handler())
+    try:
+        yield
+    finally:
+        signal.signal(_ABANDON_SIGNAL, previous)
+
+
+@contextlib.contextmanager
+def _launcher_banner_muted() -> Iterator[None]:
+    """Drop what this thread prints while the launcher runs (notebook_launcher's "Launching
+    training on N GPUs." line) and nothing else: other threads of the notebook process keep
+    printing (issue 14: a global redirect lost their output), and the ranks restore their streams.
+    """
+    stream = sys.stdout
+    sys.stdout = _MutedInThread(stream, threading.get_ident())
+    try:
+        yield
+    finally:
+        sys.stdout = stream
+
+
+class _MutedInThread(io.TextIOBase):
+    """`target`, except that writes from thread `ident` are dropped."""
+
+    def __init__(self, target: Any, ident: int):
+        self._target, self._ident = target, ident
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        if threading.get_ident() != self._ident:
+            self._target.write(text)
+        return len(text)
+
+    def flush(self) -> None:
+        self._target.flush()
+
+    def fileno(self) -> int:
+        return self._target.fileno()
 
 
 @contextlib.contextmanager
@@ -498,8 +766,7 @@ def _start(child: _Child, nprocs: int, port: int) -> None:
 
         patching.apply("launch")
         try:
-            with contextlib.redirect_stdout(io.StringIO()):  # its "Launching training on N GPUs." line
-                notebook_launcher(child, num_processes=nprocs, use_port=str(port), master_addr="127.0.0.1")
+            notebook_launcher(child, num_processes=nprocs, use_port=str(port), master_addr="127.0.0.1")
         finally:
             patching.revert("launch")
         return
@@ -519,8 +786,7 @@ def _start(child: _Child, nprocs: int, port: int) -> None:
         monitor_interval=0.1,
         start_method="fork",
     )
-    with contextlib.redirect_stdout(io.StringIO()):
-        elastic_launch(config=config, entrypoint=child)()
+    elastic_launch(config=config, entrypoint=child)()
 
 
 # --------------------------------------------------------------------------------------------
@@ -550,10 +816,11 @@ class _Child:
         # Default signal behaviour: torch elastic's handlers (inherited through fork) would turn
         # SIGTERM into an exception that a rank blocked in a collective never gets to raise.
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(_ABANDON_SIGNAL, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
         sys.stdout, sys.stderr = self.stdout, self.stderr
         self.channel.attach(local_rank, rank)
-        channel.send("started", os.getpid())
+        channel.send(channel.Started(os.getpid()))
         import torch
 
         # The notebook's torch thread pools do not survive fork. On CPU a child that uses more than
@@ -566,20 +833,27 @@ class _Child:
             _prepare_rank(quiet=self.quiet, rank=rank)
             value = self.fn(*self.args, **self.kwargs)
             if rank == 0:
-                channel.send("result", pickle_for_notebook(value))
+                channel.send(channel.Result(pickle_for_notebook(value)))
+            channel.send(channel.Returned())
         except BaseException as exc:
             channel.send(
-                "error",
-                RankError(
-                    rank=rank,
-                    type=type(exc).__qualname__,
-                    message=str(exc),
-                    # tb_next: start the traceback in the user's function, not in this wrapper
-                    traceback="".join(traceback.format_exception(type(exc), exc, exc.__traceback__.tb_next)),
-                    time=time.time(),
-                    secondary=isinstance(exc, KeyboardInterrupt) or _is_interrupt(exc),
-                ),
+                channel.Raised(
+                    RankError(
+                        rank=rank,
+                        type=type(exc).__qualname__,
+                        message=str(exc),
+                        # tb_next: start the traceback in the user's function, not in this wrapper
+                        traceback="".join(
+                            traceback.format_exception(type(exc), exc, exc.__traceback__ and exc.__traceback__.tb_next)
+                        ),
+                        time=time.time(),
+                    )
+                )
             )
+            if not isinstance(exc, Exception):
+                # KeyboardInterrupt and SystemExit(0) would end the rank with code 0, which torch
+                # elastic takes for a rank whose result is on its way: end with 1, a failure.
+                raise SystemExit(1) from exc
             raise
         finally:
             for stream in (sys.stdout, sys.stderr):

@@ -72,7 +72,7 @@ def report(step: int | None = None, loss: Any = None, **metrics: Any) -> None:
     """
     event = _event(step, loss, metrics)
     if channel.connected():
-        channel.send("event", event)
+        channel.send(channel.Report(event))
         return
     if distributed.is_distributed() and not distributed.is_main():
         return

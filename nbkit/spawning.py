@@ -45,7 +45,7 @@ from multiprocessing import Pipe
 from multiprocessing.connection import Connection
 from typing import Any
 
-from nbkit import cells, dashboard, distributed, launching
+from nbkit import cells, dashboard, distributed, forksafety, launching
 from nbkit.errors import BringAlongError, LaunchError
 
 __all__ = ["BringAlongError", "bring_along", "fork_blocker", "run_source"]
@@ -55,15 +55,11 @@ _IPYTHON_NAME = re.compile(r"^(In|Out|get_ipython|exit|quit|_(i+|\d+|i\d+|oh|ih|
 _INTERRUPT_GRACE_S = 15.0
 
 
-def fork_blocker() -> str | None:
-    """Why nbkit.launch cannot fork from this process now (the first sentence of its refusal),
-    or None when it can. Never initialises CUDA.
+def fork_blocker() -> forksafety.ForkBlocker | None:
+    """Why nbkit.launch cannot fork from this process now, or None when it can (never initialises
+    CUDA); `str()` of it is the one-sentence reason %%ddp prints for running in spawn mode.
     """
-    try:
-        launching.check_can_fork()
-    except RuntimeError as exc:
-        return str(exc).split(". ")[0].rstrip(".") + "."
-    return None
+    return forksafety.fork_blocker()
 
 
 def run_source(
