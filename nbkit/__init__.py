@@ -29,6 +29,7 @@ _EXPORTS: dict[str, str] = {
     "LaunchError": "nbkit.errors",
     "DeviceMapError": "nbkit.errors",
     "BringAlongError": "nbkit.errors",
+    "ExportError": "nbkit.errors",
     # where this process stands
     "rank": "nbkit.distributed",
     "local_rank": "nbkit.distributed",

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-__all__ = ["BringAlongError", "DeviceMapError", "LaunchError", "NbkitError", "RankError"]
+__all__ = ["BringAlongError", "DeviceMapError", "ExportError", "LaunchError", "NbkitError", "RankError"]
 
 
 class NbkitError(Exception):
@@ -90,3 +90,7 @@ class BringAlongError(NbkitError, ValueError):
             "mode shares every name)."
         )
         self.name = name
+
+
+class ExportError(NbkitError, ValueError):
+    """A notebook cell that cannot be exported as a script; the message names the cell and what to change."""

@@ -13,22 +13,34 @@ the functions and values it uses; statements that change such an object (`cfg.lr
 `data.append(...)`); the whole cell tagged "parameters" (papermill's convention) or
 "injected-parameters"; and process-wide set-up (os.environ / sys.path changes, seeding,
 warnings filters, nbkit.configure). Statements that only show something (plots, prints, display)
-are left out. Line magics and shell escapes (`%pip`, `!ls`) never come along; cells run by other
+are left out. Line magics and shell escapes (`%pip`, `!ls`) never come along: each cell is read
+the way the kernel reads it (IPython's own input transformer, so `%` or `!` inside a string stays
+text), and every magic or shell line becomes `pass  # notebook only: ...`; cells run by other
 cell magics (%%bash, %%writefile, other %%ddp cells) are skipped and listed in the script's
 docstring. The slice is syntactic: read the script once before relying on it.
+
+The %%ddp line's `$name`, `$name.attr` and `{expr}` are expanded as IPython expands magic lines
+(`$$` and `{{ }}` escape), with the values of the notebook's parameters: the cells tagged
+"parameters" / "injected-parameters" above the exported cell, run on their own in a fresh
+namespace (nothing else of the notebook runs). A name that is not a parameter is an error naming
+it. An option whose value comes out as `None` (a parameter left at None, e.g. `--gpus $gpus`
+with `gpus = None`) takes its default, which is None for every valued option of %%ddp.
 """
 
 from __future__ import annotations
 
 import ast
+import dataclasses
 import io
 import os
+import shlex
 import tokenize
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from nbkit import cells, ddp_options
+from nbkit.errors import ExportError
 
 __all__ = ["export_script"]
 
@@ -51,6 +63,9 @@ _SETUP_CALLS = {
     "disable_progress_bar",
 }
 _SETUP_OBJECTS = {("os", "environ"), ("sys", "path")}
+# What IPython's input transformer turns magics and shell escapes into: get_ipython().<method>(...),
+# and the prefix the user typed for each.
+_IPYTHON_CALLS = {"run_line_magic": "%", "system": "!", "getoutput": "!!"}
 
 
 @dataclass
@@ -65,39 +80,53 @@ def export_script(notebook_path: str | os.PathLike[str], cell: str | int, out: s
     """Write the cell `cell` of the notebook at `notebook_path`, with what it needs, to `out`.
 
     Takes `cell` as a tag, a cell id, or an index into the notebook's cells (0 = first; digits in
-    a string count as an index). Returns the path written. Raises FileNotFoundError for a missing
-    notebook, ValueError for a cell that cannot be found (the message lists the %%ddp cells and
-    tags) or whose body is not valid Python.
+    a string count as an index). Returns the path written. Raises ExportError (a ValueError) for
+    a missing notebook, an `out` that is the notebook itself, a cell that cannot be found (the
+    message lists the %%ddp cells and tags), a %%ddp line that uses a name which is not a
+    parameter or does not parse, and a cell whose body is not valid Python or needs IPython.
+    Writes nothing when it raises.
     """
     import nbformat
 
-    nb_path = Path(notebook_path)
+    nb_path, out_path = Path(notebook_path), Path(out)
     if not nb_path.is_file():
-        raise FileNotFoundError(f"No notebook at {nb_path}: save the notebook first and give its path.")
+        raise ExportError(f"No notebook at {nb_path}: save the notebook first and give its path.")
+    if _same_file(nb_path, out_path):
+        raise ExportError(
+            f"{out_path} is the notebook being exported: writing the script there would replace the notebook. "
+            "Give the script its own name, e.g. -o train.py."
+        )
     notebook = nbformat.read(nb_path, as_version=4)
     index = _find_cell(notebook.cells, cell)
     target = notebook.cells[index]
+    where = f"Cell {index} of {nb_path.name}"
     if target.cell_type != "code":
-        raise ValueError(f"Cell {index} of {nb_path.name} is a {target.cell_type} cell, not code.")
+        raise ExportError(f"{where} is a {target.cell_type} cell, not code.")
     magic_line, body = _split_cell_magic(target.source)
-    options = _ddp_options(magic_line)
-    body = _without_line_magics(body)
-    try:
-        tree = ast.parse(body)
-    except SyntaxError as exc:
-        raise ValueError(
-            f"Cell {index} of {nb_path.name} is not valid Python at line {exc.lineno}: {exc.msg}."
-        ) from exc
-
     statements, skipped = _earlier_statements(notebook.cells[:index])
+    options = _ddp_options(magic_line, statements, where)
+    try:
+        body, tree = _as_python(body)
+    except SyntaxError as exc:
+        raise ExportError(f"{where} is not valid Python at line {exc.lineno}: {exc.msg}.") from exc
+    _refuse_ipython(body, where)
+
     kept = _slice(statements, cells.free_names(tree.body))
+    for statement in kept:
+        _refuse_ipython(statement.code, f"Cell {statement.cell} of {nb_path.name}")
     function = _unused_name(
         "ddp_cell", {n for s in statements for n in cells.usage([s.node]).binds} | cells.usage(tree.body).binds
     )
-    out_path = Path(out)
     script = _render(nb_path, index, cell, options, kept, skipped, function, body, tree, out_path.name)
     out_path.write_text(script)
     return out_path
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    """Whether the paths name one file (through links, relative parts, or a second hard link)."""
+    if b.exists():
+        return os.path.samefile(a, b)
+    return a.resolve() == b.resolve()
 
 
 # --------------------------------------------------------------------------------------------
@@ -110,20 +139,20 @@ def _find_cell(nb_cells: list[Any], wanted: str | int) -> int:
         index = int(wanted)
         if 0 <= index < len(nb_cells):
             return index
-        raise ValueError(
+        raise ExportError(
             f"The notebook has {len(nb_cells)} cells (0 to {len(nb_cells) - 1}); there is no cell {index}."
         )
     tagged = [i for i, c in enumerate(nb_cells) if wanted in c.get("metadata", {}).get("tags", [])]
     if len(tagged) == 1:
         return tagged[0]
     if len(tagged) > 1:
-        raise ValueError(f"Several cells carry the tag {wanted!r} (cells {tagged}); give one of those indices.")
+        raise ExportError(f"Several cells carry the tag {wanted!r} (cells {tagged}); give one of those indices.")
     by_id = [i for i, c in enumerate(nb_cells) if c.get("id") == wanted]
     if by_id:
         return by_id[0]
     ddp = [i for i, c in enumerate(nb_cells) if c.cell_type == "code" and c.source.lstrip().startswith("%%ddp")]
     tags = sorted({t for c in nb_cells for t in c.get("metadata", {}).get("tags", [])})
-    raise ValueError(
+    raise ExportError(
         f"No cell with the tag or id {wanted!r}. %%ddp cells are at indices {ddp or 'none'} (0 = first cell); "
         f"tags in this notebook: {', '.join(tags) or 'none'}. Tag the cell (View > Cell Toolbar > Tags in "
         "Jupyter) or give its index."
@@ -139,25 +168,140 @@ def _split_cell_magic(source: str) -> tuple[str | None, str]:
     return first, body
 
 
-def _ddp_options(magic_line: str | None) -> ddp_options.DdpOptions:
-    if magic_line is not None and magic_line.split()[0] == "%%ddp":
-        return ddp_options.parse(magic_line[len("%%ddp") :])
-    return ddp_options.parse("")
+def _ddp_options(magic_line: str | None, statements: list[_Statement], where: str) -> ddp_options.DdpOptions:
+    """The options of the cell's %%ddp line, its `$name` / `{expr}` expanded from the parameters."""
+    if magic_line is None or magic_line.split()[0] != "%%ddp":
+        return ddp_options.parse("")
+    line = magic_line[len("%%ddp") :]
+    if "$" in line or "{" in line:
+        line = _expand(line, statements, where)
+    try:
+        return ddp_options.parse(_without_none_values(line))
+    except ddp_options.OptionsError as exc:
+        raise ExportError(f"{where}: {exc}") from None
 
 
-def _without_line_magics(source: str) -> str:
-    """Line magics and shell escapes have no meaning in a script: each becomes `pass`, keeping
-    the line (and any block it sits in) valid.
+def _expand(line: str, statements: list[_Statement], where: str) -> str:
+    """`line` with `$name`, `$name.attr` and `{expr}` replaced as IPython replaces them in a magic
+    line, evaluated against the notebook's parameters.
     """
-    lines = []
-    for line in source.splitlines():
-        code = line.lstrip()
-        if code.startswith(("%", "!")):
-            indent = line[: len(line) - len(code)]
-            lines.append(f"{indent}pass  # notebook only: {code}")
+    # IPython's own formatter, so the rules are exactly IPython's; imported here, never at module
+    # import (scripts that export without IPython running pay for it only when a line needs it).
+    from IPython.utils.text import DollarFormatter
+
+    namespace = _parameters(statements, where)
+    try:
+        return DollarFormatter().vformat(line, args=[], kwargs=namespace)
+    except NameError as exc:
+        names = sorted(n for n in namespace if not n.startswith("__"))
+        raise ExportError(
+            f"{where}: the %%ddp line uses {exc.name!r}, which is not a parameter of the notebook. The exporter "
+            "expands $name and {expr} from the cells tagged 'parameters' or 'injected-parameters' above it "
+            f"(parameters: {', '.join(names) or 'none'}): set {exc.name!r} there, or write its value into the line."
+        ) from None
+    except Exception as exc:
+        raise ExportError(
+            f"{where}: cannot expand the %%ddp line {line.strip()!r}: {type(exc).__name__}: {exc}"
+        ) from None
+
+
+def _parameters(statements: list[_Statement], where: str) -> dict[str, Any]:
+    """The values the parameters cells assign, from running those cells alone in a fresh namespace."""
+    namespace: dict[str, Any] = {"__name__": "__nbkit_parameters__"}
+    for statement in statements:
+        if not statement.parameters:
+            continue
+        try:
+            exec(compile(statement.code, f"<cell {statement.cell}>", "exec"), namespace)
+        except Exception as exc:
+            raise ExportError(
+                f"{where}: running the parameters cell (cell {statement.cell}) to expand the %%ddp line failed at "
+                f"`{statement.code.strip()}`: {type(exc).__name__}: {exc}. Parameters cells should hold plain "
+                "assignments."
+            ) from None
+    return namespace
+
+
+def _without_none_values(line: str) -> str:
+    """The line without `--option None` for the options whose default is None (a parameter left at
+    None means the default, as it does for nbkit.launch).
+    """
+    defaults_none = {
+        "--" + f.name.replace("_", "-") for f in dataclasses.fields(ddp_options.DdpOptions) if f.default is None
+    }
+    try:
+        words = shlex.split(line)
+    except ValueError:
+        return line  # ddp_options names the problem
+    kept: list[str] = []
+    for word in words:
+        if word == "None" and kept and kept[-1] in defaults_none:
+            kept.pop()
         else:
-            lines.append(line)
-    return "\n".join(lines) + "\n"
+            kept.append(word)
+    return shlex.join(kept)
+
+
+def _as_python(source: str) -> tuple[str, ast.Module]:
+    """Cell code as the kernel runs it, with every magic and shell line made `pass  # notebook only: ...`.
+
+    The text goes through IPython's input transformer, so only real line magics and shell
+    escapes are found (never `%` or `!` inside a string), and the statements it made of them are
+    replaced, keeping any block they sit in valid. Returns the text and its tree. Raises
+    SyntaxError for code that is not valid Python.
+    """
+    from IPython.core.inputtransformer2 import TransformerManager  # not at module import: see _expand
+
+    text = TransformerManager().transform_cell(source)
+    tree = ast.parse(text)
+    lines = text.splitlines()
+    replaced = False
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Expr) and (typed := _typed_magic(node.value)) is not None:
+            indent = lines[node.lineno - 1][: node.col_offset]
+            lines[node.lineno - 1] = f"{indent}pass  # notebook only: {typed}"
+            for number in range(node.lineno, node.end_lineno or node.lineno):
+                lines[number] = ""
+            replaced = True
+    if not replaced:
+        return text, tree
+    text = "\n".join(lines) + "\n"
+    return text, ast.parse(text)
+
+
+def _typed_magic(node: ast.expr) -> str | None:
+    """What the user typed (`%pip install x`, `!ls`) for a call IPython's transformer made of a
+    magic or shell escape; None for any other expression.
+    """
+    if not (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr in _IPYTHON_CALLS
+        and _calls_get_ipython(node.func.value)
+        and all(isinstance(a, ast.Constant) and isinstance(a.value, str) for a in node.args)
+    ):
+        return None
+    words = [a.value for a in node.args]  # type: ignore[attr-defined]
+    text = " ".join(w for w in words if w).replace("\n", " ")
+    return _IPYTHON_CALLS[node.func.attr] + text
+
+
+def _calls_get_ipython(node: ast.AST) -> bool:
+    return isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "get_ipython"
+
+
+def _refuse_ipython(source: str, where: str) -> None:
+    """Raise ExportError for code that still needs IPython once the magic lines are `pass`
+    (`files = !ls`, `x = %who_ls`): a script has no notebook shell to run it.
+    """
+    for node in ast.walk(ast.parse(source)):
+        if _calls_get_ipython(node):
+            line = source.splitlines()[node.lineno - 1].strip()  # type: ignore[attr-defined]
+            raise ExportError(
+                f"{where} needs IPython in `{line}` (IPython's reading of a magic or shell line whose value is "
+                "used). A script has no notebook shell to run it: use subprocess.run(...) or plain Python there, "
+                "or keep that line out of the code the exported cell needs."
+            )
 
 
 def _earlier_statements(nb_cells: list[Any]) -> tuple[list[_Statement], list[str]]:
@@ -169,15 +313,16 @@ def _earlier_statements(nb_cells: list[Any]) -> tuple[list[_Statement], list[str
         if magic_line is not None and magic_line[2:].split()[0] not in _PYTHON_CELL_MAGICS:
             skipped.append(f"cell {index} ({magic_line.split()[0]})")
             continue
-        body = _without_line_magics(body)
         try:
-            tree = ast.parse(body)
+            body, tree = _as_python(body)
         except SyntaxError:
             skipped.append(f"cell {index} (not valid Python)")
             continue
         lines = body.splitlines(True)
         parameters = bool(_PARAMETER_TAGS & set(cell.get("metadata", {}).get("tags", [])))
         for node in tree.body:
+            if isinstance(node, ast.Pass):  # a magic or shell line (see _as_python), or a plain pass
+                continue
             first = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
             code = "".join(lines[first - 1 : node.end_lineno]).rstrip() + "\n"
             statements.append(_Statement(index, code, node, parameters))
@@ -329,11 +474,15 @@ def _render(
 
 
 def _function_body(body: str, tree: ast.Module) -> str:
-    """The cell's body indented into a function, its last expression returned."""
+    """The cell's body indented into a function, its last expression returned (wherever it starts
+    on its line: `x = 1; x + 1` becomes `x = 1; return x + 1`).
+    """
     lines = body.splitlines()
     if tree.body and isinstance(tree.body[-1], ast.Expr):
-        last = tree.body[-1].lineno - 1
-        lines[last] = "return " + lines[last]
+        last = tree.body[-1]
+        line = lines[last.lineno - 1]
+        column = len(line.encode()[: last.col_offset].decode())  # ast counts UTF-8 bytes
+        lines[last.lineno - 1] = line[:column] + "return " + line[column:]
     if not tree.body:
         lines.append("pass")
     inside_strings = _lines_inside_strings("\n".join(lines) + "\n")
@@ -344,10 +493,20 @@ def _function_body(body: str, tree: ast.Module) -> str:
 
 
 def _lines_inside_strings(source: str) -> set[int]:
+    """Numbers of the lines (1 = first) that begin inside a string literal started on a line above."""
     inside: set[int] = set()
+    # Python 3.12+ splits f-strings into FSTRING_START ... FSTRING_END tokens instead of one STRING.
+    fstring_start, fstring_end = getattr(tokenize, "FSTRING_START", None), getattr(tokenize, "FSTRING_END", None)
+    open_fstrings: list[int] = []
     for token in tokenize.generate_tokens(io.StringIO(source).readline):
         if token.type == tokenize.STRING and token.end[0] > token.start[0]:
             inside.update(range(token.start[0] + 1, token.end[0] + 1))
+        elif token.type == fstring_start:
+            open_fstrings.append(token.start[0])
+        elif token.type == fstring_end and open_fstrings:
+            started = open_fstrings.pop()
+            if not open_fstrings and token.end[0] > started:
+                inside.update(range(started + 1, token.end[0] + 1))
     return inside
 
 

@@ -1,10 +1,15 @@
 """%nbkit export / nbkit.export.export_script: the written script carries what the cell needs and
-really runs under torchrun (2 gloo processes)."""
+really runs under torchrun (2 gloo processes), the %%ddp line's $name / {expr} come from the
+notebook's parameters as IPython expands them, `%` and `!` inside strings stay text, the cell's last
+expression is returned however its line is written, the notebook is never written over, and the
+training cell of every shipped notebook exports to a script that trains under torchrun."""
 
 from __future__ import annotations
 
+import ast
 import json
 import os
+import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +18,10 @@ import nbformat
 import pytest
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 
+from nbkit import ExportError, NbkitError
 from nbkit.export import export_script
+
+NOTEBOOKS_DIR = Path(__file__).resolve().parent.parent / "notebooks"
 
 TRAIN_CELL = '''%%ddp --gpus 2 --env TEST_VAR=7 --out total
 import nbkit
@@ -89,9 +97,206 @@ def test_runs_under_torchrun_with_two_gloo_processes(exported):
 
 def test_an_unknown_cell_lists_the_ddp_cells_and_tags(tmp_path):
     nb_path = _notebook(tmp_path, tmp_path)
-    with pytest.raises(ValueError, match=r"%%ddp cells are at indices \[6\].*tags in this notebook: parameters, train"):
+    with pytest.raises(
+        ExportError, match=r"%%ddp cells are at indices \[6\].*tags in this notebook: parameters, train"
+    ):
         export_script(nb_path, "training", tmp_path / "x.py")
-    with pytest.raises(ValueError, match="there is no cell 12"):
+    with pytest.raises(ExportError, match="there is no cell 12"):
         export_script(nb_path, 12, tmp_path / "x.py")
-    with pytest.raises(FileNotFoundError, match="save the notebook first"):
+    with pytest.raises(ExportError, match="save the notebook first") as missing:
         export_script(tmp_path / "missing.ipynb", "train", tmp_path / "x.py")
+    # One family with the rest of nbkit's errors, and still the ValueError callers caught before.
+    assert isinstance(missing.value, NbkitError) and isinstance(missing.value, ValueError)
+    assert not (tmp_path / "x.py").exists()
+
+
+def _one_cell_notebook(path: Path, cell: str, *before: str, parameters: str = "", injected: str = "") -> Path:
+    """A notebook: a parameters cell, papermill's injected-parameters cell (when given), the cells
+    `before`, and `cell` tagged "train"."""
+    nb = new_notebook()
+    nb.cells = [new_code_cell(parameters, metadata={"tags": ["parameters"]})]
+    if injected:
+        nb.cells.append(new_code_cell(injected, metadata={"tags": ["injected-parameters"]}))
+    nb.cells += [new_code_cell(source) for source in before]
+    nb.cells.append(new_code_cell(cell, metadata={"tags": ["train"]}))
+    nb_path = path / "nb.ipynb"
+    nbformat.write(nb, nb_path)
+    return nb_path
+
+
+def _launch_line(script: Path) -> str:
+    (line,) = [line for line in script.read_text().splitlines() if "nbkit.launch(" in line]
+    return line.strip()
+
+
+def test_the_ddp_line_is_expanded_from_the_parameters_as_ipython_expands_it(tmp_path):
+    from IPython.core.interactiveshell import InteractiveShell
+
+    parameters = "procs = 2\nminutes = 1.5\nlabel = 'run-a'\nname = 'total'"
+    injected = "procs = 3  # papermill's values win, as in the kernel"
+    line = "--gpus $procs.real --timeout {minutes * 60} --out $name --env LABEL=$label PRICE=$$5 SET={{1,2}}"
+    nb_path = _one_cell_notebook(tmp_path, f"%%ddp {line}\n1 + 1", parameters=parameters, injected=injected)
+    script = export_script(nb_path, "train", tmp_path / "train.py")
+
+    text = script.read_text()
+    assert "total = nbkit.launch(ddp_cell, gpus=3, timeout=90.0, quiet=True)" in text
+    assert "os.environ.setdefault('LABEL', 'run-a')" in text
+    assert "os.environ.setdefault('PRICE', '$5')" in text  # $$ is a literal $
+    assert "os.environ.setdefault('SET', '{1,2}')" in text  # {{ }} are literal braces
+    # The same line expanded by IPython itself, in a shell holding the parameters' values.
+    shell = InteractiveShell.instance()
+    saved = dict(shell.user_ns)
+    try:
+        exec(parameters + "\n" + injected, shell.user_ns)
+        assert shell.var_expand(line, depth=10**6) == (
+            "--gpus 3 --timeout 90.0 --out total --env LABEL=run-a PRICE=$5 SET={1,2}"
+        )
+    finally:
+        shell.user_ns.clear()
+        shell.user_ns.update(saved)
+
+
+def test_a_name_that_is_not_a_parameter_is_named(tmp_path):
+    # n_procs exists in the notebook, but in an ordinary cell: the exporter does not run those.
+    nb_path = _one_cell_notebook(tmp_path, "%%ddp --gpus $n_procs\n1", "n_procs = 2", parameters="steps = 1")
+    with pytest.raises(ExportError, match=r"uses 'n_procs', which is not a parameter.*\(parameters: steps\)"):
+        export_script(nb_path, "train", tmp_path / "train.py")
+    nb_path = _one_cell_notebook(tmp_path, "%%ddp --timeout {budget * 60}\n1", parameters="steps = 1")
+    with pytest.raises(ExportError, match="uses 'budget', which is not a parameter"):
+        export_script(nb_path, "train", tmp_path / "train.py")
+    nb_path = _one_cell_notebook(tmp_path, "%%ddp --gpus {1 // 0}\n1", parameters="steps = 1")
+    with pytest.raises(ExportError, match=r"cannot expand the %%ddp line.*ZeroDivisionError"):
+        export_script(nb_path, "train", tmp_path / "train.py")
+    nb_path = _one_cell_notebook(tmp_path, "%%ddp --gpus $gpus\n1", parameters="gpus = 'two'")
+    with pytest.raises(ExportError, match="Cell 1 of nb.ipynb: .*--gpus: invalid int value: 'two'"):
+        export_script(nb_path, "train", tmp_path / "train.py")
+    assert not (tmp_path / "train.py").exists()
+
+
+def test_a_parameter_left_at_none_means_the_default(tmp_path):
+    # The shipped notebooks' `gpus = None  # one per visible GPU` with `%%ddp --gpus $gpus`.
+    nb_path = _one_cell_notebook(
+        tmp_path, "%%ddp --gpus $gpus --timeout $limit\n1", parameters="gpus = None\nlimit = None"
+    )
+    script = export_script(nb_path, "train", tmp_path / "train.py")
+    assert _launch_line(script) == "result = nbkit.launch(ddp_cell, gpus=None, quiet=True)"
+    assert "one process per visible GPU" in script.read_text()
+
+
+def test_the_notebook_is_never_written_over(tmp_path, monkeypatch):
+    nb_path = _notebook(tmp_path, tmp_path)
+    original = nb_path.read_bytes()
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "link.ipynb").symlink_to(nb_path)
+    os.link(nb_path, tmp_path / "hard.ipynb")
+    monkeypatch.chdir(tmp_path / "sub")
+    for out in (
+        nb_path,
+        "../experiment.ipynb",
+        tmp_path / "sub" / ".." / "experiment.ipynb",
+        tmp_path / "link.ipynb",
+        tmp_path / "hard.ipynb",
+    ):
+        with pytest.raises(ExportError, match="is the notebook being exported.*Give the script its own name"):
+            export_script(nb_path, "train", out)
+        assert nb_path.read_bytes() == original
+    # Another notebook's name is fine: it is not the input.
+    assert export_script(nb_path, "train", tmp_path / "other.ipynb").read_text().startswith("#!/usr/bin/env python")
+
+
+MAGIC_IN_STRINGS = '''%%ddp --gpus 1
+import os
+s = "100%\\n!"
+t = """
+%pip install x
+!ls
+"""
+if os.environ.get("NBKIT_NEVER_SET"):
+    %pip install nothing
+    !echo never
+u = f"""{s}
+%done
+!{len(t)}"""
+x = 1; x + len(s) * 1000 + len(t) * 100 + len(u)
+'''
+
+
+def test_percent_and_bang_inside_strings_stay_and_the_last_expression_is_returned(tmp_path):
+    nb_path = _one_cell_notebook(tmp_path, MAGIC_IN_STRINGS, "%matplotlib inline\n!nvidia-smi")
+    script = export_script(nb_path, "train", tmp_path / "train.py")
+    text = script.read_text()
+    ast.parse(text)
+    assert "    pass  # notebook only: %pip install nothing" in text
+    assert "    pass  # notebook only: !echo never" in text
+    assert "x = 1; return x + len(s)" in text
+    assert "matplotlib" not in text and "nvidia-smi" not in text
+    # The function runs as the cell would: the strings keep every character.
+    ddp_cell = runpy.run_path(str(script))["ddp_cell"]  # not as __main__: nothing launches
+    s, t = "100%\n!", "\n%pip install x\n!ls\n"
+    u = f"{s}\n%done\n!{len(t)}"
+    assert ddp_cell() == 1 + len(s) * 1000 + len(t) * 100 + len(u)
+
+
+def test_code_that_needs_ipython_is_named(tmp_path):
+    nb_path = _one_cell_notebook(tmp_path, "%%ddp --gpus 1\nfiles = !ls\nlen(files)")
+    with pytest.raises(ExportError, match=r"Cell 1 of nb.ipynb needs IPython in `files = get_ipython\(\).getoutput"):
+        export_script(nb_path, "train", tmp_path / "train.py")
+    nb_path = _one_cell_notebook(tmp_path, "%%ddp --gpus 1\nlen(names)", "names = %who_ls")
+    with pytest.raises(ExportError, match=r"Cell 1 of nb.ipynb needs IPython in `names = get_ipython\(\)"):
+        export_script(nb_path, "train", tmp_path / "train.py")
+    assert not (tmp_path / "train.py").exists()
+
+
+# ----------------------------------------------------------------------------------------------
+# The shipped notebooks: each training cell exports to a script that trains under torchrun.
+
+
+def _exported_cells(nb: nbformat.NotebookNode) -> list[str]:
+    """The ids of the cells a user exports: those tagged "export" where the notebook tags any, else
+    every %%ddp cell. (Ids, not indices: papermill inserts a cell.)"""
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    tagged = [c.id for c in code if "export" in c.metadata.get("tags", [])]
+    return tagged or [c.id for c in code if c.source.lstrip().startswith("%%ddp")]
+
+
+SHIPPED = [
+    (path.stem, cell_id)
+    for path in sorted(NOTEBOOKS_DIR.glob("*.ipynb"))
+    for cell_id in _exported_cells(nbformat.read(path, as_version=4))
+]
+
+
+def test_the_shipped_notebooks_have_training_cells_to_export():
+    assert {name for name, _ in SHIPPED} >= {"qwen3_vl_2xT4", "text_llm_ddp"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("name", "cell_id"), SHIPPED, ids=[f"{n}-{i}" for n, i in SHIPPED])
+def test_a_shipped_training_cell_exports_to_a_script_that_trains_under_torchrun(tmp_path, name, cell_id):
+    import papermill
+
+    # The parameters notebooks/run.py gives this machine (tiny offline models, 2 CPU processes),
+    # injected by papermill as CI's notebook runs get them, with fewer steps.
+    offline = runpy.run_path(str(NOTEBOOKS_DIR / "run.py"))["parameters"]
+    params = offline(name, tmp_path, gpu=False, hub=False, overrides={"max_steps": 2, "save_steps": 2})
+    nb_path = tmp_path / f"{name}.ipynb"
+    papermill.execute_notebook(
+        str(NOTEBOOKS_DIR / f"{name}.ipynb"), str(nb_path), parameters=params, prepare_only=True,
+        kernel_name="python3", language="python", progress_bar=False,
+    )  # fmt: skip
+    script = export_script(nb_path, cell_id, tmp_path / "train.py")
+    assert "gpus=2" in _launch_line(script)  # `--gpus $gpus`, expanded from the injected parameters
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", script.name],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=540,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = ast.literal_eval(proc.stdout.strip().splitlines()[-1])  # rank 0 prints the cell's value, once
+    assert result["global_step"] == 2 and result["resumed_from"] is None
+    assert result["last_loss"] > 0
+    assert proc.stdout.count("'global_step'") == 1
