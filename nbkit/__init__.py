@@ -18,7 +18,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 # public name -> module that defines it
 _EXPORTS: dict[str, str] = {

@@ -319,6 +319,20 @@ def _complete_only_rotation(original: Callable[..., Any]) -> Callable[..., Any]:
     return rotate_checkpoints
 
 
+@patching.patch(
+    "transformers.trainer:Trainer._rotate_checkpoints",
+    reason="the same rotation of complete checkpoints only, for transformers 4.x, where rotation is this "
+    "Trainer method (transformers 5 moved it to trainer_utils.rotate_checkpoints, patched above)",
+    upstream="https://github.com/huggingface/transformers/issues/35782",
+    group="checkpoints",
+)
+def _complete_only_rotation_4x(original: Callable[..., Any]) -> Callable[..., Any]:
+    def _rotate_checkpoints(self: Any, use_mtime: bool = False, output_dir: str | None = None) -> None:
+        _rotate(output_dir or self.args.output_dir, self.args.save_total_limit, self.state.best_model_checkpoint)
+
+    return _rotate_checkpoints
+
+
 def _indexed_cpu_device(trainer: Any) -> bool:
     device = trainer.args.device
     return trainer.args.world_size > 1 and device.type == "cpu" and device.index is not None

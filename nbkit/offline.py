@@ -41,6 +41,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from nbkit import compat
 from nbkit.config import setting
 from nbkit.patching import patch
 
@@ -281,7 +282,7 @@ def load_config(model: str | os.PathLike[str] | PretrainedConfig, **hub_kwargs: 
 
 def _config(spec: _Spec) -> PretrainedConfig:
     # Config classes may normalise nested dicts (rope parameters) in place: keep the specs pristine.
-    text, vision = copy.deepcopy(spec.text), copy.deepcopy(spec.vision)
+    text, vision = _rope_fields(copy.deepcopy(spec.text)), copy.deepcopy(spec.vision)
     ids = dict(
         bos_token_id=TOKEN_IDS["<|endoftext|>"],
         eos_token_id=TOKEN_IDS["<|im_end|>"],
@@ -308,6 +309,21 @@ def _config(spec: _Spec) -> PretrainedConfig:
     )
     config.architectures = ["Qwen3VLForConditionalGeneration"]
     return config
+
+
+def _rope_fields(text: dict[str, Any]) -> dict[str, Any]:
+    """The text config's RoPE settings in the installed transformers' terms.
+
+    The specs use transformers 5's `rope_parameters` (type, theta, M-RoPE sections in one dict);
+    4.x reads `rope_theta` and, for anything beyond the default type, `rope_scaling` (Qwen3-VL's
+    4.57 modeling code takes `mrope_section` from there and fails on a None).
+    """
+    if compat.transformers_major() >= 5:
+        return text
+    rope = dict(text.pop("rope_parameters"))
+    text["rope_theta"] = rope.pop("rope_theta")
+    text["rope_scaling"] = rope if set(rope) - {"rope_type"} else None
+    return text
 
 
 def _model_class(config: PretrainedConfig) -> type:
@@ -405,10 +421,7 @@ def _tokenizer_corpus() -> Iterator[list[str]]:
 @lru_cache(maxsize=4)
 def _tokenizer(model_max_length: int) -> PreTrainedTokenizerBase:
     """Byte-level BPE in Qwen2's pipeline (NFC, Qwen's split regex, byte-level), trained here."""
-    from transformers import Qwen2Tokenizer
-
-    base = Qwen2Tokenizer()
-    tokenizer = base.train_new_from_iterator(
+    tokenizer = _empty_qwen2_tokenizer().train_new_from_iterator(
         _tokenizer_corpus(),
         vocab_size=TOKENIZER_VOCAB,
         new_special_tokens=list(SPECIAL_TOKENS),
@@ -420,6 +433,37 @@ def _tokenizer(model_max_length: int) -> PreTrainedTokenizerBase:
     tokenizer.pad_token = "<|endoftext|>"
     tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.model_max_length = model_max_length
+    return tokenizer
+
+
+def _empty_qwen2_tokenizer() -> PreTrainedTokenizerBase:
+    """A Qwen2 tokenizer with Qwen2's pipeline and no vocabulary yet, to train from.
+
+    transformers 5's Qwen2Tokenizer builds exactly this when called without files; in 4.x that
+    class is the slow, file-based one (it requires vocab_file and merges_file), so there the same
+    pipeline is assembled from `tokenizers` parts and given to Qwen2TokenizerFast.
+    """
+    import transformers
+
+    if compat.transformers_major() >= 5:
+        return transformers.Qwen2Tokenizer()
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers
+    from tokenizers.models import BPE
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+
+    backend = Tokenizer(BPE(vocab={"<|endoftext|>": 0}, merges=[], continuing_subword_prefix="", end_of_word_suffix=""))
+    backend.normalizer = normalizers.NFC()
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    backend.decoder = decoders.ByteLevel()
+    from transformers import Qwen2TokenizerFast  # type: ignore[attr-defined]  # 4.x only
+
+    tokenizer = Qwen2TokenizerFast(tokenizer_object=backend)
+    tokenizer.add_tokens([AddedToken("<|endoftext|>", special=True)])
     return tokenizer
 
 
@@ -568,10 +612,20 @@ def load_processor(name_or_path: str, **kwargs: Any) -> ProcessorMixin | PreTrai
 
     path = resolve_model(name_or_path)
     processor_class = _processor_class(path)
-    needs_video_processor = processor_class is not None and "video_processor" in processor_class.get_attributes()
+    needs_video_processor = processor_class is not None and "video_processor" in _processor_attributes(processor_class)
     if is_torchvision_available() or not needs_video_processor:
         return AutoProcessor.from_pretrained(path, **kwargs)
     return _image_only_processor(processor_class, path, **kwargs)
+
+
+def _processor_attributes(processor_class: Any) -> list[str]:
+    """The parts a processor class is built from ("image_processor", "tokenizer", ...).
+
+    transformers 5 asks the class (get_attributes()); 4.x lists them in the class attribute
+    `attributes`.
+    """
+    get_attributes = getattr(processor_class, "get_attributes", None)
+    return list(get_attributes() if get_attributes is not None else processor_class.attributes)
 
 
 def _json_file(path: str, filename: str) -> dict[str, Any] | None:

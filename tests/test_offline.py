@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nbkit import offline, patching
+from nbkit import compat, offline, patching
 from nbkit.offline import MODELS, TOKEN_IDS, load_config, load_processor, resolve_model
 from nbkit.synthetic import text_dataset, vision_dataset
 
@@ -111,12 +111,13 @@ def test_tiny_vl_model_trains_on_processed_images(tiny_vl_path: str) -> None:
     items = vision_dataset(2, image_size=64)
     texts = [processor.apply_chat_template(item["messages"], tokenize=False) for item in items]
     batch = processor(images=[item["images"] for item in items], text=texts, padding=True, return_tensors="pt")
-    assert set(batch) >= {"input_ids", "attention_mask", "pixel_values", "image_grid_thw", "mm_token_type_ids"}
+    assert set(batch) >= {"input_ids", "attention_mask", "pixel_values", "image_grid_thw"}
     image_tokens = batch["input_ids"] == TOKEN_IDS["<|image_pad|>"]
     # 64x64 pixels, 8px patches, 2x2 merge: an 8x8 grid becomes 16 image tokens per image.
     assert batch["image_grid_thw"].tolist() == [[1, 8, 8], [1, 8, 8]]
     assert image_tokens.sum(dim=1).tolist() == [16, 16]
-    assert torch.equal(batch["mm_token_type_ids"] == 1, image_tokens)
+    if compat.transformers_major() >= 5:  # 5.x processors add mm_token_type_ids, and its models require them
+        assert torch.equal(batch["mm_token_type_ids"] == 1, image_tokens)
 
     model, info = AutoModelForImageTextToText.from_pretrained(tiny_vl_path, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]
@@ -343,7 +344,9 @@ def test_random_configs_have_the_published_shapes(name: str, tmp_path: Path, mon
         assert (vision.depth, vision.hidden_size, vision.num_heads, vision.patch_size) == (24, 1024, 16, 16)
         assert vision.out_hidden_size == text.hidden_size
         assert list(vision.deepstack_visual_indexes) == [5, 11, 17]
-        assert text.rope_parameters["mrope_section"] == [24, 20, 20]
+        # transformers 5 keeps M-RoPE's sections in rope_parameters, 4.x in rope_scaling
+        rope = getattr(text, "rope_parameters", None) or text.rope_scaling
+        assert rope["mrope_section"] == [24, 20, 20]
     with torch.device("meta"):
         model = getattr(transformers, config.architectures[0])(config)
     count = sum(p.numel() for p in model.parameters())
