@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-__all__ = ["BringAlongError", "DeviceMapError", "LaunchError", "NbkitError", "RankError"]
+__all__ = ["BringAlongError", "DeviceMapError", "KernelsError", "LaunchError", "NbkitError", "RankError"]
 
 
 class NbkitError(Exception):
@@ -90,3 +90,10 @@ class BringAlongError(NbkitError, ValueError):
             "mode shares every name)."
         )
         self.name = name
+
+
+class KernelsError(NbkitError, RuntimeError):
+    """Fused kernels were asked for (`nbkit.savers.apply(model, kernels=...)`) where they cannot run: the
+    model family is not supported, the model is not on a CUDA GPU, or the kernel library is missing. The
+    message names which and what to do; the model is left as it was.
+    """
