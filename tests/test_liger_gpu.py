@@ -104,7 +104,9 @@ def ddp_on_gpus(kind: str) -> None:
 
     # The matrix looks its savers up by name; the ranks fork from this process and see these too.
     ddp.SAVERS.update(LIGER_CASES)
-    cases = [(saver, {"find_unused_parameters": unused}) for saver in ("liger", "liger_all") for unused in (True, False)]
+    cases = [
+        (saver, {"find_unused_parameters": unused}) for saver in ("liger", "liger_all") for unused in (True, False)
+    ]
     results = nbkit.launch(ddp._run_matrix, kind, "cuda", cases, gpus=2, timeout=300, dashboard=False)
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     ddp.check_matrix(results, *ddp._reference(kind, "cuda:0"), cases, tolerance=GPU_TOLERANCE)
