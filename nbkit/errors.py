@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-__all__ = ["BringAlongError", "DeviceMapError", "ExportError", "LaunchError", "NbkitError", "RankError"]
+__all__ = ["BringAlongError", "DeviceMapError", "ExportError", "KernelsError", "LaunchError", "NbkitError", "RankError"]
 
 
 class NbkitError(Exception):
@@ -94,3 +94,10 @@ class BringAlongError(NbkitError, ValueError):
 
 class ExportError(NbkitError, ValueError):
     """A notebook cell that cannot be exported as a script; the message names the cell and what to change."""
+
+
+class KernelsError(NbkitError, RuntimeError):
+    """Fused kernels were asked for (`nbkit.savers.apply(model, kernels=...)`) where they cannot run: the
+    model family is not supported, the model is not on a CUDA GPU, or the kernel library is missing. The
+    message names which and what to do; the model is left as it was.
+    """

@@ -74,6 +74,12 @@ GROUPS: dict[str, Group] = {
             "only while nbkit.launch starts its ranks through accelerate's notebook_launcher",
         ),
         Group(
+            "kernels",
+            "nbkit.savers.liger",
+            "while a model given `nbkit.savers.apply(model, kernels='liger')` exists: Liger's fused RoPE, "
+            "inside that model's attention only",
+        ),
+        Group(
             "offline",
             "nbkit.offline",
             "when nbkit.offline builds a Qwen3-VL processor on a machine without torchvision",

@@ -21,6 +21,16 @@ unique storages) on CPU in decoder layers with peft LoRA under bf16 autocast: fo
 shapes, 112 KiB per token per layer without the tiled MLP (tests/test_planner.py checks the formula
 against such a measurement). What the backward allocates on top, the loss chunk and the CUDA
 figures are estimates to be checked on a GPU with benchmarks/planner_accuracy.py.
+
+The per-GPU batch (`Plan.recommended_batch_size`, `Plan.batch_reason`): a training step has a fixed
+host cost (Python, kernel launches, DDP's bookkeeping) that does not grow with its tokens, and GPU
+work that does. Measured on H200s (benchmarks/RESULTS.md, Qwen3-VL-2B shapes, LoRA): about 70 ms per
+step plus 20 us per token, so 1K x 4 (4,096 tokens) is half host work and scales 1.3-1.6x on 2 GPUs,
+while 1K x 16 scales 1.94x and 16K x 1 1.97x. The planner therefore asks for enough tokens per GPU
+per step that the host cost is at most a fifth of the step, scaling the measured figures by the
+model's size, its layer count and the GPU's 16-bit tensor throughput, and takes the largest batch
+up to that which still fits in memory. On a T4 (65 TFLOP/s, 1/15 of an H200) a 1K x 4 step is
+already about 1.3 s of GPU work against about 0.1 s of host work: GPU-bound, so the asked batch stays.
 """
 
 from __future__ import annotations
@@ -67,6 +77,22 @@ ALLOCATOR_SLACK = 0.08
 SAFETY_MARGIN = 0.05
 # A "balanced" device map is uneven (embeddings and lm_head on the end GPUs, whole layers only).
 MODEL_PARALLEL_IMBALANCE = 1.15
+# The per-step cost measured on an H200 host (benchmarks/RESULTS.md, "1K x 4 taken apart": unsloth,
+# Qwen3-VL-2B shapes, LoRA r=16, bf16; 1K x 4 in 0.145-0.156 s, 1K x 16 in 0.394 s): a fixed host
+# part per step, about proportional to the decoder layers (kernel launches), and GPU work per token,
+# about proportional to the parameters and inversely to the GPU's 16-bit tensor throughput.
+MEASURED_HOST_S_PER_LAYER = 0.070 / 28
+MEASURED_GPU_S_PER_TOKEN = 20e-6
+MEASURED_PARAMETERS = 2.13e9  # Qwen3-VL-2B, vision tower included
+MEASURED_TFLOPS = 989.0  # H200 / H100 SXM dense bf16, spec sheet
+# Dense 16-bit tensor-core TFLOP/s from the vendors' spec sheets, by a part of the GPU's name.
+GPU_TFLOPS = {"T4": 65.0, "L4": 121.0, "A100": 312.0, "H100": 989.0}
+GPU_TFLOPS["H200"] = GPU_TFLOPS["GH200"] = 989.0
+# The host part may be at most 1 / HOST_SHARE_FACTOR of the step: 1/5 (1K x 16 on an H200: 70 ms of
+# 394 ms, 2 GPUs scale 1.94x; 1K x 4: 70 of 150 ms, 1.3-1.6x).
+HOST_SHARE_FACTOR = 5
+# Largest per-GPU batch the planner recommends (beyond it memory, not scaling, is the question).
+MAX_RECOMMENDED_BATCH = 64
 
 
 @dataclass(frozen=True)
@@ -81,6 +107,10 @@ class Plan:
         "overhead" (CUDA context and allocator slack). The entries sum to per_gpu_gib.
     model_parallel_gib: peak per GPU with the model split over `gpus` GPUs in one process.
     usable_gib: the memory a plan may use per GPU (gpu_memory_gib minus a safety margin).
+    recommended_batch_size: the per-GPU batch (Trainer's per_device_train_batch_size) of seq_len
+        sequences that keeps the GPU, not the host, the bound of each step and fits in memory;
+        batch_reason says why, with the figures. The memory figures above are for batch_size.
+    gpu: the GPU model planned for ("T4", "H200", ...), None when unknown.
     peak_allocated_gib: per_gpu_gib without the overhead, comparable to torch.cuda.max_memory_allocated.
     """
 
@@ -101,6 +131,9 @@ class Plan:
     model_parallel_gib: float
     usable_gib: float
     advice: tuple[str, ...] = field(default=())
+    recommended_batch_size: int = 1
+    batch_reason: str = ""
+    gpu: str | None = None
 
     @property
     def peak_allocated_gib(self) -> float:
@@ -136,6 +169,8 @@ class Plan:
                 f"{self.model_parallel_gib:.1f} GiB per GPU."
             )
         lines.extend(self.advice)
+        if self.batch_reason:
+            lines.append(f"Batch: {self.recommended_batch_size} per GPU. {self.batch_reason}")
         return "\n".join(lines)
 
 
@@ -149,6 +184,7 @@ def plan(
     load_in_4bit: bool = False,
     lora_rank: int = 16,
     checkpointing: str | None = "offload",
+    gpu: str | None = None,
 ) -> Plan:
     """Estimate per-GPU memory of LoRA training and choose DDP, model parallel, or neither.
 
@@ -156,10 +192,12 @@ def plan(
     config only is read and the model is built on the meta device. gpus / gpu_memory_gib default to
     this machine's visible GPUs (the smallest one's memory); give both to plan for another machine
     (e.g. gpus=2, gpu_memory_gib=15 for Kaggle's 2x T4). seq_len x batch_size are the tokens per GPU
-    per step.
+    per step. gpu names the GPU model ("T4", "L4", "A100", "H100", "H200") for the batch
+    recommendation; it defaults to this machine's first visible GPU when planning for this machine.
 
-    Returns a Plan. Raises ValueError for arguments out of range, or when no GPU is visible and
-    gpus / gpu_memory_gib were not given. Runs anywhere (CPU, any rank); never touches CUDA.
+    Returns a Plan, with the per-GPU batch it recommends for seq_len and why. Raises ValueError for
+    arguments out of range, or when no GPU is visible and gpus / gpu_memory_gib were not given.
+    Runs anywhere (CPU, any rank); never touches CUDA.
     """
     from nbkit.savers import CHECKPOINTING
 
@@ -172,9 +210,10 @@ def plan(
     config = load_config(model)
     counts = _counts(config, lora_rank)
     label = os.fspath(model) if isinstance(model, (str, os.PathLike)) else counts.architecture
-    return _plan(
+    planned = _plan(
         label, counts, config, gpus, gpu_memory_gib, seq_len, batch_size, load_in_4bit, lora_rank, checkpointing
     )
+    return _with_batch(planned, counts, config, gpu if gpu is not None else _local_gpu_name(planned))
 
 
 def _machine(gpus: int | None, gpu_memory_gib: float | None) -> tuple[int, float]:
@@ -394,7 +433,7 @@ def _estimate(
     saved = _layer_saved_per_token(s, counts.qk_norm, tiled, lora_rank) * tokens
     hidden_state = 2 * s.hidden * tokens
     if checkpointing == "offload":
-        persistent = OFFLOAD_LAYER_INPUTS_ON_GPU * hidden_state
+        persistent: float = OFFLOAD_LAYER_INPUTS_ON_GPU * hidden_state
         recompute = saved
     elif checkpointing == "recompute":
         persistent = s.layers * hidden_state
@@ -415,9 +454,9 @@ def _estimate(
     loss_phase = (4 + 2 + 2) * s.hidden * tokens + LOSS_CHUNK_PEAK_BYTES_PER_LOGIT * rows * s.vocab
     vision = getattr(config, "vision_config", None)
     vision_phase = VISION_PATCHES * vision.hidden_size * VISION_WORKING_BYTES_PER_HIDDEN if vision is not None else 0
-    weights = counts.bytes_4bit if load_in_4bit else counts.bytes_16bit
+    weights = float(counts.bytes_4bit if load_in_4bit else counts.bytes_16bit)
     ddp_buckets = DDP_BUCKET_BYTES_PER_PARAM if gpus > 1 and split == 1 else 0
-    lora = counts.lora_parameters * (LORA_BYTES_PER_PARAM + ddp_buckets)
+    lora = float(counts.lora_parameters * (LORA_BYTES_PER_PARAM + ddp_buckets))
     if split > 1:
         share = MODEL_PARALLEL_IMBALANCE / split
         weights, lora, persistent = weights * share, lora * share, persistent * share
@@ -441,7 +480,7 @@ def _plan(
     usable = gpu_memory_gib * (1 - SAFETY_MARGIN)
 
     def per_gpu(split: int = 1, **changes: Any) -> float:
-        args = dict(
+        args: dict[str, Any] = dict(
             seq_len=seq_len,
             batch_size=batch_size,
             load_in_4bit=load_in_4bit,
@@ -526,3 +565,94 @@ def _shorter(seq_len: int) -> list[int]:
     """Candidate sequence lengths below seq_len, longest first (powers of two down to 256)."""
     top = 2 ** int(math.log2(seq_len - 1)) if seq_len > 256 else 0
     return [n for n in (top >> i for i in range(16)) if n >= 256]
+
+
+# ---------------------------------------------------------------------------------------------
+# The per-GPU batch.
+
+
+def _local_gpu_name(planned: Plan) -> str | None:
+    """This machine's GPU model when the plan is for this machine (its GPUs are visible), else None."""
+    visible = distributed.visible_gpus()
+    if not visible or len(visible) < planned.gpus:
+        return None
+    known = [g for g in visible if g.name != "unknown"]
+    return known[0].name if known else None
+
+
+def gpu_tflops(name: str | None) -> float | None:
+    """Dense 16-bit tensor TFLOP/s of a GPU model from its name ("Tesla T4", "NVIDIA H200"), None if unknown."""
+    if not name:
+        return None
+    upper = name.upper()
+    for key in sorted(GPU_TFLOPS, key=len, reverse=True):  # longest first: "GH200" before "H200"
+        if key in upper:
+            return GPU_TFLOPS[key]
+    return None
+
+
+def _with_batch(planned: Plan, counts: _Counts, config: Any, gpu: str | None) -> Plan:
+    """The plan with recommended_batch_size, batch_reason and gpu filled in (see the module docstring)."""
+    from dataclasses import replace
+
+    seq_len, asked = planned.seq_len, planned.batch_size
+    if planned.strategy != "ddp":
+        reason = (
+            f"Keep {asked}: with {planned.strategy} the question is memory, not the host cost per step (see above)."
+        )
+        return replace(planned, recommended_batch_size=asked, batch_reason=reason, gpu=gpu)
+    known = gpu_tflops(gpu)
+    assumed = known is None
+    tflops = MEASURED_TFLOPS if known is None else known
+    host_s = MEASURED_HOST_S_PER_LAYER * _Shape.of(config).layers
+    token_s = MEASURED_GPU_S_PER_TOKEN * (counts.parameters / MEASURED_PARAMETERS) * (MEASURED_TFLOPS / tflops)
+    target_tokens = math.ceil((HOST_SHARE_FACTOR - 1) * host_s / token_s)
+    wanted = min(MAX_RECOMMENDED_BATCH, max(asked, 2 ** math.ceil(math.log2(max(1, target_tokens / seq_len)))))
+
+    def fits(batch: int) -> bool:
+        return (
+            _estimate(
+                counts,
+                config,
+                planned.gpus,
+                seq_len,
+                batch,
+                planned.load_in_4bit,
+                planned.lora_rank,
+                planned.checkpointing,
+            ).bytes_per_gpu()[1]
+            <= planned.usable_gib
+        )
+
+    batch = wanted
+    while batch > asked and not fits(batch):
+        batch //= 2
+    batch = max(batch, asked)
+    step_host = host_s
+    step_gpu = token_s * seq_len * batch
+    share = step_host / (step_host + step_gpu)
+    where = f"on {gpu}" if not assumed else "on an H100/H200-class GPU (GPU model unknown: pass gpu='T4' etc.)"
+    figures = (
+        f"A step has about {step_host * 1e3:.0f} ms of fixed host work ({_Shape.of(config).layers} layers, as "
+        "measured on an H200 host's CPU; a slower CPU has more) and, "
+        f"{where}, about {token_s * 1e6:.0f} us of GPU work per token: at {batch} x {seq_len} tokens the host is "
+        f"{share:.0%} of the step"
+    )
+    if batch == asked and asked >= wanted:
+        reason = f"{figures}, so the GPU already bounds it and DDP scales with the GPUs."
+    elif batch == asked:
+        reason = (
+            f"{figures}; {wanted} x {seq_len} would make the GPU the bound (host at most "
+            f"{1 / HOST_SHARE_FACTOR:.0%}), but more than {asked} per GPU does not fit in memory, so expect DDP to "
+            "scale below the GPU count (on H200s 1K x 4 scaled 1.3-1.6x on 2 GPUs)."
+        )
+    else:
+        short = "" if batch == wanted else f" ({wanted} would be better still but does not fit)"
+        reason = (
+            f"{figures}{short}. Smaller per-GPU batches leave the GPU waiting for the host, more so under DDP "
+            f"(H200s, 1K tokens: 4 per GPU scaled 1.3-1.6x on 2 GPUs, 16 per GPU 1.94x). Set "
+            f"per_device_train_batch_size={batch} and divide gradient_accumulation_steps by {batch // asked} "
+            "to keep the effective batch; with short samples of uneven length also pack them (TRL: "
+            "SFTConfig(padding_free=True)) so that the tokens per step are real tokens, not padding."
+        )
+    return replace(planned, recommended_batch_size=batch, batch_reason=reason, gpu=gpu)

@@ -2,6 +2,7 @@
 
     model = nbkit.savers.apply(model)            # offloaded checkpointing + tiled MLP + chunked loss
     model = nbkit.savers.apply(model, checkpointing="recompute", tiled_mlp=8, chunked_loss=False)
+    model = nbkit.savers.apply(model, kernels="liger")   # and Liger's fused kernels (Qwen3 / Qwen3-VL, CUDA)
     nbkit.savers.remove(model)                   # the model computes exactly as before
 
 - checkpointing (nbkit.savers.checkpointing): non-reentrant activation checkpointing per decoder
@@ -9,6 +10,8 @@
 - tiled_mlp (nbkit.savers.tiled_mlp): the MLPs run over sequence shards, recomputed in the backward,
   each weight's gradient accumulated once.
 - chunked_loss (nbkit.savers.loss): the causal-LM loss is computed in row chunks without full logits.
+- kernels="liger" (nbkit.savers.liger): Liger's fused RMSNorm, RoPE and SwiGLU kernels, and the
+  chunked loss computed by Liger's fused linear cross-entropy.
 
 All three keep every trainable parameter's gradient accumulated exactly once per backward, so they
 work under DDP (find_unused_parameters True or False, static_graph, no_sync) and with a model split
@@ -22,6 +25,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from nbkit.savers import checkpointing as _checkpointing
+from nbkit.savers import liger as _liger
 from nbkit.savers import tiled_mlp as _tiled_mlp
 from nbkit.savers._model import base_model, decoder_layers
 
@@ -29,6 +33,7 @@ __all__ = ["CHECKPOINTING", "apply", "remove"]
 
 # The checkpointing modes apply() takes (nbkit.plan models the same ones).
 CHECKPOINTING = ("offload", "recompute", None)
+_KERNELS = ("liger", None)
 
 
 @dataclass(frozen=True)
@@ -36,6 +41,7 @@ class _Options:
     checkpointing: str | None
     tiled_mlp: str | int | None  # "auto", a shard count, or None (off): True == 1 must not compare equal
     chunked_loss: bool
+    kernels: str | None = None
 
 
 def apply(
@@ -44,6 +50,7 @@ def apply(
     checkpointing: str | None = "offload",
     tiled_mlp: bool | int = True,
     chunked_loss: bool = True,
+    kernels: str | None = None,
 ) -> nn.Module:
     """Turn the memory savers on for `model` and return it (the same object).
 
@@ -54,39 +61,59 @@ def apply(
         checkpointing: "offload" (checkpoint each decoder layer, saved inputs in pinned CPU memory),
             "recompute" (checkpoint, inputs stay on the GPU) or None (leave the model's own setting).
         tiled_mlp: True (automatic shard count), an int (that many sequence shards) or False.
-        chunked_loss: compute `model(..., labels=...).loss` with the chunked cross-entropy.
+        chunked_loss: compute `model(..., labels=...).loss` without full logits: with nbkit's chunked
+            cross-entropy, or with Liger's fused linear cross-entropy when kernels="liger".
+        kernels: "liger" (Liger's fused RMSNorm, RoPE, SwiGLU and linear cross-entropy kernels; Qwen3
+            and Qwen3-VL on CUDA GPUs, see nbkit.savers.liger) or None.
+
+    How the kernels compose with the savers: Liger's fused linear cross-entropy *is* a chunked loss
+    (no logits, gradients in the forward), so with chunked_loss=True it computes the loss in place
+    of nbkit's loop, and with chunked_loss=False neither runs (transformers' loss over full logits).
+    The tiled MLP and Liger's SwiGLU both change the MLP, at different levels, so both apply: the
+    tiled MLP splits the sequence into shards (memory), Liger's SwiGLU computes each shard (speed);
+    where the automatic shard count is 1 (sequences up to twice the hidden size) only SwiGLU acts.
+    Checkpointing recomputes layers that use the kernels.
 
     Applying again with the same options does nothing; with other options it switches cleanly.
     Raises ValueError for an invalid option or a model whose decoder layers cannot be found (the
-    model is then left as it was), and, from the chunked loss, for a model without an lm_head
-    (then no saver is left on).
+    model is then left as it was), nbkit.errors.KernelsError where kernels="liger" cannot run (not
+    Qwen3 / Qwen3-VL, not on a CUDA GPU, liger-kernel missing; the model is left as it was), and,
+    from the chunked loss, for a model without an lm_head (then no saver is left on).
     """
     if checkpointing not in CHECKPOINTING:
         raise ValueError(f"checkpointing={checkpointing!r} is not valid; use 'offload', 'recompute' or None.")
     if not isinstance(tiled_mlp, (bool, int)) or (not isinstance(tiled_mlp, bool) and tiled_mlp < 1):
         raise ValueError(f"tiled_mlp={tiled_mlp!r} is not valid; use True, False or a shard count >= 1.")
+    if kernels not in _KERNELS:
+        raise ValueError(f"kernels={kernels!r} is not valid; use 'liger' or None.")
     tiled = None if tiled_mlp is False else "auto" if tiled_mlp is True else tiled_mlp
-    wanted = _Options(checkpointing, tiled, bool(chunked_loss))
+    wanted = _Options(checkpointing, tiled, bool(chunked_loss), kernels)
     base = base_model(model)
     current = getattr(base, "_nbkit_savers", None)
     if current == wanted:
         return model
     decoder_layers(base)  # raises, before anything changes, for a model the savers cannot handle
+    if kernels == "liger":
+        _liger.check(model)  # likewise
     remove(model)
     try:
         if checkpointing is not None:
             _checkpointing.enable(base, offload=checkpointing == "offload")
         if tiled is not None:
-            _tiled_mlp.enable(base, shards=None if tiled == "auto" else tiled)
+            _tiled_mlp.enable(base, shards=tiled if isinstance(tiled, int) else None)
+        kernel = None
+        if kernels == "liger":  # after the tiled MLP: its mixin on each MLP comes off first in remove()
+            _liger.enable(base)
+            kernel = _liger.fused_linear_cross_entropy
         if chunked_loss:
             from nbkit.savers import loss
 
-            loss.apply(model)  # given as is: it also hooks the peft wrapper (older peft skips the inner hooks)
+            # given as is: it also hooks the peft wrapper (older peft skips the inner hooks)
+            loss.apply(model, kernel=kernel)
     except Exception:
-        _checkpointing.disable(base)
-        _tiled_mlp.disable(base)
+        _disable(base)
         raise
-    base._nbkit_savers = wanted
+    setattr(base, "_nbkit_savers", wanted)  # noqa: B010 (an attribute nn.Module's type does not declare)
     return model
 
 
@@ -99,11 +126,18 @@ def remove(model: nn.Module) -> nn.Module:
     current = getattr(base, "_nbkit_savers", None)
     if current is None:
         return model
-    _checkpointing.disable(base)
-    _tiled_mlp.disable(base)
+    _disable(base)
     if current.chunked_loss:
         from nbkit.savers import loss
 
         loss.remove(base)
     del base._nbkit_savers
     return model
+
+
+def _disable(base: nn.Module) -> None:
+    """Take the module-level savers off, the last put on first (their mixins stack on the same MLPs)."""
+    if _liger.is_enabled(base):
+        _liger.disable(base)
+    _tiled_mlp.disable(base)
+    _checkpointing.disable(base)

@@ -33,10 +33,27 @@ from torch import nn
 
 from nbkit.savers._model import base_model
 
-__all__ = ["apply", "is_applied", "linear_cross_entropy", "remove", "rows_per_chunk"]
+__all__ = ["Kernel", "apply", "is_applied", "linear_cross_entropy", "remove", "rows_per_chunk"]
 
 # Rows per chunk are chosen so that one chunk of fp32 logits takes about this many bytes.
 _CHUNK_BYTES = 256 * 2**20
+
+# The loss of prepared rows: (hidden [N, H] on the weight's device, weight [V, H], bias [V] or None,
+# labels [N] already shifted, ignore_index, num_items_in_batch, softcap, compute dtype) -> fp32 scalar,
+# with linear_cross_entropy's normalisation and gradients (each accumulated once per backward).
+Kernel = Callable[
+    [
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor | None,
+        torch.Tensor,
+        int,
+        torch.Tensor | int | None,
+        float | None,
+        torch.dtype,
+    ],
+    torch.Tensor,
+]
 
 
 def rows_per_chunk(vocab: int, requested: int | None = None) -> int:
@@ -161,6 +178,7 @@ def linear_cross_entropy(
     softcap: float | None = None,
     chunk_size: int | None = None,
     shift: bool = True,
+    kernel: Kernel | None = None,
 ) -> torch.Tensor:
     """Cross-entropy of `hidden_states @ weight.T + bias` against `labels`, without the full logits.
 
@@ -170,6 +188,8 @@ def linear_cross_entropy(
     are already aligned (transformers' `shift_labels`). Labels equal to `ignore_index` do not count.
     `softcap=c` applies `c * tanh(logits / c)` first (Gemma 2's `final_logit_softcapping`).
     `chunk_size` is the number of rows per chunk (default: about 256 MiB of fp32 logits).
+    `kernel` computes the loss of the prepared rows instead of nbkit's chunked loop (see `Kernel`;
+    nbkit.savers.liger passes Liger's fused linear cross-entropy); the contract below holds either way.
 
     Returns a float32 scalar on the weight's device: the summed loss divided by `num_items_in_batch`
     when given (transformers' gradient-accumulation normalisation), else the mean over counted tokens
@@ -193,6 +213,8 @@ def linear_cross_entropy(
     hidden = hidden.reshape(-1, hidden.shape[-1])
     labels = labels.reshape(-1)
     compute_dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else weight.dtype
+    if kernel is not None:
+        return kernel(hidden, weight, bias, labels, ignore_index, num_items_in_batch, softcap, compute_dtype)
     options = dict(
         ignore_index=ignore_index,
         num_items=num_items_in_batch,
@@ -226,6 +248,7 @@ class _Head:
         self.wrappers: list[int] = []  # ids of the outer modules (peft wrappers) hooked
         self.checked = False
         self.own_loss = model.__dict__.get("_loss_function", _MISSING)
+        self.kernel: Kernel | None = None  # set by apply(); None: nbkit's chunked loop
         self.previous_loss: Callable[..., torch.Tensor] = model.loss_function
 
     # hooks on a model (the transformers model or a wrapper around it)
@@ -285,6 +308,7 @@ class _Head:
             num_items_in_batch=bound.get("num_items_in_batch"),
             softcap=self.softcap,
             shift=shift_labels is None,
+            kernel=self.kernel,
         )
 
     def _check_logits(
@@ -341,8 +365,11 @@ def _outer_modules(model: nn.Module, inner: nn.Module) -> list[nn.Module]:
     return outer
 
 
-def apply(model: nn.Module) -> None:
+def apply(model: nn.Module, *, kernel: Kernel | None = None) -> None:
     """Make `model(**batch, labels=labels).loss` use `linear_cross_entropy`. Idempotent.
+
+    `kernel`: what computes the loss of the prepared rows (see `Kernel`); None is nbkit's chunked loop.
+    Applying again with another kernel switches to it.
 
     Takes a transformers causal LM or VLM (anything with an lm_head from `get_output_embeddings()` and
     a `loss_function`), bare or wrapped in peft and/or DDP. While a forward gets `labels` with grad
@@ -372,6 +399,7 @@ def apply(model: nn.Module) -> None:
         state.handles.append(head.register_forward_pre_hook(state.head_input))
         inner.loss_function = state.loss_function
         setattr(inner, _Head.ATTR, state)
+    state.kernel = kernel
     # peft releases before 0.19 call the inner model's forward() directly, skipping its hooks; the
     # wrapper's hooks see the labels there.
     for wrapper in _outer_modules(model, inner):

@@ -1,0 +1,124 @@
+"""nbkit.savers.apply(model, kernels="liger") on GPUs (`pytest -m gpu`; needs liger-kernel 0.8.5 and Triton).
+
+- One GPU, fp32 without TF32: with Liger's kernels alone and with every saver, losses and LoRA
+  gradients of tiny Qwen3 / Qwen3-VL equal the plain model's (as test_savers_gpu.py checks the
+  savers), and Liger's autograd Functions really are in the graph.
+- One GPU, bf16 autocast: close to the plain model under the same autocast.
+- nbkit.savers.remove takes the kernels off: the RoPE patch is reverted and the model is plain again.
+- Two GPUs, NCCL DDP: test_savers_ddp.py's matrix (gradient accumulation with no_sync, ranks with
+  different lengths, find_unused_parameters True and False) with the kernels, against the
+  single-GPU reference without them; every LoRA gradient accumulated and reduced once.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from test_savers import loss_and_grads, make_batch, relative_error, tiny_model
+
+from nbkit import patching, savers
+from nbkit.savers import liger
+
+pytestmark = pytest.mark.gpu
+
+one_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+GPU_TOLERANCE = 1e-3  # as test_savers_gpu.py: fp32 without TF32, kernels may order sums differently
+
+LIGER_CASES = {
+    "liger": dict(checkpointing=None, tiled_mlp=False, chunked_loss=True, kernels="liger"),
+    "liger_full_logits": dict(checkpointing=None, tiled_mlp=False, chunked_loss=False, kernels="liger"),
+    "liger_all": dict(checkpointing="offload", tiled_mlp=3, chunked_loss=True, kernels="liger"),
+}
+
+
+@pytest.fixture(autouse=True)
+def exact_fp32():
+    previous = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = previous
+
+
+def _on_gpu(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v.to("cuda") for k, v in batch.items()}
+
+
+def _graph_nodes(loss: torch.Tensor) -> set[str]:
+    seen, names, stack = set(), set(), [loss.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.add(type(node).__name__)
+        stack.extend(next_fn for next_fn, _ in node.next_functions)
+    return names
+
+
+@one_gpu
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3-vl"])
+def test_liger_kernels_match_the_plain_model(kind):
+    model = tiny_model(kind).to("cuda")
+    batch = _on_gpu(make_batch(model, [40, 29], seed=3))
+    reference_loss, reference = loss_and_grads(model, batch)
+    for name, options in LIGER_CASES.items():
+        savers.apply(model, **options)
+        loss, grads = loss_and_grads(model, batch)
+        assert relative_error(loss, reference_loss) < GPU_TOLERANCE, (name, loss, reference_loss)
+        errors = {n: relative_error(grads[n], reference[n]) for n in reference}
+        worst = max(errors, key=errors.get)
+        assert errors[worst] < GPU_TOLERANCE, (name, worst, errors[worst])
+    # Without checkpointing or tiling every kernel leaves its node in the graph.
+    savers.apply(model, **LIGER_CASES["liger"])
+    nodes = _graph_nodes(model(**batch).loss)
+    for function in ("LigerRMSNormFunction", "LigerRopeFunction", "LigerSiLUMulFunction"):
+        assert any(n.startswith(function) for n in nodes), (function, sorted(n for n in nodes if "Liger" in n))
+    assert any(n.startswith("LigerFusedLinearCrossEntropyFunction") for n in nodes)
+    savers.remove(model)
+    assert not liger.is_enabled(model) and patching.applied("kernels") == []
+    assert not any("Liger" in n for n in _graph_nodes(model(**batch).loss))
+
+
+@one_gpu
+def test_liger_under_bf16_autocast():
+    model = tiny_model("qwen3").to("cuda")
+    batch = _on_gpu(make_batch(model, [96, 70], seed=5))
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        reference_loss, reference = loss_and_grads(model, batch)
+        savers.apply(model, checkpointing="offload", tiled_mlp=3, chunked_loss=True, kernels="liger")
+        loss, grads = loss_and_grads(model, batch)
+    assert relative_error(loss, reference_loss) < 1e-2
+    assert max(relative_error(grads[n], reference[n]) for n in reference) < 5e-2
+
+
+def ddp_on_gpus(kind: str) -> None:
+    """test_savers_ddp's matrix with the kernels, on 2 GPUs over NCCL (run in a fresh interpreter)."""
+    import test_savers_ddp as ddp
+
+    import nbkit
+
+    # The matrix looks its savers up by name; the ranks fork from this process and see these too.
+    ddp.SAVERS.update(LIGER_CASES)
+    cases = [
+        (saver, {"find_unused_parameters": unused}) for saver in ("liger", "liger_all") for unused in (True, False)
+    ]
+    results = nbkit.launch(ddp._run_matrix, kind, "cuda", cases, gpus=2, timeout=300, dashboard=False)
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    ddp.check_matrix(results, *ddp._reference(kind, "cuda:0"), cases, tolerance=GPU_TOLERANCE)
+
+
+@two_gpus
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3-vl"])
+def test_liger_under_ddp_on_two_gpus_matches_one_gpu(kind):
+    here = Path(__file__).resolve().parent
+    code = (
+        f"import sys; sys.path[:0] = [{str(here)!r}, {str(here.parent)!r}]; "
+        f"import test_liger_gpu; test_liger_gpu.ddp_on_gpus({kind!r})"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, (proc.stdout[-4000:], proc.stderr[-6000:])
