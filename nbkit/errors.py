@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-__all__ = ["BringAlongError", "DeviceMapError", "LaunchError", "NbkitError", "RankError"]
+__all__ = ["BringAlongError", "CellSyntaxError", "DeviceMapError", "LaunchError", "NbkitError", "RankError"]
 
 
 class NbkitError(Exception):
@@ -90,3 +90,17 @@ class BringAlongError(NbkitError, ValueError):
             "mode shares every name)."
         )
         self.name = name
+
+
+class CellSyntaxError(NbkitError, SyntaxError):
+    """Code for the ranks that does not parse, reported before anything starts.
+
+    A SyntaxError (lineno, offset, text, msg as Python gives them, lines counted in the code the
+    ranks would run), shown as one short message: the line, a caret and Python's reason.
+    """
+
+    def __str__(self) -> str:
+        line = (self.text or "").rstrip("\n")
+        stripped = line.lstrip()
+        caret = " " * max((self.offset or 1) - 1 - (len(line) - len(stripped)), 0) + "^"
+        return f"line {self.lineno} of the cell does not parse: {self.msg}\n    {stripped}\n    {caret}"
