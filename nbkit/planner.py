@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -146,8 +147,9 @@ def load_config(model: Any, **hub_kwargs: Any) -> Any:
 
     Takes a PretrainedConfig (returned as is), an nbkit name ("tiny:...", "random:..."), a local
     path or a hub id (hub_kwargs such as revision/token/cache_dir go to AutoConfig.from_pretrained).
-    Raises what AutoConfig raises for a name it cannot find (OSError) and ValueError for unknown
-    nbkit names.
+    Raises ValueError for a name whose config cannot be read (not an nbkit name, no local folder
+    with a config.json, not on the hub or the hub unreachable), in one message with transformers'
+    reason, and for unknown nbkit names.
     """
     from transformers import AutoConfig, PretrainedConfig
 
@@ -158,7 +160,17 @@ def load_config(model: Any, **hub_kwargs: Any) -> Any:
         from nbkit.offline import load_config as offline_config
 
         return offline_config(name)
-    return AutoConfig.from_pretrained(name, **hub_kwargs)
+    try:
+        return AutoConfig.from_pretrained(name, **hub_kwargs)
+    except (OSError, ValueError) as exc:
+        # transformers' own error comes with a long chain of hub and file-system tracebacks
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        offline = " The hub is off (HF_HUB_OFFLINE=1)." if os.environ.get("HF_HUB_OFFLINE") == "1" else ""
+        raise ValueError(
+            f"Cannot read the config of {name!r}: it is not an nbkit name (tiny:..., random:...) nor a folder "
+            f"with a config.json, and transformers could not find it on the hub.{offline} Its reason: {reason} "
+            "Pass a local path, a name the hub has, or a PretrainedConfig."
+        ) from None
 
 
 def plan(
@@ -198,10 +210,15 @@ def plan(
 
 
 def _machine(gpus: int | None, gpu_memory_gib: float | None) -> tuple[int, float]:
-    if gpus is not None and (not isinstance(gpus, int) or gpus < 1):
+    if gpus is not None and (not isinstance(gpus, int) or isinstance(gpus, bool) or gpus < 1):
         raise ValueError(f"gpus must be a positive whole number, not {gpus!r}.")
-    if gpu_memory_gib is not None and gpu_memory_gib <= 0:
-        raise ValueError(f"gpu_memory_gib must be positive, not {gpu_memory_gib!r}.")
+    if gpu_memory_gib is not None and (
+        isinstance(gpu_memory_gib, bool)
+        or not isinstance(gpu_memory_gib, numbers.Real)
+        or not math.isfinite(gpu_memory_gib)
+        or gpu_memory_gib <= 0
+    ):
+        raise ValueError(f"gpu_memory_gib must be a finite number of GiB above 0, not {gpu_memory_gib!r}.")
     if gpus is not None and gpu_memory_gib is not None:
         return gpus, float(gpu_memory_gib)
     visible = distributed.visible_gpus()
