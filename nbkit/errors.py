@@ -16,7 +16,16 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-__all__ = ["BringAlongError", "DeviceMapError", "ExportError", "KernelsError", "LaunchError", "NbkitError", "RankError"]
+__all__ = [
+    "BringAlongError",
+    "CellSyntaxError",
+    "DeviceMapError",
+    "ExportError",
+    "KernelsError",
+    "LaunchError",
+    "NbkitError",
+    "RankError",
+]
 
 
 class NbkitError(Exception):
@@ -101,3 +110,17 @@ class KernelsError(NbkitError, RuntimeError):
     model family is not supported, the model is not on a CUDA GPU, or the kernel library is missing. The
     message names which and what to do; the model is left as it was.
     """
+
+
+class CellSyntaxError(NbkitError, SyntaxError):
+    """Code for the ranks that does not parse, reported before anything starts.
+
+    A SyntaxError (lineno, offset, text, msg as Python gives them, lines counted in the code the
+    ranks would run), shown as one short message: the line, a caret and Python's reason.
+    """
+
+    def __str__(self) -> str:
+        line = (self.text or "").rstrip("\n")
+        stripped = line.lstrip()
+        caret = " " * max((self.offset or 1) - 1 - (len(line) - len(stripped)), 0) + "^"
+        return f"line {self.lineno} of the cell does not parse: {self.msg}\n    {stripped}\n    {caret}"

@@ -180,9 +180,17 @@ def cpu_rank_limit() -> int:
     return max(8, os.cpu_count() or 1)
 
 
-def _count_processes(gpus: int | None, has_cuda: bool) -> int:
-    if gpus is not None and (not isinstance(gpus, numbers.Integral) or isinstance(gpus, bool) or gpus < 1):
+def check_gpus(gpus: Any) -> int | None:
+    """`gpus` as an int, or None; raises ValueError for anything but a whole number >= 1 or None."""
+    if gpus is None:
+        return None
+    if not isinstance(gpus, numbers.Integral) or isinstance(gpus, bool) or gpus < 1:
         raise ValueError(f"gpus must be a positive whole number or None (all visible GPUs); got {gpus!r}.")
+    return int(gpus)
+
+
+def _count_processes(gpus: int | None, has_cuda: bool) -> int:
+    gpus = check_gpus(gpus)
     if not has_cuda:
         if gpus is None:
             raise RuntimeError(
@@ -196,7 +204,7 @@ def _count_processes(gpus: int | None, has_cuda: bool) -> int:
                 f"limit of {cpu_rank_limit()} (its CPU count, at least 8). Use a smaller gpus=N to try the code "
                 "on the CPU, or run on a machine with GPUs."
             )
-        return int(gpus)
+        return gpus
     visible = distributed.visible_gpus()
     if gpus is None:
         return len(visible)
@@ -206,7 +214,7 @@ def _count_processes(gpus: int | None, has_cuda: bool) -> int:
             f"Asked for {gpus} GPUs but this machine shows {len(visible)} ({names}). Use gpus={len(visible)} "
             "or gpus=None for all of them; CUDA_VISIBLE_DEVICES limits which ones are visible."
         )
-    return int(gpus)
+    return gpus
 
 
 def _check_can_fork() -> None:
@@ -935,10 +943,17 @@ class CpuPickler(pickle.Pickler):
     """Pickles tensors from any device as CPU tensors, so unpickling never initialises CUDA."""
 
     def reducer_override(self, obj: Any) -> Any:
-        torch = sys.modules.get("torch")
-        if torch is not None and isinstance(obj, torch.Tensor) and obj.device.type not in ("cpu", "meta"):
-            return obj.detach().cpu().__reduce_ex__(pickle.HIGHEST_PROTOCOL)
-        return NotImplemented
+        return cpu_reduction(obj)
+
+
+def cpu_reduction(obj: Any) -> Any:
+    """For a tensor on an accelerator, the pickle reduction of its CPU copy; NotImplemented for
+    anything else (a pickler's reducer_override then pickles it as usual).
+    """
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(obj, torch.Tensor) and obj.device.type not in ("cpu", "meta"):
+        return obj.detach().cpu().__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+    return NotImplemented
 
 
 def die_with_parent() -> None:

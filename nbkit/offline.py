@@ -266,8 +266,9 @@ def load_config(model: str | os.PathLike[str] | PretrainedConfig, **hub_kwargs: 
         that resolve_model writes), AutoConfig.from_pretrained(model, **hub_kwargs) otherwise.
 
     Raises:
-        ValueError: for unknown tiny:/random: names.
-        OSError: what AutoConfig raises for a name it cannot find.
+        ValueError: for unknown tiny:/random: names, and for a name whose config cannot be read (no
+            local folder with a config.json, not on the hub or the hub unreachable), in one message
+            with transformers' reason instead of its long chain of hub and file-system tracebacks.
     """
     from transformers import AutoConfig, PretrainedConfig
 
@@ -275,9 +276,18 @@ def load_config(model: str | os.PathLike[str] | PretrainedConfig, **hub_kwargs: 
         return model
     name = os.fspath(model)
     spec = _spec(name)
-    if spec is None:
+    if spec is not None:
+        return _config(spec)
+    try:
         return AutoConfig.from_pretrained(name, **hub_kwargs)
-    return _config(spec)
+    except (OSError, ValueError) as exc:
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        offline = " The hub is off (HF_HUB_OFFLINE=1)." if os.environ.get("HF_HUB_OFFLINE") == "1" else ""
+        raise ValueError(
+            f"Cannot read the config of {name!r}: it is not an nbkit name (tiny:..., random:...) nor a folder "
+            f"with a config.json, and transformers could not find it on the hub.{offline} Its reason: {reason} "
+            "Pass a local path, a name the hub has, or a PretrainedConfig."
+        ) from None
 
 
 def _config(spec: _Spec) -> PretrainedConfig:

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -217,10 +218,15 @@ def plan(
 
 
 def _machine(gpus: int | None, gpu_memory_gib: float | None) -> tuple[int, float]:
-    if gpus is not None and (not isinstance(gpus, int) or gpus < 1):
+    if gpus is not None and (not isinstance(gpus, int) or isinstance(gpus, bool) or gpus < 1):
         raise ValueError(f"gpus must be a positive whole number, not {gpus!r}.")
-    if gpu_memory_gib is not None and gpu_memory_gib <= 0:
-        raise ValueError(f"gpu_memory_gib must be positive, not {gpu_memory_gib!r}.")
+    if gpu_memory_gib is not None and (
+        isinstance(gpu_memory_gib, bool)
+        or not isinstance(gpu_memory_gib, numbers.Real)
+        or not math.isfinite(gpu_memory_gib)
+        or gpu_memory_gib <= 0
+    ):
+        raise ValueError(f"gpu_memory_gib must be a finite number of GiB above 0, not {gpu_memory_gib!r}.")
     if gpus is not None and gpu_memory_gib is not None:
         return gpus, float(gpu_memory_gib)
     visible = distributed.visible_gpus()

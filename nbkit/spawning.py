@@ -5,15 +5,19 @@ that has initialised CUDA (say, after inference in an earlier cell), imported bi
 created an accelerate state cannot be forked into working training processes. `run_source`
 then starts a fresh Python process (nothing inherited but the environment, the working directory
 and sys.path) that runs nbkit.launch itself, so the ranks are forked from a clean process; each
-rank rebuilds what the cell needs from the notebook and runs the cell:
+rank gets the notebook names the cell needs and runs the cell:
 
-- modules the cell (or a notebook function it calls) uses are imported again in each rank;
-- functions and classes defined in the notebook are re-created from their source;
-- every other value is pickled (tensors come along on the CPU) and unpickled in each rank.
+- the values are pickled by value with cloudpickle, all in one go (tensors come along on the CPU):
+  functions, classes, lambdas and closures defined in the notebook included, with the notebook
+  names they use; modules are imported again by name;
+- the notebook's functions run with the rank's namespace as their globals, as in the notebook.
 
-A name that cannot be brought along raises BringAlongError naming it, before anything starts.
-The ranks' reports reach this process's dashboard, rank 0's value comes back, and a failing rank
-raises the same LaunchError as fork mode. Output of the ranks appears in the notebook.
+A name that cannot be brought along raises BringAlongError naming it, and code that does not
+parse raises CellSyntaxError pointing at its line, before anything starts. The job travels to the
+launcher process over a pipe (its stdin), never through a file, so a kernel killed mid-cell leaves
+none of the cell's values (secrets included) on disk. The ranks' reports reach this process's
+dashboard, rank 0's value comes back, and a failing rank raises the same LaunchError as fork mode.
+Output of the ranks appears in the notebook.
 
     value = run_source("model = train(lr)\\nmodel.score", globals(), gpus=2)
 """
@@ -25,8 +29,6 @@ import builtins
 import codecs
 import collections
 import contextlib
-import importlib
-import inspect
 import io
 import linecache
 import os
@@ -35,24 +37,28 @@ import re
 import signal
 import subprocess
 import sys
-import tempfile
-import textwrap
 import threading
 import time
 import types
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from multiprocessing import Pipe
 from multiprocessing.connection import Connection
 from typing import Any
 
-from nbkit import cells, dashboard, distributed, forksafety, launching
-from nbkit.errors import BringAlongError, LaunchError
+import cloudpickle
 
-__all__ = ["BringAlongError", "bring_along", "fork_blocker", "run_source"]
+from nbkit import cells, dashboard, distributed, forksafety, launching
+from nbkit.errors import BringAlongError, CellSyntaxError, LaunchError, RankError
+
+__all__ = ["BringAlongError", "BroughtAlong", "bring_along", "fork_blocker", "run_source"]
 
 # IPython's own names in a notebook namespace (history, output cache, helpers): never brought along.
 _IPYTHON_NAME = re.compile(r"^(In|Out|get_ipython|exit|quit|_(i+|\d+|i\d+|oh|ih|dh)?|__+|__\w+__)$")
 _INTERRUPT_GRACE_S = 15.0
+# The launcher process enforces `timeout` itself; the notebook side stops it only if it hangs past
+# this much more (its start, importing torch, takes seconds on a loaded machine).
+_LAUNCHER_SLACK_S = 60.0
 
 
 def fork_blocker() -> forksafety.ForkBlocker | None:
@@ -72,7 +78,7 @@ def run_source(
     env: Mapping[str, str] | None = None,
     dashboard: bool = True,
     filename: str = "<ddp cell>",
-    reason: str | None = None,
+    reason: str | forksafety.ForkBlocker | None = None,
 ) -> Any:
     """Run `source` (plain Python, as a notebook cell) on `gpus` fresh processes; return rank 0's
     value of its last expression (None if it ends with a statement).
@@ -81,27 +87,40 @@ def run_source(
     along); gpus/timeout/quiet/env/dashboard as in nbkit.launch. Prints one line saying that
     spawn mode runs, why (`reason`), and what is brought along.
 
-    Raises BringAlongError (a needed name cannot be re-created; nothing started), LaunchError (a
-    rank failed, the run timed out, or the launcher process died), KeyboardInterrupt (interrupted:
-    every process was stopped), and the ValueError/RuntimeError nbkit.launch raises when it cannot
-    start (for instance more GPUs than exist).
+    Raises CellSyntaxError (the source does not parse), BringAlongError (a needed name cannot be
+    pickled), TypeError/ValueError (gpus or timeout out of range), all before anything starts;
+    LaunchError (a rank failed, the run timed out, or the launcher process died), KeyboardInterrupt
+    (interrupted: every process was stopped), and the ValueError/RuntimeError nbkit.launch raises
+    when it cannot start (for instance more GPUs than exist).
     """
-    items = bring_along(source, namespace)
-    brought = ", ".join(item[1] for item in items) or "nothing"
-    why = f" Why: {reason.rstrip('.')}." if reason else ""
-    print(f"nbkit: running in fresh processes (spawn mode).{why} Brought along: {brought}.", flush=True)
-    job = {
-        "source": source,
-        "filename": filename,
-        "items": items,
-        "sys_path": list(sys.path),
-        "gpus": gpus,
-        "timeout": timeout,
-        "quiet": quiet,
-        "env": dict(env or {}),
-        "dashboard": dashboard,
-    }
-    return _Coordinator(job, timeout).run()
+    timeout = launching.check_timeout(timeout)
+    gpus = launching.check_gpus(gpus)
+    check_syntax(source, filename)
+    brought = bring_along(source, namespace)
+    why = f" Why: {str(reason).rstrip('.')}." if reason else ""
+    names = ", ".join(brought.reached) or "nothing"
+    print(f"nbkit: running in fresh processes (spawn mode).{why} Brought along: {names}.", flush=True)
+    job = _Job(
+        source=source,
+        filename=filename,
+        brought=brought,
+        sys_path=list(sys.path),
+        gpus=gpus,
+        timeout=timeout,
+        quiet=quiet,
+        env=dict(env or {}),
+        dashboard=dashboard,
+    )
+    return _Coordinator(job).run()
+
+
+def check_syntax(source: str, filename: str) -> None:
+    """Raise CellSyntaxError, pointing at the line, if `source` does not parse."""
+    try:
+        ast.parse(source, filename)
+    except SyntaxError as exc:
+        details = (exc.filename, exc.lineno, exc.offset, exc.text, exc.end_lineno, exc.end_offset)
+        raise CellSyntaxError(exc.msg, details) from None
 
 
 # --------------------------------------------------------------------------------------------
@@ -109,94 +128,176 @@ def run_source(
 # --------------------------------------------------------------------------------------------
 
 
-def bring_along(source: str, namespace: Mapping[str, Any]) -> list[tuple]:
-    """The notebook names `source` needs, as items to re-create them, dependencies first.
+@dataclass(frozen=True)
+class BroughtAlong:
+    """The notebook names a cell needs, pickled together (so shared objects stay shared).
 
-    Items: ("import", name, module) for modules; ("source", name, code, defined_name) for
-    functions and classes defined in the notebook; ("value", name, pickled bytes) for the rest.
-    Raises BringAlongError for a needed name that cannot be re-created.
-    """
-    items: list[tuple] = []
-    seen: set[str] = set()
-
-    def visit(name: str) -> None:
-        if name in seen or name not in namespace or _IPYTHON_NAME.match(name):
-            return
-        seen.add(name)
-        value = namespace[name]
-        if isinstance(value, types.ModuleType):
-            items.append(("import", name, value.__name__))
-            return
-        if isinstance(value, (type, types.FunctionType)) and value.__module__ == "__main__":
-            code = _notebook_source(name, value, namespace)
-            for dependency in sorted(cells.free_names(code) - {value.__name__}):
-                visit(dependency)
-            items.append(("source", name, code, value.__name__))
-            return
-        data, notebook_globals = _pickle(name, value)
-        for dependency in sorted(notebook_globals):
-            if namespace.get(dependency) is None:
-                raise BringAlongError(
-                    name, f"it refers to {dependency!r}, defined in the notebook but no longer under that name"
-                )
-            visit(dependency)
-        items.append(("value", name, data))
-
-    for name in sorted(cells.free_names(source)):
-        visit(name)
-    return items
-
-
-def _notebook_source(name: str, value: Any, namespace: Mapping[str, Any]) -> str:
-    if getattr(value, "__name__", "") == "<lambda>":
-        raise BringAlongError(name, "it is a lambda; define it with def (in an earlier cell or in this one)")
-    if getattr(value, "__closure__", None):
-        raise BringAlongError(
-            name, "it is a closure (a function made by another function), whose captured values have no source"
-        )
-    try:
-        return textwrap.dedent(inspect.getsource(value))
-    except (OSError, TypeError):
-        pass
-    # Python < 3.13 cannot find the source of a class defined in a notebook cell: look for the
-    # latest definition in the notebook's input history.
-    for cell in reversed(list(namespace.get("In") or [])):
-        with contextlib.suppress(SyntaxError):
-            tree = ast.parse(cell)
-            for node in tree.body:
-                if (
-                    isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
-                    and node.name == value.__name__
-                ):
-                    first = min([node.lineno] + [d.lineno for d in node.decorator_list])
-                    return "".join(cell.splitlines(True)[first - 1 : node.end_lineno])
-    raise BringAlongError(name, "its source code cannot be found")
-
-
-class _NotebookGlobals(launching.CpuPickler):
-    """The launcher's pickler (tensors to the CPU) that also notes the functions and classes of
-    the notebook (module __main__) a value refers to: those must exist in the rank before it is
-    unpickled there.
+    Attributes:
+        names: the names bound in each rank's namespace: those the cell reads, and the notebook
+            functions and classes that their values reach (so that rank 0's return value, pickled
+            by reference to them, comes back).
+        reached: every notebook name that comes along, including the globals that notebook
+            functions read (what the user is told).
+        payload: cloudpickle's bytes of {name: value}; load them with `load_into(namespace)`.
+        sources: linecache entries of the notebook cells those functions were defined in, so
+            the ranks' tracebacks show their lines.
     """
 
-    def __init__(self, file: io.BytesIO):
-        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
-        self.notebook_globals: set[str] = set()
+    names: tuple[str, ...]
+    reached: tuple[str, ...]
+    payload: bytes
+    sources: dict[str, list[str]] = field(default_factory=dict)
+
+    def load_into(self, namespace: dict[str, Any]) -> None:
+        """Unpickle the values into `namespace`, which becomes the notebook functions' globals."""
+        for filename, lines in self.sources.items():
+            linecache.cache.setdefault(filename, (sum(map(len, lines)), None, lines, filename))
+        namespace.update(_RankUnpickler(io.BytesIO(self.payload), namespace).load())
+
+
+def bring_along(source: str, namespace: Mapping[str, Any]) -> BroughtAlong:
+    """The notebook names `source` needs, pickled by value with cloudpickle.
+
+    Raises BringAlongError naming the first needed name whose value cannot be pickled.
+    """
+    names = sorted(n for n in cells.free_names(source) if n in namespace and not _IPYTHON_NAME.match(n))
+    pickler = _pickle(names, namespace)
+    # Notebook functions and classes the values reach, still bound under their name here.
+    reached = sorted(n for n, obj in pickler.defined.items() if n not in names and namespace.get(n) is obj)
+    if reached:
+        names = sorted(names + reached)
+        pickler = _pickle(names, namespace)
+    globals_read = sorted(pickler.globals_read - set(names))
+    return BroughtAlong(
+        names=tuple(names),
+        reached=tuple(names + globals_read),
+        payload=pickler.buffer.getvalue(),
+        sources={f: list(linecache.getlines(f)) for f in sorted(pickler.filenames) if linecache.getlines(f)},
+    )
+
+
+# Stands for the notebook's namespace in the pickle: cloudpickle pickles the globals of a notebook
+# function as a dict of the names it reads, which the rank then merges into its own namespace.
+_NOTEBOOK_GLOBALS = "nbkit:notebook-globals"
+
+
+class _NotebookPickler(cloudpickle.Pickler):
+    """cloudpickle (notebook functions and classes by value; tensors to the CPU) that notes what
+    of the notebook it reaches, and makes notebook functions share the rank's namespace.
+    """
+
+    def __init__(self, namespace: Mapping[str, Any]):
+        self.buffer = io.BytesIO()
+        super().__init__(self.buffer, protocol=pickle.HIGHEST_PROTOCOL)
+        self.namespace = namespace
+        self.defined: dict[str, Any] = {}
+        self.globals_read: set[str] = set()
+        self.filenames: set[str] = set()
+        # cloudpickle.Pickler.globals_ref maps id(a function's __globals__) to the dict that
+        # stands for it in the pickle (documented in cloudpickle's _function_getnewargs); ours
+        # is pickled as a persistent id that the rank resolves to its own namespace.
+        self._globals_stand_in: dict[str, Any] = {}
+        self.globals_ref[id(namespace)] = self._globals_stand_in
+
+    def persistent_id(self, obj: Any) -> str | None:
+        return _NOTEBOOK_GLOBALS if obj is self._globals_stand_in else None
 
     def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, (type, types.FunctionType)) and getattr(obj, "__module__", None) == "__main__":
-            self.notebook_globals.add(obj.__qualname__.split(".")[0])
-        return super().reducer_override(obj)
+            self.defined.setdefault(obj.__qualname__.split(".")[0], obj)
+            if isinstance(obj, types.FunctionType):
+                self.globals_read |= _names_read(obj.__code__) & self.namespace.keys()
+                self.filenames.add(obj.__code__.co_filename)
+        reduction = launching.cpu_reduction(obj)
+        return reduction if reduction is not NotImplemented else super().reducer_override(obj)
 
 
-def _pickle(name: str, value: Any) -> tuple[bytes, set[str]]:
-    buf = io.BytesIO()
-    pickler = _NotebookGlobals(buf)
+class _RankUnpickler(pickle.Unpickler):
+    def __init__(self, file: io.BytesIO, namespace: dict[str, Any]):
+        super().__init__(file)
+        self.namespace = namespace
+
+    def persistent_load(self, pid: Any) -> Any:
+        if pid == _NOTEBOOK_GLOBALS:
+            return self.namespace
+        raise pickle.UnpicklingError(f"unknown persistent id {pid!r}")
+
+
+def _names_read(code: types.CodeType) -> set[str]:
+    """Global (and attribute) names a code object and the code nested in it refer to."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _names_read(const)
+    return names
+
+
+def _pickle(names: list[str], namespace: Mapping[str, Any]) -> _NotebookPickler:
+    pickler = _NotebookPickler(namespace)
     try:
-        pickler.dump(value)
+        pickler.dump({name: namespace[name] for name in names})
     except Exception as exc:
-        raise BringAlongError(name, f"its value ({type(value).__name__}) cannot be pickled ({exc})") from exc
-    return buf.getvalue(), pickler.notebook_globals
+        for name in names:  # which one: the first that fails alone
+            with contextlib.suppress(Exception):
+                _NotebookPickler(namespace).dump(namespace[name])
+                continue
+            value = namespace[name]
+            raise BringAlongError(name, f"its value ({type(value).__name__}) cannot be pickled ({exc})") from exc
+        raise BringAlongError(", ".join(names), f"they cannot be pickled together ({exc})") from exc
+    return pickler
+
+
+# --------------------------------------------------------------------------------------------
+# Messages between the notebook and the launcher process
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Job:
+    """What the launcher process runs: sent once, pickled, over its stdin."""
+
+    source: str
+    filename: str
+    brought: BroughtAlong
+    sys_path: list[str]
+    gpus: int | None
+    timeout: float | None
+    quiet: bool
+    env: dict[str, str]
+    dashboard: bool
+
+
+@dataclass(frozen=True)
+class _Finished:
+    """Rank 0's value, pickled in the rank (the launcher has none of the notebook's classes)."""
+
+    payload: bytes
+
+
+@dataclass(frozen=True)
+class _Failed:
+    """The launch raised LaunchError; its fields."""
+
+    message: str
+    failures: dict[int, str]
+    errors: dict[int, RankError]
+    timed_out: bool
+
+
+@dataclass(frozen=True)
+class _Interrupted:
+    """The launch was interrupted (SIGINT), every rank stopped."""
+
+
+@dataclass(frozen=True)
+class _Refused:
+    """The launch could not start (nbkit.launch raised ValueError/TypeError/RuntimeError)."""
+
+    type_name: str
+    message: str
+
+
+_Outcome = _Finished | _Failed | _Interrupted | _Refused
 
 
 # --------------------------------------------------------------------------------------------
@@ -205,8 +306,8 @@ def _pickle(name: str, value: Any) -> tuple[bytes, set[str]]:
 
 
 class _Coordinator:
-    def __init__(self, job: dict[str, Any], timeout: float | None):
-        self.job, self.timeout = job, timeout
+    def __init__(self, job: _Job):
+        self.job = job
         self.cell = dashboard.OutputCell()
         self.stdout, self.stderr = sys.stdout, sys.stderr
         self.stderr_tail: collections.deque[str] = collections.deque(maxlen=40)
@@ -214,112 +315,111 @@ class _Coordinator:
 
     def run(self) -> Any:
         reader, writer = Pipe(duplex=False)
-        fd, path = tempfile.mkstemp(prefix="nbkit-spawn-", suffix=".pkl")
-        with os.fdopen(fd, "wb") as f:
-            pickle.dump(self.job, f, protocol=pickle.HIGHEST_PROTOCOL)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", "from nbkit.spawning import _coordinate; _coordinate()", str(writer.fileno())],
+            pass_fds=(writer.fileno(),),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=_child_environment(),
+            cwd=os.getcwd(),
+        )
+        writer.close()  # the child holds the only writer: EOF means it is gone
+        forwarders = [
+            self._forward(proc.stdout, self.stdout, keep=False),
+            self._forward(proc.stderr, self.stderr, keep=True),
+        ]
         try:
-            proc = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-c",
-                    "from nbkit.spawning import _coordinate; _coordinate()",
-                    path,
-                    str(writer.fileno()),
-                ],
-                pass_fds=(writer.fileno(),),
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                env=_child_environment(),
-                cwd=os.getcwd(),
-            )
-            writer.close()  # the child holds the only writer: EOF means it is gone
-            forwarders = [
-                self._forward(proc.stdout, self.stdout, keep=False),
-                self._forward(proc.stderr, self.stderr, keep=True),
-            ]
-            try:
-                outcome = self._wait(reader, proc)
-            except KeyboardInterrupt:
-                self._stop(proc)
-                self._close_board(False)
-                raise
-            finally:
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    proc.wait(timeout=30)
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait()
-                for thread in forwarders:
-                    thread.join(timeout=5)
-                reader.close()
+            self._send_job(proc)
+            outcome = self._wait(reader, proc)
+        except KeyboardInterrupt:
+            self._stop(proc)
+            self._close_board(False)
+            raise
         finally:
-            os.unlink(path)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=30)
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            for thread in forwarders:
+                thread.join(timeout=5)
+            reader.close()
         return self._finish(outcome, proc.returncode)
 
-    def _wait(self, reader: Connection, proc: subprocess.Popen) -> tuple | None:
-        deadline = None if self.timeout is None else time.monotonic() + self.timeout + 60
+    def _send_job(self, proc: subprocess.Popen) -> None:
+        assert proc.stdin is not None
+        try:
+            proc.stdin.write(pickle.dumps(self.job, protocol=pickle.HIGHEST_PROTOCOL))
+            proc.stdin.close()
+        except BrokenPipeError:  # the launcher died before reading it: reported with its exit status
+            with contextlib.suppress(BrokenPipeError):
+                proc.stdin.close()
+
+    def _wait(self, reader: Connection, proc: subprocess.Popen) -> _Outcome | None:
+        timeout = self.job.timeout
+        deadline = None if timeout is None else time.monotonic() + timeout + _LAUNCHER_SLACK_S
         while True:
             if reader.poll(0.2):
                 try:
                     message = reader.recv()
                 except (EOFError, OSError):
                     return None
-                kind = message[0]
-                if kind == "dashboard":
-                    self.board = dashboard.Dashboard(message[1]) if self.job["dashboard"] else None
-                elif kind == "event":
-                    self._event(message[1], message[2])
+                if isinstance(message, tuple):  # the dashboard's relay (nbkit.dashboard)
+                    self._dashboard_message(message)
                 else:
                     return message
             elif proc.poll() is not None and not reader.poll(0):
                 return None
             if deadline is not None and time.monotonic() > deadline:
-                # The launcher enforces `timeout` itself; this only catches a launcher that hangs.
                 self._stop(proc)
-                return (
-                    "error",
-                    "The launch did not finish within the timeout; all processes were stopped.",
+                return _Failed(
+                    f"The launch did not finish within the timeout ({timeout:g} s) and the launcher process did "
+                    "not stop it; all processes were stopped.",
                     {},
                     {},
                     True,
                 )
 
-    def _event(self, rank: int, metrics: dict[str, Any]) -> None:
-        if self.board is None:
-            return
-        try:
-            self.board.event(rank, metrics)
-        except Exception:  # a display problem must never take the run down
-            import logging
+    def _dashboard_message(self, message: tuple) -> None:
+        if message[0] == "dashboard":
+            self.board = dashboard.Dashboard(message[1]) if self.job.dashboard else None
+        elif message[0] == "event" and self.board is not None:
+            try:
+                self.board.event(message[1], message[2])
+            except Exception:  # a display problem must never take the run down
+                import logging
 
-            logging.getLogger("nbkit").exception("nbkit: the dashboard failed")
+                logging.getLogger("nbkit").exception("nbkit: the dashboard failed")
 
-    def _finish(self, outcome: tuple | None, returncode: int | None) -> Any:
-        success = outcome is not None and outcome[0] == "result"
-        self._close_board(success)
+    def _finish(self, outcome: _Outcome | None, returncode: int | None) -> Any:
+        self._close_board(isinstance(outcome, _Finished))
         if outcome is None:
             tail = "".join(self.stderr_tail).strip()
-            raise LaunchError(
-                f"The launcher process (spawn mode) exited with code {returncode} before "
-                f"reporting a result.{' Its last output:' + chr(10) + tail if tail else ''}"
+            how = (
+                launching.ExitStatus(signal=-returncode)
+                if returncode is not None and returncode < 0
+                else launching.ExitStatus(code=returncode)
             )
-        kind = outcome[0]
-        if kind == "result":
+            raise LaunchError(
+                f"The launcher process (spawn mode) {how} before reporting a result; its ranks were stopped "
+                f"with it.{' Its last output:' + chr(10) + tail if tail else ''}"
+            )
+        if isinstance(outcome, _Finished):
             try:
-                return pickle.loads(outcome[1])
+                return pickle.loads(outcome.payload)
             except Exception as exc:
                 raise LaunchError(
                     f"Rank 0's value came back but cannot be rebuilt in the notebook ({exc}). "
                     "Return plain data (numbers, strings, dicts, lists, tensors)."
                 ) from exc
-        if kind == "error":
-            _, message, failures, errors, timed_out = outcome
-            raise LaunchError(message, failures=failures, errors=errors, timed_out=timed_out)
-        if kind == "interrupted":
+        if isinstance(outcome, _Failed):
+            raise LaunchError(
+                outcome.message, failures=outcome.failures, errors=outcome.errors, timed_out=outcome.timed_out
+            )
+        if isinstance(outcome, _Interrupted):
             raise KeyboardInterrupt
-        _, type_name, message = outcome
-        raise {"ValueError": ValueError, "TypeError": TypeError}.get(type_name, RuntimeError)(message)
+        raise {"ValueError": ValueError, "TypeError": TypeError}.get(outcome.type_name, RuntimeError)(outcome.message)
 
     def _close_board(self, success: bool) -> None:
         if self.board is not None:
@@ -372,55 +472,42 @@ def _child_environment() -> dict[str, str]:
 
 
 def _coordinate() -> None:
-    """Entry point of the launcher process: argv = [payload path, writer fd]."""
-    path, fd = sys.argv[1], int(sys.argv[2])
-    conn = Connection(fd, readable=False)
+    """Entry point of the launcher process: the job on stdin, argv = [writer fd]."""
+    job: _Job = pickle.load(sys.stdin.buffer)
+    conn = Connection(int(sys.argv[1]), readable=False)
     launching.die_with_parent()
-    with open(path, "rb") as f:
-        job = pickle.load(f)
-    sys.path[:] = job["sys_path"] + [p for p in sys.path if p not in job["sys_path"]]
-    linecache.cache[job["filename"]] = (len(job["source"]), None, job["source"].splitlines(True), job["filename"])
+    sys.path[:] = job.sys_path + [p for p in sys.path if p not in job.sys_path]
+    linecache.cache[job.filename] = (len(job.source), None, job.source.splitlines(True), job.filename)
     dashboard.relay_to(conn)
+    outcome: _Outcome
     try:
         value = launching.launch(
             _run_rank,
             job,
-            gpus=job["gpus"],
-            timeout=job["timeout"],
-            quiet=job["quiet"],
-            env=job["env"],
-            dashboard=job["dashboard"],
+            gpus=job.gpus,
+            timeout=job.timeout,
+            quiet=job.quiet,
+            env=job.env,
+            dashboard=job.dashboard,
         )
-        message: tuple = ("result", value)
+        outcome = _Finished(value)
     except LaunchError as exc:
-        message = ("error", str(exc), exc.failures, exc.errors, exc.timed_out)
+        outcome = _Failed(str(exc), exc.failures, exc.errors, exc.timed_out)
     except KeyboardInterrupt:
-        message = ("interrupted",)
+        outcome = _Interrupted()
     except Exception as exc:
-        message = ("exception", type(exc).__name__, str(exc))
-    dashboard.relay(message)
+        outcome = _Refused(type(exc).__name__, str(exc))
+    conn.send(outcome)  # the launch is over: nothing else writes to the connection now
 
 
-def _run_rank(job: dict[str, Any]) -> bytes | None:
-    """One rank: re-create the notebook's names in a fresh __main__, run the cell."""
+def _run_rank(job: _Job) -> bytes | None:
+    """One rank: the notebook's names in a fresh __main__, then the cell."""
     main = types.ModuleType("__main__")
     main.__dict__["__builtins__"] = builtins
-    # Notebook classes are pickled as __main__.Name: unpickling looks them up here.
+    # rank 0's value is pickled with references to notebook classes as __main__.Name: found here
     sys.modules["__main__"] = main
-    namespace = main.__dict__
-    for item in job["items"]:
-        kind, name = item[0], item[1]
-        if kind == "import":
-            namespace[name] = importlib.import_module(item[2])
-        elif kind == "source":
-            code, defined = item[2], item[3]
-            filename = f"<notebook: {name}>"
-            linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
-            exec(compile(code, filename, "exec"), namespace)
-            namespace[name] = namespace[defined]
-        else:
-            namespace[name] = pickle.loads(item[2])
-    value = cells.run_cell(job["source"], namespace, job["filename"])
+    job.brought.load_into(main.__dict__)
+    value = cells.run_cell(job.source, main.__dict__, job.filename)
     # Pickled here, unpickled in the notebook, where the notebook's own classes exist (the
     # launcher process in between has none of them).
     return launching.pickle_for_notebook(value) if distributed.rank() == 0 else None

@@ -204,7 +204,7 @@ def test_cell_analysis_finds_the_names_a_cell_reads_before_binding_them():
     assert run_cell("b = 3", namespace) is None
 
 
-def test_bring_along_orders_dependencies_and_rejects_what_it_cannot_rebuild():
+def test_bring_along_pickles_notebook_functions_by_value_and_names_what_it_cannot():
     import linecache
     import math
     import threading
@@ -212,16 +212,22 @@ def test_bring_along_orders_dependencies_and_rejects_what_it_cannot_rebuild():
     from nbkit.errors import BringAlongError
     from nbkit.spawning import bring_along
 
-    namespace = {"m": math, "scale": 3, "lock": threading.Lock(), "lam": lambda: 1}
+    namespace = {"m": math, "scale": 3, "lock": threading.Lock(), "lam": lambda x: x * 2}
     # as IPython defines a function in a cell: source in linecache, module __main__
-    source = "def helper(x):\n    return m.sqrt(x) * scale\n"
+    source = "def helper(x):\n    return m.sqrt(x) * scale\n\ndef make(k):\n    return lambda x: x + k\n"
     linecache.cache["<cell 7>"] = (len(source), None, source.splitlines(True), "<cell 7>")
     exec(compile(source, "<cell 7>", "exec"), namespace)
-    namespace["helper"].__module__ = "__main__"
-    items = bring_along("helper(4)", namespace)
-    assert [(kind, name) for kind, name, *_ in items] == [("import", "m"), ("value", "scale"), ("source", "helper")]
+    for name in ("helper", "make", "lam"):
+        namespace[name].__module__ = "__main__"
+    namespace["add3"] = namespace["make"](3)  # a closure
+    brought = bring_along("helper(4) + lam(1) + add3(1)", namespace)
+    assert brought.names == ("add3", "helper", "lam")
+    assert set(brought.reached) == {"add3", "helper", "lam", "m", "scale"}  # helper's globals come too
+    rank = {"__builtins__": __builtins__}
+    brought.load_into(rank)
+    assert rank["helper"](4) == 6.0 and rank["lam"](1) == 2 and rank["add3"](1) == 4
+    assert rank["helper"].__globals__ is rank  # notebook functions read the rank's names, as in the notebook
+    rank["scale"] = 10
+    assert rank["helper"](4) == 20.0
     with pytest.raises(BringAlongError, match="cannot bring 'lock' along.*cannot be pickled"):
         bring_along("lock.acquire()", namespace)
-    namespace["lam"].__module__ = "__main__"
-    with pytest.raises(BringAlongError, match="'lam'.*lambda"):
-        bring_along("lam()", namespace)
