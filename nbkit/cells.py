@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import builtins
+import sys
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -66,12 +67,14 @@ def _parts(stmt: ast.stmt) -> tuple[list[ast.AST], list[ast.AST], list[list[ast.
             [i.optional_vars for i in stmt.items if i.optional_vars is not None],
             [stmt.body],
         )
-    if isinstance(stmt, (ast.Try, getattr(ast, "TryStar", ast.Try))):
+    if isinstance(stmt, ast.Try) or (sys.version_info >= (3, 11) and isinstance(stmt, ast.TryStar)):
         bodies = [stmt.body]
         for handler in stmt.handlers:
             # "except E as e:" binds e for the handler's body
-            named = [ast.Assign(targets=[ast.Name(handler.name, ast.Store())], value=ast.Constant(None))]
-            bodies.append((named if handler.name else []) + handler.body)
+            named: list[ast.stmt] = []
+            if handler.name:
+                named.append(ast.Assign(targets=[ast.Name(handler.name, ast.Store())], value=ast.Constant(None)))
+            bodies.append(named + handler.body)
         return [h.type for h in stmt.handlers if h.type is not None], [], [*bodies, stmt.orelse, stmt.finalbody]
     return None
 
@@ -104,7 +107,8 @@ def run_cell(source: str, namespace: dict[str, Any], filename: str = "<cell>") -
     tree = ast.parse(source, filename)
     last = None
     if tree.body and isinstance(tree.body[-1], ast.Expr):
-        last = ast.Expression(tree.body.pop().value)
+        last = ast.Expression(tree.body[-1].value)
+        tree.body.pop()
     exec(compile(tree, filename, "exec"), namespace)
     return eval(compile(last, filename, "eval"), namespace) if last is not None else None
 
@@ -181,4 +185,5 @@ class _Scan(ast.NodeVisitor):
     def visit_Global(self, node: ast.Global) -> None:
         pass
 
-    visit_Nonlocal = visit_Global
+    def visit_Nonlocal(self, node: ast.Nonlocal) -> None:
+        pass

@@ -119,10 +119,11 @@ def visible_gpus() -> list[GPU]:
             props = torch.cuda.get_device_properties(i)
             gpus.append(GPU(i, props.name, props.total_memory / 2**30, (props.major, props.minor)))
         return gpus
-    gpus = _nvidia_smi_gpus()
-    if gpus is None:
+    listed = _nvidia_smi_gpus()
+    if listed is None:
         # No nvidia-smi: count through NVML (context-free) and leave the details unknown.
         return [GPU(i, "unknown", 0.0, (0, 0)) for i in range(torch.cuda.device_count())]
+    gpus = listed
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None and visible.strip() != "":
         wanted = [v.strip() for v in visible.split(",") if v.strip()]

@@ -219,7 +219,8 @@ def _guarded(loader: _Loader) -> Callable[[Callable[..., Any]], Callable[..., An
 
         def arguments(bound: inspect.BoundArguments) -> dict[str, Any]:
             values = dict(bound.arguments)
-            values.update(values.pop(var_keyword, None) or {})
+            if var_keyword is not None:
+                values.update(values.pop(var_keyword, None) or {})
             return values
 
         @functools.wraps(original)
@@ -248,7 +249,7 @@ def _guarded(loader: _Loader) -> Callable[[Callable[..., Any]], Callable[..., An
                 _check_fits_one_gpu(effective, loader, quantized)
             if "device_map" in params:
                 bound.arguments["device_map"] = resolved
-            else:
+            elif var_keyword is not None:
                 bound.arguments.setdefault(var_keyword, {})["device_map"] = resolved
             return original(*bound.args, **bound.kwargs)
 

@@ -39,7 +39,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from nbkit.config import setting
 from nbkit.patching import patch
@@ -282,7 +282,7 @@ def load_config(model: str | os.PathLike[str] | PretrainedConfig, **hub_kwargs: 
 def _config(spec: _Spec) -> PretrainedConfig:
     # Config classes may normalise nested dicts (rope parameters) in place: keep the specs pristine.
     text, vision = copy.deepcopy(spec.text), copy.deepcopy(spec.vision)
-    ids = dict(
+    ids: dict[str, Any] = dict(
         bos_token_id=TOKEN_IDS["<|endoftext|>"],
         eos_token_id=TOKEN_IDS["<|im_end|>"],
         pad_token_id=TOKEN_IDS["<|endoftext|>"],
@@ -290,9 +290,9 @@ def _config(spec: _Spec) -> PretrainedConfig:
     if vision is None:
         from transformers import Qwen3Config
 
-        config = Qwen3Config(**text, **ids, dtype=spec.dtype)
-        config.architectures = ["Qwen3ForCausalLM"]
-        return config
+        text_only = Qwen3Config(**text, **ids, dtype=spec.dtype)
+        text_only.architectures = ["Qwen3ForCausalLM"]
+        return text_only
     from transformers import Qwen3VLConfig
 
     config = Qwen3VLConfig(
@@ -313,7 +313,7 @@ def _config(spec: _Spec) -> PretrainedConfig:
 def _model_class(config: PretrainedConfig) -> type:
     import transformers
 
-    return getattr(transformers, config.architectures[0])
+    return getattr(transformers, cast(list[str], config.architectures)[0])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -428,6 +428,7 @@ def _write_processor_files(spec: _Spec, out: Path) -> None:
     # objects: CPU hosts only have the PIL image processor and no video processor, and the files
     # must name the classes a torchvision host should load ("...Fast" picks the best backend).
     images = spec.image_processor
+    assert images is not None and spec.vision is not None  # only VL specs have processor files
     common = {
         "patch_size": images["patch_size"],
         "temporal_patch_size": spec.vision["temporal_patch_size"],
@@ -568,8 +569,11 @@ def load_processor(name_or_path: str, **kwargs: Any) -> ProcessorMixin | PreTrai
 
     path = resolve_model(name_or_path)
     processor_class = _processor_class(path)
-    needs_video_processor = processor_class is not None and "video_processor" in processor_class.get_attributes()
-    if is_torchvision_available() or not needs_video_processor:
+    if (
+        processor_class is None
+        or is_torchvision_available()
+        or "video_processor" not in cast(Any, processor_class).get_attributes()
+    ):
         return AutoProcessor.from_pretrained(path, **kwargs)
     return _image_only_processor(processor_class, path, **kwargs)
 
@@ -607,7 +611,7 @@ def _image_only_processor(processor_class: type, path: str, **kwargs: Any) -> Pr
         # Without torchvision the top-level name is a placeholder; the defining module has the
         # real class, which is constructible (only processing videos needs torchvision).
         module = importlib.import_module(f"transformers.models.{model_type}.video_processing_{model_type}")
-        video_class = getattr(module, video_type)
+        video_class = getattr(module, video_type or "")
     except (ImportError, AttributeError, TypeError) as error:
         raise RuntimeError(
             f"{path} needs a video processor ({video_type}) that transformers cannot build without "

@@ -132,8 +132,8 @@ def _render(text: str, image_size: int, rng: random.Random) -> Image.Image:
     largest = _largest_font(draw, text, image_size * 0.9, image_size * 0.6)
     font = _font(max(6, round(largest * rng.uniform(0.6, 1.0))))
     left, top, right, bottom = draw.textbbox((0, 0), text, font=font)
-    x = rng.randint(0, max(0, image_size - (right - left))) - left
-    y = rng.randint(0, max(0, image_size - (bottom - top))) - top
+    x = rng.randint(0, max(0, int(image_size - (right - left)))) - left
+    y = rng.randint(0, max(0, int(image_size - (bottom - top)))) - top
     draw.text((x, y), text, fill=ink, font=font)
     return image
 

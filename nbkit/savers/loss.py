@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -85,7 +85,7 @@ def _chunked_pass(
     total = torch.zeros((), dtype=torch.float32, device=device)
     grad_hidden = torch.zeros_like(hidden) if want_hidden else None
     grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=device) if want_weight else None
-    grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=device) if want_bias else None
+    grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=device) if want_bias and bias is not None else None
     scale = 1.0 / denominator
     for start in range(0, valid.numel(), rows):
         index = valid[start : start + rows]
@@ -108,17 +108,17 @@ def _chunked_pass(
             # d(c * tanh(x / c)) / dx = 1 - tanh(x / c)^2
             grad_logits.mul_(tanh.square_().neg_().add_(1))
             del tanh
-        if want_bias:
+        if grad_bias is not None:
             grad_bias += grad_logits.sum(0)
         grad_logits = grad_logits.to(compute_dtype)
-        if want_hidden:
+        if grad_hidden is not None:
             grad_hidden.index_copy_(0, index, (grad_logits @ w).to(hidden.dtype))
-        if want_weight:
+        if grad_weight is not None:
             grad_weight += (grad_logits.t() @ h).float()
     loss = total / denominator
     if grad_weight is not None:
         grad_weight = grad_weight.to(weight.dtype)
-    if grad_bias is not None:
+    if grad_bias is not None and bias is not None:
         grad_bias = grad_bias.to(bias.dtype)
     return loss, grad_hidden, grad_weight, grad_bias
 
@@ -127,7 +127,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
     """One backward node for the whole loss; gradients are computed in the forward, chunk by chunk."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any,
         hidden: torch.Tensor,
         weight: torch.Tensor,
@@ -193,7 +193,7 @@ def linear_cross_entropy(
     hidden = hidden.reshape(-1, hidden.shape[-1])
     labels = labels.reshape(-1)
     compute_dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else weight.dtype
-    options = dict(
+    options: dict[str, Any] = dict(
         ignore_index=ignore_index,
         num_items=num_items_in_batch,
         softcap=softcap,
@@ -216,8 +216,10 @@ class _Head:
     ATTR = "_nbkit_chunked_loss"
 
     def __init__(self, model: nn.Module) -> None:
-        self.model = model
-        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        self.model: Any = model  # a transformers model: its methods are not nn.Module's
+        config: Any = model.config
+        if hasattr(config, "get_text_config"):
+            config = config.get_text_config()
         self.softcap: float | None = getattr(config, "final_logit_softcapping", None)
         # One frame per forward in progress of a hooked model (the transformers model, its peft wrapper):
         # whether that call may use the chunked loss, and what the lm_head handed over.
@@ -226,7 +228,7 @@ class _Head:
         self.wrappers: list[int] = []  # ids of the outer modules (peft wrappers) hooked
         self.checked = False
         self.own_loss = model.__dict__.get("_loss_function", _MISSING)
-        self.previous_loss: Callable[..., torch.Tensor] = model.loss_function
+        self.previous_loss = cast(Callable[..., torch.Tensor], model.loss_function)
 
     # hooks on a model (the transformers model or a wrapper around it)
     def enter(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -322,7 +324,7 @@ _MISSING = object()
 
 def _reference_loss(
     logits, labels, vocab_size=None, num_items_in_batch=None, ignore_index=-100, shift_labels=None, **kwargs
-):  # type: ignore[no-untyped-def]
+):
     """Signature of transformers' ForCausalLMLoss, used only to read the arguments the model passed."""
 
 
@@ -337,7 +339,7 @@ def _outer_modules(model: nn.Module, inner: nn.Module) -> list[nn.Module]:
             model = model.module
             continue
         outer.append(model)
-        model = model.get_base_model()
+        model = cast(Any, model).get_base_model()
     return outer
 
 
@@ -359,7 +361,8 @@ def apply(model: nn.Module) -> None:
     launching); it adds forward hooks and sets the model's `loss_function`, nothing global.
     """
     inner = base_model(model)
-    head = inner.get_output_embeddings() if callable(getattr(inner, "get_output_embeddings", None)) else None
+    get_output_embeddings = getattr(inner, "get_output_embeddings", None)
+    head = get_output_embeddings() if callable(get_output_embeddings) else None
     if not isinstance(head, nn.Module) or not hasattr(type(inner), "loss_function"):
         raise ValueError(
             f"nbkit's chunked loss needs a transformers causal LM or VLM with an lm_head and a loss_function; "
@@ -370,7 +373,7 @@ def apply(model: nn.Module) -> None:
         state = _Head(inner)
         state.hook_model(inner)
         state.handles.append(head.register_forward_pre_hook(state.head_input))
-        inner.loss_function = state.loss_function
+        cast(Any, inner).loss_function = state.loss_function
         setattr(inner, _Head.ATTR, state)
     # peft releases before 0.19 call the inner model's forward() directly, skipping its hooks; the
     # wrapper's hooks see the labels there.
