@@ -99,10 +99,18 @@ def _sequential(stmts: list[ast.stmt], bound: set[str], free: set[str], later: s
 
 
 def run_cell(source: str, namespace: dict[str, Any], filename: str = "<cell>") -> Any:
-    """Execute `source` in `namespace` like a notebook cell; return its last expression's value.
+    """Execute `source` in `namespace` like a notebook cell.
 
-    Returns None when the cell does not end with an expression. Exceptions propagate unchanged
-    (with `filename` in their traceback; register the source in linecache to get its lines).
+    Args:
+        source: the cell's code.
+        namespace: the globals it runs in (changed by the cell, as a notebook's are).
+        filename: the name in tracebacks (register the source in linecache to get its lines).
+
+    Returns:
+        The value of the cell's last expression; None when it does not end with one.
+
+    Raises:
+        Exception: whatever the cell raises, unchanged.
     """
     tree = ast.parse(source, filename)
     last = None

@@ -106,8 +106,11 @@ def visible_gpus() -> list[GPU]:
     """The GPUs this process may use, honouring CUDA_VISIBLE_DEVICES, without initialising CUDA.
 
     In a process where CUDA is already initialised torch answers directly; otherwise nvidia-smi is
-    asked (torch's own queries would create a context and make a later fork fail). Returns [] on a
-    machine without NVIDIA GPUs.
+    asked (torch's own queries would create a context and make a later fork fail).
+
+    Returns:
+        One GPU per visible device, indexed as this process sees them; [] on a machine without
+        NVIDIA GPUs.
     """
     import torch
 

@@ -339,7 +339,16 @@ def resolve_model(name: str, *, cache_dir: str | os.PathLike[str] | None = None)
     AutoModelForImageTextToText.from_pretrained (and AutoProcessor where torchvision is installed;
     use load_processor everywhere). Safe to call on every rank at once (a file lock lets one build
     while the others wait). Never touches CUDA, so it is safe in the notebook before launching.
-    Raises ValueError for unknown tiny:/random: names.
+
+    Args:
+        name: an nbkit name (tiny:..., random:...), or anything else (returned as it is).
+        cache_dir: where to keep the checkpoints (default: cache_root()).
+
+    Returns:
+        The checkpoint's local path for nbkit names, `name` otherwise.
+
+    Raises:
+        ValueError: for unknown tiny:/random: names.
     """
     spec = _spec(name)
     if spec is None:
@@ -555,14 +564,23 @@ def _fill_normal(job: tuple[torch.Tensor, int]) -> None:
 def load_processor(name_or_path: str, **kwargs: Any) -> ProcessorMixin | PreTrainedTokenizerBase:
     """A working processor (or tokenizer, for text models) for a model name or checkpoint path.
 
-    Takes an nbkit name (resolved with resolve_model), a hub id or a local path; kwargs go to
-    from_pretrained. Where torchvision is installed, or the model needs no video processor, this is
-    exactly AutoProcessor.from_pretrained. Without torchvision, transformers cannot build Qwen3-VL's
+    Where torchvision is installed, or the model needs no video processor, this is exactly
+    AutoProcessor.from_pretrained. Without torchvision, transformers cannot build Qwen3-VL's
     processor at all (it insists on a video processor, and its class check rejects the real one);
     then the processor is assembled from AutoTokenizer, AutoImageProcessor (PIL backend) and the
-    real video processor class, with the "offline" patch fixing the class check. Images and text
-    work fully (processor(images=, text=), apply_chat_template, TRL's vision collator); processing
-    videos still needs torchvision.
+    real video processor class, with the "offline" patch group fixing the class check. Images and
+    text work fully (processor(images=, text=), apply_chat_template, TRL's vision collator);
+    processing videos still needs torchvision.
+
+    Args:
+        name_or_path: an nbkit name (resolved with resolve_model), a hub id or a local path.
+        **kwargs: passed to from_pretrained.
+
+    Returns:
+        The processor, or the tokenizer where the model has no processor.
+
+    Raises:
+        RuntimeError: where the video processor the checkpoint names cannot be built at all.
     """
     from transformers import AutoProcessor
     from transformers.utils import is_torchvision_available

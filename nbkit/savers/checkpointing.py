@@ -172,10 +172,17 @@ class _CheckpointedLayer:
 
 
 def enable(model: nn.Module, *, offload: bool) -> None:
-    """Checkpoint every decoder layer of `model` (bare, peft or DDP-wrapped), offloading saved inputs if asked.
+    """Checkpoint every decoder layer of `model`, offloading saved inputs if asked.
 
     Replaces a previous setting of this saver. Sets `use_cache=False` on the model's configs
-    (restored by disable). Raises ValueError when the model's decoder layers cannot be found.
+    (restored by disable).
+
+    Args:
+        model: a transformers model, bare, peft- or DDP-wrapped.
+        offload: keep each layer's saved input in pinned CPU memory instead of on the GPU.
+
+    Raises:
+        ValueError: when the model's decoder layers cannot be found.
     """
     disable(model)
     base = base_model(model)

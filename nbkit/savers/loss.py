@@ -164,21 +164,30 @@ def linear_cross_entropy(
 ) -> torch.Tensor:
     """Cross-entropy of `hidden_states @ weight.T + bias` against `labels`, without the full logits.
 
-    Takes hidden_states (..., H), the lm_head weight (V, H) and bias (V,), labels (...) with the same
-    leading shape as hidden_states; they may sit on different devices. `shift=True` predicts token
-    t+1 from position t, exactly like transformers' causal-LM loss; `shift=False` takes labels that
-    are already aligned (transformers' `shift_labels`). Labels equal to `ignore_index` do not count.
-    `softcap=c` applies `c * tanh(logits / c)` first (Gemma 2's `final_logit_softcapping`).
-    `chunk_size` is the number of rows per chunk (default: about 256 MiB of fp32 logits).
+    The logits are computed in the weight's dtype (the autocast dtype under autocast), then upcast:
+    logsumexp and all accumulation are fp32. Gradients flow to hidden_states (arriving on
+    hidden_states' own device) and to weight / bias only where they require grad, each accumulated
+    once per backward. Runs on whichever rank calls it; no communication.
 
-    Returns a float32 scalar on the weight's device: the summed loss divided by `num_items_in_batch`
-    when given (transformers' gradient-accumulation normalisation), else the mean over counted tokens
-    (NaN if there are none, as in transformers). The logits are computed in the weight's dtype (the
-    autocast dtype under autocast), then upcast: logsumexp and all accumulation are fp32.
+    Args:
+        hidden_states: (..., H); may sit on another device than the weight.
+        weight: the lm_head weight (V, H).
+        labels: (...), the same leading shape as hidden_states.
+        bias: the lm_head bias (V,), if any.
+        ignore_index: labels equal to it do not count.
+        num_items_in_batch: the divisor of the summed loss (transformers' gradient-accumulation
+            normalisation); None: the number of counted tokens.
+        softcap: c applies `c * tanh(logits / c)` first (Gemma 2's `final_logit_softcapping`).
+        chunk_size: rows per chunk (default: rows_per_chunk, about 256 MiB of fp32 logits).
+        shift: True predicts token t+1 from position t, exactly like transformers' causal-LM loss;
+            False takes labels that are already aligned (transformers' `shift_labels`).
 
-    Gradients flow to hidden_states (arriving on hidden_states' own device) and to weight / bias only
-    where they require grad, each accumulated once per backward. Raises ValueError when the shapes
-    of hidden_states and labels do not match. Runs on whichever rank calls it; no communication.
+    Returns:
+        A float32 scalar on the weight's device: the summed loss divided by `num_items_in_batch`
+        when given, else the mean over counted tokens (NaN if there are none, as in transformers).
+
+    Raises:
+        ValueError: when the shapes of hidden_states and labels do not match.
     """
     device = weight.device
     hidden = hidden_states.to(device)
@@ -346,19 +355,24 @@ def _outer_modules(model: nn.Module, inner: nn.Module) -> list[nn.Module]:
 def apply(model: nn.Module) -> None:
     """Make `model(**batch, labels=labels).loss` use `linear_cross_entropy`. Idempotent.
 
-    Takes a transformers causal LM or VLM (anything with an lm_head from `get_output_embeddings()` and
-    a `loss_function`), bare or wrapped in peft and/or DDP. While a forward gets `labels` with grad
-    enabled (and no `logits_to_keep`), the loss is computed in chunks from the hidden states and the
-    real lm_head weight, with the model's `final_logit_softcapping` and the `num_items_in_batch`,
-    `ignore_index` and `shift_labels` the caller passes; `.logits` of that output then holds only the
-    last position's logits, shape (batch, 1, vocab), as with `logits_to_keep=1`. Without labels, or
-    under torch.no_grad() (evaluation, generation), the model runs unchanged with full logits.
+    While a forward gets `labels` with grad enabled (and no `logits_to_keep`), the loss is computed
+    in chunks from the hidden states and the real lm_head weight, with the model's
+    `final_logit_softcapping` and the `num_items_in_batch`, `ignore_index` and `shift_labels` the
+    caller passes; `.logits` of that output then holds only the last position's logits, shape
+    (batch, 1, vocab), as with `logits_to_keep=1`. Without labels, or under torch.no_grad()
+    (evaluation, generation), the model runs unchanged with full logits. A head that is not a plain
+    nn.Linear (LoRA on lm_head, modules_to_save, quantised) keeps full logits. Call it on every rank
+    (or before launching); it adds forward hooks and sets the model's `loss_function`, nothing
+    global.
 
-    The first chunked call checks the model's last-position logits against the ones this loss uses
-    and raises RuntimeError if the model transforms its logits in a way not reproduced here. A head
-    that is not a plain nn.Linear (LoRA on lm_head, modules_to_save, quantised) keeps full logits.
-    Raises ValueError for a model without output embeddings. Call it on every rank (or before
-    launching); it adds forward hooks and sets the model's `loss_function`, nothing global.
+    Args:
+        model: a transformers causal LM or VLM (anything with an lm_head from
+            `get_output_embeddings()` and a `loss_function`), bare or wrapped in peft and/or DDP.
+
+    Raises:
+        ValueError: for a model without output embeddings.
+        RuntimeError: at the first chunked call, if the model transforms its logits in a way not
+            reproduced here (its last-position logits are checked against this loss's).
     """
     inner = base_model(model)
     get_output_embeddings = getattr(inner, "get_output_embeddings", None)

@@ -181,11 +181,17 @@ class _TiledMLP:
 
 
 def enable(model: nn.Module, *, shards: int | None = None) -> None:
-    """Tile the MLP of every decoder layer of `model` (bare, peft or DDP-wrapped).
+    """Tile the MLP of every decoder layer of `model`.
 
-    shards: a fixed shard count, or None for automatic. Mixture-of-experts blocks (an `experts`
-    attribute) are left alone. Replaces a previous setting of this saver. Raises ValueError when
-    the decoder layers cannot be found.
+    Mixture-of-experts blocks (an `experts` attribute) are left alone. Replaces a previous setting
+    of this saver.
+
+    Args:
+        model: a transformers model, bare, peft- or DDP-wrapped.
+        shards: a fixed shard count, or None for automatic (shard_count).
+
+    Raises:
+        ValueError: for shards below 1, or when the decoder layers cannot be found.
     """
     if shards is not None and shards < 1:
         raise ValueError(f"tiled_mlp shard count must be at least 1, got {shards}.")
