@@ -4,7 +4,7 @@
     python benchmarks/bench.py --configs nbkit:2,plain:2@notebook --seq-lens 1024x4 --steps 20
     python benchmarks/bench.py --t4 --configs nbkit:2,unsloth:2 --out t4.json --md t4.md
 
-A configuration is `backend:gpus[@launcher]`: backend unsloth / nbkit / plain (see common.py),
+A configuration is `backend:gpus[@launcher]`: backend unsloth / nbkit / plain (see benchmarks/models.py),
 launcher nbkit (nbkit.launch, the default), notebook (accelerate's notebook_launcher), accelerate
 (`accelerate launch` of this file as a script) or torchrun. Each configuration is one launch that
 runs all its cases (sequence lengths, precisions, DDP variants), so unsloth's import and the model
@@ -40,10 +40,10 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-if str(HERE) not in sys.path:
-    sys.path.insert(0, str(HERE))
+if str(ROOT) not in sys.path:  # run as a script (python benchmarks/bench.py): the package lives in ROOT
+    sys.path.insert(0, str(ROOT))
 
-import common  # noqa: E402  (benchmarks/ is not a package)
+from benchmarks import cases, host, models, runner  # noqa: E402
 
 LAUNCHERS = ("nbkit", "notebook", "accelerate", "torchrun")
 
@@ -154,16 +154,10 @@ def _parse_configs(text: str) -> list[tuple[str, int, str]]:
         head, _, launcher = item.partition("@")
         backend, sep, gpus = head.partition(":")
         launcher = launcher or "nbkit"
-        if (
-            not sep
-            or backend not in common.BACKENDS
-            or not gpus.isdigit()
-            or int(gpus) < 1
-            or launcher not in LAUNCHERS
-        ):
+        if not sep or backend not in cases.BACKENDS or not gpus.isdigit() or int(gpus) < 1 or launcher not in LAUNCHERS:
             raise SystemExit(
                 f"bench.py: configuration {item!r} is not backend:gpus[@launcher] with backend in "
-                f"{'/'.join(common.BACKENDS)}, gpus >= 1 and launcher in {'/'.join(LAUNCHERS)}."
+                f"{'/'.join(cases.BACKENDS)}, gpus >= 1 and launcher in {'/'.join(LAUNCHERS)}."
             )
         configs.append((backend, int(gpus), launcher))
     return configs
@@ -195,14 +189,14 @@ def _parse_savers(text: str) -> dict[str, Any]:
         key, sep, value = item.partition("=")
         if not sep or key not in ("checkpointing", "tiled_mlp", "chunked_loss"):
             raise SystemExit(f"bench.py: --savers item {item!r} is not checkpointing=/tiled_mlp=/chunked_loss=.")
-        options[key] = common.parse_value(value)
+        options[key] = cases.parse_value(value)
     return options
 
 
-def _cases(args: argparse.Namespace, device: str, gpus: int) -> list[common.Case]:
-    ddp_variants = [common.parse_ddp_options(text) for text in args.ddp] or [common.parse_ddp_options("")]
+def _cases(args: argparse.Namespace, device: str, gpus: int) -> list[cases.Case]:
+    ddp_variants = [cases.parse_ddp_options(text) for text in args.ddp] or [cases.parse_ddp_options("")]
     if gpus == 1:  # one process trains without DDP
-        ddp_variants = [common.parse_ddp_options("")]
+        ddp_variants = [cases.parse_ddp_options("")]
     elif args.t4:  # the ladder climbs with one variant
         ddp_variants = ddp_variants[:1]
     lengths = _parse_seq_lens(args.seq_lens or (T4_LADDER if args.t4 else DEFAULT_SEQ_LENS))
@@ -210,7 +204,7 @@ def _cases(args: argparse.Namespace, device: str, gpus: int) -> list[common.Case
         pairs = [("fp16" if device == "cuda" else "fp32", length, 1) for length, _ in lengths]
     elif args.precisions:
         precisions = [p.strip() for p in args.precisions.split(",") if p.strip()]
-        unknown = set(precisions) - set(common.PRECISIONS)
+        unknown = set(precisions) - set(cases.PRECISIONS)
         if unknown:
             raise SystemExit(f"bench.py: unknown precision(s) {', '.join(sorted(unknown))}; use bf16, fp16, fp32.")
         pairs = [(p, length, batch) for p in precisions for length, batch in lengths]
@@ -219,7 +213,7 @@ def _cases(args: argparse.Namespace, device: str, gpus: int) -> list[common.Case
         pairs = [("bf16", length, batch) for length, batch in lengths] + [("fp16", *shortest)]
     else:
         pairs = [("fp32", length, batch) for length, batch in lengths]
-    return [common.Case(length, batch, precision, ddp) for precision, length, batch in pairs for ddp in ddp_variants]
+    return [cases.Case(length, batch, precision, ddp) for precision, length, batch in pairs for ddp in ddp_variants]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -237,14 +231,14 @@ def _child_env(device: str) -> dict[str, str]:
     env = dict(os.environ)
     env.update(HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
     env.setdefault("UNSLOTH_DISABLE_STATISTICS", "1")
-    paths = [str(ROOT), str(HERE)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    paths = [str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
     if device == "cpu":
         env["ACCELERATE_USE_CPU"] = "true"
     return env
 
 
-def _command(spec: common.LaunchSpec, spec_path: Path) -> list[str]:
+def _command(spec: cases.LaunchSpec, spec_path: Path) -> list[str]:
     me = str(Path(__file__).resolve())
     if spec.launcher in ("nbkit", "notebook"):
         return [sys.executable, me, "--run-launch", str(spec_path)]
@@ -294,7 +288,7 @@ def _stop(proc: subprocess.Popen) -> None:
             continue
 
 
-def _run_subprocess(spec: common.LaunchSpec, spec_path: Path, timeout: float) -> tuple[str | None, list[str]]:
+def _run_subprocess(spec: cases.LaunchSpec, spec_path: Path, timeout: float) -> tuple[str | None, list[str]]:
     """Run one launch; returns (why it failed or None, the last lines of its output)."""
     tail: collections.deque[str] = collections.deque(maxlen=40)
     spec.launched_at = time.time()
@@ -353,11 +347,11 @@ def _read_rows(path: Path) -> tuple[list[dict], str | None]:
     return rows, launch_error
 
 
-def _placeholder(spec: common.LaunchSpec, case: common.Case, status: str, why: str, **extra: Any) -> dict:
-    return common.case_row(spec, case, status=status, error=why, **extra)
+def _placeholder(spec: cases.LaunchSpec, case: cases.Case, status: str, why: str, **extra: Any) -> dict:
+    return cases.case_row(spec, case, status=status, error=why, **extra)
 
 
-def run_one(spec: common.LaunchSpec, workdir: Path, index: int, timeout: float) -> list[dict]:
+def run_one(spec: cases.LaunchSpec, workdir: Path, index: int, timeout: float) -> list[dict]:
     """Run one launch in a fresh process and return one row per case (failures included)."""
     slug = spec.config.replace(":", "-").replace("@", "-")
     spec_path = workdir / f"{index:02d}-{slug}.json"
@@ -392,8 +386,8 @@ def run_one(spec: common.LaunchSpec, workdir: Path, index: int, timeout: float) 
     return rows
 
 
-def _has_row(spec: common.LaunchSpec, rows: list[dict], case: common.Case) -> bool:
-    wanted = common.case_row(spec, case)
+def _has_row(spec: cases.LaunchSpec, rows: list[dict], case: cases.Case) -> bool:
+    wanted = cases.case_row(spec, case)
     return any(all(r[k] == wanted[k] for k in ("precision", "seq_len", "batch", "ddp")) for r in rows)
 
 
@@ -415,19 +409,19 @@ def _skip_reason(backend: str, gpus: int, device: str, gpu_count: int) -> str | 
 
 def _run_launch_mode(spec_path: str) -> int:
     """A fresh process standing in for a notebook kernel: call the notebook launcher from here."""
-    spec = common.LaunchSpec.from_json(Path(spec_path).read_text())
+    spec = cases.LaunchSpec.from_json(Path(spec_path).read_text())
     try:
         # What a notebook has imported in earlier cells (never unsloth: it must be imported in the ranks).
-        common.preload(spec)
+        models.preload(spec)
         spec.launched_at = time.time()
         if spec.launcher == "nbkit":
             import nbkit
 
-            nbkit.launch(common.run_launch, spec, gpus=spec.gpus, quiet=True, dashboard=False)
+            nbkit.launch(runner.run_launch, spec, gpus=spec.gpus, quiet=True, dashboard=False)
         else:
             from accelerate import notebook_launcher
 
-            notebook_launcher(common.run_launch, args=(spec,), num_processes=spec.gpus, use_port=str(_free_port()))
+            notebook_launcher(runner.run_launch, args=(spec,), num_processes=spec.gpus, use_port=str(_free_port()))
     except BaseException as exc:
         message = f"{type(exc).__name__}: {exc}"
         with open(spec.results_path, "a") as f:
@@ -443,10 +437,10 @@ def _worker_mode(spec_path: str) -> int:
     """
     import nbkit
 
-    spec = common.LaunchSpec.from_json(Path(spec_path).read_text())
+    spec = cases.LaunchSpec.from_json(Path(spec_path).read_text())
     nbkit.install()
     try:
-        common.run_launch(spec)
+        runner.run_launch(spec)
     except BaseException as exc:
         if int(os.environ.get("RANK", "0")) == 0:
             with open(spec.results_path, "a") as f:
@@ -701,7 +695,7 @@ def main(argv: list[str] | None = None) -> int:
 
     report = {
         "command": " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
-        "environment": common.environment(),
+        "environment": host.environment(),
         "model": {"name": args.model, "path": model_path, "resolve_s": resolve_s},
         "settings": {
             "steps": steps,
@@ -722,10 +716,10 @@ def main(argv: list[str] | None = None) -> int:
         "results": [],
         "wall_s": 0.0,
     }
-    unsloth_checkpointing = common.parse_value(args.unsloth_checkpointing)
+    unsloth_checkpointing = cases.parse_value(args.unsloth_checkpointing)
     with tempfile.TemporaryDirectory(prefix="nbkit-bench-") as tmp:
         for index, (backend, gpus, launcher) in enumerate(configs):
-            spec = common.LaunchSpec(
+            spec = cases.LaunchSpec(
                 backend=backend,
                 gpus=gpus,
                 launcher=launcher,

@@ -25,7 +25,7 @@ How it runs: one launch trains every transformers configuration on one loaded mo
 nbkit.savers.apply / remove between cases; unsloth gets its own launch in a fresh process (its import
 patches transformers). Cases run shortest first, all configurations at up to 16K tokens, then `all`
 and `plain` at the longer lengths, then the rest. Each case starts with a probe step on the bare
-model and the ranks agree on its outcome before DDP (benchmarks/common.py), so an OOM is recorded
+model and the ranks agree on its outcome before DDP (benchmarks/runner.py), so an OOM is recorded
 and the run goes on; longer lengths of a configuration that ran out of memory are not tried. A case
 whose predicted time no longer fits in --time-budget is recorded as skipped, and the command that
 measures what was skipped is printed. Results: --out (JSON, rewritten as cases finish) and a
@@ -45,12 +45,10 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-for _path in (str(HERE.parent), str(HERE)):
-    if _path not in sys.path:
-        sys.path.insert(0, _path)
+if str(HERE.parent) not in sys.path:  # run as a script (python benchmarks/savers.py): the package lives there
+    sys.path.insert(0, str(HERE.parent))
 
-import bench  # noqa: E402  (benchmarks/ is not a package)
-import common  # noqa: E402
+from benchmarks import bench, cases, host, models, ranks, runner  # noqa: E402
 
 # name -> nbkit.savers.apply options (None: the plain model, savers removed)
 SAVER_CONFIGS: dict[str, dict[str, Any] | None] = {
@@ -99,68 +97,57 @@ def predict_step_s(history: dict[tuple[str, int], float], config: str, seq_len: 
     return max(t for (_, length), t in history.items() if length == longest) * (seq_len / longest) ** _TIME_EXPONENT
 
 
-class _SaversLaunch(common._Launch):
-    """common's launch, with one loaded model trained under every saver configuration in turn."""
+def _run_ranks(spec: cases.LaunchSpec, plan: list[tuple[str, int]], deadline: float) -> list[dict]:
+    """The per-rank job: one loaded model trained under every saver configuration of `plan` in turn."""
+    import nbkit.savers
 
-    def __init__(self, spec: common.LaunchSpec, plan: list[tuple[str, int]], deadline: float):
-        super().__init__(spec)
-        self.plan = plan
-        self.deadline = deadline
-        self.current = plan[0][0]
+    launch = runner.Launch(spec)
+    try:
 
-    def _row(self, case: common.Case, **fields: Any) -> dict:
-        row = super()._row(case, **fields)
-        row.update(config=self.current, savers=SAVER_CONFIGS[self.current])
-        return row
+        def case_of(seq_len: int) -> cases.Case:
+            precision = "bf16" if launch.device.type == "cuda" else "fp32"
+            return cases.Case(seq_len, 1, precision, cases.parse_ddp_options(""))
 
-    def _case_of(self, seq_len: int) -> common.Case:
-        return common.Case(seq_len, 1, "bf16" if self.device.type == "cuda" else "fp32", common.parse_ddp_options(""))
+        def label(config: str) -> None:
+            launch.labels = {"config": config, "savers": SAVER_CONFIGS[config]}
 
-    def run(self) -> list[dict]:
-        import nbkit.savers
-
-        spec = self.spec
-        first = self._case_of(self.plan[0][1])
-        model, load_s, failure = self._load(first.precision, max(length for _, length in self.plan))
-        if not common.agree(failure is None):
-            for self.current, length in self.plan:
-                self._record(self._failed(self._case_of(length), failure is None, failure, phase="load", load_s=load_s))
-            return self.results
+        first = case_of(plan[0][1])
+        model, load_s, failure = launch.load(first.precision, max(length for _, length in plan))
+        if not ranks.agree(failure is None):
+            for config, length in plan:
+                label(config)
+                launch.record(launch.failed(case_of(length), failure is None, failure, phase="load", load_s=load_s))
+            return launch.results
         history: dict[tuple[str, int], float] = {}
         out_of_memory: dict[str, int] = {}
-        for self.current, length in self.plan:
-            case = self._case_of(length)
-            predicted = predict_step_s(history, self.current, length)
+        for config, length in plan:
+            label(config)
+            case = case_of(length)
+            predicted = predict_step_s(history, config, length)
             needed = None if predicted is None else (spec.warmup + spec.steps) * predicted + _CASE_OVERHEAD_S
             skip = None
-            if self.current in out_of_memory:
-                skip = f"not tried: out of memory at {out_of_memory[self.current]} tokens"
-            elif needed is not None and time.time() + needed > self.deadline:
+            if config in out_of_memory:
+                skip = f"not tried: out of memory at {out_of_memory[config]} tokens"
+            elif needed is not None and time.time() + needed > deadline:
                 skip = f"time budget: needs about {needed:.0f} s"
-            skip = common.gather(skip)[0]  # rank 0 decides for everyone
+            skip = ranks.gather(skip)[0]  # rank 0 decides for everyone
             if skip is not None:
-                self._record(self._row(case, status="skipped", error=skip))
+                launch.record(launch.row(case, status="skipped", error=skip))
                 continue
-            options = SAVER_CONFIGS[self.current]
+            options = SAVER_CONFIGS[config]
             if options is None:
                 nbkit.savers.remove(model)
             else:
                 nbkit.savers.apply(model, **options)
-            row = self._case(model, case, load_s)
-            self._record(row)
+            row = launch.run_case(model, case, load_s)
+            launch.record(row)
             if row["status"] == "ok":
-                history[(self.current, length)] = row["step_time_s"]["median"]
+                history[(config, length)] = row["step_time_s"]["median"]
             elif row["status"] == "oom":
-                out_of_memory[self.current] = length
-        return self.results
-
-
-def _run_ranks(spec: common.LaunchSpec, plan: list[tuple[str, int]], deadline: float) -> list[dict]:
-    launch = _SaversLaunch(spec, plan, deadline)
-    try:
-        return launch.run()
+                out_of_memory[config] = length
+        return launch.results
     finally:
-        common.teardown_rank()
+        ranks.teardown_rank()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -198,7 +185,7 @@ def _main_launch(
     for attempt in range(3):
         if not plan or time.time() > deadline - 30:
             break
-        spec = common.LaunchSpec(
+        spec = cases.LaunchSpec(
             backend="plain",
             gpus=args.gpus,
             launcher="nbkit",
@@ -213,7 +200,7 @@ def _main_launch(
             image=not args.no_image,
             collective_timeout_s=120.0,
         )
-        common.preload(spec)  # what a notebook would have imported before launching
+        models.preload(spec)  # what a notebook would have imported before launching
         spec.launched_at = time.time()
         failure = None
         try:
@@ -269,14 +256,14 @@ def _main_launch(
 def _unsloth_launch(
     args: argparse.Namespace, seq_lens: list[int], model_path: str, deadline: float, workdir: Path
 ) -> list[dict]:
-    spec = common.LaunchSpec(
+    spec = cases.LaunchSpec(
         backend="unsloth",
         gpus=args.gpus,
         launcher="nbkit",
         model=args.model,
         model_path=model_path,
         device="cuda",
-        cases=[common.Case(n, 1, "bf16", common.parse_ddp_options("")) for n in seq_lens],
+        cases=[cases.Case(n, 1, "bf16", cases.parse_ddp_options("")) for n in seq_lens],
         results_path="",
         steps=args.steps,
         warmup=args.warmup,
@@ -503,7 +490,7 @@ def main(argv: list[str] | None = None) -> int:
     model_path = nbkit.resolve_model(args.model)
     report: dict[str, Any] = {
         "command": " ".join(shlex.quote(a) for a in ["python", "benchmarks/savers.py", *argv]),
-        "environment": common.environment(),
+        "environment": host.environment(),
         "settings": {
             "model": args.model,
             "model_path": model_path,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import builtins
+import sys
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -66,12 +67,14 @@ def _parts(stmt: ast.stmt) -> tuple[list[ast.AST], list[ast.AST], list[list[ast.
             [i.optional_vars for i in stmt.items if i.optional_vars is not None],
             [stmt.body],
         )
-    if isinstance(stmt, (ast.Try, getattr(ast, "TryStar", ast.Try))):
+    if isinstance(stmt, ast.Try) or (sys.version_info >= (3, 11) and isinstance(stmt, ast.TryStar)):
         bodies = [stmt.body]
         for handler in stmt.handlers:
             # "except E as e:" binds e for the handler's body
-            named = [ast.Assign(targets=[ast.Name(handler.name, ast.Store())], value=ast.Constant(None))]
-            bodies.append((named if handler.name else []) + handler.body)
+            named: list[ast.stmt] = []
+            if handler.name:
+                named.append(ast.Assign(targets=[ast.Name(handler.name, ast.Store())], value=ast.Constant(None)))
+            bodies.append(named + handler.body)
         return [h.type for h in stmt.handlers if h.type is not None], [], [*bodies, stmt.orelse, stmt.finalbody]
     return None
 
@@ -96,15 +99,24 @@ def _sequential(stmts: list[ast.stmt], bound: set[str], free: set[str], later: s
 
 
 def run_cell(source: str, namespace: dict[str, Any], filename: str = "<cell>") -> Any:
-    """Execute `source` in `namespace` like a notebook cell; return its last expression's value.
+    """Execute `source` in `namespace` like a notebook cell.
 
-    Returns None when the cell does not end with an expression. Exceptions propagate unchanged
-    (with `filename` in their traceback; register the source in linecache to get its lines).
+    Args:
+        source: the cell's code.
+        namespace: the globals it runs in (changed by the cell, as a notebook's are).
+        filename: the name in tracebacks (register the source in linecache to get its lines).
+
+    Returns:
+        The value of the cell's last expression; None when it does not end with one.
+
+    Raises:
+        Exception: whatever the cell raises, unchanged.
     """
     tree = ast.parse(source, filename)
     last = None
     if tree.body and isinstance(tree.body[-1], ast.Expr):
-        last = ast.Expression(tree.body.pop().value)
+        last = ast.Expression(tree.body[-1].value)
+        tree.body.pop()
     exec(compile(tree, filename, "exec"), namespace)
     return eval(compile(last, filename, "eval"), namespace) if last is not None else None
 
@@ -181,4 +193,5 @@ class _Scan(ast.NodeVisitor):
     def visit_Global(self, node: ast.Global) -> None:
         pass
 
-    visit_Nonlocal = visit_Global
+    def visit_Nonlocal(self, node: ast.Nonlocal) -> None:
+        pass

@@ -27,7 +27,8 @@ transformers itself when it loads the optimizer; the third patch here fixes that
 
 Inside nbkit.launch every Trainer gets the marker automatically (`enable()` runs in each rank).
 A notebook that trains without launching (one process, a model split over GPUs) calls
-`nbkit.checkpoints.enable()` once before creating its Trainer.
+`nbkit.checkpoints.enable()` once before creating its Trainer; `nbkit.checkpoints.disable()` (or
+`nbkit.uninstall("checkpoints")`) undoes it.
 """
 
 from __future__ import annotations

@@ -106,8 +106,11 @@ def visible_gpus() -> list[GPU]:
     """The GPUs this process may use, honouring CUDA_VISIBLE_DEVICES, without initialising CUDA.
 
     In a process where CUDA is already initialised torch answers directly; otherwise nvidia-smi is
-    asked (torch's own queries would create a context and make a later fork fail). Returns [] on a
-    machine without NVIDIA GPUs.
+    asked (torch's own queries would create a context and make a later fork fail).
+
+    Returns:
+        One GPU per visible device, indexed as this process sees them; [] on a machine without
+        NVIDIA GPUs.
     """
     import torch
 
@@ -119,10 +122,11 @@ def visible_gpus() -> list[GPU]:
             props = torch.cuda.get_device_properties(i)
             gpus.append(GPU(i, props.name, props.total_memory / 2**30, (props.major, props.minor)))
         return gpus
-    gpus = _nvidia_smi_gpus()
-    if gpus is None:
+    listed = _nvidia_smi_gpus()
+    if listed is None:
         # No nvidia-smi: count through NVML (context-free) and leave the details unknown.
         return [GPU(i, "unknown", 0.0, (0, 0)) for i in range(torch.cuda.device_count())]
+    gpus = listed
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None and visible.strip() != "":
         wanted = [v.strip() for v in visible.split(",") if v.strip()]

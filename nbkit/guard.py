@@ -44,23 +44,33 @@ _notice_printed = False
 def resolve_device_map(device_map: Any, *, quantized: bool = False) -> Any:
     """The device map to load a model with, given where this process runs.
 
-    Takes what the user passed as `device_map` (None, a strategy name, a device as str/int/
-    torch.device, or a dict module -> device) and whether the load is 4/8-bit quantized.
-
-    Outside a distributed run: returns `device_map` unchanged (model parallelism in one process and
+    Outside a distributed run: `device_map` unchanged (model parallelism in one process and
     inference keep working).
 
     Inside one (nbkit.launch, torchrun, accelerate launch), on every rank:
-    - None, or a bare accelerator type such as "cuda": returns {"": <this rank's device>}.
-    - an automatic strategy (AUTOMATIC_DEVICE_MAPS): returns {"": <this rank's device>} under the
+
+    - None, or a bare accelerator type such as "cuda": {"": <this rank's device>}.
+    - an automatic strategy (AUTOMATIC_DEVICE_MAPS): {"": <this rank's device>} under the
       "data_parallel" policy, and rank 0 prints a notice once per process; under the "error" policy
-      raises DeviceMapError explaining the two strategies. A quantized load is always placed on the
+      DeviceMapError explaining the two strategies. A quantized load is always placed on the
       rank's own device, whatever the policy.
     - an explicit device or dict: returned unchanged, unless it puts modules on an accelerator
-      another rank owns, which raises DeviceMapError naming the modules and devices.
+      another rank owns.
 
     "This rank's device" is "cuda:<LOCAL_RANK>" where CUDA is available and "cpu" in a CPU launch.
-    Raises ValueError if NBKIT_DEVICE_MAP_POLICY holds an unknown value.
+
+    Args:
+        device_map: what the user passed (None, a strategy name, a device as str/int/torch.device,
+            or a dict module -> device).
+        quantized: whether the load is 4/8-bit quantized.
+
+    Returns:
+        The device map to pass on to the loader.
+
+    Raises:
+        DeviceMapError: under the "error" policy for an automatic map, or for a map that uses
+            another rank's accelerator (naming the modules and devices).
+        ValueError: if NBKIT_DEVICE_MAP_POLICY holds an unknown value.
     """
     if not distributed.is_distributed():
         return device_map
@@ -219,7 +229,8 @@ def _guarded(loader: _Loader) -> Callable[[Callable[..., Any]], Callable[..., An
 
         def arguments(bound: inspect.BoundArguments) -> dict[str, Any]:
             values = dict(bound.arguments)
-            values.update(values.pop(var_keyword, None) or {})
+            if var_keyword is not None:
+                values.update(values.pop(var_keyword, None) or {})
             return values
 
         @functools.wraps(original)
@@ -248,7 +259,7 @@ def _guarded(loader: _Loader) -> Callable[[Callable[..., Any]], Callable[..., An
                 _check_fits_one_gpu(effective, loader, quantized)
             if "device_map" in params:
                 bound.arguments["device_map"] = resolved
-            else:
+            elif var_keyword is not None:
                 bound.arguments.setdefault(var_keyword, {})["device_map"] = resolved
             return original(*bound.args, **bound.kwargs)
 
@@ -281,9 +292,14 @@ def _check_fits_one_gpu(values: dict[str, Any], loader: _Loader, quantized: bool
 
 
 def fit_error(estimate: planner.Plan, source: Any) -> str | None:
-    """The message for a DDP load that cannot fit on one GPU (None when it fits).
+    """The message for a DDP load that cannot fit on one GPU.
 
-    Takes a single-GPU plan (gpus=1) and what was being loaded.
+    Args:
+        estimate: a single-GPU plan (gpus=1) of the model being loaded.
+        source: what was being loaded (a name, a path or a config), for the message.
+
+    Returns:
+        The message, or None when the model fits.
     """
     if estimate.strategy == "ddp":
         return None

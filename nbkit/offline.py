@@ -39,7 +39,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from nbkit import compat
 from nbkit.config import setting
@@ -293,7 +293,7 @@ def load_config(model: str | os.PathLike[str] | PretrainedConfig, **hub_kwargs: 
 def _config(spec: _Spec) -> PretrainedConfig:
     # Config classes may normalise nested dicts (rope parameters) in place: keep the specs pristine.
     text, vision = _rope_fields(copy.deepcopy(spec.text)), copy.deepcopy(spec.vision)
-    ids = dict(
+    ids: dict[str, Any] = dict(
         bos_token_id=TOKEN_IDS["<|endoftext|>"],
         eos_token_id=TOKEN_IDS["<|im_end|>"],
         pad_token_id=TOKEN_IDS["<|endoftext|>"],
@@ -301,9 +301,9 @@ def _config(spec: _Spec) -> PretrainedConfig:
     if vision is None:
         from transformers import Qwen3Config
 
-        config = Qwen3Config(**text, **ids, dtype=spec.dtype)
-        config.architectures = ["Qwen3ForCausalLM"]
-        return config
+        text_only = Qwen3Config(**text, **ids, dtype=spec.dtype)
+        text_only.architectures = ["Qwen3ForCausalLM"]
+        return text_only
     from transformers import Qwen3VLConfig
 
     config = Qwen3VLConfig(
@@ -339,7 +339,7 @@ def _rope_fields(text: dict[str, Any]) -> dict[str, Any]:
 def _model_class(config: PretrainedConfig) -> type:
     import transformers
 
-    return getattr(transformers, config.architectures[0])
+    return getattr(transformers, cast(list[str], config.architectures)[0])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -365,7 +365,16 @@ def resolve_model(name: str, *, cache_dir: str | os.PathLike[str] | None = None)
     AutoModelForImageTextToText.from_pretrained (and AutoProcessor where torchvision is installed;
     use load_processor everywhere). Safe to call on every rank at once (a file lock lets one build
     while the others wait). Never touches CUDA, so it is safe in the notebook before launching.
-    Raises ValueError for unknown tiny:/random: names.
+
+    Args:
+        name: an nbkit name (tiny:..., random:...), or anything else (returned as it is).
+        cache_dir: where to keep the checkpoints (default: cache_root()).
+
+    Returns:
+        The checkpoint's local path for nbkit names, `name` otherwise.
+
+    Raises:
+        ValueError: for unknown tiny:/random: names.
     """
     spec = _spec(name)
     if spec is None:
@@ -482,6 +491,7 @@ def _write_processor_files(spec: _Spec, out: Path) -> None:
     # objects: CPU hosts only have the PIL image processor and no video processor, and the files
     # must name the classes a torchvision host should load ("...Fast" picks the best backend).
     images = spec.image_processor
+    assert images is not None and spec.vision is not None  # only VL specs have processor files
     common = {
         "patch_size": images["patch_size"],
         "temporal_patch_size": spec.vision["temporal_patch_size"],
@@ -608,22 +618,34 @@ def _fill_normal(job: tuple[torch.Tensor, int]) -> None:
 def load_processor(name_or_path: str, **kwargs: Any) -> ProcessorMixin | PreTrainedTokenizerBase:
     """A working processor (or tokenizer, for text models) for a model name or checkpoint path.
 
-    Takes an nbkit name (resolved with resolve_model), a hub id or a local path; kwargs go to
-    from_pretrained. Where torchvision is installed, or the model needs no video processor, this is
-    exactly AutoProcessor.from_pretrained. Without torchvision, transformers cannot build Qwen3-VL's
+    Where torchvision is installed, or the model needs no video processor, this is exactly
+    AutoProcessor.from_pretrained. Without torchvision, transformers cannot build Qwen3-VL's
     processor at all (it insists on a video processor, and its class check rejects the real one);
     then the processor is assembled from AutoTokenizer, AutoImageProcessor (PIL backend) and the
-    real video processor class, with the "offline" patch fixing the class check. Images and text
-    work fully (processor(images=, text=), apply_chat_template, TRL's vision collator); processing
-    videos still needs torchvision.
+    real video processor class, with the "offline" patch group fixing the class check. Images and
+    text work fully (processor(images=, text=), apply_chat_template, TRL's vision collator);
+    processing videos still needs torchvision.
+
+    Args:
+        name_or_path: an nbkit name (resolved with resolve_model), a hub id or a local path.
+        **kwargs: passed to from_pretrained.
+
+    Returns:
+        The processor, or the tokenizer where the model has no processor.
+
+    Raises:
+        RuntimeError: where the video processor the checkpoint names cannot be built at all.
     """
     from transformers import AutoProcessor
     from transformers.utils import is_torchvision_available
 
     path = resolve_model(name_or_path)
     processor_class = _processor_class(path)
-    needs_video_processor = processor_class is not None and "video_processor" in _processor_attributes(processor_class)
-    if is_torchvision_available() or not needs_video_processor:
+    if (
+        processor_class is None
+        or is_torchvision_available()
+        or "video_processor" not in _processor_attributes(processor_class)
+    ):
         return AutoProcessor.from_pretrained(path, **kwargs)
     return _image_only_processor(processor_class, path, **kwargs)
 
@@ -671,7 +693,7 @@ def _image_only_processor(processor_class: type, path: str, **kwargs: Any) -> Pr
         # Without torchvision the top-level name is a placeholder; the defining module has the
         # real class, which is constructible (only processing videos needs torchvision).
         module = importlib.import_module(f"transformers.models.{model_type}.video_processing_{model_type}")
-        video_class = getattr(module, video_type)
+        video_class = getattr(module, video_type or "")
     except (ImportError, AttributeError, TypeError) as error:
         raise RuntimeError(
             f"{path} needs a video processor ({video_type}) that transformers cannot build without "

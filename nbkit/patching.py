@@ -300,7 +300,7 @@ class _ImportWatcher(importlib.abc.MetaPathFinder):
             return None
         if spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec
-        spec.loader.exec_module = self._after(fullname, spec.loader.exec_module)  # type: ignore[method-assign]
+        spec.loader.exec_module = self._after(fullname, spec.loader.exec_module)  # type: ignore[method-assign,assignment]
         return spec
 
     def _after(self, fullname: str, exec_module: Callable[[ModuleType], None]) -> Callable[[ModuleType], None]:

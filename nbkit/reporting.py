@@ -52,14 +52,6 @@ _clock = _Clock()
 def report(step: int | None = None, loss: Any = None, **metrics: Any) -> None:
     """Send this rank's metrics to the notebook's dashboard.
 
-    Takes:
-        step: the optimizer step just finished (drives the progress bar and the loss curve).
-        loss: this rank's loss at that step (a float or a one-element tensor; the dashboard
-            averages the ranks).
-        **metrics: more numbers. Names with a meaning: total_steps (progress bar and ETA),
-            learning_rate, grad_norm, epoch, and `tokens`: how many tokens this rank processed
-            since its previous report(); nbkit turns it into tokens_per_second and tokens_seen.
-
     Adds `elapsed` (seconds since the rank started), `time`, and the rank's peak memory
     (`peak_memory_gib`: torch.cuda.max_memory_allocated where this process uses CUDA, else the
     process's peak resident memory; `memory_device` says which).
@@ -69,6 +61,14 @@ def report(step: int | None = None, loss: Any = None, **metrics: Any) -> None:
     dashboard in this process (a notebook panel per cell, or text lines); under torchrun or
     accelerate launch only rank 0's reports are shown. Never raises for a value it cannot
     turn into a number: such values are sent as text.
+
+    Args:
+        step: the optimizer step just finished (drives the progress bar and the loss curve).
+        loss: this rank's loss at that step (a float or a one-element tensor; the dashboard
+            averages the ranks).
+        **metrics: more numbers. Names with a meaning: total_steps (progress bar and ETA),
+            learning_rate, grad_norm, epoch, and `tokens`: how many tokens this rank processed
+            since its previous report(); nbkit turns it into tokens_per_second and tokens_seen.
     """
     event = _event(step, loss, metrics)
     if channel.connected():

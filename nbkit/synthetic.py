@@ -132,8 +132,8 @@ def _render(text: str, image_size: int, rng: random.Random) -> Image.Image:
     largest = _largest_font(draw, text, image_size * 0.9, image_size * 0.6)
     font = _font(max(6, round(largest * rng.uniform(0.6, 1.0))))
     left, top, right, bottom = draw.textbbox((0, 0), text, font=font)
-    x = rng.randint(0, max(0, image_size - (right - left))) - left
-    y = rng.randint(0, max(0, image_size - (bottom - top))) - top
+    x = rng.randint(0, max(0, int(image_size - (right - left)))) - left
+    y = rng.randint(0, max(0, int(image_size - (bottom - top)))) - top
     draw.text((x, y), text, fill=ink, font=font)
     return image
 
@@ -141,13 +141,20 @@ def _render(text: str, image_size: int, rng: random.Random) -> Image.Image:
 def vision_dataset(n: int = 256, *, seed: int = 0, image_size: int = 64) -> list[dict[str, Any]]:
     """`n` image question/answer conversations: read the word or number drawn in the image.
 
-    Takes the number of items, a seed (same seed, same items; another seed, another sample) and the
-    side of the square RGB images in pixels (64 keeps the tiny VL model fast on CPU; use 224-448 for
-    GPU work). Returns a list of
-    `{"messages": [user: [{"type": "image"}, {"type": "text", "text": question}],
-    assistant: [{"type": "text", "text": answer}]], "images": [PIL.Image]}` where the answer is the
-    text drawn in the image (a word from `WORDS` or a number 0-99) in one of several colour
-    schemes, sizes and positions. Raises ValueError for n < 0 or image_size < 16.
+    Args:
+        n: the number of items.
+        seed: same seed, same items; another seed, another sample.
+        image_size: the side of the square RGB images in pixels (64 keeps the tiny VL model fast
+            on CPU; use 224-448 for GPU work).
+
+    Returns:
+        A list of `{"messages": [user: [{"type": "image"}, {"type": "text", "text": question}],
+        assistant: [{"type": "text", "text": answer}]], "images": [PIL.Image]}` where the answer
+        is the text drawn in the image (a word from `WORDS` or a number 0-99) in one of several
+        colour schemes, sizes and positions.
+
+    Raises:
+        ValueError: for n < 0 or image_size < 16.
     """
     if n < 0:
         raise ValueError(f"vision_dataset needs n >= 0, got {n}.")
@@ -186,8 +193,18 @@ def text_dataset(n: int = 256, *, seed: int = 0) -> list[dict[str, Any]]:
     """`n` instruction/answer conversations with exact answers.
 
     Tasks (mixed evenly at random): reverse a word, write it in capitals, spell it with dashes, add
-    two numbers up to 50. Returns a list of `{"messages": [{"role": "user", "content": str},
-    {"role": "assistant", "content": str}]}`; same seed, same items. Raises ValueError for n < 0.
+    two numbers up to 50.
+
+    Args:
+        n: the number of items.
+        seed: same seed, same items.
+
+    Returns:
+        A list of `{"messages": [{"role": "user", "content": str}, {"role": "assistant",
+        "content": str}]}`.
+
+    Raises:
+        ValueError: for n < 0.
     """
     if n < 0:
         raise ValueError(f"text_dataset needs n >= 0, got {n}.")

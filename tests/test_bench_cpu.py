@@ -1,4 +1,4 @@
-"""The benchmark harness (benchmarks/bench.py, benchmarks/common.py) end to end on the CPU.
+"""The benchmark harness (benchmarks/bench.py, benchmarks/runner.py and the parts it uses) end to end on the CPU.
 
 Real launches of tiny:qwen3-vl with 2 gloo ranks, under nbkit.launch and under `accelerate launch`
 of the same function as a script; one case fails on every rank (a sequence too short for its
@@ -17,13 +17,16 @@ import pytest
 import torch
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
-sys.path.insert(0, str(BENCHMARKS))
+sys.path.insert(0, str(BENCHMARKS.parent))
 
-import common  # noqa: E402
+from benchmarks.batches import shard_batch, synthetic_batch  # noqa: E402
+from benchmarks.cases import ddp_label, parse_ddp_options  # noqa: E402
+from benchmarks.measures import gc_pauses, step_stats  # noqa: E402
+from benchmarks.stepping import Stepper  # noqa: E402
 
 
 def test_step_stats_percentiles_and_spread():
-    stats = common.step_stats([3.0, 1.0, 10.0, 2.0, 4.0])
+    stats = step_stats([3.0, 1.0, 10.0, 2.0, 4.0])
     assert stats["median"] == 3.0
     assert stats["min"] == 1.0 and stats["max"] == 10.0
     assert stats["p10"] == pytest.approx(1.4)  # linear interpolation between the sorted times
@@ -34,7 +37,7 @@ def test_step_stats_percentiles_and_spread():
 def test_gc_pauses_are_counted_per_generation_inside_the_block_only():
     import gc
 
-    with common.gc_pauses() as pauses:
+    with gc_pauses() as pauses:
         gc.collect(0)
         gc.collect(2)
         gc.collect(2)
@@ -46,7 +49,7 @@ def test_gc_pauses_are_counted_per_generation_inside_the_block_only():
 
 
 def test_ddp_options_parse_and_reject_unknown_keys():
-    options = dict(common.parse_ddp_options("bucket_cap_mb=100, static_graph=true,comm_hook=bf16"))
+    options = dict(parse_ddp_options("bucket_cap_mb=100, static_graph=true,comm_hook=bf16"))
     assert options == {
         "bucket_cap_mb": 100,
         "static_graph": True,
@@ -54,27 +57,27 @@ def test_ddp_options_parse_and_reject_unknown_keys():
         "find_unused_parameters": "auto",
         "freeze_unused": True,
     }
-    assert common.ddp_label(options) == "bucket_cap_mb=100,comm_hook=bf16,static_graph=True"
+    assert ddp_label(options) == "bucket_cap_mb=100,comm_hook=bf16,static_graph=True"
     with pytest.raises(ValueError, match="bucket_cap_mb"):  # the message lists the known keys
-        common.parse_ddp_options("bucket_size=100")
+        parse_ddp_options("bucket_size=100")
 
 
 def test_synthetic_image_batch_shards_back_into_the_global_batch(tiny_vl_path):
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(tiny_vl_path)
-    batch = common.synthetic_batch(config, 96, 4, "cpu", image=True, seed=3)
+    batch = synthetic_batch(config, 96, 4, "cpu", image=True, seed=3)
     assert batch["input_ids"].shape == (4, 96)
     image = batch["input_ids"] == config.image_token_id
     assert image.sum(dim=1).tolist() == [64] * 4  # 16x16 patches after the 2x2 merge
     assert torch.equal(batch["mm_token_type_ids"].bool(), image)
     assert torch.equal(batch["labels"], batch["input_ids"].masked_fill(image, -100))  # no loss on image tokens
-    shards = [common.shard_batch(batch, 2, i) for i in range(2)]
+    shards = [shard_batch(batch, 2, i) for i in range(2)]
     for key, value in batch.items():
         assert torch.equal(torch.cat([s[key] for s in shards]), value), key
     assert shards[1]["pixel_values"].shape[0] == 2 * 256  # its two sequences' patches
     with pytest.raises(ValueError, match="too short"):
-        common.synthetic_batch(config, 32, 1, "cpu", image=True)
+        synthetic_batch(config, 32, 1, "cpu", image=True)
 
 
 def test_bench_runs_launches_side_by_side_and_records_failures(tmp_path, tiny_vl_path):
@@ -189,7 +192,7 @@ def test_accumulated_micro_batches_give_the_update_of_their_mean(tiny_text_path)
     for accum in (1, 3):
         model = AutoModelForCausalLM.from_pretrained(tiny_text_path)
         before = model.lm_head.weight.detach().clone()
-        common.Stepper(
+        Stepper(
             model, "fp32", torch.device("cpu"), optimizer=torch.optim.SGD(model.parameters(), lr=1.0), grad_accum=accum
         ).step(batch)
         updates.append(model.lm_head.weight.detach() - before)

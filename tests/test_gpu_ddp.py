@@ -21,9 +21,12 @@ import torch
 import nbkit
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
-sys.path.insert(0, str(BENCHMARKS))
+sys.path.insert(0, str(BENCHMARKS.parent))
 
-import common  # noqa: E402
+from benchmarks.batches import shard_batch, synthetic_batch  # noqa: E402
+from benchmarks.models import build_model  # noqa: E402
+from benchmarks.ranks import gather, setup_rank, teardown_rank  # noqa: E402
+from benchmarks.stepping import Stepper, probe, wrap_ddp  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -38,28 +41,26 @@ def _train(backend: str, path: str) -> dict:
     Returns (rank 0) the global mean loss per step, each LoRA tensor's update, the trainable
     parameters the probe found unused, and the largest difference between the ranks' weights.
     """
-    device = common.setup_rank("cuda")
+    device = setup_rank("cuda")
     try:
         rank, world = nbkit.rank(), nbkit.world_size()
-        model = common.build_model(backend, path, "bf16", device, lora_r=8, max_seq_len=SEQ_LEN, seed=0)
+        model = build_model(backend, path, "bf16", device, lora_r=8, max_seq_len=SEQ_LEN, seed=0)
         trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
         before = {n: p.detach().cpu().clone() for n, p in trainable.items()}
         batches = [
-            common.shard_batch(
-                common.synthetic_batch(model.config, SEQ_LEN, GLOBAL_BATCH, device, image=True, seed=s), world, rank
-            )
+            shard_batch(synthetic_batch(model.config, SEQ_LEN, GLOBAL_BATCH, device, image=True, seed=s), world, rank)
             for s in range(STEPS)
         ]
-        unused = common.probe(common.Stepper(model, "bf16", device), batches[0])
-        wrapped = common.wrap_ddp(model, device, unused=unused)
+        unused = probe(Stepper(model, "bf16", device), batches[0])
+        wrapped = wrap_ddp(model, device, unused=unused)
         optimizer = torch.optim.SGD(list(trainable.values()), lr=LR)
-        stepper = common.Stepper(wrapped, "bf16", device, optimizer=optimizer)
+        stepper = Stepper(wrapped, "bf16", device, optimizer=optimizer)
         losses = []
         for batch in batches:
             loss = float(stepper.step(batch))
-            losses.append(sum(common.gather(loss)) / world)
+            losses.append(sum(gather(loss)) / world)
         flat = torch.cat([p.detach().flatten().cpu() for p in trainable.values()])
-        replicas = common.gather(flat)
+        replicas = gather(flat)
         return {
             "losses": losses,
             "updates": {n: p.detach().cpu() - before[n] for n, p in trainable.items()},
@@ -67,7 +68,7 @@ def _train(backend: str, path: str) -> dict:
             "replica_spread": max(float((r - replicas[0]).abs().max()) for r in replicas),
         }
     finally:
-        common.teardown_rank()
+        teardown_rank()
 
 
 @pytest.fixture(scope="module")

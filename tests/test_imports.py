@@ -31,9 +31,10 @@ def _imports(path: Path, modules: dict[str, Path]) -> set[str]:
         if isinstance(node, ast.Import):
             named.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            # `from nbkit import x` imports the submodule nbkit.x where x is one
-            named.update(f"{node.module}.{alias.name}" for alias in node.names)
-            named.add(node.module)
+            # `from nbkit import x` imports the submodule nbkit.x where x is one, else a name of nbkit
+            for alias in node.names:
+                submodule = f"{node.module}.{alias.name}"
+                named.add(submodule if submodule in modules else node.module)
         elif (
             isinstance(node, ast.Call)
             and isinstance(node.func, ast.Attribute)

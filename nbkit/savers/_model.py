@@ -15,6 +15,8 @@ Shared by every saver (checkpointing, tiled MLP, chunked loss):
 
 from __future__ import annotations
 
+from typing import Any, cast
+
 import torch
 from torch import nn
 
@@ -34,13 +36,14 @@ def base_model(model: nn.Module) -> nn.Module:
     while True:
         if isinstance(model, nn.parallel.DistributedDataParallel):
             model = model.module
-        elif callable(getattr(model, "get_base_model", None)):  # peft.PeftModel
-            inner = model.get_base_model()
-            if inner is model:
-                return model
-            model = inner
-        else:
+            continue
+        get_base_model = getattr(model, "get_base_model", None)  # peft.PeftModel
+        if not callable(get_base_model):
             return model
+        inner = get_base_model()
+        if inner is model:
+            return model
+        model = inner
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
@@ -54,7 +57,8 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     """
     base = base_model(model)
     try:
-        decoder = base.get_decoder() if callable(getattr(base, "get_decoder", None)) else base
+        get_decoder = getattr(base, "get_decoder", None)
+        decoder = get_decoder() if callable(get_decoder) else base
     except (AttributeError, NotImplementedError, ValueError):
         decoder = base
     layers = getattr(decoder, "layers", None)
@@ -120,9 +124,11 @@ def add_mixin(module: nn.Module, mixin: type) -> None:
 def remove_mixin(module: nn.Module, mixin: type) -> None:
     """Undo add_mixin: give `module` back its original class; a no-op if it does not have the mixin."""
     if has_mixin(module, mixin):
-        module.__class__ = type(module)._nbkit_original
+        module.__class__ = cast(Any, type(module))._nbkit_original
 
 
 def has_mixin(module: nn.Module, mixin: type) -> bool:
     """Whether add_mixin(module, mixin) is in effect."""
-    return isinstance(module, mixin) and type(module) is _SUBCLASSES.get((mixin, type(module)._nbkit_original))
+    return isinstance(module, mixin) and type(module) is _SUBCLASSES.get(
+        (mixin, cast(Any, type(module))._nbkit_original)
+    )

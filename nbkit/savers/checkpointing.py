@@ -30,7 +30,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import weakref
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -117,7 +117,7 @@ class HostOffloader:
             return record
         if record.on_device is None:
             self._fetch(record)
-        tensor, record.on_device, record.used = record.on_device, None, True
+        tensor, record.on_device, record.used = cast(torch.Tensor, record.on_device), None, True
         compute = torch.cuda.current_stream(record.device)
         compute.wait_event(record.ready)
         # Allocated on the side stream, used and freed on the compute stream.
@@ -168,37 +168,45 @@ class _CheckpointedLayer:
     _nbkit_checkpointing: _Checkpointing
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self._nbkit_checkpointing.run(self, args, kwargs)
+        return self._nbkit_checkpointing.run(cast(nn.Module, self), args, kwargs)
 
 
 def enable(model: nn.Module, *, offload: bool) -> None:
-    """Checkpoint every decoder layer of `model` (bare, peft or DDP-wrapped), offloading saved inputs if asked.
+    """Checkpoint every decoder layer of `model`, offloading saved inputs if asked.
 
     Replaces a previous setting of this saver. Sets `use_cache=False` on the model's configs
-    (restored by disable). Raises ValueError when the model's decoder layers cannot be found.
+    (restored by disable).
+
+    Args:
+        model: a transformers model, bare, peft- or DDP-wrapped.
+        offload: keep each layer's saved input in pinned CPU memory instead of on the GPU.
+
+    Raises:
+        ValueError: when the model's decoder layers cannot be found.
     """
     disable(model)
     base = base_model(model)
     layers = decoder_layers(base)
     state = _Checkpointing(offload)
-    configs = [base.config] if hasattr(base, "config") else []
-    if configs and callable(getattr(base.config, "get_text_config", None)):
-        configs.append(base.config.get_text_config())
-    for config in {id(c): c for c in configs}.values():
-        if getattr(config, "use_cache", None):
-            state.use_cache.append((config, config.use_cache))
-            config.use_cache = False
+    config: Any = getattr(base, "config", None)
+    configs = [config] if config is not None else []
+    if configs and callable(getattr(config, "get_text_config", None)):
+        configs.append(config.get_text_config())
+    for each in {id(c): c for c in configs}.values():
+        if getattr(each, "use_cache", None):
+            state.use_cache.append((each, each.use_cache))
+            each.use_cache = False
     for layer in layers:
-        layer._nbkit_checkpointing = state
+        cast(Any, layer)._nbkit_checkpointing = state
         add_mixin(layer, _CheckpointedLayer)
 
 
 def disable(model: nn.Module) -> None:
     """Undo enable(): layers get their own class back and configs their use_cache. A no-op if not enabled."""
-    state = None
+    state: _Checkpointing | None = None
     for layer in decoder_layers(model):
         if has_mixin(layer, _CheckpointedLayer):
-            state = layer._nbkit_checkpointing
+            state = cast(_CheckpointedLayer, layer)._nbkit_checkpointing
             remove_mixin(layer, _CheckpointedLayer)
             del layer._nbkit_checkpointing
     if state is not None:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -102,7 +102,7 @@ def _chunked_pass(
     total = torch.zeros((), dtype=torch.float32, device=device)
     grad_hidden = torch.zeros_like(hidden) if want_hidden else None
     grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=device) if want_weight else None
-    grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=device) if want_bias else None
+    grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=device) if want_bias and bias is not None else None
     scale = 1.0 / denominator
     for start in range(0, valid.numel(), rows):
         index = valid[start : start + rows]
@@ -125,17 +125,17 @@ def _chunked_pass(
             # d(c * tanh(x / c)) / dx = 1 - tanh(x / c)^2
             grad_logits.mul_(tanh.square_().neg_().add_(1))
             del tanh
-        if want_bias:
+        if grad_bias is not None:
             grad_bias += grad_logits.sum(0)
         grad_logits = grad_logits.to(compute_dtype)
-        if want_hidden:
+        if grad_hidden is not None:
             grad_hidden.index_copy_(0, index, (grad_logits @ w).to(hidden.dtype))
-        if want_weight:
+        if grad_weight is not None:
             grad_weight += (grad_logits.t() @ h).float()
     loss = total / denominator
     if grad_weight is not None:
         grad_weight = grad_weight.to(weight.dtype)
-    if grad_bias is not None:
+    if grad_bias is not None and bias is not None:
         grad_bias = grad_bias.to(bias.dtype)
     return loss, grad_hidden, grad_weight, grad_bias
 
@@ -144,7 +144,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
     """One backward node for the whole loss; gradients are computed in the forward, chunk by chunk."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any,
         hidden: torch.Tensor,
         weight: torch.Tensor,
@@ -182,23 +182,32 @@ def linear_cross_entropy(
 ) -> torch.Tensor:
     """Cross-entropy of `hidden_states @ weight.T + bias` against `labels`, without the full logits.
 
-    Takes hidden_states (..., H), the lm_head weight (V, H) and bias (V,), labels (...) with the same
-    leading shape as hidden_states; they may sit on different devices. `shift=True` predicts token
-    t+1 from position t, exactly like transformers' causal-LM loss; `shift=False` takes labels that
-    are already aligned (transformers' `shift_labels`). Labels equal to `ignore_index` do not count.
-    `softcap=c` applies `c * tanh(logits / c)` first (Gemma 2's `final_logit_softcapping`).
-    `chunk_size` is the number of rows per chunk (default: about 256 MiB of fp32 logits).
-    `kernel` computes the loss of the prepared rows instead of nbkit's chunked loop (see `Kernel`;
-    nbkit.savers.liger passes Liger's fused linear cross-entropy); the contract below holds either way.
+    The logits are computed in the weight's dtype (the autocast dtype under autocast), then upcast:
+    logsumexp and all accumulation are fp32. Gradients flow to hidden_states (arriving on
+    hidden_states' own device) and to weight / bias only where they require grad, each accumulated
+    once per backward. Runs on whichever rank calls it; no communication.
 
-    Returns a float32 scalar on the weight's device: the summed loss divided by `num_items_in_batch`
-    when given (transformers' gradient-accumulation normalisation), else the mean over counted tokens
-    (NaN if there are none, as in transformers). The logits are computed in the weight's dtype (the
-    autocast dtype under autocast), then upcast: logsumexp and all accumulation are fp32.
+    Args:
+        hidden_states: (..., H); may sit on another device than the weight.
+        weight: the lm_head weight (V, H).
+        labels: (...), the same leading shape as hidden_states.
+        bias: the lm_head bias (V,), if any.
+        ignore_index: labels equal to it do not count.
+        num_items_in_batch: the divisor of the summed loss (transformers' gradient-accumulation
+            normalisation); None: the number of counted tokens.
+        softcap: c applies `c * tanh(logits / c)` first (Gemma 2's `final_logit_softcapping`).
+        chunk_size: rows per chunk (default: rows_per_chunk, about 256 MiB of fp32 logits).
+        shift: True predicts token t+1 from position t, exactly like transformers' causal-LM loss;
+            False takes labels that are already aligned (transformers' `shift_labels`).
+        kernel: computes the loss of the prepared rows instead of nbkit's chunked loop (see `Kernel`;
+            nbkit.savers.liger passes Liger's fused linear cross-entropy); the contract holds either way.
 
-    Gradients flow to hidden_states (arriving on hidden_states' own device) and to weight / bias only
-    where they require grad, each accumulated once per backward. Raises ValueError when the shapes
-    of hidden_states and labels do not match. Runs on whichever rank calls it; no communication.
+    Returns:
+        A float32 scalar on the weight's device: the summed loss divided by `num_items_in_batch`
+        when given, else the mean over counted tokens (NaN if there are none, as in transformers).
+
+    Raises:
+        ValueError: when the shapes of hidden_states and labels do not match.
     """
     device = weight.device
     hidden = hidden_states.to(device)
@@ -215,7 +224,7 @@ def linear_cross_entropy(
     compute_dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else weight.dtype
     if kernel is not None:
         return kernel(hidden, weight, bias, labels, ignore_index, num_items_in_batch, softcap, compute_dtype)
-    options = dict(
+    options: dict[str, Any] = dict(
         ignore_index=ignore_index,
         num_items=num_items_in_batch,
         softcap=softcap,
@@ -238,8 +247,10 @@ class _Head:
     ATTR = "_nbkit_chunked_loss"
 
     def __init__(self, model: nn.Module) -> None:
-        self.model = model
-        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        self.model: Any = model  # a transformers model: its methods are not nn.Module's
+        config: Any = model.config
+        if hasattr(config, "get_text_config"):
+            config = config.get_text_config()
         self.softcap: float | None = getattr(config, "final_logit_softcapping", None)
         # One frame per forward in progress of a hooked model (the transformers model, its peft wrapper):
         # whether that call may use the chunked loss, and what the lm_head handed over.
@@ -249,7 +260,7 @@ class _Head:
         self.checked = False
         self.own_loss = model.__dict__.get("_loss_function", _MISSING)
         self.kernel: Kernel | None = None  # set by apply(); None: nbkit's chunked loop
-        self.previous_loss: Callable[..., torch.Tensor] = model.loss_function
+        self.previous_loss = cast(Callable[..., torch.Tensor], model.loss_function)
 
     # hooks on a model (the transformers model or a wrapper around it)
     def enter(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -346,7 +357,7 @@ _MISSING = object()
 
 def _reference_loss(
     logits, labels, vocab_size=None, num_items_in_batch=None, ignore_index=-100, shift_labels=None, **kwargs
-):  # type: ignore[no-untyped-def]
+):
     """Signature of transformers' ForCausalLMLoss, used only to read the arguments the model passed."""
 
 
@@ -361,32 +372,37 @@ def _outer_modules(model: nn.Module, inner: nn.Module) -> list[nn.Module]:
             model = model.module
             continue
         outer.append(model)
-        model = model.get_base_model()
+        model = cast(Any, model).get_base_model()
     return outer
 
 
 def apply(model: nn.Module, *, kernel: Kernel | None = None) -> None:
     """Make `model(**batch, labels=labels).loss` use `linear_cross_entropy`. Idempotent.
 
-    `kernel`: what computes the loss of the prepared rows (see `Kernel`); None is nbkit's chunked loop.
-    Applying again with another kernel switches to it.
+    While a forward gets `labels` with grad enabled (and no `logits_to_keep`), the loss is computed
+    in chunks from the hidden states and the real lm_head weight, with the model's
+    `final_logit_softcapping` and the `num_items_in_batch`, `ignore_index` and `shift_labels` the
+    caller passes; `.logits` of that output then holds only the last position's logits, shape
+    (batch, 1, vocab), as with `logits_to_keep=1`. Without labels, or under torch.no_grad()
+    (evaluation, generation), the model runs unchanged with full logits. A head that is not a plain
+    nn.Linear (LoRA on lm_head, modules_to_save, quantised) keeps full logits. Call it on every rank
+    (or before launching); it adds forward hooks and sets the model's `loss_function`, nothing
+    global.
 
-    Takes a transformers causal LM or VLM (anything with an lm_head from `get_output_embeddings()` and
-    a `loss_function`), bare or wrapped in peft and/or DDP. While a forward gets `labels` with grad
-    enabled (and no `logits_to_keep`), the loss is computed in chunks from the hidden states and the
-    real lm_head weight, with the model's `final_logit_softcapping` and the `num_items_in_batch`,
-    `ignore_index` and `shift_labels` the caller passes; `.logits` of that output then holds only the
-    last position's logits, shape (batch, 1, vocab), as with `logits_to_keep=1`. Without labels, or
-    under torch.no_grad() (evaluation, generation), the model runs unchanged with full logits.
+    Args:
+        model: a transformers causal LM or VLM (anything with an lm_head from
+            `get_output_embeddings()` and a `loss_function`), bare or wrapped in peft and/or DDP.
+        kernel: what computes the loss of the prepared rows (see `Kernel`); None is nbkit's chunked
+            loop. Applying again with another kernel switches to it.
 
-    The first chunked call checks the model's last-position logits against the ones this loss uses
-    and raises RuntimeError if the model transforms its logits in a way not reproduced here. A head
-    that is not a plain nn.Linear (LoRA on lm_head, modules_to_save, quantised) keeps full logits.
-    Raises ValueError for a model without output embeddings. Call it on every rank (or before
-    launching); it adds forward hooks and sets the model's `loss_function`, nothing global.
+    Raises:
+        ValueError: for a model without output embeddings.
+        RuntimeError: at the first chunked call, if the model transforms its logits in a way not
+            reproduced here (its last-position logits are checked against this loss's).
     """
     inner = base_model(model)
-    head = inner.get_output_embeddings() if callable(getattr(inner, "get_output_embeddings", None)) else None
+    get_output_embeddings = getattr(inner, "get_output_embeddings", None)
+    head = get_output_embeddings() if callable(get_output_embeddings) else None
     if not isinstance(head, nn.Module) or not hasattr(type(inner), "loss_function"):
         raise ValueError(
             f"nbkit's chunked loss needs a transformers causal LM or VLM with an lm_head and a loss_function; "
@@ -397,7 +413,7 @@ def apply(model: nn.Module, *, kernel: Kernel | None = None) -> None:
         state = _Head(inner)
         state.hook_model(inner)
         state.handles.append(head.register_forward_pre_hook(state.head_input))
-        inner.loss_function = state.loss_function
+        cast(Any, inner).loss_function = state.loss_function
         setattr(inner, _Head.ATTR, state)
     state.kernel = kernel
     # peft releases before 0.19 call the inner model's forward() directly, skipping its hooks; the

@@ -32,7 +32,7 @@ import contextlib
 import functools
 import math
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -63,7 +63,7 @@ def _shard_bounds(seq_len: int, shards: int) -> list[tuple[int, int]]:
 
 
 def _forward_shards(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, shards: int) -> torch.Tensor:
-    out = None
+    out: torch.Tensor | None = None
     for start, length in _shard_bounds(x.shape[-2], shards):
         y = fn(x.narrow(-2, start, length))
         if out is None:
@@ -75,6 +75,7 @@ def _forward_shards(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
                 )
             out = y.new_empty(x.shape)
         out.narrow(-2, start, length).copy_(y)
+    assert out is not None  # _shard_bounds gives at least one shard
     return out
 
 
@@ -137,12 +138,13 @@ class _TiledGrad(torch.autograd.Function):
                 grads = torch.autograd.grad(
                     y, inputs, grad_out.narrow(-2, start, length).to(y.dtype), allow_unused=True
                 )
-                if need_x:
+                if grad_x is not None:
                     grad_x.narrow(-2, start, length).copy_(grads[0])
                     grads = grads[1:]
                 for i, g in enumerate(grads):
+                    summed = grad_params[i]
                     if g is not None:
-                        grad_params[i] = g if grad_params[i] is None else grad_params[i] + g
+                        grad_params[i] = g if summed is None else summed + g
         by_param = iter(grad_params)
         return (grad_x, None, None, *(next(by_param) if need else None for need in ctx.needs_input_grad[3:]))
 
@@ -172,18 +174,24 @@ class _TiledMLP:
         shards = shard_count(x.numel() // x.shape[-1], x.shape[-2], x.shape[-1], self._nbkit_shards)
         if shards == 1:
             return call(x)
-        params = [p for p in self.parameters() if p.requires_grad]
+        params = [p for p in cast(nn.Module, self).parameters() if p.requires_grad]
         if torch.is_grad_enabled() and (x.requires_grad or params):
             return _TiledRun.apply(_TiledGrad.apply(x, call, shards, *params), call, shards)
         return _forward_shards(call, x, shards)
 
 
 def enable(model: nn.Module, *, shards: int | None = None) -> None:
-    """Tile the MLP of every decoder layer of `model` (bare, peft or DDP-wrapped).
+    """Tile the MLP of every decoder layer of `model`.
 
-    shards: a fixed shard count, or None for automatic. Mixture-of-experts blocks (an `experts`
-    attribute) are left alone. Replaces a previous setting of this saver. Raises ValueError when
-    the decoder layers cannot be found.
+    Mixture-of-experts blocks (an `experts` attribute) are left alone. Replaces a previous setting
+    of this saver.
+
+    Args:
+        model: a transformers model, bare, peft- or DDP-wrapped.
+        shards: a fixed shard count, or None for automatic (shard_count).
+
+    Raises:
+        ValueError: for shards below 1, or when the decoder layers cannot be found.
     """
     if shards is not None and shards < 1:
         raise ValueError(f"tiled_mlp shard count must be at least 1, got {shards}.")
@@ -191,7 +199,7 @@ def enable(model: nn.Module, *, shards: int | None = None) -> None:
         mlp = layer_mlp(layer)
         if mlp is None or hasattr(mlp, "experts"):
             continue
-        mlp._nbkit_shards = shards
+        cast(Any, mlp)._nbkit_shards = shards
         add_mixin(mlp, _TiledMLP)
 
 

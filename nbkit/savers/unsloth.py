@@ -44,7 +44,8 @@ import sys
 import textwrap
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from types import FrameType
+from typing import Any, cast
 
 import torch
 
@@ -82,7 +83,7 @@ def _parse(source: str) -> ast.Module | None:
 
 
 def _named(tree: ast.AST, kind: type, name: str) -> list[Any]:
-    return [node for node in ast.walk(tree) if isinstance(node, kind) and node.name == name]
+    return [node for node in ast.walk(tree) if isinstance(node, kind) and getattr(node, "name", None) == name]
 
 
 def _is_name(node: ast.AST, name: str) -> bool:
@@ -243,7 +244,7 @@ def unsloth_chooses_vlm_checkpointing() -> bool:
 
 @functools.cache
 def _forward_parameters(cls: type) -> list[str]:
-    return list(inspect.signature(cls.forward).parameters)[1:]
+    return list(inspect.signature(cast(Any, cls).forward).parameters)[1:]
 
 
 @patch(
@@ -343,7 +344,7 @@ def _vlm_keeps_single_gpu_checkpointing(original: Callable[[], bool]) -> Callabl
         model = _caller_model()
         if model is None or not _dense_vision_model(base_model(model)):
             return chosen
-        model._nbkit_kept_reentrant = True  # read by the Trainer patch below
+        cast(Any, model)._nbkit_kept_reentrant = True  # read by the Trainer patch below
         return True
 
     return vlm_gradient_checkpointing_reentrant
@@ -351,7 +352,7 @@ def _vlm_keeps_single_gpu_checkpointing(original: Callable[[], bool]) -> Callabl
 
 def _caller_model() -> torch.nn.Module | None:
     """The `model` of the nearest calling frame outside nbkit (the registry may add a frame)."""
-    frame = sys._getframe(2)
+    frame: FrameType | None = sys._getframe(2)
     while frame is not None and frame.f_globals.get("__name__", "").startswith("nbkit."):
         frame = frame.f_back
     model = frame.f_locals.get("model") if frame is not None else None

@@ -1,0 +1,33 @@
+"""nbkit's GPU benchmarks: the harnesses (scripts) and the parts they share, one module per job.
+
+Scripts, run as `python benchmarks/NAME.py ...` (see README.md):
+
+- bench.py: the matrix of backends x launchers x GPU counts (results as JSON and a markdown table).
+- savers.py: nbkit's memory savers at long sequences, one configuration after another.
+- planner_accuracy.py: nbkit.plan's estimates against measured peaks.
+- fork_probe.py: which import creates a CUDA context in a notebook-like process.
+
+Parts (also imported by tests/test_bench_cpu.py and tests/test_gpu_ddp.py):
+
+- cases: what one launch runs (LaunchSpec, Case, DDP options) and the identity of a result row.
+- ranks: a rank's set-up and teardown, and the agreements between ranks.
+- models: LoRA models built the way each backend's users build them.
+- batches: synthetic batches (text, or text with one small image) and their shards.
+- stepping: DDP wrapping and timed training steps.
+- measures: step-time statistics, garbage-collection pauses, peak memory.
+- profiling: a torch.profiler summary of a few steps.
+- host: the machine and library versions a result was measured with.
+- runner: one launch on one rank (every case of a spec; the same function under every launcher).
+
+A minimal use, in each launched rank::
+
+    from benchmarks import batches, models, ranks, stepping
+    device = ranks.setup_rank()
+    model = models.build_model("nbkit", path, "bf16", device)
+    batch = batches.synthetic_batch(model.config, 1024, 4, device)
+    step = stepping.Stepper(stepping.wrap_ddp(model, device), "bf16", device)
+    times, losses = stepping.timed_steps(step, batch, steps=20)
+"""
+
+# First, before torch: nbkit.forksafety keeps the launching process fork-safe.
+import nbkit  # noqa: F401

@@ -1,0 +1,73 @@
+"""DOC machine"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+import os
+import platform
+import shutil
+import socket
+import subprocess
+import sys
+from datetime import datetime, timezone
+from typing import Any
+
+import torch
+
+
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def environment() -> dict[str, Any]:
+    """GPU model/count/memory, driver, CUDA, library versions, date and host, without creating a
+    CUDA context (safe in the process that launches).
+    """
+    from nbkit.distributed import visible_gpus
+
+    gpus = visible_gpus()
+    driver = None
+    exe = shutil.which("nvidia-smi")
+    if exe is not None:
+        with contextlib.suppress(subprocess.SubprocessError, OSError):
+            driver = (
+                subprocess.run(
+                    [exe, "--query-gpu=driver_version", "--format=csv,noheader"],
+                    capture_output=True,
+                    text=True,
+                    timeout=20,
+                    check=True,
+                )
+                .stdout.strip()
+                .splitlines()[0]
+            )
+    return {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "host": socket.gethostname(),
+        "gpu": gpus[0].name if gpus else None,
+        "gpu_count": len(gpus),
+        "gpu_memory_gib": round(gpus[0].memory_gib, 1) if gpus else None,
+        "driver": driver,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "cpu_count": os.cpu_count(),
+        "versions": {
+            p: _version(p)
+            for p in (
+                "torch",
+                "transformers",
+                "peft",
+                "accelerate",
+                "unsloth",
+                "unsloth_zoo",
+                "trl",
+                "bitsandbytes",
+                "nbkit",
+            )
+        },
+        "argv": sys.argv,
+    }

@@ -1,0 +1,76 @@
+"""What the benchmarks measure around their steps: step-time statistics, garbage-collection pauses, peak memory."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import math
+import statistics
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+
+@contextlib.contextmanager
+def gc_pauses() -> Iterator[dict[str, Any]]:
+    """Python's garbage collections while the block runs: yields a dict that fills with the
+    collections per generation ("collections"), their total and longest pause in milliseconds.
+    A host-bound step pays for them in full, and under DDP a pause on one rank stalls the others.
+    """
+    found: dict[str, Any] = {"collections": [0, 0, 0], "total_ms": 0.0, "max_ms": 0.0}
+    started: list[float] = []
+
+    def on_collect(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            started.append(time.perf_counter())
+        elif started:
+            pause = (time.perf_counter() - started.pop()) * 1000
+            found["collections"][info["generation"]] += 1
+            found["total_ms"] += pause
+            found["max_ms"] = max(found["max_ms"], pause)
+
+    gc.callbacks.append(on_collect)
+    try:
+        yield found
+    finally:
+        gc.callbacks.remove(on_collect)
+
+
+def step_stats(times: list[float]) -> dict[str, float]:
+    """Median, p10, p90, min, max, stdev (seconds) and spread = (p90 - p10) / median in percent."""
+    ordered = sorted(times)
+
+    def pct(q: float) -> float:
+        pos = q * (len(ordered) - 1)
+        low, high = math.floor(pos), math.ceil(pos)
+        return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
+
+    median = statistics.median(ordered)
+    return {
+        "median": median,
+        "p10": pct(0.1),
+        "p90": pct(0.9),
+        "min": ordered[0],
+        "max": ordered[-1],
+        "stdev": statistics.stdev(ordered) if len(ordered) > 1 else 0.0,
+        "spread_pct": 100.0 * (pct(0.9) - pct(0.1)) / median if median > 0 else 0.0,
+    }
+
+
+def peak_memory_gib(device: torch.device) -> dict[str, float] | None:
+    """Peak allocated and reserved GiB on `device` since the last reset; None on CPU."""
+    if device.type != "cuda":
+        return None
+    return {
+        "allocated": torch.cuda.max_memory_allocated(device) / 2**30,
+        "reserved": torch.cuda.max_memory_reserved(device) / 2**30,
+    }
+
+
+def reset_memory(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)

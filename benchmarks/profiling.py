@@ -1,0 +1,91 @@
+"""A torch.profiler summary of a few training steps (kernel time by kind, host synchronisations)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.cases import Case, LaunchSpec
+from benchmarks.stepping import Stepper, sync
+
+_HOST_SYNCS = frozenset({"cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize"})
+
+
+def profile(stepper: Stepper, batch: dict[str, torch.Tensor], spec: LaunchSpec, case: Case, rank: int) -> dict:
+    """Profile spec.profile_steps more steps on every rank; rank 0 writes the tables and trace.
+
+    Returns, per step and for this rank: the wall time under the profiler ("step_ms"); on GPUs the
+    milliseconds of GPU kernels by kind ("nccl", "memcpy", "compute"), so NCCL time against compute
+    and idle GPU time can be read off; "host_ops_ms_per_step", the self CPU time of every torch op
+    and CUDA runtime call summed over all threads (the main thread and autograd's, so it is not a
+    wall time; profiler annotations such as DistributedDataParallel.forward are left out, as their
+    children are counted); "host_syncs_per_step", the calls that block the CPU until the GPU catches
+    up, the harness's own one synchronisation per step included. The written file lists the ops by
+    device time (on GPUs) and by self CPU time.
+    """
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if stepper.device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    start = time.perf_counter()
+    with profile(activities=activities) as prof:
+        for _ in range(spec.profile_steps):
+            stepper.step(batch)
+            sync(stepper.device)
+    wall_ms = (time.perf_counter() - start) * 1000 / spec.profile_steps
+    averages = prof.key_averages()
+    summary: dict[str, Any] = {"step_ms": wall_ms}
+    if stepper.device.type == "cuda":
+        kinds = {"nccl": 0.0, "memcpy": 0.0, "compute": 0.0}
+        for event in averages:
+            # Annotations ("DistributedDataParallel.forward", "nccl:all_reduce", "record_param_comms")
+            # span kernels that are counted on their own: counting them too would double the time.
+            if getattr(event, "device_type", None) != DeviceType.CUDA or getattr(event, "is_user_annotation", False):
+                continue
+            name = event.key.lower()
+            kind = "nccl" if "nccl" in name else "memcpy" if name.startswith(("memcpy", "memset")) else "compute"
+            kinds[kind] += _device_us(event) / 1000
+        summary.update({f"{k}_ms_per_step": v / spec.profile_steps for k, v in kinds.items()})
+        summary["compute_busy_pct"] = 100 * summary["compute_ms_per_step"] / wall_ms if wall_ms else 0.0
+    # A step whose kernels take less than its wall time is bound by the host: the CPU side says where.
+    host_events = [
+        e
+        for e in averages
+        if getattr(e, "device_type", None) != DeviceType.CUDA and not getattr(e, "is_user_annotation", False)
+    ]
+    summary["host_ops_ms_per_step"] = sum(e.self_cpu_time_total for e in host_events) / 1000 / spec.profile_steps
+    summary["host_syncs_per_step"] = sum(e.count for e in host_events if e.key in _HOST_SYNCS) / spec.profile_steps
+    if rank == 0:
+        out = Path(spec.profile_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        slug = f"{spec.config}_{case.label()}".replace(":", "-").replace("@", "-").replace(" ", "_")
+        slug = "".join(ch if ch.isalnum() or ch in "._-" else "_" for ch in slug)
+        sort = "self_cpu_time_total"
+        if stepper.device.type == "cuda":  # torch < 2.4 named device times after CUDA
+            sort = (
+                "self_device_time_total" if hasattr(averages[0], "self_device_time_total") else "self_cuda_time_total"
+            )
+        lines = [
+            f"{spec.config} {case.label()}: {spec.profile_steps} steps, rank 0",
+            json.dumps(summary, indent=1),
+            f"By {sort}:",
+            averages.table(sort_by=sort, row_limit=30),
+        ]
+        if sort != "self_cpu_time_total":
+            lines += ["By self_cpu_time_total:", averages.table(sort_by="self_cpu_time_total", row_limit=30)]
+        (out / f"{slug}.txt").write_text("\n".join(lines) + "\n")
+        prof.export_chrome_trace(str(out / f"{slug}.trace.json.gz"))
+        summary["files"] = [f"{slug}.txt", f"{slug}.trace.json.gz"]
+    return summary
+
+
+def _device_us(event: Any) -> float:
+    """An event's own device time in microseconds, under the name this torch uses."""
+    value = getattr(event, "self_device_time_total", None)
+    return getattr(event, "self_cuda_time_total", 0.0) if value is None else value
