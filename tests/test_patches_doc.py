@@ -16,6 +16,7 @@ DECLARING = (
     "nbkit.reporting",
     "nbkit.checkpoints",
     "nbkit.offline",
+    "nbkit.compat",
 )
 DOC = Path(__file__).resolve().parents[1] / "docs" / "patches.md"
 
