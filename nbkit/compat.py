@@ -1,10 +1,11 @@
-"""Where the supported transformers lines differ (4.57.x and 5.x), asked and bridged in one place.
+"""Where the supported release lines differ, asked and bridged in one place.
 
-nbkit supports transformers 4.57.1 through 5.17 (unsloth's Kaggle notebooks pin 4.57.1). Code that
-must behave differently on the two lines asks `transformers_major()` instead of importing
-transformers to find out: reading the installed version costs nothing and imports nothing.
-Differences that would break training in a launched rank are bridged by the patches here, which
-`enable()` applies in every rank nbkit.launch starts (they apply on 4.x only).
+nbkit supports transformers 4.57.1 through 5.17 and trl 0.22.2 through 1.15 (unsloth's Kaggle
+notebooks pin transformers 4.57.1 and trl 0.22.2). Code that must behave differently on the two
+lines asks `transformers_major()` instead of importing transformers to find out: reading the
+installed version costs nothing and imports nothing. Differences that would break training are
+bridged by the patches here, which apply on the older lines only; `enable()` applies them in every
+rank nbkit.launch starts and wherever nbkit's chunked loss is applied.
 """
 
 from __future__ import annotations
@@ -33,6 +34,13 @@ def _transformers_4() -> bool:
     return transformers_major() < 5
 
 
+def _trl_0() -> bool:
+    try:
+        return int(importlib.metadata.version("trl").split(".")[0]) < 1
+    except importlib.metadata.PackageNotFoundError:
+        return False
+
+
 @patching.patch(
     "transformers.modeling_utils:PreTrainedModel.gradient_checkpointing_enable",
     reason="transformers 4.x checkpoints reentrantly unless told otherwise, and Trainer wraps PEFT models in "
@@ -50,6 +58,35 @@ def _non_reentrant_by_default(original: Callable[..., Any]) -> Callable[..., Any
         return original(self, gradient_checkpointing_kwargs=kwargs)
 
     return gradient_checkpointing_enable
+
+
+@patching.patch(
+    "trl.trainer.sft_trainer:SFTTrainer.compute_loss",
+    reason="trl 0.x's SFTTrainer computes token accuracy and entropy from the model's full logits; with "
+    "nbkit's chunked loss (nbkit.savers.apply) the logits hold the last position only, and trl 0.22.2 failed "
+    "every step with 'The size of tensor a (0) must match the size of tensor b (N)'. For such a model the "
+    "loss is Trainer's and those two logged metrics are left out (trl 1.x gets them from its own chunked "
+    "loss instead of the logits)",
+    upstream="no upstream report: trl 1.0 reworked compute_loss (loss_type='chunked_nll' reports its own metrics)",
+    group="compat",
+    when=_trl_0,
+)
+def _loss_without_full_logits(original: Callable[..., Any]) -> Callable[..., Any]:
+    def compute_loss(
+        self: Any, model: Any, inputs: dict[str, Any], return_outputs: bool = False, num_items_in_batch: Any = None
+    ) -> Any:
+        from transformers import Trainer
+
+        from nbkit.savers import loss
+
+        if not loss.is_applied(model):
+            return original(self, model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+        inputs["use_cache"] = False  # as trl does: the cache does not go with gradient checkpointing
+        return Trainer.compute_loss(
+            self, model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+        )
+
+    return compute_loss
 
 
 def enable() -> None:

@@ -65,7 +65,7 @@ TESTED_VERSIONS: dict[str, tuple[str, str]] = {
     "trl": ("0.22.2", "1.15.0"),
     "accelerate": ("1.12.0", "1.15.0"),
     "peft": ("0.18.0", "0.21.0"),
-    "datasets": ("3.4.1", "4.8.5"),
+    "datasets": ("3.6.0", "4.8.5"),
 }
 
 # The distribution that installs the `nbkit` module (`nbkit` on the package index is another project).

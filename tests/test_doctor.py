@@ -157,7 +157,7 @@ def test_versions_outside_the_tested_range_are_warned_about(monkeypatch, install
     "installed",
     [
         # both ends of the range, and patch releases of the newest tested minor line
-        {"transformers": "4.57.1", "trl": "0.22.2", "accelerate": "1.12.0", "peft": "0.18.0", "datasets": "3.4.1"},
+        {"transformers": "4.57.1", "trl": "0.22.2", "accelerate": "1.12.0", "peft": "0.18.0", "datasets": "3.6.0"},
         {"transformers": "5.17.3", "trl": "1.15.1", "accelerate": "1.15.2", "peft": "0.21.2", "datasets": "4.8.5"},
     ],
 )
