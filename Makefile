@@ -1,26 +1,47 @@
 # Everything a fresh machine needs, in two commands:
-#   make demo   set up, then run the flagship notebook end to end (offline tiny model without a GPU)
-#   make test   set up, then run the test suite (what CI runs)
-# Set-up makes .venv/ and installs torch first (the CPU build where there is no GPU, so pip never
-# pulls gigabytes of CUDA wheels), then nbkit with its test extras at the versions CI pins.
+#   make demo          set up, then run the flagship notebook end to end (offline tiny model without a GPU)
+#   make test          set up, then lint and run the test suite on the newest supported set (constraints.txt)
+# and what CI adds (bash .ci/run runs all three):
+#   make test-oldest   the same test command on the oldest supported set (constraints-oldest.txt, .venv-oldest/)
+#   make dist          build the sdist and wheel into dist/ and check them with twine
+# Set-up makes the virtual environment and installs torch first (the CPU build where there is no GPU,
+# so pip never pulls gigabytes of CUDA wheels), then nbkit with its test extras at the pinned versions.
 
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
+OLDEST := .venv-oldest
 # CI on hosted runners points this at the PyTorch CPU index; locally the default index is fine.
 TORCH_INDEX ?=
 DEMO_OUT ?= notebooks/outputs
+# Which tests `make test-oldest` runs (all of them by default; CI may pass a subset).
+OLDEST_TESTS ?=
 
-.PHONY: setup lint test demo clean
+.PHONY: setup setup-oldest lint test test-oldest dist demo clean
+
+# $(1): the environment's folder, $(2): the constraints file it is installed with.
+define make-venv
+	$(PYTHON) -m venv $(1)
+	$(1)/bin/python -m pip install -q --upgrade pip
+	$(1)/bin/python -m pip install -q "torch==2.13.0" $(TORCH_INDEX)
+	$(1)/bin/python -m pip install -q -c $(2) -e ".[test]"
+	touch $(1)/.installed
+endef
+
+# $(1): the environment's folder, $(2): pytest arguments. One test command for every set.
+define run-tests
+	HF_HUB_OFFLINE=1 $(1)/bin/python -m pytest -q $(2)
+endef
 
 $(VENV)/.installed: pyproject.toml constraints.txt
-	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "torch==2.13.0" $(TORCH_INDEX)
-	$(PY) -m pip install -q -c constraints.txt -e ".[test]"
-	touch $@
+	$(call make-venv,$(VENV),constraints.txt)
+
+$(OLDEST)/.installed: pyproject.toml constraints-oldest.txt
+	$(call make-venv,$(OLDEST),constraints-oldest.txt)
 
 setup: $(VENV)/.installed
+
+setup-oldest: $(OLDEST)/.installed
 
 # ruff (lint + format) over the whole tree; mypy over the package (config in pyproject.toml).
 lint: setup
@@ -28,11 +49,19 @@ lint: setup
 	$(VENV)/bin/ruff format --check nbkit tests benchmarks notebooks/run.py
 
 test: lint
-	HF_HUB_OFFLINE=1 $(PY) -m pytest -q
+	$(call run-tests,$(VENV),)
+
+test-oldest: setup-oldest
+	$(call run-tests,$(OLDEST),$(OLDEST_TESTS))
+
+dist: setup
+	rm -rf dist
+	$(PY) -m build --outdir dist .
+	$(PY) -m twine check --strict dist/*
 
 demo: setup
 	mkdir -p $(DEMO_OUT)
 	HF_HUB_OFFLINE=1 $(PY) notebooks/run.py qwen3_vl_2xT4 --out $(DEMO_OUT)
 
 clean:
-	rm -rf $(VENV) $(DEMO_OUT)
+	rm -rf $(VENV) $(OLDEST) dist build $(DEMO_OUT)

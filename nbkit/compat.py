@@ -1,16 +1,23 @@
-"""Where the supported transformers lines differ (4.57.x and 5.x), asked in one place.
+"""Where the supported release lines differ, asked and bridged in one place.
 
-nbkit supports transformers 4.57.1 through 5.17 (unsloth's Kaggle notebooks pin 4.57.1). Code that
-must behave differently on the two lines asks `transformers_major()` instead of importing
-transformers to find out: reading the installed version costs nothing and imports nothing.
+nbkit supports transformers 4.57.1 through 5.17 and trl 0.22.2 through 1.15 (unsloth's Kaggle
+notebooks pin transformers 4.57.1 and trl 0.22.2). Code that must behave differently on the two
+lines asks `transformers_major()` instead of importing transformers to find out: reading the
+installed version costs nothing and imports nothing. Differences that would break training are
+bridged by the patches here, which apply on the older lines only; `enable()` applies them in every
+rank nbkit.launch starts and wherever nbkit's chunked loss is applied.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
+from collections.abc import Callable
 from functools import lru_cache
+from typing import Any
 
-__all__ = ["transformers_major"]
+from nbkit import patching
+
+__all__ = ["enable", "transformers_major"]
 
 
 @lru_cache(maxsize=1)
@@ -21,3 +28,70 @@ def transformers_major() -> int:
         importlib.metadata.PackageNotFoundError: transformers is not installed.
     """
     return int(importlib.metadata.version("transformers").split(".")[0])
+
+
+def _transformers_4() -> bool:
+    return transformers_major() < 5
+
+
+def _trl_0() -> bool:
+    try:
+        return int(importlib.metadata.version("trl").split(".")[0]) < 1
+    except importlib.metadata.PackageNotFoundError:
+        return False
+
+
+@patching.patch(
+    "transformers.modeling_utils:PreTrainedModel.gradient_checkpointing_enable",
+    reason="transformers 4.x checkpoints reentrantly unless told otherwise, and Trainer wraps PEFT models in "
+    "DDP with find_unused_parameters=True; together they fail in the first backward with 'Expected to mark "
+    "a variable ready only once' (seen: transformers 4.57.1 and trl 0.22.2, whose SFTConfig turns "
+    "checkpointing on by default, LoRA on 2 gloo ranks). In launched ranks the default becomes "
+    "non-reentrant, as in transformers 5; an explicit use_reentrant is kept",
+    upstream="https://github.com/huggingface/transformers/pull/43203 (the default changed in 5.0)",
+    group="compat",
+    when=_transformers_4,
+)
+def _non_reentrant_by_default(original: Callable[..., Any]) -> Callable[..., Any]:
+    def gradient_checkpointing_enable(self: Any, gradient_checkpointing_kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = {"use_reentrant": False, **(gradient_checkpointing_kwargs or {})}
+        return original(self, gradient_checkpointing_kwargs=kwargs)
+
+    return gradient_checkpointing_enable
+
+
+@patching.patch(
+    "trl.trainer.sft_trainer:SFTTrainer.compute_loss",
+    reason="trl 0.x's SFTTrainer computes token accuracy and entropy from the model's full logits; with "
+    "nbkit's chunked loss (nbkit.savers.apply) the logits hold the last position only, and trl 0.22.2 failed "
+    "every step with 'The size of tensor a (0) must match the size of tensor b (N)'. For such a model the "
+    "loss is Trainer's and those two logged metrics are left out (trl 1.x gets them from its own chunked "
+    "loss instead of the logits)",
+    upstream="no upstream report: trl 1.0 reworked compute_loss (loss_type='chunked_nll' reports its own metrics)",
+    group="compat",
+    when=_trl_0,
+)
+def _loss_without_full_logits(original: Callable[..., Any]) -> Callable[..., Any]:
+    def compute_loss(
+        self: Any, model: Any, inputs: dict[str, Any], return_outputs: bool = False, num_items_in_batch: Any = None
+    ) -> Any:
+        from transformers import Trainer
+
+        from nbkit.savers import loss
+
+        if not loss.is_applied(model):
+            return original(self, model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+        inputs["use_cache"] = False  # as trl does: the cache does not go with gradient checkpointing
+        return Trainer.compute_loss(
+            self, model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+        )
+
+    return compute_loss
+
+
+def enable() -> None:
+    """Apply the patches above where transformers is imported, and when it is imported otherwise.
+
+    Called in every rank nbkit.launch starts; idempotent; imports nothing itself.
+    """
+    patching.apply("compat")

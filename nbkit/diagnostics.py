@@ -5,8 +5,10 @@
 Reports the platform (Kaggle, Colab, local), the GPUs (name, memory, compute capability, bf16 or
 fp16; read without initialising CUDA), whether this process could fork training processes now
 (CUDA state, accelerate state, bitsandbytes), the versions of the libraries nbkit works with, with
-known-bad combinations flagged, and which secrets are set. Secret values are never read into the
-report: only whether each is set.
+known-bad combinations and versions outside the tested range flagged, and which of the secrets
+these notebooks use (HF_TOKEN, WANDB_API_KEY, KAGGLE_USERNAME/KAGGLE_KEY) are set: in the
+environment and, on Kaggle and Colab, in the platform's secret store. Secret values never reach
+the report: only whether each is set.
 """
 
 from __future__ import annotations
@@ -55,19 +57,26 @@ UNSLOTH_PINS: dict[str, dict[str, str]] = {
     },
 }
 
-# Environment variables that hold credentials. Only their presence is ever reported.
-SECRET_VARIABLES = (
-    "HF_TOKEN",
-    "HUGGING_FACE_HUB_TOKEN",
-    "KAGGLE_KEY",
-    "KAGGLE_USERNAME",
-    "WANDB_API_KEY",
-    "OPENAI_API_KEY",
-    "COMET_API_KEY",
-    "NEPTUNE_API_TOKEN",
-    "MLFLOW_TRACKING_PASSWORD",
-)
-_SECRET_NAME = re.compile(r"(TOKEN|SECRET|PASSWORD|PASSWD|API_KEY|ACCESS_KEY|PRIVATE_KEY)", re.IGNORECASE)
+# The versions CI tests nbkit with, per library: (oldest, newest) = the pins of constraints-oldest.txt
+# and of constraints.txt or the GPU runs, whichever is newer (tests/test_packaging.py holds them to
+# those files). A release of the newest tested minor line (5.17.x) counts as tested. Outside the
+# range nbkit may well work, but nobody has run it: doctor says so, as a warning.
+TESTED_VERSIONS: dict[str, tuple[str, str]] = {
+    "torch": ("2.11.0", "2.13.0"),
+    "transformers": ("4.57.1", "5.17.0"),
+    "trl": ("0.22.2", "1.15.0"),
+    "accelerate": ("1.12.0", "1.15.0"),
+    "peft": ("0.18.0", "0.21.0"),
+    "datasets": ("3.6.0", "4.8.5"),
+}
+
+# The distribution that installs the `nbkit` module (`nbkit` on the package index is another project).
+DISTRIBUTION = "nbkit-ddp"
+
+# The credentials these notebooks use: the hub (models, push_to_hub), Weights & Biases, Kaggle's API.
+# Only whether each is set is ever reported, from the environment and from the platform's own secret
+# store (Kaggle: Add-ons > Secrets; Colab: the key icon), never a value.
+SECRET_NAMES = ("HF_TOKEN", "WANDB_API_KEY", "KAGGLE_USERNAME", "KAGGLE_KEY")
 
 
 @dataclass
@@ -93,6 +102,8 @@ class Report:
     dashboard: str
     versions: dict[str, str | None]
     secrets: dict[str, bool]
+    # The platform's secret store: where it is, and per name "set", "not set" or why it is not known.
+    platform_secrets: tuple[str, dict[str, str]] | None = None
     problems: list[Problem] = field(default_factory=list)
     # nbkit's patches of other libraries, group -> targets: in place now, and waiting for an import.
     patches_applied: dict[str, list[str]] = field(default_factory=dict)
@@ -122,6 +133,12 @@ class Report:
         present = [k for k, v in self.secrets.items() if v]
         absent = [k for k, v in self.secrets.items() if not v]
         lines.append(f"  secrets set: {', '.join(present) or 'none'}; not set: {', '.join(absent) or 'none'}")
+        if self.platform_secrets is not None:
+            store, states = self.platform_secrets
+            by_state: dict[str, list[str]] = {}
+            for name, state in states.items():
+                by_state.setdefault(state, []).append(name)
+            lines.append(f"  {store}: " + "; ".join(f"{state}: {', '.join(n)}" for state, n in by_state.items()))
         if self.problems:
             lines.append(f"Problems ({len(self.problems)}):")
             for p in self.problems:
@@ -160,6 +177,7 @@ def doctor() -> Report:
         secrets=_secrets(),
         patches_applied=_by_group(patching.applied),
         patches_pending=_by_group(patching.pending),
+        platform_secrets=_platform_secrets(_platform()),
     )
     report.problems += _gpu_problems(gpus, report.platform)
     if blocker is not None:
@@ -217,11 +235,60 @@ def _dashboard_mode(dashboard: Any) -> str:
 
 
 def _secrets() -> dict[str, bool]:
-    names = set(SECRET_VARIABLES) | {k for k in os.environ if _SECRET_NAME.search(k)}
-    found = {name: bool(os.environ.get(name)) for name in sorted(names)}
+    found = {name: bool(os.environ.get(name)) for name in SECRET_NAMES}
     hf_home = Path(os.environ.get("HF_HOME", Path.home() / ".cache" / "huggingface"))
     found["HF_HOME/token (huggingface-cli login)"] = (hf_home / "token").is_file()
     return found
+
+
+def _platform_secrets(platform: str) -> tuple[str, dict[str, str]] | None:
+    """Which of SECRET_NAMES the platform's secret store holds for this notebook; None off Kaggle/Colab.
+
+    Each store only answers with a value, so a value is fetched and dropped at once: only "set",
+    "not set" or why the store could not be asked leaves this function. The stores' modules exist
+    only on their platform and are imported here, never at nbkit's import.
+    """
+    if platform.startswith("Kaggle"):
+        return "Kaggle secrets (Add-ons > Secrets)", _kaggle_secrets()
+    if platform == "Colab":
+        return "Colab secrets (the key icon)", _colab_secrets()
+    return None
+
+
+def _kaggle_secrets() -> dict[str, str]:
+    try:
+        from kaggle_secrets import UserSecretsClient  # Kaggle's image ships it
+    except ImportError:
+        return dict.fromkeys(SECRET_NAMES, "unknown (no kaggle_secrets module)")
+    try:
+        client = UserSecretsClient()
+    except Exception as exc:  # CredentialError: no secrets token in this session
+        return dict.fromkeys(SECRET_NAMES, f"unknown ({type(exc).__name__})")
+    states: dict[str, str] = {}
+    for name in SECRET_NAMES:
+        try:
+            states[name] = "set" if client.get_secret(name) else "not set"
+        except ConnectionError:  # internet off: every further call would wait for its own timeout
+            return {**states, **dict.fromkeys(SECRET_NAMES[len(states) :], "unknown (internet off?)")}
+        except Exception:  # BackendError: no such secret, or not attached to this notebook
+            states[name] = "not set"
+    return states
+
+
+def _colab_secrets() -> dict[str, str]:
+    try:
+        from google.colab import userdata  # Colab's runtime ships it
+    except ImportError:
+        return dict.fromkeys(SECRET_NAMES, "unknown (no google.colab.userdata)")
+    states: dict[str, str] = {}
+    for name in SECRET_NAMES:
+        try:
+            states[name] = "set" if userdata.get(name) else "not set"
+        except userdata.NotebookAccessError:
+            states[name] = "set, but this notebook has no access (turn on Notebook access)"
+        except Exception:  # SecretNotFoundError, or no answer from the frontend
+            states[name] = "not set"
+    return states
 
 
 def _gpu_problems(gpus: list[distributed.GPU], platform: str) -> list[Problem]:
@@ -277,13 +344,26 @@ def _version_problems(versions: dict[str, str | None]) -> list[Problem]:
             )
 
     try:
-        requirements = importlib.metadata.requires("nbkit") or []
+        requirements = importlib.metadata.requires(DISTRIBUTION) or []
     except importlib.metadata.PackageNotFoundError:  # imported from a source folder on sys.path
         requirements = []
         problems.append(
             Problem(
                 "nbkit is imported from a folder, not installed, so the versions it needs are not checked.",
                 "pip install the nbkit folder (pip install -e PATH) to have them checked.",
+                "warning",
+            )
+        )
+    other = _version("nbkit")  # a distribution named `nbkit`: PyPI's unrelated project, or nbkit before 0.2
+    if other is not None:
+        summary = importlib.metadata.metadata("nbkit").json.get("summary", "no description")
+        problems.append(
+            Problem(
+                f"A distribution named `nbkit` ({other}, {summary!r}) is installed: it is PyPI's unrelated "
+                f"`nbkit` project or an nbkit from before 0.2.0 (nbkit is now {DISTRIBUTION}), and it writes the "
+                "same `nbkit` folder, so which files you run depends on the order of installs.",
+                f"pip uninstall -y nbkit {DISTRIBUTION}, then install {DISTRIBUTION} again (the notebooks' "
+                "install cell does both), and restart the kernel.",
                 "warning",
             )
         )
@@ -319,6 +399,41 @@ def _version_problems(versions: dict[str, str | None]) -> list[Problem]:
                     "(transformers then uses its PIL image processors).",
                 )
             )
+    # One problem per library: a version already outside a requirement needs no second warning.
+    flagged = {p.what.split(" ", 1)[0] for p in problems}
+    problems += [p for p in _untested_versions(versions) if p.what.split(" ", 1)[0] not in flagged]
+    return problems
+
+
+def _untested_versions(versions: dict[str, str | None]) -> list[Problem]:
+    """Warnings for libraries installed at a version outside TESTED_VERSIONS."""
+    from packaging.version import InvalidVersion, Version
+
+    problems = []
+    for name, (oldest, newest) in TESTED_VERSIONS.items():
+        installed = versions.get(name) if name in versions else _version(name)
+        if installed is None:
+            continue
+        try:
+            version = Version(installed)
+        except InvalidVersion:
+            continue
+        newest_line = Version(newest).release[:2]
+        if version < Version(oldest):
+            relation = "older than the oldest"
+        elif version.release[:2] > newest_line:
+            relation = "newer than the newest"
+        else:
+            continue
+        tested = f"{oldest} to {'.'.join(map(str, newest_line))}.x"
+        problems.append(
+            Problem(
+                f"{name} {installed} is {relation} version nbkit is tested with ({tested}).",
+                f"It may work. If something fails in {name}, install a tested one: "
+                f'pip install "{name}>={oldest},<={newest}" and restart the kernel.',
+                "warning",
+            )
+        )
     return problems
 
 

@@ -80,6 +80,12 @@ GROUPS: dict[str, Group] = {
             "inside that model's attention only",
         ),
         Group(
+            "compat",
+            "nbkit.compat",
+            "in every rank nbkit.launch starts, on transformers/trl releases older than 5 / 1 only: "
+            "their defaults that break DDP or nbkit's chunked loss",
+        ),
+        Group(
             "offline",
             "nbkit.offline",
             "when nbkit.offline builds a Qwen3-VL processor on a machine without torchvision",

@@ -872,11 +872,12 @@ class _Child:
 def _prepare_rank(*, quiet: bool, rank: int) -> None:
     """Per-rank set-up shared by forked ranks and ranks of an outside launcher."""
     _route_output(rank, quiet)
-    from nbkit import checkpoints, integration, reporting
+    from nbkit import checkpoints, compat, integration, reporting
 
     integration.install()
     reporting.setup_rank()
     checkpoints.enable()
+    compat.enable()
 
 
 def _route_output(rank: int, quiet: bool) -> None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import json
+import sys
 
 import pytest
 
@@ -23,12 +25,14 @@ def test_a_set_secret_is_reported_as_set_and_its_value_never_appears(monkeypatch
         monkeypatch.setenv(name, value)
     monkeypatch.delenv("KAGGLE_KEY", raising=False)
     report = doctor()
-    assert report.secrets["HF_TOKEN"] and report.secrets["WANDB_API_KEY"] and report.secrets["MY_SERVICE_TOKEN"]
+    assert report.secrets["HF_TOKEN"] and report.secrets["WANDB_API_KEY"]
     assert report.secrets["KAGGLE_KEY"] is False
+    # Only the credentials these notebooks use are listed, not every variable that looks like one.
+    assert "MY_SERVICE_TOKEN" not in report.secrets and "MY_SERVICE_TOKEN" not in str(report)
     shown = "\n".join([str(report), repr(report)])
     for value in values.values():
         assert value not in shown
-    assert "secrets set: " in str(report) and "HF_TOKEN" in str(report)
+    assert "secrets set: HF_TOKEN, WANDB_API_KEY; not set: KAGGLE_USERNAME, KAGGLE_KEY" in str(report)
 
 
 def test_reports_this_cpu_machine_and_what_to_do(monkeypatch):
@@ -125,3 +129,169 @@ def test_nbkit_imported_from_a_folder_still_gets_a_report(monkeypatch):
     report = doctor()
     (problem,) = [p for p in report.problems if "not installed" in p.what]
     assert problem.severity == "warning" and "pip install -e" in problem.fix
+
+
+@pytest.mark.parametrize(
+    ("installed", "relation"),
+    [
+        # (below nbkit's own lower bounds a version is an error from its requirements instead)
+        ({"torch": "2.6.0+cu124"}, "torch 2.6.0+cu124 is older than the oldest"),
+        ({"transformers": "5.18.0"}, "transformers 5.18.0 is newer than the newest"),
+        ({"trl": "1.16.0"}, "trl 1.16.0 is newer than the newest"),
+        ({"peft": "0.22.0"}, "peft 0.22.0 is newer than the newest"),
+    ],
+)
+def test_versions_outside_the_tested_range_are_warned_about(monkeypatch, installed, relation):
+    real = doctor_module._version
+    monkeypatch.setattr(doctor_module, "_version", lambda name: installed.get(name, real(name)))
+    report = doctor()
+    (problem,) = [p for p in report.problems if relation in p.what]
+    assert problem.severity == "warning" and "version nbkit is tested with" in problem.what
+    name = next(iter(installed))
+    oldest, newest = doctor_module.TESTED_VERSIONS[name]
+    assert f'pip install "{name}>={oldest},<={newest}"' in problem.fix
+    assert relation in str(report)
+
+
+@pytest.mark.parametrize(
+    "installed",
+    [
+        # both ends of the range, and patch releases of the newest tested minor line
+        {"transformers": "4.57.1", "trl": "0.22.2", "accelerate": "1.12.0", "peft": "0.18.0", "datasets": "3.6.0"},
+        {"transformers": "5.17.3", "trl": "1.15.1", "accelerate": "1.15.2", "peft": "0.21.2", "datasets": "4.8.5"},
+    ],
+)
+def test_versions_inside_the_tested_range_raise_no_warning(monkeypatch, installed):
+    real = doctor_module._version
+    monkeypatch.setattr(doctor_module, "_version", lambda name: installed.get(name, real(name)))
+    assert [
+        p.what for p in doctor().problems if "version nbkit is tested with" in p.what and "torch" not in p.what
+    ] == []
+
+
+def test_a_version_outside_a_requirement_gets_one_problem_not_two(monkeypatch):
+    # trl 1.16 is outside unsloth 2026.10.9's pins (an error) and newer than tested (a warning): one problem.
+    installed = {"unsloth": "2026.10.9", "unsloth_zoo": "2026.10.9", "trl": "1.16.0"}
+    real = doctor_module._version
+    monkeypatch.setattr(doctor_module, "_version", lambda name: installed.get(name, real(name)))
+    (problem,) = [p for p in doctor().problems if "trl 1.16.0" in p.what]
+    assert problem.severity == "error" and "unsloth 2026.10.9" in problem.what
+
+
+# Stand-ins for the platforms' own modules, with their shapes (Kaggle's docker-python
+# patches/kaggle_secrets.py; Colab's google/colab/userdata.py): values come from a JSON file.
+_KAGGLE_SECRETS = """
+import json, os
+
+
+class CredentialError(Exception):
+    pass
+
+
+class BackendError(Exception):
+    pass
+
+
+class UserSecretsClient:
+    def __init__(self):
+        if os.environ.get("KAGGLE_USER_SECRETS_TOKEN") is None:
+            raise CredentialError("A JWT Token is required to use the UserSecretsClient")
+        with open(os.environ["STANDIN_SECRETS"]) as f:
+            self._secrets = json.load(f)
+
+    def get_secret(self, label):
+        if os.environ.get("STANDIN_OFFLINE"):
+            raise ConnectionError("Connection error trying to communicate with service.")
+        if label not in self._secrets:
+            raise BackendError(f"Unexpected response from the service. Response: {{}}.")
+        return self._secrets[label]
+"""
+
+_COLAB_USERDATA = """
+import json, os
+
+
+class NotebookAccessError(Exception):
+    pass
+
+
+class SecretNotFoundError(Exception):
+    pass
+
+
+def get(key):
+    with open(os.environ["STANDIN_SECRETS"]) as f:
+        secrets = json.load(f)
+    if key in secrets.get("no_access", []):
+        raise NotebookAccessError(key)
+    if key not in secrets:
+        raise SecretNotFoundError(key)
+    return secrets[key]
+"""
+
+
+@pytest.fixture
+def platform_modules(tmp_path, monkeypatch):
+    """kaggle_secrets and google.colab.userdata importable from a temp dir; returns the secrets file."""
+    root = tmp_path / "site"
+    (root / "google" / "colab").mkdir(parents=True)  # `google` stays a namespace package
+    (root / "kaggle_secrets.py").write_text(_KAGGLE_SECRETS)
+    (root / "google" / "colab" / "__init__.py").write_text("")
+    (root / "google" / "colab" / "userdata.py").write_text(_COLAB_USERDATA)
+    monkeypatch.syspath_prepend(str(root))
+    for name in ("kaggle_secrets", "google.colab", "google.colab.userdata"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    for name in ("KAGGLE_KERNEL_RUN_TYPE", "KAGGLE_URL_BASE", "COLAB_RELEASE_TAG", "COLAB_GPU", "STANDIN_OFFLINE"):
+        monkeypatch.delenv(name, raising=False)
+    secrets = tmp_path / "secrets.json"
+    monkeypatch.setenv("STANDIN_SECRETS", str(secrets))
+    yield secrets
+    for name in ("kaggle_secrets", "google.colab", "google.colab.userdata"):
+        sys.modules.pop(name, None)
+
+
+def test_kaggle_secrets_are_reported_as_set_or_not_set_never_shown(platform_modules, monkeypatch):
+    platform_modules.write_text(json.dumps({"HF_TOKEN": "hf_KaggleSecret42", "KAGGLE_KEY": "kkey-777"}))
+    monkeypatch.setenv("KAGGLE_KERNEL_RUN_TYPE", "Interactive")
+    monkeypatch.setenv("KAGGLE_USER_SECRETS_TOKEN", "jwt-not-a-secret-of-the-user")
+    report = doctor()
+    store, states = report.platform_secrets
+    assert store.startswith("Kaggle secrets")
+    assert states == {"HF_TOKEN": "set", "WANDB_API_KEY": "not set", "KAGGLE_USERNAME": "not set", "KAGGLE_KEY": "set"}
+    text = str(report)
+    assert (
+        "Kaggle secrets (Add-ons > Secrets): set: HF_TOKEN, KAGGLE_KEY; not set: WANDB_API_KEY, KAGGLE_USERNAME" in text
+    )
+    shown = text + repr(report)
+    assert "hf_KaggleSecret42" not in shown and "kkey-777" not in shown
+
+
+def test_kaggle_without_internet_or_secrets_token_says_it_could_not_ask(platform_modules, monkeypatch):
+    platform_modules.write_text(json.dumps({"HF_TOKEN": "hf_x"}))
+    monkeypatch.setenv("KAGGLE_KERNEL_RUN_TYPE", "Batch")
+    monkeypatch.delenv("KAGGLE_USER_SECRETS_TOKEN", raising=False)
+    assert set(doctor().platform_secrets[1].values()) == {"unknown (CredentialError)"}
+    monkeypatch.setenv("KAGGLE_USER_SECRETS_TOKEN", "jwt")
+    monkeypatch.setenv("STANDIN_OFFLINE", "1")
+    assert set(doctor().platform_secrets[1].values()) == {"unknown (internet off?)"}
+
+
+def test_colab_userdata_is_reported_as_set_not_set_or_without_access(platform_modules, monkeypatch):
+    platform_modules.write_text(
+        json.dumps({"WANDB_API_KEY": "wb-colab-5150", "HF_TOKEN": "hf_c", "no_access": ["HF_TOKEN"]})
+    )
+    monkeypatch.setenv("COLAB_RELEASE_TAG", "release-colab_20261101-060000_RC00")
+    report = doctor()
+    assert report.platform == "Colab"
+    store, states = report.platform_secrets
+    assert store.startswith("Colab secrets")
+    assert states["WANDB_API_KEY"] == "set" and states["KAGGLE_KEY"] == "not set"
+    assert states["HF_TOKEN"].startswith("set, but this notebook has no access")
+    assert "wb-colab-5150" not in str(report) + repr(report)
+
+
+def test_off_the_platforms_no_secret_store_is_asked(platform_modules, monkeypatch):
+    platform_modules.write_text(json.dumps({"HF_TOKEN": "hf_x"}))
+    report = doctor()
+    assert report.platform_secrets is None
+    assert "kaggle_secrets" not in sys.modules and "google.colab.userdata" not in sys.modules

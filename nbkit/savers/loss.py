@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nbkit import compat
 from nbkit.savers._model import base_model
 
 __all__ = ["Kernel", "apply", "is_applied", "linear_cross_entropy", "remove", "rows_per_chunk"]
@@ -408,6 +409,7 @@ def apply(model: nn.Module, *, kernel: Kernel | None = None) -> None:
             f"nbkit's chunked loss needs a transformers causal LM or VLM with an lm_head and a loss_function; "
             f"{type(inner).__name__} has none. Use nbkit.savers.apply(model, chunked_loss=False)."
         )
+    compat.enable()  # trl 0.x computes metrics from full logits, which this loss does not keep
     state: _Head | None = getattr(inner, _Head.ATTR, None)
     if state is None:
         state = _Head(inner)
@@ -427,6 +429,7 @@ def apply(model: nn.Module, *, kernel: Kernel | None = None) -> None:
 def remove(model: nn.Module) -> None:
     """Undo apply(): remove the hooks and restore the model's loss_function exactly. No-op if not applied."""
     inner = base_model(model)
+    compat.enable()  # trl 0.x computes metrics from full logits, which this loss does not keep
     state: _Head | None = getattr(inner, _Head.ATTR, None)
     if state is None:
         return

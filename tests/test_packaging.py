@@ -1,0 +1,329 @@
+"""nbkit as a user installs it: the `nbkit-ddp` distribution, its metadata, and the notebooks' install cell.
+
+The slow tests build the real sdist and wheel with `python -m build` (what `make dist` runs), check them
+with twine, install the wheel into a fresh virtual environment and load it in a Jupyter kernel there,
+and run the notebooks' install cell in IPython against a foreign `nbkit` 0.0.10 (the shape of the
+unrelated 2023 project that owns the name on PyPI).
+"""
+
+from __future__ import annotations
+
+import ast
+import email
+import importlib.metadata
+import json
+import os
+import re
+import subprocess
+import sys
+import sysconfig
+import venv
+import zipfile
+from pathlib import Path
+
+import pytest
+import tomllib
+from packaging.requirements import Requirement
+from packaging.version import Version
+
+import nbkit
+from nbkit import diagnostics
+
+REPO = Path(__file__).resolve().parents[1]
+PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
+NOTEBOOKS = sorted((REPO / "notebooks").glob("*.ipynb"))
+INSTALL_CELL = 2  # the first code cell of every notebook, after the title and "1. Install"
+
+# Modules nbkit imports only where they are there, each behind a check, and so never requires:
+# unsloth is an optional backend (its extra), bitsandbytes comes with unsloth or the quant extra,
+# torchvision is optional for transformers, and the platforms' secret stores exist only on Kaggle/Colab.
+OPTIONAL_IMPORTS = {"unsloth", "unsloth_zoo", "bitsandbytes", "torchvision", "kaggle_secrets", "google", "liger_kernel"}
+# Required for what other branches are adding (live sets on ipyparallel engines, spawn mode with
+# cloudpickle); they may not be imported on this branch yet.
+ARRIVING = {"ipyparallel", "cloudpickle"}
+
+
+def _pins(path: Path) -> dict[str, str]:
+    pins = {}
+    for line in path.read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            name, _, version = line.partition("==")
+            pins[name.strip().lower().replace("_", "-")] = version.strip()
+    return pins
+
+
+def _normal(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _imported_modules() -> set[str]:
+    """Top-level names of every module nbkit's code imports (absolute imports, anywhere in a file)."""
+    found: set[str] = set()
+    for path in (REPO / "nbkit").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                found |= {alias.name.split(".")[0] for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                found.add(node.module.split(".")[0])
+    return found - set(sys.stdlib_module_names) - {"nbkit", "__future__"}
+
+
+def test_the_distribution_is_nbkit_ddp_with_an_spdx_license_and_the_package_version():
+    project = PYPROJECT["project"]
+    assert project["name"] == "nbkit-ddp"
+    assert project["license"] == "Apache-2.0" and project["license-files"] == ["LICENSE"]
+    assert "Apache License" in (REPO / "LICENSE").read_text() and "Version 2.0" in (REPO / "LICENSE").read_text()
+    assert any(r.startswith("setuptools>=77") for r in PYPROJECT["build-system"]["requires"])
+    assert PYPROJECT["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "nbkit.__version__"}
+    assert nbkit.__version__ == "0.2.0"
+    urls = project["urls"]
+    assert urls["Repository"] == "https://github.com/nbkit/nbkit-ddp"
+    assert all(url.startswith("https://github.com/nbkit/nbkit-ddp") for url in urls.values())
+    assert project["name"] == diagnostics.DISTRIBUTION
+
+
+def test_dependencies_are_exactly_what_nbkit_imports():
+    imported = _imported_modules()
+    required = {_normal(Requirement(r).name) for r in PYPROJECT["project"]["dependencies"]}
+    # module name -> distribution names (PIL -> pillow, IPython -> ipython, ...), from this environment
+    distributions = importlib.metadata.packages_distributions()
+    needed = set()
+    for module in imported - OPTIONAL_IMPORTS:
+        names = {_normal(d) for d in distributions.get(module, [])}
+        assert names, f"nbkit imports {module}, which no installed distribution provides"
+        needed |= names
+    assert needed <= required, f"imported but not required: {sorted(needed - required)}"
+    assert required - needed <= ARRIVING, f"required but not imported: {sorted(required - needed - ARRIVING)}"
+    # papermill runs notebooks/run.py, which is not part of the package: an extra brings it.
+    assert "papermill" not in required
+    assert any(Requirement(r).name == "papermill" for r in PYPROJECT["project"]["optional-dependencies"]["notebooks"])
+
+
+def test_tested_versions_are_the_constraint_files_and_the_lower_bounds():
+    newest, oldest = _pins(REPO / "constraints.txt"), _pins(REPO / "constraints-oldest.txt")
+    lower = {}
+    for requirement in PYPROJECT["project"]["dependencies"] + PYPROJECT["project"]["optional-dependencies"]["peft"]:
+        parsed = Requirement(requirement)
+        floors = [s.version for s in parsed.specifier if s.operator == ">="]
+        if floors:
+            lower[_normal(parsed.name)] = floors[0]
+    for name, (first, last) in diagnostics.TESTED_VERSIONS.items():
+        if name != "torch":  # torch: the CPU build in CI, older builds on the GPU machines
+            assert first == oldest[name], f"{name}: TESTED_VERSIONS says {first}, constraints-oldest.txt {oldest[name]}"
+            assert Version(lower[name]) <= Version(first), f"{name}: the declared lower bound is below the tested"
+        assert Version(newest[name].split("+")[0]) <= Version(last), f"{name}: constraints.txt is newer than tested"
+    # the version range the issue asks for: unsloth's Kaggle pins through unsloth 2026.10.9's ceilings
+    assert oldest["transformers"] == "4.57.1" and oldest["trl"] == "0.22.2"
+    assert diagnostics.TESTED_VERSIONS["transformers"][1] == "5.17.0"
+    assert diagnostics.TESTED_VERSIONS["trl"][1] == "1.15.0"
+
+
+def test_readme_links_work_on_the_package_page():
+    # PyPI renders README.md without the repository around it: links to files must be absolute.
+    text = (REPO / "README.md").read_text()
+    links = re.findall(r"\]\(([^)\s]+)\)", text)
+    assert links
+    relative = [link for link in links if not link.startswith(("https://", "http://", "#"))]
+    assert relative == []
+
+
+def _install_cell(notebook: Path) -> str:
+    cell = json.loads(notebook.read_text())["cells"][INSTALL_CELL]
+    assert cell["cell_type"] == "code"
+    return "".join(cell["source"])
+
+
+def test_every_notebook_has_the_same_install_cell_pinned_to_this_version():
+    cells = {notebook.name: _install_cell(notebook) for notebook in NOTEBOOKS}
+    assert len(cells) == 4 and len(set(cells.values())) == 1, "the install cells differ: " + ", ".join(cells)
+    cell = next(iter(cells.values()))
+    assert f'NBKIT_VERSION = "{nbkit.__version__}"' in cell
+    assert "https://github.com/nbkit/nbkit-ddp@v{NBKIT_VERSION}" in cell
+    readme = (REPO / "README.md").read_text()
+    assert f"nbkit-ddp[unsloth] @ git+https://github.com/nbkit/nbkit-ddp@v{nbkit.__version__}" in readme
+
+
+# --------------------------------------------------------------------------------------------
+# Built, installed, run (slow)
+# --------------------------------------------------------------------------------------------
+
+
+def _clean_env(**extra: str) -> dict[str, str]:
+    """The environment for another interpreter: without PYTHONPATH (which points at this checkout)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    env.update(extra)
+    return env
+
+
+@pytest.fixture(scope="module")
+def dist(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The sdist and wheel, built as `make dist` builds them, and checked by twine."""
+    out = tmp_path_factory.mktemp("dist")
+    built = subprocess.run(
+        [sys.executable, "-m", "build", "--outdir", str(out), str(REPO)],
+        capture_output=True,
+        text=True,
+        env=_clean_env(),
+        timeout=600,
+    )
+    assert built.returncode == 0, built.stdout[-3000:] + built.stderr[-3000:]
+    files = sorted(p.name for p in out.iterdir())
+    assert files == [f"nbkit_ddp-{nbkit.__version__}-py3-none-any.whl", f"nbkit_ddp-{nbkit.__version__}.tar.gz"]
+    checked = subprocess.run(
+        [sys.executable, "-m", "twine", "check", "--strict", *map(str, out.iterdir())],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert checked.returncode == 0 and checked.stdout.count("PASSED") == 2, checked.stdout + checked.stderr
+    return out
+
+
+def _wheel(dist: Path) -> Path:
+    return next(dist.glob("*.whl"))
+
+
+def _site_packages(env: Path) -> Path:
+    return next((env / "lib").glob("python3*/site-packages"))
+
+
+@pytest.mark.slow
+def test_the_wheel_has_the_metadata_users_and_the_package_index_read(dist: Path):
+    with zipfile.ZipFile(_wheel(dist)) as wheel:
+        names = wheel.namelist()
+        info = f"nbkit_ddp-{nbkit.__version__}.dist-info"
+        metadata = email.message_from_bytes(wheel.read(f"{info}/METADATA"))
+    assert metadata["Name"] == "nbkit-ddp" and metadata["Version"] == nbkit.__version__
+    assert metadata["License-Expression"] == "Apache-2.0" and metadata["License-File"] == "LICENSE"
+    assert f"{info}/licenses/LICENSE" in names
+    assert "nbkit/__init__.py" in names and "nbkit/savers/__init__.py" in names
+    assert not any(n.startswith(("tests/", "notebooks/", "benchmarks/")) for n in names)
+    requires = metadata.get_all("Requires-Dist")
+    unconditional = {r for r in requires if ";" not in r}
+    assert {_normal(Requirement(r).name) for r in unconditional} == {
+        _normal(Requirement(r).name) for r in PYPROJECT["project"]["dependencies"]
+    }
+    assert 'papermill>=2.6; extra == "notebooks"' in requires
+    assert any(r.startswith("unsloth>=2026.10.9") and 'extra == "unsloth"' in r for r in requires)
+    assert "Repository, https://github.com/nbkit/nbkit-ddp" in metadata.get_all("Project-URL")
+    assert metadata["Description-Content-Type"] == "text/markdown"
+
+
+def _fresh_env(path: Path, *, borrow_site_packages: bool) -> Path:
+    """A new virtual environment with pip. With borrow_site_packages, the libraries of the environment
+    running the tests are importable after its own (a .pth file: nothing is copied, nothing of theirs
+    is shadowed), so a wheel installed with --no-deps finds torch & co. without a download."""
+    venv.create(path, with_pip=True, symlinks=True)
+    if borrow_site_packages:
+        borrowed = dict.fromkeys([sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]])
+        (_site_packages(path) / "zz_borrowed.pth").write_text("\n".join(borrowed) + "\n")
+    return path
+
+
+@pytest.mark.slow
+def test_the_wheel_installs_by_its_name_and_loads_as_nbkit_in_a_kernel(dist: Path, tmp_path: Path, monkeypatch):
+    import nbformat
+    from nbclient import NotebookClient
+
+    env = _fresh_env(tmp_path / "env", borrow_site_packages=True)
+    python = str(env / "bin" / "python")
+    installed = subprocess.run(
+        [python, "-m", "pip", "install", "--no-deps", "--no-index", str(_wheel(dist))],
+        capture_output=True,
+        text=True,
+        env=_clean_env(),
+        timeout=300,
+    )
+    assert installed.returncode == 0, installed.stdout + installed.stderr
+    assert f"Successfully installed nbkit-ddp-{nbkit.__version__}" in installed.stdout
+    assert (_site_packages(env) / "nbkit" / "__init__.py").is_file()
+
+    # A kernel on that interpreter, as a user's notebook would have it.
+    kernels = tmp_path / "jupyter" / "kernels" / "wheel-env"
+    kernels.mkdir(parents=True)
+    spec = {"argv": [python, "-m", "ipykernel_launcher", "-f", "{connection_file}"], "display_name": "wheel"}
+    (kernels / "kernel.json").write_text(json.dumps(spec))
+    monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "jupyter"))
+    monkeypatch.delenv("PYTHONPATH", raising=False)
+    notebook = nbformat.v4.new_notebook()
+    notebook.cells = [
+        nbformat.v4.new_code_cell("%load_ext nbkit"),
+        nbformat.v4.new_code_cell(
+            "import importlib.metadata, nbkit\n"
+            "dist = importlib.metadata.distribution('nbkit-ddp')\n"
+            "print(nbkit.__file__, nbkit.__version__, dist.metadata['Name'], dist.metadata['License-Expression'])"
+        ),
+        nbformat.v4.new_code_cell("%nbkit doctor"),
+    ]
+    # Started in tmp_path, so the kernel's sys.path[0] is not this checkout.
+    NotebookClient(
+        notebook, kernel_name="wheel-env", timeout=300, resources={"metadata": {"path": str(tmp_path)}}
+    ).execute()
+    out = ["".join(o.get("text", "") for o in cell.outputs) for cell in notebook.cells]
+    location, version, name, license_ = out[1].split()
+    assert Path(location).is_relative_to(env) and version == nbkit.__version__
+    assert (name, license_) == ("nbkit-ddp", "Apache-2.0")
+    assert "nbkit doctor" in out[2] and "platform: local (Jupyter kernel)" in out[2]
+
+
+def _foreign_nbkit_wheel(out: Path) -> Path:
+    """A wheel of the shape of PyPI's `nbkit` 0.0.10 (an nbdev "jupyter notebook toolkit", 2023): the same
+    `nbkit` package name, no IPython extension."""
+    wheel = out / "nbkit-0.0.10-py3-none-any.whl"
+    info = "nbkit-0.0.10.dist-info"
+    files = {
+        "nbkit/__init__.py": '__version__ = "0.0.10"\n',
+        "nbkit/core.py": "def hello():\n    return 'jupyter notebook toolkit'\n",
+        f"{info}/METADATA": "Metadata-Version: 2.1\nName: nbkit\nVersion: 0.0.10\nSummary: jupyter notebook toolkit\n",
+        f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: hand\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+    record = "".join(f"{name},,\n" for name in files) + f"{info}/RECORD,,\n"
+    with zipfile.ZipFile(wheel, "w") as archive:
+        for name, text in files.items():
+            archive.writestr(name, text)
+        archive.writestr(f"{info}/RECORD", record)
+    return wheel
+
+
+@pytest.mark.slow
+def test_the_install_cell_names_a_foreign_nbkit_and_replaces_it(dist: Path, tmp_path: Path):
+    # A fresh environment with IPython (to run the cell's %pip lines) and the foreign nbkit, nothing else:
+    # nothing of the test environment is visible to it, so the cell sees only what a user's machine has.
+    env = _fresh_env(tmp_path / "env", borrow_site_packages=False)
+    python = str(env / "bin" / "python")
+    setup = subprocess.run(
+        [python, "-m", "pip", "install", "-q", "ipython", str(_foreign_nbkit_wheel(tmp_path))],
+        capture_output=True,
+        text=True,
+        env=_clean_env(),
+        timeout=600,
+    )
+    assert setup.returncode == 0, setup.stdout + setup.stderr
+    site = _site_packages(env)
+    assert (site / "nbkit-0.0.10.dist-info").is_dir()
+
+    cell = tmp_path / "install_cell.ipy"
+    cell.write_text(_install_cell(NOTEBOOKS[0]))
+    # pip pointed at the local wheel, without the index and without the extra's dependencies (unsloth).
+    run_env = _clean_env(NBKIT_SOURCE=f"{_wheel(dist)}[unsloth]", PIP_NO_INDEX="1", PIP_NO_DEPS="1")
+
+    def run_cell() -> str:
+        done = subprocess.run(
+            [python, "-m", "IPython", "--quick", "--no-banner", str(cell)],
+            capture_output=True,
+            text=True,
+            env=run_env,
+            cwd=tmp_path,
+            timeout=300,
+        )
+        assert done.returncode == 0, done.stdout + done.stderr
+        return done.stdout
+
+    first = run_cell()
+    assert f"Found nbkit 0.0.10 (jupyter notebook toolkit), not nbkit-ddp {nbkit.__version__}: replacing it." in first
+    assert not (site / "nbkit-0.0.10.dist-info").exists() and not (site / "nbkit" / "core.py").exists()
+    assert (site / f"nbkit_ddp-{nbkit.__version__}.dist-info").is_dir()
+    assert "def load_ipython_extension" in (site / "nbkit" / "__init__.py").read_text()
+    # Run again: the right version is there, so the cell does nothing.
+    assert run_cell().strip() == ""
