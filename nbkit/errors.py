@@ -16,7 +16,15 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-__all__ = ["BringAlongError", "DeviceMapError", "ExportError", "LaunchError", "NbkitError", "RankError"]
+__all__ = [
+    "BringAlongError",
+    "CheckpointError",
+    "DeviceMapError",
+    "ExportError",
+    "LaunchError",
+    "NbkitError",
+    "RankError",
+]
 
 
 class NbkitError(Exception):
@@ -94,3 +102,7 @@ class BringAlongError(NbkitError, ValueError):
 
 class ExportError(NbkitError, ValueError):
     """A notebook cell that cannot be exported as a script; the message names the cell and what to change."""
+
+
+class CheckpointError(NbkitError, OSError):
+    """A checkpoint to resume from that could not be brought into output_dir; the message says why."""
