@@ -152,8 +152,9 @@ def resume_point(
     Pass the result to `trainer.train(resume_from_checkpoint=...)`: None starts fresh. Prints one
     line (on the main rank only) saying which checkpoint and step training resumes from and where
     it came from, or that it starts fresh, and names the half-written checkpoints it skipped.
-    Deletes no checkpoint; returns the same answer on every rank (a copy is made once: ranks take
-    turns through a lock on output_dir, and the later ones find it). A missing output_dir means
+    Deletes no complete checkpoint (only a half-written checkpoint-N in output_dir that a copy of
+    step N replaces); returns the same answer on every rank (a copy is made once: ranks take turns
+    through a lock on output_dir, and the later ones find it). A missing output_dir means
     no checkpoint there. Raises CheckpointError when the hub cannot be read (other than a repo
     that does not exist: starting fresh then would push over the mirrored checkpoint), or when a
     checkpoint changed while it was copied.
