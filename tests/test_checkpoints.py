@@ -253,7 +253,7 @@ def _resume_in_rank(out: str, previous: str) -> str | None:
     return resumed
 
 
-def test_ranks_resuming_together_copy_once_and_agree(tmp_path: Path, capfd) -> None:
+def test_ranks_resuming_together_agree_on_one_whole_copy(tmp_path: Path, capfd) -> None:
     previous = _previous_run(tmp_path / "input" / "prev" / "run", 20)
     out = tmp_path / "work" / "run"
     assert nbkit.launch(_resume_in_rank, str(out), str(previous), gpus=2) == str(out / "checkpoint-20")
