@@ -30,6 +30,7 @@ _EXPORTS: dict[str, str] = {
     "DeviceMapError": "nbkit.errors",
     "BringAlongError": "nbkit.errors",
     "ExportError": "nbkit.errors",
+    "CheckpointError": "nbkit.errors",
     # where this process stands
     "rank": "nbkit.distributed",
     "local_rank": "nbkit.distributed",

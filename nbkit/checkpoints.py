@@ -22,6 +22,16 @@ before the new one could be marked: a session ending there would leave no comple
 nbkit's rotation counts and deletes complete checkpoints only, and runs again once the new one is
 marked, so the newest complete checkpoint survives until its successor is complete.
 
+A session's files can also come back from elsewhere: `resume_point(output_dir, previous=...)`
+also looks at a previous run's output attached read-only (Kaggle: a saved version's output added
+as input, /kaggle/input/...; Colab: a folder on the mounted Drive), and on Kaggle it looks under
+/kaggle/input by itself. When the newest complete checkpoint is there, it is copied into
+output_dir first (into a temporary folder next to the checkpoints, then renamed: a copy cut off
+half-way is never taken for a checkpoint). `hub_mirror(repo_id)` gives the TrainingArguments that
+make Trainer itself push each checkpoint to the Hugging Face hub (`hub_strategy="checkpoint"`),
+and `resume_point(output_dir, hub=repo_id)` downloads that `last-checkpoint` when nothing
+complete exists locally or in the previous outputs.
+
 Resuming a run of several CPU processes (nbkit.launch(gpus=N) without GPUs, as in CI) fails in
 transformers itself when it loads the optimizer; the third patch here fixes that.
 
@@ -33,23 +43,29 @@ A notebook that trains without launching (one process, a model split over GPUs) 
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import json
 import os
 import re
 import shutil
+import stat
 import sys
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 from nbkit import callbacks, distributed, patching
+from nbkit.errors import CheckpointError
 
 __all__ = [  # noqa: F822 (names built on first use, see __getattr__)
     "MARKER",
     "CheckpointMarker",
     "disable",
     "enable",
+    "hub_mirror",
     "is_complete",
     "resume_point",
 ]  # CheckpointMarker: built on first use
@@ -57,6 +73,11 @@ __all__ = [  # noqa: F822 (names built on first use, see __getattr__)
 MARKER = "nbkit-complete.json"
 _PREFIX = "checkpoint"  # transformers.trainer_utils.PREFIX_CHECKPOINT_DIR
 _STEP = re.compile(rf"^{_PREFIX}-(\d+)$")
+# Copies and downloads in progress, in output_dir: a name that neither nbkit nor transformers
+# (which globs "checkpoint-*") takes for a checkpoint.
+_PARTIAL = ".nbkit-partial-"
+_KAGGLE_INPUT = Path("/kaggle/input")  # where Kaggle attaches datasets and saved notebook outputs
+_HUB_FOLDER = "last-checkpoint"  # where Trainer's hub_strategy="checkpoint" pushes the newest checkpoint
 
 
 # --------------------------------------------------------------------------------------------
@@ -109,22 +130,51 @@ def is_complete(checkpoint: str | os.PathLike[str]) -> bool:
     return True
 
 
-def resume_point(output_dir: str | os.PathLike[str]) -> str | None:
-    """The checkpoint to resume training from: the newest complete one in `output_dir`, or None.
+def resume_point(
+    output_dir: str | os.PathLike[str],
+    previous: str | os.PathLike[str] | Iterable[str | os.PathLike[str]] | None = None,
+    *,
+    hub: str | None = None,
+) -> str | None:
+    """The checkpoint to resume training from: the newest complete one, or None.
+
+    Looks in `output_dir`, then in the previous runs' outputs: `previous` (a path or glob, or
+    several; each a run's output folder holding checkpoint-N folders, or a checkpoint-N folder
+    itself; read-only is fine) and, on Kaggle (KAGGLE_KERNEL_RUN_TYPE is set and /kaggle/input
+    exists), the attached inputs: /kaggle/input/*/REL and /kaggle/input/*/*/REL, where REL is
+    output_dir relative to the working directory (outputs/run for /kaggle/working/outputs/run),
+    and checkpoint-N folders directly in /kaggle/input/*. The newest complete checkpoint of all
+    wins (output_dir's own on a tie). One found elsewhere is first copied into output_dir (a
+    temporary folder there, renamed to checkpoint-N once the copy is whole; a copy cut off
+    half-way never counts and is removed by the next copy). With `hub` (a repo id) and no
+    complete checkpoint anywhere else, the repo's `last-checkpoint` folder (what Trainer pushes
+    with `hub_mirror(hub)`) is downloaded into output_dir the same way; a repo that does not exist
+    yet means no checkpoint.
 
     Pass the result to `trainer.train(resume_from_checkpoint=...)`: None starts fresh. Prints one
-    line (on the main rank only) saying which checkpoint and step training resumes from, or that it
-    starts fresh, and names the half-written checkpoints it skipped. Deletes nothing and returns
-    the same answer on every rank (they read the same directory). A missing output_dir means no
-    checkpoint.
+    line (on the main rank only) saying which checkpoint and step training resumes from and where
+    it came from, or that it starts fresh, and names the half-written checkpoints it skipped.
+    Deletes no complete checkpoint (only a half-written checkpoint-N in output_dir that a copy of
+    step N replaces); returns the same answer on every rank (a copy is made once: ranks take turns
+    through a lock on output_dir, and the later ones find it). A missing output_dir means
+    no checkpoint there. Raises CheckpointError when the hub cannot be read (other than a repo
+    that does not exist: starting fresh then would push over the mirrored checkpoint), or when a
+    checkpoint changed while it was copied.
     """
-    found = [(step, path, is_complete(path)) for step, path in _checkpoints(output_dir)]
-    complete = [(step, path) for step, path, ok in found if ok]
-    chosen = complete[-1] if complete else None
-    newer_unmarked = [path.name for step, path, ok in found if not ok and (chosen is None or step > chosen[0])]
-    if chosen is not None:
-        step = _read_marker(chosen[1])["global_step"]  # type: ignore[index]
-        line = f"nbkit: resuming from {chosen[1].name} (step {step}) in {output_dir}."
+    root = Path(output_dir)
+    found = [(step, path, is_complete(path)) for step, path in _checkpoints(root)]
+    complete = [(_step(path), path) for _, path, ok in found if ok]
+    local = max(complete, key=lambda c: c[0]) if complete else None
+    source = _newest_elsewhere(root, previous)
+    origin = ""
+    if source is not None and (local is None or source[0] > local[0]):
+        local, origin = _copied_in(root, *source), f", copied from {source[1].parent}"
+    elif local is None and hub is not None:
+        local = _downloaded(root, hub)
+        origin = f", downloaded from {hub}/{_HUB_FOLDER} on the hub" if local is not None else ""
+    newer_unmarked = [path.name for step, path, ok in found if not ok and (local is None or step > local[0])]
+    if local is not None:
+        line = f"nbkit: resuming from {local[1].name} (step {local[0]}) in {output_dir}{origin}."
     elif newer_unmarked:
         line = f"nbkit: no complete checkpoint in {output_dir}; starting fresh."
     else:
@@ -136,7 +186,201 @@ def resume_point(output_dir: str | os.PathLike[str]) -> str | None:
         )
     if distributed.is_main():
         print(line, flush=True)
-    return str(chosen[1]) if chosen is not None else None
+    return str(local[1]) if local is not None else None
+
+
+def hub_mirror(repo_id: str, *, private: bool = True) -> dict[str, Any]:
+    """TrainingArguments keywords that make Trainer mirror each checkpoint to the hub repo `repo_id`.
+
+    `TrainingArguments(..., **nbkit.checkpoints.hub_mirror("you/run-name"))`: Trainer itself
+    (rank 0, in the background) pushes every checkpoint it saves to the repo's `last-checkpoint`
+    folder and the final model to the repo's top level, creating the repo (private unless
+    `private=False`) on first use. It needs a write token: HF_TOKEN in the environment, or
+    huggingface_hub.login(); on Kaggle and Colab, read it from the platform's secrets. Resume from
+    it with `resume_point(output_dir, hub="you/run-name")`. Returns a new dict; touches nothing.
+    """
+    return {"push_to_hub": True, "hub_model_id": repo_id, "hub_strategy": "checkpoint", "hub_private_repo": private}
+
+
+def _step(checkpoint: Path) -> int:
+    """The global step a complete checkpoint's marker records."""
+    marker = _read_marker(checkpoint)
+    assert marker is not None  # only called for complete checkpoints
+    return int(marker["global_step"])
+
+
+def _newest_elsewhere(
+    output_dir: Path, previous: str | os.PathLike[str] | Iterable[str | os.PathLike[str]] | None
+) -> tuple[int, Path] | None:
+    """(step, folder) of the newest complete checkpoint in the previous outputs, or None."""
+    places: list[str] = []
+    if isinstance(previous, (str, os.PathLike)):
+        places.append(os.fspath(previous))
+    elif previous is not None:
+        places.extend(os.fspath(p) for p in previous)
+    if os.environ.get("KAGGLE_KERNEL_RUN_TYPE") and _KAGGLE_INPUT.is_dir():
+        # Two levels at most: a third would list every folder of a large dataset's top folders.
+        relative = _relative(output_dir)
+        places += [str(_KAGGLE_INPUT / "*" / relative), str(_KAGGLE_INPUT / "*" / "*" / relative)]
+        places.append(str(_KAGGLE_INPUT / "*"))
+    best: tuple[int, Path] | None = None
+    for place in places:
+        for match in sorted(glob.glob(os.path.expanduser(place), recursive=True)) or [place]:
+            folder = Path(match)
+            candidates = [folder] if _STEP.match(folder.name) else [path for _, path in _checkpoints(folder)]
+            for path in candidates:
+                if is_complete(path) and (best is None or _step(path) > best[0]):
+                    best = (_step(path), path)
+    return best
+
+
+def _relative(output_dir: Path) -> Path:
+    """output_dir relative to the working directory (on Kaggle, /kaggle/working), else its last part."""
+    absolute = Path(os.path.abspath(output_dir))
+    try:
+        return absolute.relative_to(Path.cwd())
+    except ValueError:
+        return Path(absolute.name)
+
+
+@contextlib.contextmanager
+def _copying(output_dir: Path) -> Iterator[bool]:
+    """Hold an exclusive lock on output_dir while copying into it (made if missing).
+
+    Yields whether the lock is held. Ranks call resume_point at the same time: the first copies,
+    the others wait here and then find its copy. The lock is flock on the folder itself, so the
+    system releases it when its holder dies, and no lock file is left behind. Where flock is
+    missing or refused (Windows, some network file systems) it yields False and copies go ahead
+    unlocked: each still lands whole or not at all.
+    """
+    output_dir.mkdir(parents=True, exist_ok=True)
+    descriptor: int | None = None
+    try:
+        import fcntl
+
+        descriptor = os.open(output_dir, os.O_RDONLY)
+        fcntl.flock(descriptor, fcntl.LOCK_EX)
+    except (ImportError, OSError):
+        if descriptor is not None:
+            os.close(descriptor)
+            descriptor = None
+    try:
+        yield descriptor is not None
+    finally:
+        if descriptor is not None:
+            os.close(descriptor)  # releases the lock
+
+
+def _newest_local(output_dir: Path) -> tuple[int, Path] | None:
+    complete = [(_step(path), path) for _, path in _checkpoints(output_dir) if is_complete(path)]
+    return max(complete, key=lambda c: c[0]) if complete else None
+
+
+def _copied_in(output_dir: Path, step: int, source: Path) -> tuple[int, Path]:
+    """Copy the complete checkpoint `source` into output_dir as checkpoint-<step>; (step, its path).
+
+    When another rank made the copy while this one waited for the lock, that copy is used.
+    """
+    with _copying(output_dir) as locked:
+        local = _newest_local(output_dir)
+        if local is not None and local[0] >= step:
+            return local
+        if locked:
+            _remove_partial_copies(output_dir)
+        staging = Path(tempfile.mkdtemp(prefix=_PARTIAL, dir=output_dir))
+        try:
+            # copyfile, not copy2: files from a read-only input must not stay read-only here, where
+            # the rotation deletes old checkpoints; copytree still copies folders' modes, fixed below.
+            shutil.copytree(source, staging, copy_function=shutil.copyfile, dirs_exist_ok=True)
+            _make_writable(staging)
+            if not is_complete(staging):
+                raise CheckpointError(
+                    f"The copy of {source} into {output_dir} is not whole: the checkpoint changed while it "
+                    "was copied. Run again once nothing writes to it."
+                )
+            return step, _put_in_place(staging, output_dir / f"{_PREFIX}-{step}")
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)  # gone already when it was put in place
+
+
+def _downloaded(output_dir: Path, repo_id: str) -> tuple[int, Path] | None:
+    """Download the hub repo's last-checkpoint folder into output_dir as checkpoint-<step>; None
+    when the repo or the folder does not exist.
+
+    The hub keeps each push as one commit, so a folder that downloaded whole is a whole
+    checkpoint (Trainer pushes it after writing it); nbkit marks it complete here, since the push
+    may have started before Trainer's marker was written.
+    """
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import RepositoryNotFoundError
+
+    with _copying(output_dir) as locked:
+        local = _newest_local(output_dir)
+        if local is not None:
+            return local
+        if locked:
+            _remove_partial_copies(output_dir)
+        staging = Path(tempfile.mkdtemp(prefix=_PARTIAL, dir=output_dir))
+        try:
+            try:
+                snapshot_download(repo_id, allow_patterns=[f"{_HUB_FOLDER}/*"], local_dir=staging)
+            except RepositoryNotFoundError:
+                return None
+            except Exception as exc:
+                raise CheckpointError(
+                    f"Cannot read {repo_id}/{_HUB_FOLDER} from the hub ({type(exc).__name__}: {exc}). "
+                    "Check the connection and the token (HF_TOKEN), then run again; to start fresh instead, "
+                    "leave out hub= (Trainer will then push the new run's checkpoints over the mirrored one)."
+                ) from exc
+            return _adopt_download(staging / _HUB_FOLDER, output_dir)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+
+
+def _adopt_download(folder: Path, output_dir: Path) -> tuple[int, Path] | None:
+    """Mark a whole downloaded checkpoint folder complete and put it in place as checkpoint-<step>
+    (its trainer_state.json's global_step); None when it holds no trainer_state.json.
+    """
+    try:
+        step = int(json.loads((folder / "trainer_state.json").read_text())["global_step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    _mark_complete(folder, step)
+    return step, _put_in_place(folder, output_dir / f"{_PREFIX}-{step}")
+
+
+def _put_in_place(staging: Path, target: Path) -> Path:
+    """Rename the whole copy `staging` to `target` (same folder, so atomic), after syncing it to
+    disk. A half-written checkpoint already at `target` (same step, never marked) is set aside and
+    deleted: the copy replaces it.
+    """
+    for path in sorted(staging.rglob("*")):
+        if path.is_file():
+            with open(path, "rb") as handle:
+                os.fsync(handle.fileno())
+    if target.exists():
+        aside = Path(tempfile.mkdtemp(prefix=_PARTIAL, dir=target.parent))
+        os.rename(target, aside / target.name)
+        os.rename(staging, target)
+        shutil.rmtree(aside, ignore_errors=True)
+    else:
+        os.rename(staging, target)
+    _fsync_dir(target.parent)
+    return target
+
+
+def _make_writable(root: Path) -> None:
+    for path in [root, *root.rglob("*")]:
+        if path.is_dir():
+            path.chmod(path.stat().st_mode | stat.S_IWUSR | stat.S_IRUSR | stat.S_IXUSR)
+
+
+def _remove_partial_copies(output_dir: Path) -> None:
+    """Delete copies cut off half-way (their process died): called with the lock held, when no
+    other copy can be in progress.
+    """
+    for path in output_dir.glob(f"{_PARTIAL}*"):
+        shutil.rmtree(path, ignore_errors=True)
 
 
 # --------------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 __all__ = [
     "BringAlongError",
     "CellSyntaxError",
+    "CheckpointError",
     "DeviceMapError",
     "ExportError",
     "KernelsError",
@@ -124,3 +125,7 @@ class CellSyntaxError(NbkitError, SyntaxError):
         stripped = line.lstrip()
         caret = " " * max((self.offset or 1) - 1 - (len(line) - len(stripped)), 0) + "^"
         return f"line {self.lineno} of the cell does not parse: {self.msg}\n    {stripped}\n    {caret}"
+
+
+class CheckpointError(NbkitError, OSError):
+    """A checkpoint to resume from that could not be brought into output_dir; the message says why."""

@@ -257,8 +257,14 @@ def _as_python(source: str) -> tuple[str, ast.Module]:
     lines = text.splitlines()
     replaced = False
     for node in ast.walk(tree):
-        if isinstance(node, ast.Expr) and (typed := _typed_magic(node.value)) is not None:
-            indent = lines[node.lineno - 1][: node.col_offset]
+        if not isinstance(node, ast.Expr) or (typed := _typed_magic(node.value)) is None:
+            continue
+        indent = lines[node.lineno - 1][: node.col_offset]
+        last = lines[(node.end_lineno or node.lineno) - 1]
+        # Only a call on lines of its own, as the transformer writes it (anything else is the user's
+        # own get_ipython() code, which _refuse_ipython names).
+        rest = last.encode()[node.end_col_offset :].decode().strip()
+        if not indent.strip() and (not rest or rest.startswith("#")):
             lines[node.lineno - 1] = f"{indent}pass  # notebook only: {typed}"
             for number in range(node.lineno, node.end_lineno or node.lineno):
                 lines[number] = ""
