@@ -127,11 +127,7 @@ def build_model(launch: Launch, device: torch.device) -> torch.nn.Module:
 
         loader = FastVisionModel if vision else FastLanguageModel
         model, _ = loader.from_pretrained(
-            launch.model_path,
-            dtype=dtype,
-            load_in_4bit=four_bit,
-            max_seq_length=max_len,
-            device_map={"": str(device)},
+            launch.model_path, dtype=dtype, load_in_4bit=four_bit, max_seq_length=max_len, device_map=str(device)
         )
         extra: dict[str, Any] = {"finetune_vision_layers": False} if vision else {"target_modules": TEXT_LORA}
         return loader.get_peft_model(model, r=16, lora_alpha=16, random_state=0, **extra)
@@ -154,19 +150,22 @@ def build_model(launch: Launch, device: torch.device) -> torch.nn.Module:
 
 
 class _Collator:
-    """Builds each batch from sample indices: random sequences of exactly seq_len tokens (one small image
-    each for a VLM when asked), the same for the same index, as a real collator tokenises and processes
-    images per batch (host work that belongs in the step).
+    """Builds each batch: random sequences of exactly seq_len tokens (one small image each for a VLM when
+    asked), as a real collator tokenises and processes images per batch (host work that belongs in the
+    step). It uses only how many samples it is given, never their content: the dataset is a placeholder
+    column (named input_ids so that no trainer's column filter removes it), and unsloth's patched
+    SFTTrainer may change what reaches the collator.
     """
 
     def __init__(self, config: Any, seq_len: int, image: bool) -> None:
         self.config, self.seq_len, self.image = config, seq_len, image
+        self.seed = 1_000_003 * int(os.environ.get("RANK", "0"))  # other data on every rank
 
-    def __call__(self, samples: list[dict[str, int]]) -> dict[str, torch.Tensor]:
-        parts = [
-            common.synthetic_batch(self.config, self.seq_len, 1, "cpu", image=self.image, seed=s["index"])
-            for s in samples
-        ]
+    def __call__(self, samples: list[Any]) -> dict[str, torch.Tensor]:
+        parts = []
+        for _ in samples:
+            self.seed += 1
+            parts.append(common.synthetic_batch(self.config, self.seq_len, 1, "cpu", image=self.image, seed=self.seed))
         batch = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
         # No padding; TRL counts tokens from the mask, and transformers' sdpa path drops an all-ones mask.
         batch["attention_mask"] = torch.ones_like(batch["input_ids"])
@@ -208,7 +207,7 @@ def _trainer(launch: Launch, model: Any, seq_len: int, batch: int, steps: int, o
     world = int(os.environ.get("WORLD_SIZE", "1"))
     from datasets import Dataset
 
-    data = Dataset.from_dict({"index": list(range(steps * batch * world))})
+    data = Dataset.from_dict({"input_ids": [[0]] * (steps * batch * world)})
     collate = _Collator(common_config(launch), seq_len, launch.image)
     options: dict[str, Any] = dict(
         output_dir=out_dir,
