@@ -1,0 +1,761 @@
+r"""Trainer-level benchmark: LoRA training through TRL's SFTTrainer (or transformers' Trainer), as users run it.
+
+bench.py times a plain loop; this harness times what the flagship notebook runs: SFTTrainer with
+per_device_train_batch_size, bf16/fp16 flags, logging every step, Trainer's own DDP wrapping and
+optimizer, timed by a TrainerCallback. Side by side in one call:
+
+- launchers: nbkit.launch, accelerate's notebook_launcher (both from a fresh process standing in
+  for a notebook kernel that has imported transformers), and `accelerate launch` of this file;
+- backends: unsloth (FastVisionModel / FastLanguageModel), transformers + peft + nbkit.savers
+  (`transformers`), the same with Liger's fused kernels (`liger`: nbkit.savers.apply(kernels="liger"));
+- 16-bit or 4-bit (QLoRA: unsloth's load_in_4bit, bitsandbytes NF4 for transformers) weights,
+  bf16 / fp16 autocast, 1 / 2 / 4 GPUs, shapes such as 1024x4, 1024x16, 16384x1;
+- repeats: every launch runs `--repeats` times; the report gives the median over repeats and their
+  spread.
+
+A configuration is `backend:gpus@launcher` (`unsloth:2`, `liger:2@accelerate`, `transformers:1@notebook`);
+the launcher defaults to nbkit. One launch loads the model once and runs every shape, each with its
+own Trainer. Per shape and rank: step times (wall time between the ends of successive steps, CUDA
+synchronised, so data loading, logging and the optimizer are included), the median of the second half
+of the steps, tokens/s per GPU (seq_len x batch / that median), peak allocated memory, and the time
+from the launcher call to the end of the first step (imports, model load and compilation included;
+for `accelerate launch` from the command's start).
+
+`--longest` searches the longest sequence (batch 1) that trains in one process under a memory cap
+(`--memory-cap-gib 15` stands in for a T4): lengths from `--seq-lens` until the first that fails,
+then two bisection steps to multiples of 4096, each attempt a few Trainer steps.
+
+Examples (GPU host, see README.md for the set-up):
+
+    python3 benchmarks/trainer_bench.py --configs unsloth:1@notebook,unsloth:2,unsloth:2@notebook,unsloth:2@accelerate \
+        --shapes 1024x4,1024x16,16384x1 --out $OUT/trainer.json --md $OUT/trainer.md
+    python3 benchmarks/trainer_bench.py --longest --configs unsloth:1,transformers:1 --quant 16bit,4bit \
+        --precision fp16 --memory-cap-gib 15 --out $OUT/t4_trainer.json --md $OUT/t4_trainer.md
+
+CPU smoke test (gloo ranks, tiny model): tests/test_trainer_bench_cpu.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import gc
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+for _path in (str(ROOT), str(HERE)):
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
+
+import common  # noqa: E402  (step_stats, synthetic_batch, peak_memory_gib, environment)
+import torch  # noqa: E402
+
+BACKENDS = ("unsloth", "transformers", "liger")
+LAUNCHERS = ("nbkit", "notebook", "accelerate")
+QUANTS = ("16bit", "4bit")
+LANGUAGE_LORA = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
+TEXT_LORA = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@dataclass
+class Launch:
+    """One launch: a model loaded once, every shape trained with its own Trainer. Plain data (JSON)."""
+
+    backend: str
+    gpus: int
+    launcher: str
+    model: str
+    model_path: str
+    device: str  # "cuda" or "cpu"
+    precision: str  # "bf16", "fp16", "fp32"
+    quant: str  # "16bit" or "4bit"
+    shapes: list[tuple[int, int]]  # (seq_len, batch per GPU)
+    results_path: str
+    steps: int = 20
+    warmup: int = 3
+    image: bool = True
+    trainer: str = "sft"  # "sft" (TRL SFTTrainer) or "hf" (transformers Trainer)
+    repeat: int = 0
+    memory_cap_gib: float | None = None
+    longest: bool = False
+    launched_at: float = 0.0  # time.time() when the launcher was called (script launchers: the command)
+
+    @property
+    def config(self) -> str:
+        return f"{self.backend}:{self.gpus}@{self.launcher}"
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> Launch:
+        data = json.loads(text)
+        data["shapes"] = [tuple(s) for s in data["shapes"]]
+        return cls(**data)
+
+
+# ---------------------------------------------------------------------------------------------
+# Inside a rank
+# ---------------------------------------------------------------------------------------------
+
+
+def build_model(launch: Launch, device: torch.device) -> torch.nn.Module:
+    """The LoRA model as the flagship notebook builds it for this backend (LoRA r=16 on the language model)."""
+    from transformers import AutoConfig
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(launch.precision, torch.float32)
+    four_bit = launch.quant == "4bit"
+    vision = getattr(AutoConfig.from_pretrained(launch.model_path), "vision_config", None) is not None
+    max_len = max(seq for seq, _ in launch.shapes)
+    if launch.backend == "unsloth":
+        import unsloth  # noqa: F401  (first: it patches transformers and TRL as they load)
+        from unsloth import FastLanguageModel, FastVisionModel
+
+        loader = FastVisionModel if vision else FastLanguageModel
+        model, _ = loader.from_pretrained(
+            launch.model_path, dtype=dtype, load_in_4bit=four_bit, max_seq_length=max_len, device_map=str(device)
+        )
+        extra: dict[str, Any] = {"finetune_vision_layers": False} if vision else {"target_modules": TEXT_LORA}
+        return loader.get_peft_model(model, r=16, lora_alpha=16, random_state=0, **extra)
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, BitsAndBytesConfig
+
+    import nbkit
+
+    torch.manual_seed(0)
+    auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
+    quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=dtype) if four_bit else None
+    model = auto.from_pretrained(
+        launch.model_path, dtype=dtype, device_map={"": str(device)}, quantization_config=quantization
+    )
+    model.config.use_cache = False
+    model = get_peft_model(
+        model, LoraConfig(r=16, lora_alpha=16, target_modules=LANGUAGE_LORA if vision else TEXT_LORA)
+    )
+    return nbkit.savers.apply(model, kernels="liger" if launch.backend == "liger" else None)
+
+
+class _Collator:
+    """Builds each batch: random sequences of exactly seq_len tokens (one small image each for a VLM when
+    asked), as a real collator tokenises and processes images per batch (host work that belongs in the
+    step). It uses only how many samples it is given, never their content: the dataset is a placeholder
+    column (named input_ids so that no trainer's column filter removes it), and unsloth's patched
+    SFTTrainer may change what reaches the collator.
+    """
+
+    def __init__(self, config: Any, seq_len: int, image: bool) -> None:
+        self.config, self.seq_len, self.image = config, seq_len, image
+        self.seed = 1_000_003 * int(os.environ.get("RANK", "0"))  # other data on every rank
+
+    def __call__(self, samples: list[Any]) -> dict[str, torch.Tensor]:
+        parts = []
+        for _ in samples:
+            self.seed += 1
+            parts.append(common.synthetic_batch(self.config, self.seq_len, 1, "cpu", image=self.image, seed=self.seed))
+        batch = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+        # No padding; TRL counts tokens from the mask, and transformers' sdpa path drops an all-ones mask.
+        batch["attention_mask"] = torch.ones_like(batch["input_ids"])
+        return batch
+
+
+def _timer_callback(device: torch.device) -> Any:
+    from transformers import TrainerCallback
+
+    class StepTimer(TrainerCallback):
+        """Wall time between the ends of successive optimizer steps (the first: from its own start)."""
+
+        def __init__(self) -> None:
+            self.times: list[float] = []
+            self.first_step_end: float | None = None
+            self._last: float | None = None
+
+        def _sync(self) -> None:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+
+        def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if self._last is None:
+                self._sync()
+                self._last = time.perf_counter()
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            self._sync()
+            now = time.perf_counter()
+            self.times.append(now - self._last)
+            self._last = now
+            if self.first_step_end is None:
+                self.first_step_end = time.time()
+
+    return StepTimer()
+
+
+def _trainer(launch: Launch, model: Any, seq_len: int, batch: int, steps: int, out_dir: str, timer: Any) -> Any:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    from datasets import Dataset
+
+    data = Dataset.from_dict({"input_ids": [[0]] * (steps * batch * world)})
+    collate = _Collator(common_config(launch), seq_len, launch.image)
+    options: dict[str, Any] = dict(
+        output_dir=out_dir,
+        max_steps=steps,
+        per_device_train_batch_size=batch,
+        learning_rate=2e-4,
+        lr_scheduler_type="linear",
+        warmup_steps=1,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        seed=0,
+        bf16=launch.precision == "bf16",
+        fp16=launch.precision == "fp16",
+        use_cpu=launch.device == "cpu",
+        remove_unused_columns=False,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
+    if launch.trainer == "sft":
+        from trl import SFTConfig, SFTTrainer
+
+        from nbkit.offline import load_processor
+
+        args = SFTConfig(**options, dataset_kwargs={"skip_prepare_dataset": True}, max_length=None)
+        return SFTTrainer(
+            model=model,
+            args=args,
+            train_dataset=data,
+            processing_class=load_processor(launch.model_path),
+            data_collator=collate,
+            callbacks=[timer],
+        )
+    from transformers import Trainer, TrainingArguments
+
+    return Trainer(
+        model=model, args=TrainingArguments(**options), train_dataset=data, data_collator=collate, callbacks=[timer]
+    )
+
+
+_CONFIGS: dict[str, Any] = {}
+
+
+def common_config(launch: Launch) -> Any:
+    """The model's transformers config (cached per path)."""
+    if launch.model_path not in _CONFIGS:
+        from transformers import AutoConfig
+
+        _CONFIGS[launch.model_path] = AutoConfig.from_pretrained(launch.model_path)
+    return _CONFIGS[launch.model_path]
+
+
+def _oom(exc: BaseException) -> bool:
+    return isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc).lower()
+
+
+def _case(launch: Launch, model: Any, seq_len: int, batch: int, device: torch.device, steps: int) -> dict:
+    """Train one shape; returns this rank's figures (status ok / oom / error)."""
+    timer = _timer_callback(device)
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    row: dict[str, Any] = {"seq_len": seq_len, "batch": batch}
+    trainer = None
+    try:
+        with tempfile.TemporaryDirectory() as out_dir:
+            trainer = _trainer(launch, model, seq_len, batch, steps, out_dir, timer)
+            trainer.train()
+            losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+        row.update(status="ok", loss_first=losses[0] if losses else None, loss_last=losses[-1] if losses else None)
+    except Exception as exc:  # recorded, and the next shape runs (a single process recovers from an OOM)
+        row.update(status="oom" if _oom(exc) else "error", error=f"{type(exc).__name__}: {exc}"[-2000:])
+    finally:
+        del trainer
+        gc.collect()
+    row["step_times_s"] = timer.times
+    row["first_step_end"] = timer.first_step_end
+    row["peak"] = common.peak_memory_gib(device)
+    return row
+
+
+def _ladder(launch: Launch, model: Any, device: torch.device) -> list[dict]:
+    """Lengths in order until the first failure, then two bisections to multiples of 4096."""
+    rows, good, bad = [], 0, None
+    for seq_len, _ in launch.shapes:
+        row = _case(launch, model, seq_len, 1, device, launch.warmup + launch.steps)
+        rows.append(row)
+        if row["status"] != "ok":
+            bad = seq_len
+            break
+        good = seq_len
+    for _ in range(2):
+        if bad is None or bad - good <= 4096:
+            break
+        middle = (good + bad) // 2 // 4096 * 4096
+        if middle <= good:
+            break
+        row = _case(launch, model, middle, 1, device, launch.warmup + launch.steps)
+        rows.append(row)
+        good, bad = (middle, bad) if row["status"] == "ok" else (good, middle)
+    return rows
+
+
+def run(launch: Launch) -> None:
+    """Each rank: load, train every shape, gather the figures; rank 0 appends one JSON line per shape."""
+    rank, local = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    cuda = launch.device == "cuda"
+    if not cuda:
+        torch.set_num_threads(1)  # forked CPU ranks: see landscape.md (fork after torch's thread pool started)
+    device = torch.device("cuda", local) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+        if launch.memory_cap_gib:
+            total = torch.cuda.get_device_properties(device).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, launch.memory_cap_gib * 2**30 / total), device)
+    start = time.time()
+    model = build_model(launch, device)
+    load_s = time.time() - start
+    if launch.longest:
+        mine = _ladder(launch, model, device)
+    else:
+        mine = [_case(launch, model, s, b, device, launch.warmup + launch.steps) for s, b in launch.shapes]
+    everyone = [mine]
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+    if rank == 0:
+        with open(launch.results_path, "a") as f:
+            for i, row in enumerate(mine):
+                ranks = [r[i] for r in everyone]
+                f.write(json.dumps(_row(launch, row, ranks, load_s, first=i == 0)) + "\n")
+
+
+def _row(launch: Launch, row: dict, ranks: list[dict], load_s: float, first: bool) -> dict:
+    times = row["step_times_s"]
+    half = times[len(times) // 2 :] if len(times) > 1 else times
+    ok = all(r["status"] == "ok" for r in ranks)
+    stats = common.step_stats(half) if ok and half else None
+    tokens = row["seq_len"] * row["batch"]
+    out = {
+        "config": launch.config,
+        "backend": launch.backend,
+        "gpus": launch.gpus,
+        "launcher": launch.launcher,
+        "precision": launch.precision,
+        "quant": launch.quant,
+        "trainer": launch.trainer,
+        "image": launch.image,
+        "memory_cap_gib": launch.memory_cap_gib,
+        "repeat": launch.repeat,
+        "seq_len": row["seq_len"],
+        "batch": row["batch"],
+        "status": "ok" if ok else next(r["status"] for r in ranks if r["status"] != "ok"),
+        "error": next((r["error"] for r in ranks if r.get("error")), None),
+        "step_times_s": times,
+        "step_time_s": stats,
+        "tokens_per_s_per_gpu": tokens / stats["median"] if stats else None,
+        "peak_allocated_gib": [r["peak"]["allocated"] if r["peak"] else None for r in ranks],
+        "load_s": load_s,
+        "first_step_s": times[0] if times else None,
+        "loss_first": row.get("loss_first"),
+        "loss_last": row.get("loss_last"),
+    }
+    if first and row["first_step_end"] is not None and launch.launched_at:
+        out["launch_to_first_step_s"] = row["first_step_end"] - launch.launched_at
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The launching side
+# ---------------------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _preload(launch: Launch) -> None:
+    """What a notebook has imported in earlier cells: transformers and the model's modeling module
+    (never unsloth, peft or bitsandbytes: they initialise CUDA or make both notebook launchers refuse to fork).
+    """
+    from transformers.models.auto import modeling_auto
+
+    config = common_config(launch)
+    vision = getattr(config, "vision_config", None) is not None
+    mapping = (
+        modeling_auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING if vision else modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING
+    )
+    mapping[type(config)]
+
+
+def _launch_mode(path: str) -> int:
+    """A fresh process standing in for a notebook kernel: call the notebook launcher from here."""
+    launch = Launch.from_json(Path(path).read_text())
+    try:
+        _preload(launch)
+        launch.launched_at = time.time()
+        if launch.launcher == "nbkit":
+            import nbkit
+
+            nbkit.launch(run, launch, gpus=launch.gpus, quiet=True, dashboard=False)
+        else:
+            from accelerate import notebook_launcher
+
+            notebook_launcher(run, args=(launch,), num_processes=launch.gpus, use_port=str(_free_port()))
+    except BaseException as exc:
+        with open(launch.results_path, "a") as f:
+            f.write(json.dumps({"launch_error": f"{type(exc).__name__}: {exc}"[-4000:]}) + "\n")
+        raise
+    return 0
+
+
+def _worker_mode(path: str) -> int:
+    """One rank of `accelerate launch`: nbkit's per-rank set-up (as nbkit.launch does), then the same function."""
+    import nbkit
+
+    nbkit.install()
+    launch = Launch.from_json(Path(path).read_text())
+    try:
+        run(launch)
+    except BaseException as exc:
+        if int(os.environ.get("RANK", "0")) == 0:
+            with open(launch.results_path, "a") as f:
+                f.write(json.dumps({"launch_error": f"{type(exc).__name__}: {exc}"[-4000:]}) + "\n")
+        raise
+    return 0
+
+
+def _command(launch: Launch, path: Path) -> list[str]:
+    me = str(Path(__file__).resolve())
+    if launch.launcher != "accelerate":
+        return [sys.executable, me, "--launch-mode", str(path)]
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(launch.gpus)]
+    cmd += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    cmd += ["--main_process_port", str(_free_port())]
+    if launch.gpus > 1:
+        cmd.append("--multi_gpu")  # with ACCELERATE_USE_CPU=true: gloo on the CPU
+    return cmd + [me, "--worker-mode", str(path)]
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGTERM the launch's process group, SIGKILL what is left after 10 s."""
+    for sig, grace in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=grace)
+            return
+
+
+def run_launch(launch: Launch, workdir: Path, timeout: float) -> list[dict]:
+    """Run one launch in a fresh process group; one row per shape, failures and timeouts included."""
+    slug = f"{launch.config}-{launch.precision}-{launch.quant}-r{launch.repeat}".replace(":", "-").replace("@", "-")
+    path = workdir / f"{slug}.json"
+    launch.results_path = str(workdir / f"{slug}.jsonl")
+    launch.launched_at = time.time()
+    path.write_text(launch.to_json())
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        dict.fromkeys([str(ROOT), str(HERE), *env.get("PYTHONPATH", "").split(os.pathsep)])
+    )
+    if launch.device == "cpu":
+        env["ACCELERATE_USE_CPU"] = "true"
+    print(f"\n=== {launch.config} {launch.precision} {launch.quant} repeat {launch.repeat} ===", flush=True)
+    tail: collections.deque[str] = collections.deque(maxlen=40)
+    start = time.monotonic()
+    cwd = Path(tempfile.gettempdir()) / "nbkit-trainer-bench"  # unsloth writes its compile cache here
+    cwd.mkdir(exist_ok=True)
+    proc = subprocess.Popen(
+        _command(launch, path),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        bufsize=1,
+        env=env,
+        start_new_session=True,
+        cwd=str(cwd),
+    )
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            sys.stdout.write(line)
+            tail.append(line.rstrip("\n"))
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    reason = None
+    try:
+        code = proc.wait(timeout=timeout)
+        reason = None if code == 0 else f"launch exited with code {code}"
+    except subprocess.TimeoutExpired:
+        reason = f"launch stopped after the {timeout:.0f} s timeout"
+    finally:
+        if proc.poll() is None:
+            _stop(proc)
+    reader.join(timeout=10)
+    wall = time.monotonic() - start
+    rows, error = [], None
+    results = Path(launch.results_path)
+    for line in results.read_text().splitlines() if results.exists() else []:
+        entry = json.loads(line)
+        if "launch_error" in entry:
+            error = entry["launch_error"]
+        else:
+            rows.append(entry)
+    for row in rows:
+        row["launch_wall_s"] = wall
+    done = {(r["seq_len"], r["batch"]) for r in rows}
+    if not launch.longest:
+        for seq_len, batch in launch.shapes:
+            if (seq_len, batch) not in done:
+                rows.append(
+                    dict(
+                        _identity(launch),
+                        seq_len=seq_len,
+                        batch=batch,
+                        launch_wall_s=wall,
+                        status="timeout" if reason and "timeout" in reason else "error",
+                        error=error or reason or "the launch ended without reporting this shape",
+                        output_tail="\n".join(tail),
+                    )
+                )
+    print(
+        f"=== {launch.config}: {wall:.0f} s{' -- ' + (error or reason or '') if error or reason else ''} ===",
+        flush=True,
+    )
+    return rows
+
+
+def _identity(launch: Launch) -> dict:
+    keys = ("backend", "gpus", "launcher", "precision", "quant", "trainer", "image", "memory_cap_gib", "repeat")
+    return {"config": launch.config, **{k: getattr(launch, k) for k in keys}}
+
+
+# ---------------------------------------------------------------------------------------------
+# Report
+# ---------------------------------------------------------------------------------------------
+
+
+def summarise(rows: list[dict]) -> list[dict]:
+    """One entry per (config, precision, quant, shape): median over repeats of the per-run medians,
+    tokens/s per GPU, spread over repeats, scaling against the same backend's 1-GPU entry.
+    """
+    groups: dict[tuple, list[dict]] = collections.defaultdict(list)
+    for r in rows:
+        groups[(r["config"], r["precision"], r["quant"], r["seq_len"], r["batch"])].append(r)
+    out = []
+    for (config, precision, quant, seq_len, batch), runs in groups.items():
+        ok = [r for r in runs if r["status"] == "ok"]
+        medians = [r["step_time_s"]["median"] for r in ok]
+        entry = {
+            "config": config,
+            "backend": runs[0]["backend"],
+            "gpus": runs[0]["gpus"],
+            "launcher": runs[0]["launcher"],
+            "precision": precision,
+            "quant": quant,
+            "seq_len": seq_len,
+            "batch": batch,
+            "runs": len(runs),
+            "ok_runs": len(ok),
+            "statuses": [r["status"] for r in runs],
+        }
+        if medians:
+            median = statistics.median(medians)
+            entry.update(
+                step_s=median,
+                step_s_runs=medians,
+                spread_pct=100 * (max(medians) - min(medians)) / median,
+                tokens_per_s_per_gpu=seq_len * batch / median,
+                peak_gib=max(max(g for g in r["peak_allocated_gib"] if g is not None) for r in ok)
+                if any(g is not None for r in ok for g in r["peak_allocated_gib"])
+                else None,
+                launch_to_first_step_s=[r["launch_to_first_step_s"] for r in ok if "launch_to_first_step_s" in r],
+            )
+        out.append(entry)
+    for entry in out:
+        base = next(
+            (
+                e
+                for e in out
+                if e["backend"] == entry["backend"]
+                and e["gpus"] == 1
+                and e.get("step_s")
+                and all(e[k] == entry[k] for k in ("precision", "quant", "seq_len", "batch"))
+            ),
+            None,
+        )
+        if base and entry.get("step_s") and entry["gpus"] > 1:
+            entry["scaling"] = entry["gpus"] * base["step_s"] / entry["step_s"]
+    return out
+
+
+def markdown(env: dict, command: str, summary: list[dict], rows: list[dict]) -> str:
+    versions = ", ".join(f"{k} {v}" for k, v in env["versions"].items() if v)
+    lines = [
+        f"Machine: {env['gpu_count']}x {env['gpu']} ({env['gpu_memory_gib']} GiB), driver {env['driver']}, "
+        f"CUDA {env['cuda']}, {env['cpu_count']} CPUs; {versions}; Python {env['python']}; {env['date']}.",
+        "",
+        f"Command: `{command}`",
+        "",
+        "| config | case | runs ok | tok/s/GPU | scaling vs 1 GPU | step s (median of runs) | spread over runs | "
+        "peak GiB/GPU | launch to 1st step s |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for e in summary:
+        case = f"{e['precision']} {e['quant']} {e['seq_len']}x{e['batch']}"
+        if not e.get("step_s"):
+            lines.append(f"| {e['config']} | {case} | 0/{e['runs']} ({', '.join(e['statuses'])}) | | | | | | |")
+            continue
+        scaling = f"{e['scaling']:.2f}x" if "scaling" in e else ""
+        first = ", ".join(f"{t:.1f}" for t in e["launch_to_first_step_s"])
+        peak = f"{e['peak_gib']:.2f}" if e["peak_gib"] is not None else ""
+        lines.append(
+            f"| {e['config']} | {case} | {e['ok_runs']}/{e['runs']} | {e['tokens_per_s_per_gpu']:,.0f} | {scaling} | "
+            f"{e['step_s']:.3f} | {e['spread_pct']:.1f}% | {peak} | {first} |"
+        )
+    failures = [r for r in rows if r["status"] != "ok"]
+    if failures:
+        lines += ["", "Failures:", ""]
+        for r in failures:
+            lines.append(
+                f"- {r['config']} {r['precision']} {r['quant']} {r['seq_len']}x{r['batch']}: {r['status']}: "
+                f"{(r.get('error') or '').splitlines()[-1][:300] if r.get('error') else ''}"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def _shape(text: str) -> tuple[int, int]:
+    seq, _, batch = text.lower().partition("x")
+    value = int(seq[:-1]) * 1024 if seq.endswith("k") else int(seq)
+    return value, int(batch or 1)
+
+
+def parse_config(text: str) -> tuple[str, int, str]:
+    """`backend:gpus[@launcher]` -> (backend, gpus, launcher). Raises ValueError for unknown parts."""
+    head, _, launcher = text.partition("@")
+    backend, _, gpus = head.partition(":")
+    launcher = launcher or "nbkit"
+    if backend not in BACKENDS or launcher not in LAUNCHERS or not gpus.isdigit() or int(gpus) < 1:
+        raise ValueError(f"{text!r}: use backend:gpus[@launcher], backend in {BACKENDS}, launcher in {LAUNCHERS}.")
+    return backend, int(gpus), launcher
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--configs", default="unsloth:1@notebook,unsloth:2,unsloth:2@notebook,unsloth:2@accelerate")
+    p.add_argument("--shapes", "--seq-lens", dest="shapes", default="1024x4,1024x16,16384x1")
+    p.add_argument("--precision", default=None, help="bf16, fp16 or fp32 (default: bf16 on GPUs, fp32 on CPUs)")
+    p.add_argument("--quant", default="16bit", help="16bit, 4bit or both (comma-separated)")
+    p.add_argument("--model", default="random:qwen3-vl-2b")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--no-image", action="store_true", help="text-only sequences (default: one small image each)")
+    p.add_argument("--trainer", choices=("sft", "hf"), default="sft")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--memory-cap-gib", type=float, default=None)
+    p.add_argument("--longest", action="store_true", help="search the longest sequence that trains (batch 1)")
+    p.add_argument("--launch-timeout", type=float, default=400)
+    p.add_argument("--time-limit", type=float, default=None, help="start no launch after this many seconds")
+    p.add_argument("--out", default=None)
+    p.add_argument("--md", default=None)
+    p.add_argument("--launch-mode", help=argparse.SUPPRESS)
+    p.add_argument("--worker-mode", help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.launch_mode:
+        return _launch_mode(a.launch_mode)
+    if a.worker_mode:
+        return _worker_mode(a.worker_mode)
+
+    import nbkit
+
+    configs = [parse_config(c) for c in a.configs.split(",") if c]
+    shapes = [_shape(s) for s in a.shapes.split(",") if s]
+    if a.longest:
+        shapes = sorted((s, 1) for s, _ in shapes)
+    precision = a.precision or ("bf16" if a.device == "cuda" else "fp32")
+    quants = [q for q in a.quant.split(",") if q]
+    if any(q not in QUANTS for q in quants):
+        p.error(f"--quant takes {QUANTS}")
+    path = nbkit.resolve_model(a.model)
+    gpu_count = len(nbkit.visible_gpus())
+    workdir = Path(tempfile.mkdtemp(prefix="trainer-bench-"))
+    env, rows, started = common.environment(), [], time.monotonic()
+    command = " ".join(["python3", "benchmarks/trainer_bench.py", *(argv if argv is not None else sys.argv[1:])])
+    for repeat in range(a.repeats):
+        for backend, gpus, launcher in configs:
+            for quant in quants:
+                launch = Launch(
+                    backend,
+                    gpus,
+                    launcher,
+                    a.model,
+                    path,
+                    a.device,
+                    precision,
+                    quant,
+                    shapes,
+                    "",
+                    a.steps,
+                    a.warmup,
+                    not a.no_image,
+                    a.trainer,
+                    repeat,
+                    a.memory_cap_gib,
+                    a.longest,
+                )
+                skip = None
+                if a.time_limit is not None and time.monotonic() - started > a.time_limit:
+                    skip = f"not started: the {a.time_limit:.0f} s time limit had passed"
+                elif a.device == "cuda" and gpus > gpu_count:
+                    skip = f"needs {gpus} GPUs, this machine has {gpu_count}"
+                elif backend == "unsloth" and a.device != "cuda":
+                    skip = "unsloth trains only on GPUs"
+                if skip:
+                    rows += [
+                        dict(_identity(launch), seq_len=s, batch=b, status="skipped", error=skip) for s, b in shapes
+                    ]
+                    continue
+                rows += run_launch(launch, workdir, a.launch_timeout)
+                summary = summarise(rows)
+                if a.out:
+                    Path(a.out).write_text(
+                        json.dumps(
+                            {
+                                "command": command,
+                                "environment": env,
+                                "wall_s": time.monotonic() - started,
+                                "summary": summary,
+                                "results": rows,
+                            },
+                            indent=1,
+                        )
+                    )
+                if a.md:
+                    Path(a.md).write_text(markdown(env, command, summary, rows))
+    print(markdown(env, command, summarise(rows), rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,107 @@
+"""benchmarks/trainer_bench.py end to end on the CPU: real SFTTrainer runs of tiny:qwen3-vl.
+
+Two gloo ranks under nbkit.launch and under `accelerate launch`, one process under
+notebook_launcher; a Liger configuration, which cannot run on a CPU, must be recorded with nbkit's
+message and the run must go on. Also the configuration parser and the summary's arithmetic.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+
+import trainer_bench  # noqa: E402
+
+
+def test_configs_and_shapes_parse():
+    assert trainer_bench.parse_config("unsloth:2") == ("unsloth", 2, "nbkit")
+    assert trainer_bench.parse_config("liger:4@accelerate") == ("liger", 4, "accelerate")
+    for bad in ("plain:2", "unsloth:0", "unsloth:2@torchrun", "unsloth"):
+        with pytest.raises(ValueError, match="backend:gpus"):
+            trainer_bench.parse_config(bad)
+    assert trainer_bench._shape("1024x16") == (1024, 16)
+    assert trainer_bench._shape("16k") == (16384, 1)
+
+
+def _row(config: str, gpus: int, median: float, repeat: int, status: str = "ok") -> dict:
+    return {
+        "config": config,
+        "backend": config.split(":")[0],
+        "gpus": gpus,
+        "launcher": config.partition("@")[2] or "nbkit",
+        "precision": "bf16",
+        "quant": "16bit",
+        "seq_len": 1024,
+        "batch": 4,
+        "repeat": repeat,
+        "status": status,
+        "step_time_s": {"median": median} if status == "ok" else None,
+        "peak_allocated_gib": [5.0] * gpus,
+        "launch_to_first_step_s": 30.0 + repeat,
+    }
+
+
+def test_summary_takes_the_median_of_repeats_and_scales_against_one_gpu():
+    rows = [_row("unsloth:1@notebook", 1, 0.2, r) for r in range(3)]
+    rows += [_row("unsloth:2@nbkit", 2, m, r) for r, m in enumerate([0.25, 0.21, 0.30])]
+    rows.append(_row("unsloth:2@nbkit", 2, 0.0, 3, status="error"))
+    summary = {e["config"]: e for e in trainer_bench.summarise(rows)}
+    two = summary["unsloth:2@nbkit"]
+    assert two["runs"] == 4 and two["ok_runs"] == 3
+    assert two["step_s"] == 0.25
+    assert two["tokens_per_s_per_gpu"] == pytest.approx(4096 / 0.25)
+    assert two["spread_pct"] == pytest.approx(100 * (0.30 - 0.21) / 0.25)
+    assert two["scaling"] == pytest.approx(2 * 0.2 / 0.25)
+    assert "scaling" not in summary["unsloth:1@notebook"]
+
+
+@pytest.mark.slow
+def test_trainer_runs_under_three_launchers_and_records_what_cannot_run(tmp_path):
+    out, md = tmp_path / "trainer.json", tmp_path / "trainer.md"
+    code = trainer_bench.main(
+        [
+            "--configs",
+            "transformers:2,transformers:1@notebook,transformers:2@accelerate,liger:1@notebook",
+            "--shapes",
+            "128x2",
+            "--steps",
+            "3",
+            "--warmup",
+            "1",
+            "--model",
+            "tiny:qwen3-vl",
+            "--device",
+            "cpu",
+            "--launch-timeout",
+            "240",
+            "--out",
+            str(out),
+            "--md",
+            str(md),
+        ]
+    )
+    assert code == 0
+    report = json.loads(out.read_text())
+    rows = {r["config"]: r for r in report["results"]}
+    for config in ("transformers:2@nbkit", "transformers:1@notebook", "transformers:2@accelerate"):
+        row = rows[config]
+        assert row["status"] == "ok", row.get("error")
+        assert len(row["step_times_s"]) == 4  # warm-up + timed steps, each timed by the callback
+        assert row["tokens_per_s_per_gpu"] == pytest.approx(256 / row["step_time_s"]["median"])
+        assert row["launch_to_first_step_s"] > row["first_step_s"] > 0
+        assert row["loss_first"] > 0 and row["loss_last"] > 0
+        assert len(row["peak_allocated_gib"]) == row["gpus"]
+    liger = rows["liger:1@notebook"]
+    assert liger["status"] == "error"
+    assert "KernelsError" in liger["error"] and "need the model on CUDA GPUs" in liger["error"]
+    summary = {e["config"]: e for e in report["summary"]}
+    assert summary["transformers:2@nbkit"]["scaling"] > 0
+    text = md.read_text()
+    assert "| transformers:2@accelerate | fp32 16bit 128x2 | 1/1 |" in text
+    assert "liger:1@notebook fp32 16bit 128x2: error: " in text
