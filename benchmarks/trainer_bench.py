@@ -57,12 +57,12 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-for _path in (str(ROOT), str(HERE)):
-    if _path not in sys.path:
-        sys.path.insert(0, _path)
+if str(ROOT) not in sys.path:  # run as a script (python benchmarks/trainer_bench.py): the package lives in ROOT
+    sys.path.insert(0, str(ROOT))
 
-import common  # noqa: E402  (step_stats, synthetic_batch, peak_memory_gib, environment)
 import torch  # noqa: E402
+
+from benchmarks import batches, host, measures  # noqa: E402
 
 BACKENDS = ("unsloth", "transformers", "liger")
 LAUNCHERS = ("nbkit", "notebook", "accelerate")
@@ -165,7 +165,7 @@ class _Collator:
         parts = []
         for _ in samples:
             self.seed += 1
-            parts.append(common.synthetic_batch(self.config, self.seq_len, 1, "cpu", image=self.image, seed=self.seed))
+            parts.append(batches.synthetic_batch(self.config, self.seq_len, 1, "cpu", image=self.image, seed=self.seed))
         batch = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
         # No padding; TRL counts tokens from the mask, and transformers' sdpa path drops an all-ones mask.
         batch["attention_mask"] = torch.ones_like(batch["input_ids"])
@@ -286,7 +286,7 @@ def _case(launch: Launch, model: Any, seq_len: int, batch: int, device: torch.de
         gc.collect()
     row["step_times_s"] = timer.times
     row["first_step_end"] = timer.first_step_end
-    row["peak"] = common.peak_memory_gib(device)
+    row["peak"] = measures.peak_memory_gib(device)
     return row
 
 
@@ -348,7 +348,7 @@ def _row(launch: Launch, row: dict, ranks: list[dict], load_s: float, first: boo
     times = row["step_times_s"]
     half = times[len(times) // 2 :] if len(times) > 1 else times
     ok = all(r["status"] == "ok" for r in ranks)
-    stats = common.step_stats(half) if ok and half else None
+    stats = measures.step_stats(half) if ok and half else None
     tokens = row["seq_len"] * row["batch"]
     out = {
         "config": launch.config,
@@ -700,7 +700,7 @@ def main(argv: list[str] | None = None) -> int:
     path = nbkit.resolve_model(a.model)
     gpu_count = len(nbkit.visible_gpus())
     workdir = Path(tempfile.mkdtemp(prefix="trainer-bench-"))
-    env, rows, started = common.environment(), [], time.monotonic()
+    env, rows, started = host.environment(), [], time.monotonic()
     command = " ".join(["python3", "benchmarks/trainer_bench.py", *(argv if argv is not None else sys.argv[1:])])
     for repeat in range(a.repeats):
         for backend, gpus, launcher in configs:

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
-sys.path.insert(0, str(BENCHMARKS))
+sys.path.insert(0, str(BENCHMARKS.parent))
 
-import trainer_bench  # noqa: E402
+from benchmarks import trainer_bench  # noqa: E402
 
 
 def test_configs_and_shapes_parse():
