@@ -26,6 +26,7 @@ from nbkit import distributed
 __all__ = ["Problem", "Report", "doctor"]
 
 LIBRARIES = (
+    "nbkit-ddp",
     "torch",
     "transformers",
     "peft",
