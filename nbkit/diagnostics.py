@@ -28,6 +28,7 @@ from nbkit import shell as nbkit_shell
 __all__ = ["Problem", "Report", "doctor"]
 
 LIBRARIES = (
+    "nbkit-ddp",
     "torch",
     "transformers",
     "peft",

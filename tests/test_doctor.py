@@ -295,3 +295,16 @@ def test_off_the_platforms_no_secret_store_is_asked(platform_modules, monkeypatc
     report = doctor()
     assert report.platform_secrets is None
     assert "kaggle_secrets" not in sys.modules and "google.colab.userdata" not in sys.modules
+
+
+def test_a_distribution_named_nbkit_is_flagged_with_how_to_replace_it(tmp_path, monkeypatch):
+    # The metadata of PyPI's unrelated `nbkit` 0.0.10, as pip leaves it in site-packages.
+    info = tmp_path / "nbkit-0.0.10.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: nbkit\nVersion: 0.0.10\nSummary: jupyter notebook toolkit\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (problem,) = [p for p in doctor().problems if "distribution named `nbkit`" in p.what]
+    assert "0.0.10, 'jupyter notebook toolkit'" in problem.what and "nbkit-ddp" in problem.what
+    assert "pip uninstall -y nbkit nbkit-ddp" in problem.fix
