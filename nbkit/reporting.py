@@ -22,6 +22,7 @@ Any other number is kept in the event log and shown in the per-rank table.
 from __future__ import annotations
 
 import atexit
+import logging
 import numbers
 import resource
 import sys
@@ -30,9 +31,9 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from nbkit import channel, distributed, patching
+from nbkit import channel, dashboard, distributed, patching
 
-__all__ = ["DashboardCallback", "report", "setup_rank"]  # noqa: F822 (DashboardCallback: built on first use)
+__all__ = ["DashboardCallback", "peak_memory_gib", "report", "setup_rank"]  # noqa: F822 (DashboardCallback: built on first use)
 
 
 class _Clock:
@@ -93,14 +94,15 @@ def setup_rank() -> None:
 
     integration.apply_when_imported("reporting")
     if channel.connected():
-        _no_library_progress_bars()
+        _library_output_in_rank()
 
 
-def _no_library_progress_bars() -> None:
+def _library_output_in_rank() -> None:
     """In a rank forked from a notebook kernel, tqdm bars (transformers' "Loading weights",
     datasets' map) are notebook widgets whose messages ipykernel drops from a forked process, with a
     warning in the kernel log for every update; and N ranks would draw N of them. The dashboard shows
-    the run's progress instead, so the hub's bars, which transformers and datasets use, are off.
+    the run's progress instead, so the hub's bars, which transformers and datasets use, are off. And
+    transformers' log lines go where this rank's other output goes.
     """
     try:
         from huggingface_hub.utils import disable_progress_bars
@@ -112,6 +114,12 @@ def _no_library_progress_bars() -> None:
     transformers_logging = sys.modules.get("transformers.utils.logging")
     if transformers_logging is not None:
         transformers_logging.disable_progress_bar()
+        # Its log handler kept the stream of the notebook, where transformers was imported, so
+        # every rank printed its notices there (the PAD/BOS/EOS one twice on 2 ranks, seen in
+        # JupyterLab): it writes to this rank's stderr (silenced or "[rank N]"-prefixed) instead.
+        for handler in transformers_logging.get_logger().handlers:
+            if isinstance(handler, logging.StreamHandler):
+                handler.setStream(sys.stderr)
 
 
 # --------------------------------------------------------------------------------------------
@@ -161,6 +169,13 @@ def _plain(value: Any) -> Any:
         except (ValueError, RuntimeError, TypeError):  # a tensor of several elements
             pass
     return str(value)
+
+
+def peak_memory_gib() -> float:
+    """This process's peak memory in GiB, as the dashboard shows it: torch.cuda.max_memory_allocated
+    of the current GPU where this process uses CUDA, else the process's peak resident memory (RSS).
+    """
+    return _peak_memory()["peak_memory_gib"]
 
 
 def _peak_memory() -> dict[str, Any]:
@@ -252,6 +267,10 @@ def _dashboard_callback() -> type:
     return integration.trainer_callback("DashboardCallback", _StepReporter, __name__)
 
 
+# What a step event carries already, and Trainer's FLOP count (no use to a reader).
+_STEP_KEYS = frozenset({"loss", "learning_rate", "epoch", "total_flos"})
+
+
 class _StepReporter:
     """A transformers TrainerCallback that reports every optimizer step to the dashboard.
 
@@ -291,11 +310,13 @@ class _StepReporter:
 
     def on_log(self, args: Any, state: Any, control: Any, logs: Mapping[str, Any] | None = None, **kwargs: Any) -> None:
         # The logged loss is a window average over all ranks; the per-step, per-rank loss went
-        # out in on_step_end, so only what a step event lacks is sent here.
+        # out in on_step_end, so only what a step event lacks is sent here (grad_norm, eval and
+        # end-of-training figures, and SFTTrainer's entropy, token accuracy, ...): the panel shows
+        # them in place of the log lines it suppresses.
         extra = {
             k: v
             for k, v in (logs or {}).items()
-            if k == "grad_norm" or (k.startswith("eval_") and isinstance(v, numbers.Real))
+            if k not in _STEP_KEYS and isinstance(v, numbers.Real) and not isinstance(v, bool)
         }
         if extra:
             report(step=state.global_step, **extra)
@@ -328,8 +349,9 @@ def _trainer_init(original):
         had_bar = any(isinstance(cb, bars) for cb in self.callback_handler.callbacks)
         for bar in bars:
             self.remove_callback(bar)
-        # The bars also printed the log dicts on rank 0; keep that, once.
-        if had_bar and distributed.is_main():
+        # The bars also printed the log dicts on rank 0: keep that, once, unless a live panel
+        # shows the same numbers (with logging_steps=1 the lines would pile up below it).
+        if had_bar and distributed.is_main() and not dashboard.panel_shown():
             self.add_callback(PrinterCallback)
         if not any(isinstance(cb, _StepReporter) for cb in self.callback_handler.callbacks):
             self.add_callback(_dashboard_callback()())

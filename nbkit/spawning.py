@@ -269,11 +269,10 @@ class _Coordinator:
                     message = reader.recv()
                 except (EOFError, OSError):
                     return None
-                kind = message[0]
-                if kind == "dashboard":
-                    self.board = dashboard.Dashboard(message[1]) if self.job["dashboard"] else None
-                elif kind == "event":
-                    self._event(message[1], message[2])
+                if isinstance(message, dashboard.DashboardOpened):
+                    self.board = dashboard.Dashboard(message.nprocs) if self.job["dashboard"] else None
+                elif isinstance(message, dashboard.DashboardEvent):
+                    self._event(message.rank, message.metrics)
                 else:
                     return message
             elif proc.poll() is not None and not reader.poll(0):
@@ -364,6 +363,8 @@ def _child_environment() -> dict[str, str]:
     env = dict(os.environ)
     package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+    # How this notebook shows the dashboard: the ranks print Trainer's log lines only without a live panel.
+    env["NBKIT_DASHBOARD"] = dashboard.display_mode()
     # ipykernel points matplotlib at its inline backend, which needs a kernel: not in a rank.
     if env.get("MPLBACKEND", "").startswith("module://"):
         del env["MPLBACKEND"]
