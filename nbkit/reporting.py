@@ -24,6 +24,7 @@ from __future__ import annotations
 import atexit
 import logging
 import numbers
+import os
 import resource
 import sys
 import threading
@@ -101,9 +102,16 @@ def _library_output_in_rank() -> None:
     """In a rank forked from a notebook kernel, tqdm bars (transformers' "Loading weights",
     datasets' map) are notebook widgets whose messages ipykernel drops from a forked process, with a
     warning in the kernel log for every update; and N ranks would draw N of them. The dashboard shows
-    the run's progress instead, so the hub's bars, which transformers and datasets use, are off. And
-    transformers' log lines go where this rank's other output goes.
+    the run's progress instead, so the hub's bars, which transformers uses, and datasets' own are off
+    (a saved notebook showed each of SFTTrainer's four dataset bars as "Loading widget..." when
+    reopened in JupyterLab). And transformers' log lines go where this rank's other output goes.
     """
+    # datasets reads this at import (an explicit 0 from the user wins); where the notebook imported
+    # datasets already, its switch is the one that counts.
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+    datasets_tqdm = sys.modules.get("datasets.utils.tqdm")
+    if datasets_tqdm is not None and os.environ["HF_DATASETS_DISABLE_PROGRESS_BARS"] == "1":
+        datasets_tqdm.disable_progress_bars()
     try:
         from huggingface_hub.utils import disable_progress_bars
     except ImportError:

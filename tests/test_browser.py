@@ -332,6 +332,7 @@ def test_the_dashboard_in_a_real_browser(app, browser, artifacts, kernel_name, n
         reloaded = _frame(output)
         _shot(page, shots, "3-reloaded", output)
         assert reloaded["kind"] == "summary" and "final loss" in reloaded["text"]
+        assert not reloaded["loadingWidget"]  # no widget from the ranks left behind in the saved notebook
         assert f"steps\t{STEPS} / {STEPS}" in reloaded["text"]
         assert reloaded["images"] and all(complete and width > 0 for complete, width in reloaded["images"])
         page.close()

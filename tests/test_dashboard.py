@@ -297,3 +297,52 @@ def test_a_relaying_dashboard_sends_typed_messages_and_knows_how_the_notebook_sh
     assert reader.recv() == dashboard.DashboardOpened(nprocs=2)
     assert reader.recv() == dashboard.DashboardEvent(rank=1, metrics={"step": 3, "loss": 0.5})
     assert not reader.poll(0.1)  # closing a relay sends nothing: the notebook closes its own
+
+
+# --------------------------------------------------------------------------------------------
+# A launch under a live panel: the ranks leave the numbers to the panel
+# --------------------------------------------------------------------------------------------
+
+
+def _train_tiny_trainer() -> list[str]:
+    """4 Trainer steps of a tiny random Qwen3 on every rank, logging every step; returns the Trainer's callbacks."""
+    import tempfile
+
+    import torch
+    from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+
+    from nbkit.offline import load_config
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(load_config("tiny:qwen3"))
+    data = [{"input_ids": torch.randint(0, 100, (16,)), "labels": torch.randint(0, 100, (16,))} for _ in range(16)]
+    args = TrainingArguments(
+        output_dir=tempfile.mkdtemp(prefix="nbkit-test-"),
+        max_steps=4,
+        per_device_train_batch_size=2,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        use_cpu=True,
+    )
+    trainer = Trainer(model=model, args=args, train_dataset=data)
+    trainer.train()
+    return [type(c).__name__ for c in trainer.callback_handler.callbacks]
+
+
+def test_under_a_live_panel_rank_0_prints_no_log_lines_and_the_panel_shows_the_last_log(
+    shell_displays, monkeypatch, capfd
+):
+    import transformers.trainer  # noqa: F401  (imported once here, shared by the forked ranks)
+
+    import nbkit
+
+    monkeypatch.setenv("NBKIT_DASHBOARD", "html")
+    callbacks = nbkit.launch(_train_tiny_trainer, gpus=2)
+    assert "DashboardCallback" in callbacks and "PrinterCallback" not in callbacks
+    out = capfd.readouterr().out
+    assert "'loss'" not in out and "'train_runtime'" not in out  # no log line piles up under the panel
+    last = shell_displays[-1]["data"]["text/html"]
+    assert "nbkit-summary" in last and ">4 / 4</td>" in last
+    assert "last log (rank 0)" in last and "train_runtime" in last  # Trainer's final log, in the panel instead
+    assert not dashboard.panel_shown()  # the launch is over
