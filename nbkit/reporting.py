@@ -22,6 +22,7 @@ Any other number is kept in the event log and shown in the per-rank table.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import numbers
 import os
@@ -125,9 +126,11 @@ def _library_output_in_rank() -> None:
         # Its log handler kept the stream of the notebook, where transformers was imported, so
         # every rank printed its notices there (the PAD/BOS/EOS one twice on 2 ranks, seen in
         # JupyterLab): it writes to this rank's stderr (silenced or "[rank N]"-prefixed) instead.
+        # (Not setStream(): it flushes the old stream first, which may be closed by now.)
         for handler in transformers_logging.get_logger().handlers:
             if isinstance(handler, logging.StreamHandler):
-                handler.setStream(sys.stderr)
+                with handler.lock or contextlib.nullcontext():
+                    handler.stream = sys.stderr
 
 
 # --------------------------------------------------------------------------------------------
