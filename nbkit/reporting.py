@@ -16,7 +16,7 @@ An event is a flat dict. Keys the dashboard understands (all optional):
     tokens_per_second (this rank), tokens_seen (this rank, cumulative),
     peak_memory_gib + memory_device (added automatically), elapsed, time (added automatically)
 
-Any other number is kept in the event log and shown in the per-rank table.
+Any other number is kept in the event log; the panel shows rank 0's latest ones as its "last log".
 """
 
 from __future__ import annotations
@@ -341,7 +341,7 @@ def _in_launched_rank() -> bool:
     "transformers.trainer:Trainer.__init__",
     reason="in a launched rank, report to nbkit's dashboard and draw no per-rank progress bar: "
     "transformers picks NotebookProgressCallback in every forked rank (it has no rank "
-    "check), so a notebook shows one bar per GPU; rank 0 still prints the log lines",
+    "check), so a notebook shows one bar per GPU; rank 0 prints the log lines unless a live panel shows them",
     upstream="transformers has no hook to add default callbacks or to silence progress bars "
     "per process: https://github.com/huggingface/transformers/issues/12108 (callbacks "
     "cannot see the step loss) is the nearest thread",
