@@ -64,4 +64,20 @@ demo: setup
 	HF_HUB_OFFLINE=1 $(PY) notebooks/run.py qwen3_vl_2xT4 --out $(DEMO_OUT)
 
 clean:
-	rm -rf $(VENV) $(OLDEST) dist build $(DEMO_OUT)
+	rm -rf $(VENV) $(OLDEST) dist build $(DEMO_OUT) artifacts
+
+# ---- The browser test (tests/test_browser.py), kept apart from the set-up above -----------------
+# Debian's chromium (root or a CI image that has it; Playwright's own browser download is not used)
+# and the `browser` extra (playwright, jupyterlab, notebook). `make test` runs it, as CI must;
+# screenshots go to $(NBKIT_BROWSER_ARTIFACTS) (CI: keep that directory as an artifact).
+NBKIT_BROWSER_ARTIFACTS ?= artifacts/browser
+export NBKIT_BROWSER_ARTIFACTS
+
+$(VENV)/.browser: $(VENV)/.installed pyproject.toml constraints.txt
+	command -v chromium >/dev/null 2>&1 || { apt-get update -q && apt-get install -y -q chromium; }
+	$(PY) -m pip install -q -c constraints.txt -e ".[browser]"
+	touch $@
+
+.PHONY: browser-setup
+browser-setup: $(VENV)/.browser
+test: browser-setup

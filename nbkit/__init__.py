@@ -54,6 +54,7 @@ _EXPORTS: dict[str, str] = {
     "text_dataset": "nbkit.synthetic",
     # live reporting
     "report": "nbkit.reporting",
+    "peak_memory_gib": "nbkit.reporting",
     # diagnostics
     "doctor": "nbkit.diagnostics",
 }

@@ -77,9 +77,7 @@ def _loss_without_full_logits(original: Callable[..., Any]) -> Callable[..., Any
     ) -> Any:
         from transformers import Trainer
 
-        from nbkit.savers import loss
-
-        if not loss.is_applied(model):
+        if _chunked_loss is None or not _chunked_loss(model):
             return original(self, model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
         inputs["use_cache"] = False  # as trl does: the cache does not go with gradient checkpointing
         return Trainer.compute_loss(
@@ -89,9 +87,18 @@ def _loss_without_full_logits(original: Callable[..., Any]) -> Callable[..., Any
     return compute_loss
 
 
-def enable() -> None:
+# Whether a model computes its loss with nbkit's chunked loss (nbkit.savers.loss.is_applied), handed
+# over by that module when it applies: it imports this one, so this one must not import it.
+_chunked_loss: Callable[[Any], bool] | None = None
+
+
+def enable(*, chunked_loss: Callable[[Any], bool] | None = None) -> None:
     """Apply the patches above where transformers is imported, and when it is imported otherwise.
 
-    Called in every rank nbkit.launch starts; idempotent; imports nothing itself.
+    Called in every rank nbkit.launch starts, and by nbkit.savers.loss.apply with `chunked_loss`,
+    its test for a model whose logits hold the last position only. Idempotent; imports nothing.
     """
+    global _chunked_loss
+    if chunked_loss is not None:
+        _chunked_loss = chunked_loss
     patching.apply("compat")

@@ -43,8 +43,9 @@ SETTINGS: dict[str, Setting] = {
     "unsloth_vlm_ddp_checkpointing": Setting(
         "NBKIT_UNSLOTH_VLM_DDP_CHECKPOINTING", "reentrant", ("reentrant", "unsloth")
     ),
-    # How a launch's dashboard shows (nbkit.dashboard.display_mode): "auto" picks widget or text.
-    "dashboard": Setting("NBKIT_DASHBOARD", "auto", ("auto", "widget", "text", "off")),
+    # How a launch's dashboard shows (nbkit.dashboard.display_mode): "auto" picks the HTML panel
+    # where a person watches a notebook and text lines elsewhere (papermill, terminals).
+    "dashboard": Setting("NBKIT_DASHBOARD", "auto", ("auto", "html", "widget", "text", "off")),
     # Seconds between the text dashboard's lines.
     "dashboard_interval": Setting("NBKIT_DASHBOARD_INTERVAL", "10", number=True),
     # Where nbkit.offline keeps the checkpoints it builds ("" : ~/.cache/nbkit).
@@ -78,7 +79,7 @@ def configure(**settings: str) -> dict[str, str]:
     Args:
         **settings: values named after the settings: device_map_policy ("data_parallel" or
             "error"; see nbkit.guard), unsloth_vlm_ddp_checkpointing ("reentrant" or "unsloth"; see
-            docs/unsloth_patches.md, fix 4), dashboard ("auto", "widget", "text" or "off"),
+            docs/unsloth_patches.md, fix 4), dashboard ("auto", "html", "widget", "text" or "off"),
             dashboard_interval (seconds between text lines), cache (a folder for nbkit's offline
             models).
 

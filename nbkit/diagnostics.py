@@ -229,8 +229,9 @@ def _dashboard_mode(dashboard: Any) -> str:
     except ValueError as exc:
         return str(exc)
     return {
+        "html": "live HTML panel, updated in place",
         "widget": "live ipywidgets panel",
-        "text": "text lines (no widget frontend seen)",
+        "text": "text lines (no live notebook frontend seen)",
         "off": "off (NBKIT_DASHBOARD=off)",
     }[mode]
 

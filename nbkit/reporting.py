@@ -16,13 +16,16 @@ An event is a flat dict. Keys the dashboard understands (all optional):
     tokens_per_second (this rank), tokens_seen (this rank, cumulative),
     peak_memory_gib + memory_device (added automatically), elapsed, time (added automatically)
 
-Any other number is kept in the event log and shown in the per-rank table.
+Any other number is kept in the event log; the panel shows rank 0's latest ones as its "last log".
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
+import logging
 import numbers
+import os
 import resource
 import sys
 import threading
@@ -30,10 +33,10 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from nbkit import callbacks, channel, distributed, patching
+from nbkit import callbacks, channel, dashboard, distributed, patching
 from nbkit import shell as nbkit_shell
 
-__all__ = ["DashboardCallback", "report", "setup_rank"]  # noqa: F822 (DashboardCallback: built on first use)
+__all__ = ["DashboardCallback", "peak_memory_gib", "report", "setup_rank"]  # noqa: F822 (DashboardCallback: built on first use)
 
 
 class _Clock:
@@ -92,15 +95,23 @@ def setup_rank() -> None:
     # (nbkit.patching's import hook applies them right after).
     patching.apply("reporting")
     if channel.connected():
-        _no_library_progress_bars()
+        _library_output_in_rank()
 
 
-def _no_library_progress_bars() -> None:
+def _library_output_in_rank() -> None:
     """In a rank forked from a notebook kernel, tqdm bars (transformers' "Loading weights",
     datasets' map) are notebook widgets whose messages ipykernel drops from a forked process, with a
     warning in the kernel log for every update; and N ranks would draw N of them. The dashboard shows
-    the run's progress instead, so the hub's bars, which transformers and datasets use, are off.
+    the run's progress instead, so the hub's bars, which transformers uses, and datasets' own are off
+    (a saved notebook showed each of SFTTrainer's four dataset bars as "Loading widget..." when
+    reopened in JupyterLab). And transformers' log lines go where this rank's other output goes.
     """
+    # datasets reads this at import (an explicit 0 from the user wins); where the notebook imported
+    # datasets already, its switch is the one that counts.
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+    datasets_tqdm = sys.modules.get("datasets.utils.tqdm")
+    if datasets_tqdm is not None and os.environ["HF_DATASETS_DISABLE_PROGRESS_BARS"] == "1":
+        datasets_tqdm.disable_progress_bars()
     try:
         from huggingface_hub.utils import disable_progress_bars
     except ImportError:
@@ -111,6 +122,14 @@ def _no_library_progress_bars() -> None:
     transformers_logging = sys.modules.get("transformers.utils.logging")
     if transformers_logging is not None:
         transformers_logging.disable_progress_bar()
+        # Its log handler kept the stream of the notebook, where transformers was imported, so
+        # every rank printed its notices there (the PAD/BOS/EOS one twice on 2 ranks, seen in
+        # JupyterLab): it writes to this rank's stderr (silenced or "[rank N]"-prefixed) instead.
+        # (Not setStream(): it flushes the old stream first, which may be closed by now.)
+        for handler in transformers_logging.get_logger().handlers:
+            if isinstance(handler, logging.StreamHandler):
+                with handler.lock or contextlib.nullcontext():
+                    handler.stream = sys.stderr
 
 
 # --------------------------------------------------------------------------------------------
@@ -160,6 +179,13 @@ def _plain(value: Any) -> Any:
         except (ValueError, RuntimeError, TypeError):  # a tensor of several elements
             pass
     return str(value)
+
+
+def peak_memory_gib() -> float:
+    """This process's peak memory in GiB, as the dashboard shows it: torch.cuda.max_memory_allocated
+    of the current GPU where this process uses CUDA, else the process's peak resident memory (RSS).
+    """
+    return _peak_memory()["peak_memory_gib"]
 
 
 def _peak_memory() -> dict[str, Any]:
@@ -236,6 +262,10 @@ def _dashboard_callback() -> type:
     return callbacks.trainer_callback("DashboardCallback", _StepReporter, __name__)
 
 
+# What a step event carries already, and Trainer's FLOP count (no use to a reader).
+_STEP_KEYS = frozenset({"loss", "learning_rate", "epoch", "total_flos"})
+
+
 class _StepReporter:
     """A transformers TrainerCallback that reports every optimizer step to the dashboard.
 
@@ -275,11 +305,13 @@ class _StepReporter:
 
     def on_log(self, args: Any, state: Any, control: Any, logs: Mapping[str, Any] | None = None, **kwargs: Any) -> None:
         # The logged loss is a window average over all ranks; the per-step, per-rank loss went
-        # out in on_step_end, so only what a step event lacks is sent here.
+        # out in on_step_end, so only what a step event lacks is sent here (grad_norm, eval and
+        # end-of-training figures, and SFTTrainer's entropy, token accuracy, ...): the panel shows
+        # them in place of the log lines it suppresses.
         extra = {
             k: v
             for k, v in (logs or {}).items()
-            if k == "grad_norm" or (k.startswith("eval_") and isinstance(v, numbers.Real))
+            if k not in _STEP_KEYS and isinstance(v, numbers.Real) and not isinstance(v, bool)
         }
         if extra:
             report(step=state.global_step, **extra)
@@ -298,7 +330,7 @@ def _in_launched_rank() -> bool:
     "transformers.trainer:Trainer.__init__",
     reason="in a launched rank, report to nbkit's dashboard and draw no per-rank progress bar: "
     "transformers picks NotebookProgressCallback in every forked rank (it has no rank "
-    "check), so a notebook shows one bar per GPU; rank 0 still prints the log lines",
+    "check), so a notebook shows one bar per GPU; rank 0 prints the log lines unless a live panel shows them",
     upstream="transformers has no hook to add default callbacks or to silence progress bars "
     "per process: https://github.com/huggingface/transformers/issues/12108 (callbacks "
     "cannot see the step loss) is the nearest thread",
@@ -317,8 +349,9 @@ def _trainer_init(original):
         had_bar = any(isinstance(cb, bars) for cb in self.callback_handler.callbacks)
         for bar in bars:
             self.remove_callback(bar)
-        # The bars also printed the log dicts on rank 0; keep that, once.
-        if had_bar and distributed.is_main():
+        # The bars also printed the log dicts on rank 0: keep that, once, unless a live panel
+        # shows the same numbers (with logging_steps=1 the lines would pile up below it).
+        if had_bar and distributed.is_main() and not dashboard.panel_shown():
             self.add_callback(PrinterCallback)
         if not any(isinstance(cb, _StepReporter) for cb in self.callback_handler.callbacks):
             self.add_callback(_dashboard_callback()())

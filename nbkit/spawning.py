@@ -365,7 +365,7 @@ class _Coordinator:
                     message = reader.recv()
                 except (EOFError, OSError):
                     return None
-                if isinstance(message, tuple):  # the dashboard's relay (nbkit.dashboard)
+                if isinstance(message, (dashboard.DashboardOpened, dashboard.DashboardEvent)):
                     self._dashboard_message(message)
                 else:
                     return message
@@ -381,12 +381,12 @@ class _Coordinator:
                     True,
                 )
 
-    def _dashboard_message(self, message: tuple) -> None:
-        if message[0] == "dashboard":
-            self.board = dashboard.Dashboard(message[1]) if self.job.dashboard else None
-        elif message[0] == "event" and self.board is not None:
+    def _dashboard_message(self, message: dashboard.DashboardOpened | dashboard.DashboardEvent) -> None:
+        if isinstance(message, dashboard.DashboardOpened):
+            self.board = dashboard.Dashboard(message.nprocs) if self.job.dashboard else None
+        elif self.board is not None:
             try:
-                self.board.event(message[1], message[2])
+                self.board.event(message.rank, message.metrics)
             except Exception:  # a display problem must never take the run down
                 import logging
 
@@ -460,6 +460,8 @@ def _child_environment() -> dict[str, str]:
     env = dict(os.environ)
     package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+    # How this notebook shows the dashboard: the ranks print Trainer's log lines only without a live panel.
+    env["NBKIT_DASHBOARD"] = dashboard.display_mode()
     # ipykernel points matplotlib at its inline backend, which needs a kernel: not in a rank.
     if env.get("MPLBACKEND", "").startswith("module://"):
         del env["MPLBACKEND"]

@@ -35,7 +35,7 @@ def test_settings_are_read_from_the_environment_with_defaults(monkeypatch, tmp_p
 def test_configure_checks_everything_before_changing_anything(monkeypatch):
     for spec in config.SETTINGS.values():
         monkeypatch.delenv(spec.env, raising=False)
-    with pytest.raises(ValueError, match="dashboard='fancy' is not valid; use one of 'auto', 'widget'"):
+    with pytest.raises(ValueError, match="dashboard='fancy' is not valid; use one of 'auto', 'html', 'widget'"):
         nbkit.configure(device_map_policy="error", dashboard="fancy")
     with pytest.raises(ValueError, match="nbkit has no setting 'colour'"):
         nbkit.configure(colour="blue")

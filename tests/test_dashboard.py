@@ -38,7 +38,8 @@ def test_snapshot_sums_rates_averages_losses_and_keeps_peaks():
     board = Dashboard(2, mode="off")
     board.event(0, _step(1, 2.0, rate=100.0, memory=1.5))
     board.event(1, _step(1, 4.0, rate=300.0, memory=2.5))
-    board.event(0, _step(2, 1.0, rate=200.0, memory=1.0))  # a later, lower reading keeps the peak
+    # a later, lower reading keeps the peak; 200 tokens in the 1 s since step 1: 200 tokens/s
+    board.event(0, _step(2, 1.0, rate=200.0, seen=300, memory=1.0))
     board.event(1, {"step": 2, "grad_norm": 0.5})
 
     snap = board.snapshot()
@@ -141,8 +142,207 @@ def test_display_mode_override_and_no_widgets_outside_a_kernel(monkeypatch):
     assert dashboard.display_mode() == "text"
     monkeypatch.setenv("NBKIT_DASHBOARD", "widget")
     assert dashboard.display_mode() == "widget"
+    monkeypatch.setenv("NBKIT_DASHBOARD", "html")
+    assert dashboard.display_mode() == "html"
     monkeypatch.setenv("NBKIT_DASHBOARD", "off")
     assert Dashboard(1).mode == "off"
     monkeypatch.setenv("NBKIT_DASHBOARD", "fancy")
     with pytest.raises(ValueError, match="NBKIT_DASHBOARD='fancy' is not valid"):
         dashboard.display_mode()
+
+
+# --------------------------------------------------------------------------------------------
+# The HTML panel (the default where a person watches a notebook), in a real IPython shell whose
+# display messages are kept
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def shell_displays():
+    """An IPython shell for this test; yields the list of display messages it publishes."""
+    from IPython.core.displaypub import CapturingDisplayPublisher
+    from IPython.core.interactiveshell import InteractiveShell
+
+    shell = InteractiveShell.instance()
+    shell.display_pub = CapturingDisplayPublisher()
+    try:
+        yield shell.display_pub.outputs
+    finally:
+        InteractiveShell.clear_instance()
+
+
+def test_html_panel_shows_every_rank_from_the_first_frame_and_no_image_before_a_curve(shell_displays):
+    board = Dashboard(2, mode="html")
+    assert dashboard.panel_shown()
+    board.event(1, {"step": 0, "total_steps": 40, "elapsed": 30.0, "peak_memory_gib": 0.44, "memory_device": "cpu"})
+    first = shell_displays[0]
+    assert not first["update"] and "display_id" in first["transient"]
+    page = first["data"]["text/html"]
+    assert "nbkit-panel" in page and "<img" not in page  # no curve yet: no (broken) image either
+    rows = page.split("<table class='nbkit-ranks'>")[1].split("<tr>")[2:]
+    assert len(rows) == 2 and "<td>0</td><td>starting</td>" in rows[0] and "0.44 GiB (cpu RSS)" in rows[1]
+    assert "<progress value='0' max='40'" in page
+    board.close(success=True)
+    assert not dashboard.panel_shown()
+
+
+def test_html_panel_updates_one_output_in_place_and_its_last_frame_is_the_summary_of_the_last_step(shell_displays):
+    board = Dashboard(2, mode="html")
+    for step in range(1, 41):  # faster than the panel redraws: most frames are skipped
+        for rank in (0, 1):
+            board.event(
+                rank, _step(step, 3.0 - step / 20 + rank, seen=100 * step, elapsed=0.1 * step) | {"total_steps": 40}
+            )
+    board.event(0, {"step": 40, "train_loss": 2.5, "train_runtime": 4.0})  # Trainer's last log
+    board.close(success=True)
+
+    ids = {d["transient"]["display_id"] for d in shell_displays}
+    assert len(ids) == 1 and [d["update"] for d in shell_displays] == [False] + [True] * (len(shell_displays) - 1)
+    assert len(shell_displays) < 20  # throttled: at most two redraws a second, not one per event
+    last = shell_displays[-1]["data"]["text/html"]
+    assert "nbkit-summary" in last and "finished after" in last
+    assert "<progress value='40' max='40'" in last and ">40 / 40</td>" in last
+    assert "final loss" in last and f"{(1.0 + 2.0) / 2:.4f}" in last  # step 40: rank 0 1.0, rank 1 2.0
+    assert "peak memory, rank 0 (cpu RSS)" in last and "peak memory, rank 1 (cpu RSS)" in last
+    assert "last log (rank 0)" in last and "train_loss 2.5" in last
+    assert last.count("data:image/png;base64,") == 1
+    rows = last.split("<table class='nbkit-ranks'>")[1].split("<tr>")[2:]
+    assert [row.split("</td>")[1] for row in rows] == ["<td>40", "<td>40"]  # each rank's last step
+
+
+def test_html_without_an_ipython_shell_falls_back_to_text_lines():
+    out = io.StringIO()
+    board = Dashboard(1, mode="html", interval=0)
+    board._stream = out
+    board.event(0, _step(1, 2.0))
+    board.close(success=True)
+    assert board.shown_as == "text" and out.getvalue().startswith("nbkit: step 1/10")
+
+
+def test_widget_panel_shows_every_rank_and_hides_the_curve_until_there_is_one():
+    board = Dashboard(2, mode="widget")
+    board.event(1, {"step": 0, "total_steps": 10, "elapsed": 1.0})
+    panel = board._view
+    panel.refresh(force=True)
+    assert panel.curve.layout.display == "none" and bytes(panel.curve.value) == b""
+    assert panel.table.value.count("<tr>") == 3 and "starting" in panel.table.value
+    board.event(0, _step(1, 2.0))
+    panel.refresh(force=True)
+    assert panel.curve.layout.display is None and bytes(panel.curve.value).startswith(b"\x89PNG")
+    board.close(success=True)
+
+
+# --------------------------------------------------------------------------------------------
+# What the figures say
+# --------------------------------------------------------------------------------------------
+
+
+def test_tokens_per_second_is_smoothed_over_the_last_ten_seconds_of_each_rank():
+    board = Dashboard(2, mode="off")
+    seen = {0: 0, 1: 0}
+    shown, instant = [], []
+    # 0.1 s steps whose sizes alternate 85 / 299 tokens (850 / 2,990 tokens/s per step, the swing
+    # seen in the browser), on both ranks
+    for i in range(1, 201):
+        for rank in (0, 1):
+            tokens = 85 if i % 2 else 299
+            seen[rank] += tokens
+            board.event(
+                rank, {"step": i, "tokens_seen": seen[rank], "elapsed": 0.1 * i, "tokens_per_second": tokens * 10}
+            )
+        if i > 100:
+            shown.append(board.snapshot().tokens_per_second)
+            instant.append(2 * (85 if i % 2 else 299) * 10)
+    assert max(instant) / min(instant) > 3
+    assert max(shown) / min(shown) < 1.05
+    assert sum(shown) / len(shown) == pytest.approx(2 * (85 + 299) / 2 * 10, rel=0.03)
+    # the pace halves: within the next 10 s of reports the figure follows
+    for i in range(201, 311):
+        for rank in (0, 1):
+            seen[rank] += 96
+            board.event(rank, {"step": i, "tokens_seen": seen[rank], "elapsed": 0.1 * i})
+    assert board.snapshot().tokens_per_second == pytest.approx(2 * 960, rel=0.01)
+
+
+def test_peak_memory_names_each_rank():
+    assert dashboard.peak_memory_text({0: (0.51, "cpu"), 1: (0.5, "cpu")}) == (
+        "peak memory rank 0: 0.51 GiB, rank 1: 0.50 GiB"
+    )
+    eight = {rank: (1.0 + rank / 10, f"cuda:{rank}") for rank in range(8)}
+    assert dashboard.peak_memory_text(eight) == "peak memory 1.70 GiB (highest, rank 7 of 8)"
+    board = Dashboard(2, mode="off")
+    board.event(0, _step(1, 1.0, memory=0.51))
+    board.event(1, _step(1, 1.0, memory=0.5))
+    assert "| peak memory rank 0: 0.51 GiB, rank 1: 0.50 GiB |" in dashboard.text_line(board.snapshot())
+
+
+# --------------------------------------------------------------------------------------------
+# Relaying (spawn mode's launcher process): typed messages
+# --------------------------------------------------------------------------------------------
+
+
+def test_a_relaying_dashboard_sends_typed_messages_and_knows_how_the_notebook_shows(monkeypatch):
+    from multiprocessing import Pipe
+
+    reader, writer = Pipe(duplex=False)
+    monkeypatch.setenv("NBKIT_DASHBOARD", "html")  # as nbkit.spawning sets it for its launcher process
+    dashboard.relay_to(writer)
+    try:
+        board = Dashboard(2)
+        board.event(1, {"step": 3, "loss": 0.5})
+        board.close(success=True)
+    finally:
+        dashboard.relay_to(None)
+    assert board.mode == "relay" and board.shown_as == "html"
+    assert reader.recv() == dashboard.DashboardOpened(nprocs=2)
+    assert reader.recv() == dashboard.DashboardEvent(rank=1, metrics={"step": 3, "loss": 0.5})
+    assert not reader.poll(0.1)  # closing a relay sends nothing: the notebook closes its own
+
+
+# --------------------------------------------------------------------------------------------
+# A launch under a live panel: the ranks leave the numbers to the panel
+# --------------------------------------------------------------------------------------------
+
+
+def _train_tiny_trainer() -> list[str]:
+    """4 Trainer steps of a tiny random Qwen3 on every rank, logging every step; returns the Trainer's callbacks."""
+    import tempfile
+
+    import torch
+    from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+
+    from nbkit.offline import load_config
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(load_config("tiny:qwen3"))
+    data = [{"input_ids": torch.randint(0, 100, (16,)), "labels": torch.randint(0, 100, (16,))} for _ in range(16)]
+    args = TrainingArguments(
+        output_dir=tempfile.mkdtemp(prefix="nbkit-test-"),
+        max_steps=4,
+        per_device_train_batch_size=2,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        use_cpu=True,
+    )
+    trainer = Trainer(model=model, args=args, train_dataset=data)
+    trainer.train()
+    return [type(c).__name__ for c in trainer.callback_handler.callbacks]
+
+
+def test_under_a_live_panel_rank_0_prints_no_log_lines_and_the_panel_shows_the_last_log(
+    shell_displays, monkeypatch, capfd
+):
+    import transformers.trainer  # noqa: F401  (imported once here, shared by the forked ranks)
+
+    import nbkit
+
+    monkeypatch.setenv("NBKIT_DASHBOARD", "html")
+    callbacks = nbkit.launch(_train_tiny_trainer, gpus=2)
+    assert "DashboardCallback" in callbacks and "PrinterCallback" not in callbacks
+    out = capfd.readouterr().out
+    assert "'loss'" not in out and "'train_runtime'" not in out  # no log line piles up under the panel
+    last = shell_displays[-1]["data"]["text/html"]
+    assert "nbkit-summary" in last and ">4 / 4</td>" in last
+    assert "last log (rank 0)" in last and "train_runtime" in last  # Trainer's final log, in the panel instead
+    assert not dashboard.panel_shown()  # the launch is over

@@ -409,7 +409,8 @@ def apply(model: nn.Module, *, kernel: Kernel | None = None) -> None:
             f"nbkit's chunked loss needs a transformers causal LM or VLM with an lm_head and a loss_function; "
             f"{type(inner).__name__} has none. Use nbkit.savers.apply(model, chunked_loss=False)."
         )
-    compat.enable()  # trl 0.x computes metrics from full logits, which this loss does not keep
+    # trl 0.x computes metrics from full logits, which this loss does not keep
+    compat.enable(chunked_loss=is_applied)
     state: _Head | None = getattr(inner, _Head.ATTR, None)
     if state is None:
         state = _Head(inner)
@@ -429,7 +430,6 @@ def apply(model: nn.Module, *, kernel: Kernel | None = None) -> None:
 def remove(model: nn.Module) -> None:
     """Undo apply(): remove the hooks and restore the model's loss_function exactly. No-op if not applied."""
     inner = base_model(model)
-    compat.enable()  # trl 0.x computes metrics from full logits, which this loss does not keep
     state: _Head | None = getattr(inner, _Head.ATTR, None)
     if state is None:
         return
