@@ -196,7 +196,7 @@ def _timer_callback(device: torch.device) -> Any:
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             self._sync()
             now = time.perf_counter()
-            self.times.append(now - self._last)
+            self.times.append(now - (now if self._last is None else self._last))
             self._last = now
             if self.first_step_end is None:
                 self.first_step_end = time.time()
@@ -338,7 +338,7 @@ def run(launch: Launch) -> None:
 
     # From the launcher's environment: the process group only exists once the first Trainer has set it up.
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    written = []
+    written: list[dict] = []
 
     def emit(row: dict) -> None:  # one process: write each row at once; several: gathered at the end
         if world == 1:
