@@ -15,9 +15,9 @@
 #   bash benchmarks/gpu_suite.sh batch1k              # unsloth 1 -> 2 GPUs at 1K x 4 and 1K x 16
 #   bash benchmarks/gpu_suite.sh long                 # the savers at 64K tokens
 #   bash benchmarks/gpu_suite.sh trainer              # SFTTrainer, 1 -> 2 GPUs, three launchers, unsloth / transformers / Liger (issue 16)
-#   bash benchmarks/gpu_suite.sh trainer_repeats      # SFTTrainer, unsloth 1 -> 2 GPUs at 1K x 4 and 16K x 1, median of 3 runs
+#   bash benchmarks/gpu_suite.sh trainer_repeats      # SFTTrainer, unsloth 1 -> 2 GPUs at 1K x 4 and 16K x 1, repeated (median of 3 where time allows)
 #   bash benchmarks/gpu_suite.sh trainer1             # SFTTrainer on 1 GPU: unsloth vs transformers+savers vs +Liger
-#   bash benchmarks/gpu_suite.sh t4trainer            # T4 stand-in: longest sequence, unsloth / transformers, 16-bit / 4-bit
+#   bash benchmarks/gpu_suite.sh t4trainer t4trainer4 # T4 stand-in: longest sequence, unsloth / transformers, 16-bit / 4-bit
 #
 # Two sets of parts can share a 4-GPU machine, one GPU pair each (a separate TMPDIR keeps unsloth's
 # compile caches apart):
@@ -126,29 +126,32 @@ for what in "$@"; do
         --steps 3 --warmup 1 --time-budget $((limit - 30)) --out "$OUT/long.json" --md "$OUT/long.md" ;;
     trainer)
       # Issue 16's comparison with the flagship's training code (TRL SFTTrainer, one small image per sample):
-      # unsloth on 1 GPU in place, then 2 GPUs under nbkit.launch, notebook_launcher and accelerate launch,
-      # then transformers+peft+nbkit.savers on 2 GPUs with and without Liger's kernels. 12 timed steps after 2.
-      # Estimated on 2x H200: ~100 s per unsloth launch, ~60-70 s per transformers launch.
-      part trainer 480 python3 benchmarks/trainer_bench.py \
-        --configs unsloth:1@notebook,unsloth:2,unsloth:2@notebook,unsloth:2@accelerate,liger:2,transformers:2 \
-        --shapes 1024x4,1024x16,16384x1 --steps 12 --warmup 2 --time-limit 400 --launch-timeout 150 \
+      # unsloth on 1 GPU in place and on 2 under nbkit.launch, transformers+peft+nbkit.savers on 2 GPUs with
+      # and without Liger's kernels, then unsloth on 2 under notebook_launcher and accelerate launch. 10 timed
+      # steps after 2 per shape. Estimated on 2x H200 (from one H100 run of trainer1): ~120 s per unsloth
+      # launch, ~50 s per transformers launch; launches that would start after 420 s are recorded as skipped.
+      part trainer 540 python3 benchmarks/trainer_bench.py \
+        --configs unsloth:1@notebook,unsloth:2,liger:2,transformers:2,unsloth:2@notebook,unsloth:2@accelerate \
+        --shapes 1024x4,1024x16,16384x1 --steps 10 --warmup 2 --time-limit 420 --launch-timeout 180 \
         --out "$OUT/trainer.json" --md "$OUT/trainer.md" ;;
     trainer_repeats)
       part trainer_repeats 560 python3 benchmarks/trainer_bench.py --configs unsloth:1@notebook,unsloth:2 \
-        --shapes 1024x4,16384x1 --steps 12 --warmup 2 --repeats 3 --time-limit 480 --launch-timeout 120 \
+        --shapes 1024x4,16384x1 --steps 10 --warmup 2 --repeats 3 --time-limit 480 --launch-timeout 180 \
         --out "$OUT/trainer_repeats.json" --md "$OUT/trainer_repeats.md" ;;
     trainer1)
       # One GPU: how far transformers+peft+nbkit's savers (with Liger's kernels) are from unsloth.
-      part trainer1 330 python3 benchmarks/trainer_bench.py --configs unsloth:1@notebook,liger:1@notebook,transformers:1@notebook \
-        --shapes 1024x4,16384x1 --steps 10 --warmup 2 --time-limit 300 --launch-timeout 150 \
+      part trainer1 420 python3 benchmarks/trainer_bench.py --configs unsloth:1@notebook,liger:1@notebook,transformers:1@notebook \
+        --shapes 1024x4,16384x1 --steps 10 --warmup 2 --time-limit 300 --launch-timeout 180 \
         --out "$OUT/trainer1.json" --md "$OUT/trainer1.md" ;;
-    t4trainer)
+    t4trainer|t4trainer4)
       # T4 stand-in: fp16, 15 GiB per process, batch 1, one process (what fits per GPU; DDP adds ~0.1 GiB
-      # of gradient buckets for LoRA r=16): the longest sequence that trains, 16-bit and 4-bit weights.
-      part t4trainer 560 python3 benchmarks/trainer_bench.py --longest --configs unsloth:1,liger:1,transformers:1 \
-        --quant 16bit,4bit --precision fp16 --memory-cap-gib 15 --shapes 16k,32k,48k,64k,96k,128k \
-        --steps 1 --warmup 1 --time-limit 500 --launch-timeout 200 \
-        --out "$OUT/t4trainer.json" --md "$OUT/t4trainer.md" ;;
+      # of gradient buckets for LoRA r=16): the longest sequence that trains for unsloth and
+      # transformers+peft+nbkit.savers; t4trainer with 16-bit weights, t4trainer4 with 4-bit (QLoRA).
+      quant=16bit; [ "$what" = t4trainer4 ] && quant=4bit
+      part "$what" 560 python3 benchmarks/trainer_bench.py --longest --configs unsloth:1,transformers:1 \
+        --quant $quant --precision fp16 --memory-cap-gib 15 --shapes 16k,32k,48k,64k,96k,128k \
+        --steps 1 --warmup 1 --time-limit 380 --launch-timeout 270 \
+        --out "$OUT/$what.json" --md "$OUT/$what.md" ;;
     liger)
       part liger 240 python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests/test_liger_gpu.py ;;
     *) echo "unknown part: $what" >&2 ;;

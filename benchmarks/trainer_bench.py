@@ -41,6 +41,7 @@ import argparse
 import collections
 import contextlib
 import gc
+import importlib.metadata
 import json
 import os
 import signal
@@ -195,7 +196,7 @@ def _timer_callback(device: torch.device) -> Any:
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             self._sync()
             now = time.perf_counter()
-            self.times.append(now - self._last)
+            self.times.append(now - (now if self._last is None else self._last))
             self._last = now
             if self.first_step_end is None:
                 self.first_step_end = time.time()
@@ -213,6 +214,8 @@ def _trainer(launch: Launch, model: Any, seq_len: int, batch: int, steps: int, o
         output_dir=out_dir,
         max_steps=steps,
         per_device_train_batch_size=batch,
+        # Explicit: unsloth's patched SFTConfig defaults to 2 (seen on the H100: "Gradient accumulation steps = 2").
+        gradient_accumulation_steps=1,
         learning_rate=2e-4,
         lr_scheduler_type="linear",
         warmup_steps=1,
@@ -290,12 +293,15 @@ def _case(launch: Launch, model: Any, seq_len: int, batch: int, device: torch.de
     return row
 
 
-def _ladder(launch: Launch, model: Any, device: torch.device) -> list[dict]:
-    """Lengths in order until the first failure, then two bisections to multiples of 4096."""
+def _ladder(launch: Launch, model: Any, device: torch.device, emit: Any) -> list[dict]:
+    """Lengths in order until the first failure, then two bisections to multiples of 4096; each row
+    is passed to emit(row) as soon as it is measured (a launch stopped by its timeout keeps them).
+    """
     rows, good, bad = [], 0, None
     for seq_len, _ in launch.shapes:
         row = _case(launch, model, seq_len, 1, device, launch.warmup + launch.steps)
         rows.append(row)
+        emit(row)
         if row["status"] != "ok":
             bad = seq_len
             break
@@ -308,6 +314,7 @@ def _ladder(launch: Launch, model: Any, device: torch.device) -> list[dict]:
             break
         row = _case(launch, model, middle, 1, device, launch.warmup + launch.steps)
         rows.append(row)
+        emit(row)
         good, bad = (middle, bad) if row["status"] == "ok" else (good, middle)
     return rows
 
@@ -327,21 +334,33 @@ def run(launch: Launch) -> None:
     start = time.time()
     model = build_model(launch, device)
     load_s = time.time() - start
-    if launch.longest:
-        mine = _ladder(launch, model, device)
-    else:
-        mine = [_case(launch, model, s, b, device, launch.warmup + launch.steps) for s, b in launch.shapes]
-    everyone = [mine]
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        everyone = [None] * dist.get_world_size()
+    # From the launcher's environment: the process group only exists once the first Trainer has set it up.
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    written: list[dict] = []
+
+    def emit(row: dict) -> None:  # one process: write each row at once; several: gathered at the end
+        if world == 1:
+            with open(launch.results_path, "a") as f:
+                f.write(json.dumps(_row(launch, row, [row], load_s, first=not written)) + "\n")
+            written.append(row)
+
+    if launch.longest:
+        mine = _ladder(launch, model, device, emit)
+    else:
+        mine = []
+        for seq_len, batch in launch.shapes:
+            mine.append(_case(launch, model, seq_len, batch, device, launch.warmup + launch.steps))
+            emit(mine[-1])
+    if world > 1:
+        everyone: list[Any] = [None] * world
         dist.all_gather_object(everyone, mine)
-    if rank == 0:
-        with open(launch.results_path, "a") as f:
-            for i, row in enumerate(mine):
-                ranks = [r[i] for r in everyone]
-                f.write(json.dumps(_row(launch, row, ranks, load_s, first=i == 0)) + "\n")
+        if rank == 0:
+            with open(launch.results_path, "a") as f:
+                for i, row in enumerate(mine):
+                    ranks = [r[i] for r in everyone]
+                    f.write(json.dumps(_row(launch, row, ranks, load_s, first=i == 0)) + "\n")
 
 
 def _row(launch: Launch, row: dict, ranks: list[dict], load_s: float, first: bool) -> dict:
@@ -701,6 +720,9 @@ def main(argv: list[str] | None = None) -> int:
     gpu_count = len(nbkit.visible_gpus())
     workdir = Path(tempfile.mkdtemp(prefix="trainer-bench-"))
     env, rows, started = host.environment(), [], time.monotonic()
+    for package in ("liger-kernel", "triton"):  # not in host.environment()'s list
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            env["versions"][package] = importlib.metadata.version(package)
     command = " ".join(["python3", "benchmarks/trainer_bench.py", *(argv if argv is not None else sys.argv[1:])])
     for repeat in range(a.repeats):
         for backend, gpus, launcher in configs:

@@ -30,7 +30,8 @@ while 1K x 16 scales 1.94x and 16K x 1 1.97x. The planner therefore asks for eno
 per step that the host cost is at most a fifth of the step, scaling the measured figures by the
 model's size, its layer count and the GPU's 16-bit tensor throughput, and takes the largest batch
 up to that which still fits in memory. On a T4 (65 TFLOP/s, 1/15 of an H200) a 1K x 4 step is
-already about 1.3 s of GPU work against about 0.1 s of host work: GPU-bound, so the asked batch stays.
+already about 1.25 s of GPU work against about 0.07 s of host work (the H200 host's figure; Kaggle's CPUs
+are slower, which was not measured): GPU-bound, so the asked batch stays.
 """
 
 from __future__ import annotations
@@ -194,7 +195,8 @@ def plan(
     this machine's visible GPUs (the smallest one's memory); give both to plan for another machine
     (e.g. gpus=2, gpu_memory_gib=15 for Kaggle's 2x T4). seq_len x batch_size are the tokens per GPU
     per step. gpu names the GPU model ("T4", "L4", "A100", "H100", "H200") for the batch
-    recommendation; it defaults to this machine's first visible GPU when planning for this machine.
+    recommendation; by default, the name of this machine's first visible GPU where at least `gpus`
+    GPUs are visible, else unknown (then an H100-class GPU is assumed, and the reason says so).
 
     Returns a Plan, with the per-GPU batch it recommends for seq_len and why. Raises ValueError for
     arguments out of range, or when no GPU is visible and gpus / gpu_memory_gib were not given.

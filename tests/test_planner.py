@@ -298,7 +298,8 @@ def test_the_recommended_batch_is_the_largest_that_fits_memory():
     assert "would be better still but does not fit" in plan.batch_reason
 
 
-def test_an_unknown_gpu_is_planned_as_a_fast_one_and_says_so():
+def test_an_unknown_gpu_is_planned_as_a_fast_one_and_says_so(monkeypatch):
+    monkeypatch.setattr(planner.distributed, "visible_gpus", list)  # as on a machine without GPUs, also on a GPU host
     plan = nbkit.plan(qwen3_vl_2b(), **T4, seq_len=1024, batch_size=4)
     assert plan.gpu is None
     assert plan.recommended_batch_size == 16
