@@ -234,7 +234,16 @@ def _install_and_uninstall_each_group() -> dict[str, Any]:
     return results
 
 
+def _versioned_out() -> set[str]:
+    """Groups whose every patch is for library releases other than the installed ones: the compat
+    group acts on transformers 4.x / trl 0.x only (constraints-oldest.txt), none of it on the newest set."""
+    from nbkit import compat
+
+    return set() if compat._transformers_4() or compat._trl_0() else {"compat"}
+
+
 def _check_each_group(results: dict[str, Any], acting: set[str]) -> None:
+    acting = acting - _versioned_out()
     assert set(results) == set(integration.GROUPS)
     for name, r in results.items():
         assert r["restored"] and r["left"] == [] and r["idempotent"] and r["replaced"], (name, r)
