@@ -170,10 +170,12 @@ def display_mode() -> str:
     frontend that shows notebook output (JupyterLab, Notebook 7, Colab, Kaggle, VS Code) with no
     widget manager, so it can never be stuck at "Loading widget..." (what Kaggle and mismatched
     frontends show for widgets, ipywidgets#2764 and #2360); transformers' NotebookProgressCallback
-    shows its bar the same way. In headless Chromium against JupyterLab 4.6 and Notebook 7.6 both
-    panels updated live; the html one costs one display update per refresh (a few KB, the curve
-    image included only when it changes every 2 s), and its last frame is already the HTML a saved
-    notebook keeps. Widgets stay available with NBKIT_DASHBOARD=widget.
+    shows its bar the same way. In headless Chromium against JupyterLab 4.6.6 and Notebook 7.6.5
+    (tests/test_browser.py) the html panel updated live, ended as the summary, and the summary came
+    back after save + reload, while widgets that forked ranks had drawn (datasets' bars) came back as
+    "Loading widget...". Its cost: one display update per redraw, at most two a second, of 0.7 KB
+    before there is a curve and ~18 KB with a 400-step curve image (re-drawn every 2 s, re-sent with
+    each update). Widgets stay available with NBKIT_DASHBOARD=widget.
 
     Raises:
         ValueError: NBKIT_DASHBOARD holds something else.

@@ -311,7 +311,7 @@ class _StepReporter:
         extra = {
             k: v
             for k, v in (logs or {}).items()
-            if k not in _STEP_KEYS and isinstance(v, numbers.Real) and not isinstance(v, bool)
+            if k == "grad_norm" or (k not in _STEP_KEYS and isinstance(v, numbers.Real) and not isinstance(v, bool))
         }
         if extra:
             report(step=state.global_step, **extra)
