@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nbkit import integration, patching
+from nbkit import compat, integration, patching
 from nbkit.savers import unsloth as fixes
 
 # release -> (fused loss moves hidden states, TiledMLP backprops per shard, unsloth replaces TiledMLP.apply,
@@ -54,6 +54,12 @@ def _wheels() -> dict[str, dict[str, Path]]:
 
 WHEELS = _wheels()
 TRAINER = "transformers.trainer:Trainer._build_accelerator_args"
+# Trainer._build_accelerator_args, where nbkit sets find_unused_parameters, is transformers 5's.
+needs_transformers_5 = pytest.mark.skipif(
+    compat.transformers_major() < 5,
+    reason="the find_unused_parameters patch targets Trainer._build_accelerator_args (transformers 5); "
+    "on 4.x fix 4 stays off instead (test_on_transformers_4_unsloth_keeps_its_ddp_checkpointing)",
+)
 
 
 @pytest.mark.parametrize(
@@ -225,7 +231,8 @@ def test_fixes_applied_on_import_where_missing(stand_in, monkeypatch):
     applied = patching.applied()
     assert "unsloth_zoo.fused_losses.cross_entropy_loss:UnslothFusedLoss.apply" in applied
     assert "unsloth_zoo.tiled_mlp:TiledMLP.apply" in applied
-    assert TRAINER in applied + patching.pending()  # now, or when transformers.trainer is imported
+    if compat.transformers_major() >= 5:  # now, or when transformers.trainer is imported
+        assert TRAINER in applied + patching.pending()
 
     # Hidden states and labels on another device than lm_head (meta stands in for a second GPU).
     hidden, labels = torch.randn(2, 3, 4, requires_grad=True), torch.zeros(2, 3, dtype=torch.long)
@@ -267,6 +274,7 @@ def test_nothing_is_imported_or_patched_without_unsloth():
     assert "unsloth" not in sys.modules and "unsloth_zoo" not in sys.modules
 
 
+@needs_transformers_5
 def test_trainer_gets_find_unused_false_only_for_lora_text_models_under_ddp(
     stand_in, monkeypatch, tiny_text_path, tmp_path
 ):
@@ -324,6 +332,27 @@ class FastBaseModel:
 """
 
 
+@pytest.mark.skipif(compat.transformers_major() >= 5, reason="transformers 4.x only")
+def test_on_transformers_4_unsloth_keeps_its_ddp_checkpointing(stand_in, monkeypatch, tiny_vl_path):
+    # Without a way to set find_unused_parameters=False on 4.x, keeping the reentrant checkpoint would
+    # fail the first DDP backward; unsloth's own (non-reentrant) choice must stand.
+    peft = pytest.importorskip("peft")
+    from transformers import AutoModelForImageTextToText
+
+    root = stand_in(fixed=True)
+    _write(root, {"unsloth/models/vision.py": _VISION})
+    integration.install(guard=False)
+    from unsloth.models.vision import FastBaseModel
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    model = AutoModelForImageTextToText.from_pretrained(tiny_vl_path)
+    vlm = FastBaseModel.post_patch_model(peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["q_proj"])))
+    assert vlm._unsloth_vlm_gc_non_reentrant is True and not getattr(vlm, "_nbkit_kept_reentrant", False)
+    assert not [t for t in integration.installed() if t.endswith("vlm_gradient_checkpointing_reentrant")]
+
+
+@needs_transformers_5
 def test_dense_vision_models_keep_single_gpu_checkpointing_and_trainer_follows(
     stand_in, monkeypatch, tiny_vl_path, tiny_text_path, tmp_path
 ):

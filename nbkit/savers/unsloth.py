@@ -49,7 +49,7 @@ from typing import Any, cast
 
 import torch
 
-from nbkit import distributed
+from nbkit import compat, distributed
 from nbkit.config import setting
 from nbkit.patching import patch
 from nbkit.savers._model import base_model
@@ -323,15 +323,23 @@ def _dense_vision_model(model: Any) -> bool:
     return not _has_experts(config)
 
 
+def _fix_4_wanted() -> bool:
+    """Fix 4 needs the Trainer patch below to set find_unused_parameters=False, and that patch exists
+    for transformers 5 only (Trainer._build_accelerator_args); on 4.x unsloth's own DDP checkpointing
+    (non-reentrant, slower, correct with find_unused_parameters=True) stays.
+    """
+    return compat.transformers_major() >= 5 and unsloth_chooses_vlm_checkpointing()
+
+
 @patch(
     "unsloth.models.vision:vlm_gradient_checkpointing_reentrant",
     reason="under DDP unsloth checkpoints vision models with torch's non-reentrant checkpoint and offload "
     "hooks instead of its single-GPU reentrant offloading checkpoint, which is faster under DDP too "
     "(benchmarks/RESULTS.md); keep the single-GPU one for dense vision models, Trainer then uses "
-    "find_unused_parameters=False",
+    "find_unused_parameters=False (transformers 5 only: on 4.x nbkit cannot set that, so unsloth's choice stays)",
     upstream="https://github.com/unslothai/unsloth/issues/3713",
     group="unsloth_savers",
-    when=unsloth_chooses_vlm_checkpointing,
+    when=_fix_4_wanted,
 )
 def _vlm_keeps_single_gpu_checkpointing(original: Callable[[], bool]) -> Callable[[], bool]:
     @functools.wraps(original)
