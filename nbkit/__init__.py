@@ -24,6 +24,11 @@ __version__ = "0.1.0"
 _EXPORTS: dict[str, str] = {
     # launching
     "launch": "nbkit.launching",
+    # live sets: processes that stay up across cells
+    "start": "nbkit.live",
+    "connect": "nbkit.live",
+    "LiveRanks": "nbkit.live",
+    "LiveError": "nbkit.errors",
     # errors: one family (nbkit.errors)
     "NbkitError": "nbkit.errors",
     "LaunchError": "nbkit.errors",
@@ -57,7 +62,7 @@ _EXPORTS: dict[str, str] = {
 }
 
 # submodules used as namespaces: nbkit.savers.apply(...), nbkit.checkpoints.resume_point(...)
-_SUBMODULES = ("savers", "checkpoints", "offline")
+_SUBMODULES = ("savers", "checkpoints", "offline", "live")
 
 __all__ = sorted(_EXPORTS) + list(_SUBMODULES) + ["__version__"]
 

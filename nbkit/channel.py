@@ -10,6 +10,10 @@ in the notebook process reads all of them. Messages are `(kind, rank, payload)` 
     "error"    payload: RankError of an exception raised in the rank
 
 Code inside a launched rank calls `send(kind, payload)`; outside a launch `connected()` is False.
+
+The ranks of a live set (nbkit.live) are not forked from the notebook: each connects to the
+notebook's relay listener instead and hands that connection to `attach_connection`; `send` then
+works the same way there (and the live set adds kind "live": nbkit.live.messages dataclasses).
 """
 
 from __future__ import annotations
@@ -19,10 +23,10 @@ from collections.abc import Callable
 from multiprocessing import connection, get_context
 from typing import Any
 
-__all__ = ["Channel", "connected", "send"]
+__all__ = ["Channel", "attach_connection", "connected", "send"]
 
 
-_writer: connection.Connection | None = None
+_writer: connection.Connection | _LockedConnection | None = None
 _writer_rank: int = -1
 
 
@@ -36,6 +40,26 @@ def send(kind: str, payload: Any) -> None:
     if _writer is None:
         return
     _writer.send((kind, _writer_rank, payload))
+
+
+class _LockedConnection:
+    """A connection that several threads of a rank may send on (a Trainer callback, a print in a
+    data-loading thread): one message at a time, so messages never interleave on the socket.
+    """
+
+    def __init__(self, conn: connection.Connection):
+        self._conn = conn
+        self._lock = threading.Lock()
+
+    def send(self, message: Any) -> None:
+        with self._lock:
+            self._conn.send(message)
+
+
+def attach_connection(conn: connection.Connection, rank: int) -> None:
+    """In a live rank: make `send()` write to `conn` (a connection to the notebook's relay)."""
+    global _writer, _writer_rank
+    _writer, _writer_rank = _LockedConnection(conn), rank
 
 
 class Channel:
