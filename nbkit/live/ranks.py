@@ -416,6 +416,9 @@ class LiveRanks:
             f"--profile-dir={self._tmpdir}",
             "--cluster-id=nbkit",
             "--log-level=WARN",
+            # No nanny process per engine: nbkit signals its engines by pid and watches them itself,
+            # and a nanny notices its engine's end only later (it outlived stop() by up to a second).
+            "--IPEngine.enable_nanny=False",
         ]
         processes = []
         for i in range(count):
