@@ -41,8 +41,6 @@ class RankPlan:
         master_addr, master_port: the rendezvous (rank 0's node).
         relay: (host, port) of the notebook's relay listener; authkey: its key.
         use_cuda: put rank on cuda:local_rank and use nccl (else gloo on the CPU).
-        parent_pid: the notebook process; the rank ends itself when that process is gone (None:
-            engines started outside nbkit, which live by their own rules).
         env: extra environment variables (nbkit.start(env=...)).
     """
 
@@ -57,7 +55,6 @@ class RankPlan:
     relay: tuple[str, int]
     authkey: bytes
     use_cuda: bool
-    parent_pid: int | None = None
     env: dict[str, str] = field(default_factory=dict)
 
 

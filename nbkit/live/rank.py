@@ -66,10 +66,11 @@ def setup(plan: RankPlan) -> str:
     """Make this engine rank `plan.rank`: returns its device ("cuda:1", "cpu").
 
     Sets the torchrun environment (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK,
-    MASTER_ADDR, MASTER_PORT) and NBKIT_LAUNCHED, plus ACCELERATE_USE_CPU on the CPU (so Trainer and
-    accelerate train with gloo DDP rather than alone); joins the process group (nccl on
-    cuda:local_rank, or gloo); connects to the notebook's relay; installs nbkit's patches, the
-    Trainer dashboard callback and checkpoint handling (what nbkit.launch does in its ranks).
+    GROUP_WORLD_SIZE, MASTER_ADDR, MASTER_PORT; NODE_RANK too) and NBKIT_LAUNCHED, plus
+    ACCELERATE_USE_CPU on the CPU (so Trainer and accelerate train with gloo DDP rather than
+    alone); joins the process group (nccl on cuda:local_rank, or gloo); connects to the notebook's
+    relay; installs nbkit's patches, the Trainer dashboard callback and checkpoint handling (what
+    nbkit.launch does in its ranks).
     Blocks until every rank of the set has joined (the rendezvous).
     """
     global _rank, _namespace
@@ -81,6 +82,7 @@ def setup(plan: RankPlan) -> str:
             "WORLD_SIZE": str(plan.world_size),
             "LOCAL_WORLD_SIZE": str(plan.local_world_size),
             "GROUP_RANK": str(plan.node_rank),
+            "GROUP_WORLD_SIZE": str(plan.nnodes),
             "NODE_RANK": str(plan.node_rank),
             "MASTER_ADDR": plan.master_addr,
             "MASTER_PORT": str(plan.master_port),

@@ -272,7 +272,6 @@ class LiveRanks:
         self._shown: set[int] = set()
         self._streams: dict[tuple[int, str], Any] = {}
         self._board: Any = None
-        self._lost: dict[int, float] = {}
 
     # ------------------------------------------------------------------------------------------
     # The API
@@ -446,7 +445,7 @@ class LiveRanks:
         self.world_size, self.nnodes = count, 1
         threading.Thread(target=self._monitor, name="nbkit-live-monitor", daemon=True).start()
         port = rank_side.free_port("127.0.0.1")
-        self._setup_ranks("127.0.0.1", port, use_cuda, env, os.getpid(), startup_timeout)
+        self._setup_ranks("127.0.0.1", port, use_cuda, env, startup_timeout)
 
     def _connect(
         self, client: Any, engines: list[int] | None, env: dict[str, str], notebook_address: str, startup_timeout: float
@@ -476,7 +475,7 @@ class LiveRanks:
         self._relay = _Relay(notebook_address)
         master = self._ranks[0]
         port = client[master.engine].apply_sync(rank_side.free_port, master.info.address)
-        self._setup_ranks(master.info.address, port, use_cuda, env, None, startup_timeout)
+        self._setup_ranks(master.info.address, port, use_cuda, env, startup_timeout)
 
     def _wait_for_engines(self, count: int, timeout: float, processes: list[subprocess.Popen]) -> None:
         deadline = time.monotonic() + timeout
@@ -497,7 +496,6 @@ class LiveRanks:
         port: int,
         use_cuda: bool,
         env: dict[str, str],
-        parent: int | None,
         startup_timeout: float,
     ) -> None:
         assert self._relay is not None
@@ -518,7 +516,6 @@ class LiveRanks:
                 relay=self._relay.address,
                 authkey=self._relay.authkey,
                 use_cuda=use_cuda,
-                parent_pid=parent,
                 env=env,
             )
             results.append(self._client[r.engine].apply_async(rank_side.setup, plan))
