@@ -188,7 +188,7 @@ def _call(call: int, show: bool, want_value: bool, body: Callable[[], Any]) -> O
         failed = True
         outcome = Outcome(_rank, error=_rank_error(exc))
     finally:
-        for stream in (sys.stdout, sys.stderr):
+        for stream in (sys.stdout, sys.stderr):  # the call's last partial line, while still shown
             try:
                 stream.flush()
             except Exception:
@@ -213,21 +213,39 @@ def _rank_error(exc: BaseException) -> RankError:
 
 
 class _RankStream(io.TextIOBase):
-    """sys.stdout / sys.stderr of a live rank: to the notebook while a call shows this rank."""
+    r"""sys.stdout / sys.stderr of a live rank: to the notebook while a call shows this rank.
+
+    Sends whole lines (up to the last "\n" or "\r"; flush() sends the rest): print() writes its
+    pieces one by one, and two ranks' pieces would otherwise interleave within a line.
+    """
 
     def __init__(self, name: str, original: Any):
         self.name, self._original = name, original
+        self._pending = ""
 
     def writable(self) -> bool:
         return True
 
     def write(self, text: str) -> int:
-        if _shown and text:
-            try:
-                channel.send("live", Output(_rank, self.name, text))
-            except OSError:  # the notebook is gone; this rank is about to be ended
-                pass
+        if not _shown or not text:
+            return len(text)
+        self._pending += text
+        end = max(self._pending.rfind("\n"), self._pending.rfind("\r")) + 1
+        if end:
+            self._send(self._pending[:end])
+            self._pending = self._pending[end:]
         return len(text)
+
+    def flush(self) -> None:
+        if self._pending:
+            self._send(self._pending)
+            self._pending = ""
+
+    def _send(self, text: str) -> None:
+        try:
+            channel.send("live", Output(_rank, self.name, text))
+        except OSError:  # the notebook is gone; this rank is about to be ended
+            pass
 
     def isatty(self) -> bool:
         return False
