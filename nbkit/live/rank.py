@@ -14,6 +14,7 @@ import (transformers' logging handler), and those imports happen inside calls.
 from __future__ import annotations
 
 import builtins
+import faulthandler
 import io
 import linecache
 import os
@@ -38,6 +39,7 @@ _PLUMBING = (os.path.join(_NBKIT_DIR, "live", "rank.py"), os.path.join(_NBKIT_DI
 _rank = -1
 _shown = False
 _namespace: dict[str, Any] = {}
+_crash_log: Any = None
 
 
 def identify() -> EngineInfo:
@@ -104,6 +106,13 @@ def setup(plan: RankPlan) -> str:
         # As torchrun does: the node's cores shared among its ranks, not each rank taking them all.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // plan.local_world_size))
         device = "cpu"
+    # A native crash (segfault, abort) leaves the Python stack in the log of an engine nbkit started,
+    # which the notebook shows under the message naming the signal. (The engine's fd 2 is a pipe
+    # that ipykernel reads on a thread, which dies with the process before passing it on.)
+    global _crash_log
+    if os.environ.get("NBKIT_LIVE_LOG") and _crash_log is None:
+        _crash_log = open(os.environ["NBKIT_LIVE_LOG"], "a")  # noqa: SIM115 (open for the rank's life)
+        faulthandler.enable(file=_crash_log, all_threads=False)  # the crashing thread: the cell's
     conn = connection.Client(plan.relay, authkey=plan.authkey)
     channel.attach_connection(conn, plan.rank)
     channel.send("hello", os.getpid())
@@ -135,16 +144,16 @@ def teardown() -> None:
     _namespace.clear()
 
 
-def run_code(call: int, source: str, filename: str, names: bytes | None, show: bool, want_value: bool) -> Outcome:
-    """Run notebook cell `source` in this rank's namespace, after adding `names` (cloudpickled dict)."""
+def run_code(call: int, source: str, filename: str, names: dict[str, bytes], show: bool, want_value: bool) -> Outcome:
+    """Run notebook cell `source` in this rank's namespace, after adding `names` ({name: cloudpickled value})."""
 
     def body() -> Any:
         from nbkit.cells import run_cell
 
-        if names is not None:
+        if names:
             import cloudpickle
 
-            _namespace.update(cloudpickle.loads(names))
+            _namespace.update({name: cloudpickle.loads(value) for name, value in names.items()})
         # So that tracebacks show the cell's lines.
         linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
         return run_cell(source, _namespace, filename)

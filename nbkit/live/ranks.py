@@ -264,6 +264,7 @@ class LiveRanks:
         self._relay: _Relay | None = None
         self._owned = False  # whether nbkit started the engines (start) or found them (connect)
         self._ended: str | None = None
+        self._ended_log = ""  # the tail of a dead rank's own output, when it left one
         self._stopped = False
         self._lock = threading.Lock()
         self._call = 0
@@ -414,21 +415,22 @@ class LiveRanks:
             "ipyparallel.engine",
             f"--profile-dir={self._tmpdir}",
             "--cluster-id=nbkit",
-            "--log-level=WARN",
+            "--log-level=ERROR",  # its start-up warnings would bury what a crashing rank wrote
             # No nanny process per engine: nbkit signals its engines by pid and watches them itself,
             # and a nanny notices its engine's end only later (it outlived stop() by up to a second).
             "--IPEngine.enable_nanny=False",
         ]
         processes = []
         for i in range(count):
-            with open(os.path.join(self._tmpdir, f"rank{i}.log"), "wb") as log:
+            log_path = os.path.join(self._tmpdir, f"rank{i}.log")
+            with open(log_path, "wb") as log:
                 processes.append(
                     subprocess.Popen(
                         cmd,
                         stdout=log,
                         stderr=subprocess.STDOUT,
                         stdin=subprocess.DEVNULL,
-                        env=engine_env,
+                        env={**engine_env, "NBKIT_LIVE_LOG": log_path},
                         start_new_session=True,
                     )  # interrupts come from nbkit
                 )
@@ -792,12 +794,16 @@ class LiveRanks:
             )
         elif code == -signal.SIGSEGV:
             hint = " A segmentation fault is a crash in native code (a CUDA kernel, a C extension)."
+        # What the process wrote outside Python's streams (a native crash, a CUDA or NCCL abort),
+        # shown after the message (the set's files are removed when it ends).
+        self._ended_log = self._log_tail(r.rank, lines=10)
         return f"rank {r.rank} (pid {r.info.pid}) {why}.{hint}"
 
     def _ended_text(self) -> str:
+        log = f"\n{self._ended_log}" if self._ended_log else ""
         return (
             f"The live set has ended: {self._ended} Every rank was stopped; start a new set with %ddp start "
-            "(or nbkit.start())."
+            "(or nbkit.start())." + log
         )
 
     def _alive(self, r: _Rank) -> bool:
@@ -860,14 +866,22 @@ class LiveRanks:
             _current = None
 
     def _log_tail(self, rank: int, lines: int = 20) -> str:
+        """The end of what rank `rank`'s process wrote outside Python's streams; for a native crash, the
+        Python stack faulthandler wrote (from its "Fatal Python error" line, the cell's frame first).
+        """
         if self._tmpdir is None:
             return ""
         try:
             with open(os.path.join(self._tmpdir, f"rank{rank}.log"), errors="replace") as f:
-                tail = f.read().splitlines()[-lines:]
+                text = f.read().splitlines()
         except OSError:
             return ""
-        return "Its last output:\n" + "\n".join(tail) if tail else ""
+        crash = [i for i, line in enumerate(text) if line.startswith("Fatal Python error")]
+        if crash:
+            text = [line for line in text[crash[-1] :] if not line.startswith("Extension modules:")][:30]
+        else:
+            text = text[-lines:]
+        return "Its last output:\n" + "\n".join(text) if text else ""
 
 
 class _Gathered:
@@ -959,20 +973,20 @@ class _Relay:
             self._conns.clear()
 
 
-def _send_names(names: Mapping[str, Any]) -> bytes | None:
-    if not names:
-        return None
+def _send_names(names: Mapping[str, Any]) -> dict[str, bytes]:
+    """{name: cloudpickled value}; each value pickled once, so that one that cannot be is named."""
     import cloudpickle
 
+    pickled = {}
     for name, value in names.items():
         try:
-            cloudpickle.dumps(value)
+            pickled[name] = cloudpickle.dumps(value)
         except Exception as exc:
             raise LiveError(
                 f"The notebook's {name!r} ({type(value).__name__}) cannot be sent to the ranks: {exc}. Create it "
                 "in a %%ddp cell instead (it then lives on the ranks), or send what it is made from."
             ) from None
-    return cloudpickle.dumps(dict(names))
+    return pickled
 
 
 def _exit_text(code: int | None) -> str:

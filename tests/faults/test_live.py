@@ -147,7 +147,11 @@ def test_segfault_names_the_signal(kernel):
     procs = _fresh_set(kernel)
     out = kernel.run("%%ddp\nimport ctypes\nif nbkit.rank() == 0:\n    ctypes.string_at(0)\ntime.sleep(120)")
     assert out["error"] is not None and out["error"][0] == "LiveError", out
-    assert "rank 0 (pid " in out["error"][2] and "died from signal SIGSEGV" in out["error"][2]
+    text = out["error"][2]
+    assert "rank 0 (pid " in text and "died from signal SIGSEGV" in text
+    # faulthandler's stack of the crashing rank comes with it: ctypes, then the cell's line 4.
+    crash = text[text.index("Fatal Python error: Segmentation fault") :].splitlines()
+    assert "in string_at" in crash[3] and "line 4 in <module>" in crash[4], crash
     assert _all_gone(procs) == []
 
 
