@@ -149,9 +149,9 @@ def test_segfault_names_the_signal(kernel):
     assert out["error"] is not None and out["error"][0] == "LiveError", out
     text = out["error"][2]
     assert "rank 0 (pid " in text and "died from signal SIGSEGV" in text
-    # faulthandler's stack of the crashing rank comes with it: ctypes, then the cell's line 4.
+    # faulthandler's stack of the crashing rank comes with it: ctypes, then the cell's line 3 (under %%ddp).
     crash = text[text.index("Fatal Python error: Segmentation fault") :].splitlines()
-    assert "in string_at" in crash[3] and "line 4 in <module>" in crash[4], crash
+    assert "in string_at" in crash[3] and "line 3 in <module>" in crash[4], crash
     assert _all_gone(procs) == []
 
 
