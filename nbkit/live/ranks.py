@@ -603,15 +603,21 @@ class LiveRanks:
         deadline = time.monotonic() + timeout if timeout else None
         failed_at: float | None = None
         interrupted_at: float | None = None
+        ready_at: float | None = None
         try:
             while True:
                 self._pump(0.01)
                 if self._ended is not None:
                     raise LiveError(self._ended_text(), ended=True)
                 unfinished = [r for r in targets if r not in self._done]
-                if not unfinished and ar.ready():
-                    break
                 now = time.monotonic()
+                if ar.ready():
+                    # Every rank answered. A rank whose end-of-call mark is missing failed before
+                    # nbkit's code ran there (ipyparallel could not unpickle the call): its answer
+                    # says why, so waiting longer would only hang.
+                    ready_at = ready_at or now
+                    if not unfinished or now - ready_at > _FAILURE_GRACE_S:
+                        break
                 if failed_at is None and any(d.failed for d in self._done.values()):
                     failed_at = now
                 if failed_at is not None and interrupted_at is None and now - failed_at > _FAILURE_GRACE_S:
@@ -636,7 +642,7 @@ class LiveRanks:
         except KeyboardInterrupt:
             self._on_interrupt(ar, targets)
             raise
-        return list(ar.get())
+        return ar.get(targets)
 
     def _on_interrupt(self, ar: _Gathered, targets: list[int]) -> None:
         """The notebook was interrupted during a call: interrupt it on every rank, or end the set."""
@@ -893,8 +899,20 @@ class _Gathered:
     def ready(self) -> bool:
         return all(ar.ready() for ar in self._results)
 
-    def get(self) -> list[Outcome]:
-        return [ar.get() for ar in self._results]
+    def get(self, ranks: list[int]) -> list[Outcome]:
+        """Each rank's Outcome; an error ipyparallel itself raised (before nbkit's code ran in the
+        rank) becomes that rank's Outcome with the error.
+        """
+        outcomes = []
+        for rank, ar in zip(ranks, self._results):
+            try:
+                outcomes.append(ar.get())
+            except Exception as exc:
+                text = getattr(exc, "render_traceback", None)
+                tb = "\n".join(text()) if callable(text) else str(exc)
+                error = RankError(rank, type(exc).__name__, str(exc), tb, time.time())
+                outcomes.append(Outcome(rank, error=error))
+        return outcomes
 
     def finished_errors(self) -> dict[int, RankError]:
         """The errors of the ranks that have finished (the others are still running)."""
