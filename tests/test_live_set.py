@@ -157,3 +157,27 @@ def test_two_engine_groups_make_one_set_of_two_nodes(tmp_path):
             p.kill()
             p.wait()
         cluster.stop_cluster_sync()
+
+
+@pytest.mark.gpu
+def test_one_rank_per_gpu_with_nccl_and_the_notebook_keeps_no_cuda_context():
+    import torch
+
+    gpus = len(nbkit.visible_gpus())
+    if gpus < 2:
+        pytest.skip("needs 2 GPUs")
+
+    def reduce_on_the_gpu():
+        import torch
+        import torch.distributed as dist
+
+        t = torch.ones(1, device=nbkit.device()) * (dist.get_rank() + 1)
+        dist.all_reduce(t)
+        return dist.get_backend(), str(t.device), t.item()
+
+    with nbkit.start() as ranks:
+        assert [r.device for r in ranks.status().ranks] == [f"cuda:{i}" for i in range(gpus)]
+        backend, device, total = ranks.run(reduce_on_the_gpu)
+        assert (backend, device, total) == ("nccl", "cuda:0", gpus * (gpus + 1) / 2)
+        assert ranks.exec("str(torch.cuda.current_device())", ranks=1, names={"torch": torch}) == "1"
+    assert not torch.cuda.is_initialized()  # the notebook process may still fork, or use its own GPU

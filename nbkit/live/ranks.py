@@ -142,9 +142,13 @@ def start(
         RuntimeError: gpus=None on a machine without a GPU.
     """
     _check_none_live()
-    use_cuda, count = _count_ranks(gpus)
-    if use_cuda and count == 1:
-        print("nbkit: one GPU is visible, so the live set has one rank, on cuda:0 (no DDP).", file=sys.stderr)
+    visible = distributed.visible_gpus()
+    use_cuda, count = _count_ranks(gpus, len(visible))
+    if len(visible) == 1:  # Colab
+        print(
+            f"nbkit: one GPU is visible ({visible[0].name}), so the live set has one rank, on cuda:0 (no DDP).",
+            file=sys.stderr,
+        )
     ranks = LiveRanks(timeout=timeout)
     try:
         ranks._start_local(count, use_cuda, dict(env or {}), startup_timeout)
@@ -215,10 +219,10 @@ def _check_none_live() -> None:
         )
 
 
-def _count_ranks(gpus: int | None) -> tuple[bool, int]:
+def _count_ranks(gpus: int | None, visible: int) -> tuple[bool, int]:
+    """(whether the ranks use CUDA, how many ranks) for nbkit.start(gpus) with `visible` GPUs."""
     if gpus is not None and (not isinstance(gpus, int) or isinstance(gpus, bool) or gpus < 1):
         raise ValueError(f"gpus must be a positive whole number or None (all visible GPUs); got {gpus!r}.")
-    visible = distributed.visible_gpus()
     if not visible:
         if gpus is None:
             raise RuntimeError(
@@ -227,11 +231,9 @@ def _count_ranks(gpus: int | None) -> tuple[bool, int]:
                 "on the CPU, pass gpus=N: N CPU processes then train together over gloo."
             )
         return False, gpus
-    if gpus is not None and gpus > len(visible):
-        raise ValueError(
-            f"Asked for {gpus} GPUs but this machine shows {len(visible)}. Use gpus={len(visible)} or gpus=None."
-        )
-    return True, gpus or len(visible)
+    if gpus is not None and gpus > visible:
+        raise ValueError(f"Asked for {gpus} GPUs but this machine shows {visible}. Use gpus={visible} or gpus=None.")
+    return True, gpus or visible
 
 
 @dataclass
