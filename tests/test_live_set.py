@@ -65,6 +65,14 @@ def test_names_are_sent_along_and_unsendable_ones_named(ranks):
         ranks.exec("lock", names={"lock": threading.Lock()})
 
 
+def test_a_value_the_notebook_cannot_take_is_named(ranks):
+    ranks.exec("class Point:\n    pass\np = Point()")
+    with pytest.raises(LiveError, match=r"Rank 0's return value \(Point\) cannot be sent back to the notebook") as info:
+        ranks.exec("p")
+    assert not info.value.ended
+    assert ranks.exec("type(p).__name__") == "Point"  # still there
+
+
 def test_failure_keeps_the_ranks(ranks):
     ranks.exec("state = 'kept'")
     with pytest.raises(LiveError) as info:

@@ -687,7 +687,16 @@ class LiveRanks:
         if errors:
             raise self._call_error(errors, ended=False)
         value = outcomes[0].value
-        return pickle.loads(value) if value is not None else None
+        if value is None:
+            return None
+        try:
+            return pickle.loads(value)
+        except Exception as exc:
+            raise LiveError(
+                f"Rank {targets[0]}'s value arrived but cannot be rebuilt in the notebook ({type(exc).__name__}: "
+                f"{exc}); a class defined in a %%ddp cell exists on the ranks only. Return plain data (numbers, "
+                "strings, lists, dicts, tensors), or keep the object on the ranks and use it in %%ddp cells."
+            ) from None
 
     def _call_error(self, errors: dict[int, RankError], *, ended: bool) -> LiveError:
         primary = {r: e for r, e in errors.items() if not e.secondary} or errors
