@@ -3,7 +3,8 @@
 %ddp start [--gpus N] [--timeout S] [--env KEY=VALUE ...]
     nbkit.start(...): a live set of training processes, one per GPU (N gloo processes on a CPU),
     that stay up across cells until %ddp stop. While it runs, every %%ddp cell runs on it.
-%ddp stop                           ranks.stop()
+%ddp stop                           ranks.stop(); after a set that a failure ended, makes %%ddp one-shot again
+                                    (until then %%ddp refuses to run, since its cells expect the set's names)
 %ddp status                         ranks.status(), printed
 
 %%ddp [--out NAME] [--timeout S] [--all-ranks] [--rank N ...]       (a live set is running)
@@ -95,6 +96,11 @@ class NbkitMagics(Magics):
             devices = ", ".join(sorted({r.device for r in ranks.status().ranks}))
             print(f"nbkit: live set of {ranks.world_size} rank(s) on {devices}; %%ddp cells now run on it.")
         elif command == "stop":
+            gone = live.ended()
+            if ranks is None and gone is not None:
+                live.forget_ended()
+                print(f"nbkit: the live set had ended ({gone.status().ended}); %%ddp cells are one-shot again.")
+                return
             if ranks is None:
                 print("nbkit: no live set is running.")
                 return
@@ -109,7 +115,7 @@ class NbkitMagics(Magics):
     def ddp(self, line: str, cell: str) -> Any:
         """Run this cell on every GPU: on the live set if one runs, else one-shot (see nbkit.magics)."""
         from nbkit import live, spawning
-        from nbkit.errors import LaunchError
+        from nbkit.errors import LaunchError, LiveError
         from nbkit.launching import launch
 
         try:
@@ -121,6 +127,14 @@ class NbkitMagics(Magics):
         ranks = live.current()
         if ranks is not None:
             return self._live_cell(ranks, args, cell)
+        gone = live.ended()
+        if gone is not None:
+            # Its cells expect the names that lived on the ranks: a one-shot run would fail oddly.
+            raise LiveError(
+                f"The live set has ended ({gone.status().ended}) and its names are gone. %ddp start starts a new "
+                "one (then run the cells that load the model again); %ddp stop makes %%ddp cells one-shot again.",
+                ended=True,
+            )
         if args.ranks is not None:
             raise UsageError(
                 "%%ddp --rank runs a cell on some ranks of a live set, and none is running. Start one with "

@@ -11,6 +11,6 @@ runs inside each rank.
 
 from __future__ import annotations
 
-from nbkit.live.ranks import LiveRanks, LiveStatus, RankStatus, connect, current, start
+from nbkit.live.ranks import LiveRanks, LiveStatus, RankStatus, connect, current, ended, forget_ended, start
 
-__all__ = ["LiveRanks", "LiveStatus", "RankStatus", "connect", "current", "start"]
+__all__ = ["LiveRanks", "LiveStatus", "RankStatus", "connect", "current", "ended", "forget_ended", "start"]

@@ -52,7 +52,7 @@ from nbkit.errors import LiveError, RankError
 from nbkit.live import rank as rank_side
 from nbkit.live.messages import CallDone, EngineInfo, Outcome, Output, RankPlan
 
-__all__ = ["LiveRanks", "LiveStatus", "RankStatus", "connect", "current", "start"]
+__all__ = ["LiveRanks", "LiveStatus", "RankStatus", "connect", "current", "ended", "forget_ended", "start"]
 
 # How long ranks that have not finished get after another rank failed, before they are interrupted
 # (they may still be finishing on their own), and after an interrupt, before the set is ended.
@@ -63,11 +63,26 @@ _POLL_S = 0.1  # how often the monitor looks at the engine processes
 _NOT_SENT = {"In", "Out", "get_ipython", "exit", "quit", "open"}
 
 _current: LiveRanks | None = None
+_ended: LiveRanks | None = None  # the last set that a failure ended, until start() or forget_ended()
 
 
 def current() -> LiveRanks | None:
     """The live set of this process, or None when none is running."""
     return _current
+
+
+def ended() -> LiveRanks | None:
+    """The live set that a failure ended (a rank died, a timeout, an unanswered interrupt), until a new
+    one starts or `forget_ended()`; None otherwise. %%ddp refuses to fall back to one-shot runs while
+    there is one, since its cells expect the names that lived on the ranks.
+    """
+    return _ended
+
+
+def forget_ended() -> None:
+    """Forget the set that a failure ended (what `%ddp stop` does after one)."""
+    global _ended
+    _ended = None
 
 
 @dataclass
@@ -142,6 +157,7 @@ def start(
         RuntimeError: gpus=None on a machine without a GPU.
     """
     _check_none_live()
+    forget_ended()
     visible = distributed.visible_gpus()
     use_cuda, count = _count_ranks(gpus, len(visible))
     if len(visible) == 1:  # Colab
@@ -193,6 +209,7 @@ def connect(
     be started again.
     """
     _check_none_live()
+    forget_ended()
     import ipyparallel as ipp
 
     if isinstance(client, str):
@@ -830,10 +847,12 @@ class LiveRanks:
 
     def _end(self, reason: str) -> None:
         """End the set after a failure: record why, then stop everything, killing what is left."""
+        global _ended
         with self._lock:
             if self._ended is not None or self._stopped:
                 return
             self._ended = reason
+        _ended = self
         if not self._owned and self._client is not None:
             # Engines started outside nbkit: their process group is broken, so they are ended too.
             with contextlib.suppress(Exception):

@@ -136,6 +136,10 @@ def test_killed_rank_ends_the_set_naming_it_and_start_works_again(kernel):
     assert "rank 1 (pid " in text and "died from signal SIGKILL" in text and "%ddp start" in text
     assert out["seconds"] < MARGIN_S + 1  # the cell itself printed first
     assert _all_gone(procs) == []
+    # The next %%ddp cell does not quietly become a one-shot run that lacks the set's names.
+    orphan = kernel.run("%%ddp\nmodel")
+    assert orphan["error"] is not None and orphan["error"][0] == "LiveError", orphan
+    assert "The live set has ended (rank 1 (pid" in orphan["error"][1] and "%ddp start" in orphan["error"][1]
     # A new set at once, with a clean namespace.
     again = kernel.run("%ddp start --gpus 2")
     assert again["error"] is None and "live set of 2 rank(s)" in again["stdout"], again
@@ -163,6 +167,12 @@ def test_cell_hanging_in_a_collective_ends_at_its_timeout(kernel):
     assert "did not finish within its timeout (4 s); rank(s) 0 were still running" in out["error"][2]
     assert 4 <= out["seconds"] < 4 + MARGIN_S
     assert _all_gone(procs) == []
+    # %ddp stop acknowledges the ended set; %%ddp is one-shot again.
+    stopped = kernel.run("%ddp stop")
+    assert "the live set had ended (the call did not finish" in stopped["stdout"], stopped
+    assert "%%ddp cells are one-shot again" in stopped["stdout"]
+    oneshot = kernel.run("%%ddp --gpus 2\nimport nbkit\nnbkit.world_size()")
+    assert oneshot["error"] is None and oneshot["result"] == "2", oneshot
 
 
 def test_rank_failing_while_another_waits_in_a_collective_ends_the_set(kernel):
