@@ -10,6 +10,9 @@ The plain Python API lives here; `%load_ext nbkit` adds magics that are thin lay
 
     metrics = nbkit.launch(train, 2e-4)          # all visible GPUs (or gpus=N CPU processes)
 
+    ranks = nbkit.start()                        # or: processes that stay up across cells (nbkit.live)
+    ranks.exec("model = load()")                 # every rank; `model` stays there for later calls
+
 Names are imported lazily, so `import nbkit` stays cheap and never touches CUDA or IPython.
 """
 
