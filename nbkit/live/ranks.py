@@ -36,7 +36,6 @@ import pickle
 import queue
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -44,13 +43,13 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from multiprocessing import connection
-from typing import Any, cast
+from typing import Any
 
 from nbkit import cells, distributed
 from nbkit.errors import LiveError, RankError
 from nbkit.live import rank as rank_side
 from nbkit.live.messages import CallDone, EngineInfo, Outcome, Output, RankPlan
+from nbkit.live.relay import Relay
 
 __all__ = ["LiveRanks", "LiveStatus", "RankStatus", "connect", "current", "ended", "forget_ended", "start"]
 
@@ -280,7 +279,7 @@ class LiveRanks:
         self._client: Any = None
         self._cluster: Any = None
         self._tmpdir: str | None = None
-        self._relay: _Relay | None = None
+        self._relay: Relay | None = None
         self._owned = False  # whether nbkit started the engines (start) or found them (connect)
         self._ended: str | None = None
         self._ended_log = ""  # the tail of a dead rank's own output, when it left one
@@ -424,7 +423,7 @@ class LiveRanks:
         self._client = self._cluster.connect_client_sync()
         with open(self._cluster.controller.connection_files["engine"]) as f:
             engine_info = f.read()
-        self._relay = _Relay("127.0.0.1")
+        self._relay = Relay("127.0.0.1")
         engine_env = {**os.environ, "IPP_CONNECTION_INFO": engine_info, "PYTHONUNBUFFERED": "1"}
         cmd = [
             sys.executable,
@@ -493,7 +492,7 @@ class LiveRanks:
                 self._ranks.append(_Rank(rank, local_rank, node_rank, eid, info))
                 rank += 1
         self.world_size, self.nnodes = rank, len(hosts)
-        self._relay = _Relay(notebook_address)
+        self._relay = Relay(notebook_address)
         master = self._ranks[0]
         port = client[master.engine].apply_sync(rank_side.free_port, master.info.address)
         self._setup_ranks(master.info.address, port, use_cuda, env, startup_timeout)
@@ -948,77 +947,6 @@ class _Gathered:
         """The errors of the ranks that have finished (the others are still running)."""
         outcomes = [ar.get() for ar in self._results if ar.ready() and ar.successful()]
         return {o.rank: o.error for o in outcomes if o.error is not None}
-
-
-class _Relay:
-    """The notebook's end of the ranks' relay connections (multiprocessing.connection, 127.0.0.1 or the
-    given address, a random authkey): one thread accepts, one reads, messages go to a queue that the
-    notebook's main thread drains while a call runs. A connection that closes is reported as
-    ("lost", rank, None): its rank died.
-    """
-
-    def __init__(self, host: str):
-        self.authkey = os.urandom(32)
-        self._listener = connection.Listener((host, 0), authkey=self.authkey)
-        self.address: tuple[str, int] = self._listener.address
-        self.messages: queue.Queue[tuple[str, int, Any]] = queue.Queue()
-        self._conns: dict[connection.Connection, int] = {}
-        self._lock = threading.Lock()
-        self._closed = threading.Event()
-        threading.Thread(target=self._accept, name="nbkit-live-accept", daemon=True).start()
-        threading.Thread(target=self._read, name="nbkit-live-relay", daemon=True).start()
-
-    def _accept(self) -> None:
-        while not self._closed.is_set():
-            try:
-                conn = self._listener.accept()
-            except Exception:
-                if self._closed.is_set():
-                    return
-                continue
-            with self._lock:
-                self._conns[conn] = -1
-
-    def _read(self) -> None:
-        while not self._closed.is_set():
-            with self._lock:
-                conns = list(self._conns)
-            if not conns:
-                time.sleep(0.01)
-                continue
-            for ready in connection.wait(conns, timeout=0.01):
-                conn = cast(connection.Connection, ready)
-                try:
-                    message: tuple[str, int, Any] = conn.recv()
-                    kind, rank, payload = message
-                except Exception:  # EOF, or a rank killed mid-message
-                    with self._lock:
-                        rank = self._conns.pop(conn, -1)
-                    with contextlib.suppress(Exception):
-                        conn.close()
-                    if not self._closed.is_set():
-                        self.messages.put(("lost", rank, None))
-                    continue
-                if kind == "hello":
-                    with self._lock:
-                        self._conns[conn] = rank
-                self.messages.put((kind, rank, payload))
-
-    def close(self) -> None:
-        if self._closed.is_set():
-            return
-        self._closed.set()
-        address = self.address
-        with contextlib.suppress(Exception):
-            self._listener.close()
-        # accept() does not wake up when its socket is closed: a connection does it.
-        with contextlib.suppress(OSError), socket.create_connection(address, timeout=1):
-            pass
-        with self._lock:
-            for conn in self._conns:
-                with contextlib.suppress(Exception):
-                    conn.close()
-            self._conns.clear()
 
 
 def _send_names(names: Mapping[str, Any]) -> dict[str, bytes]:
