@@ -10,6 +10,9 @@ The plain Python API lives here; `%load_ext nbkit` adds magics that are thin lay
 
     metrics = nbkit.launch(train, 2e-4)          # all visible GPUs (or gpus=N CPU processes)
 
+    ranks = nbkit.start()                        # or: processes that stay up across cells (nbkit.live)
+    ranks.exec("model = load()")                 # every rank; `model` stays there for later calls
+
 Names are imported lazily, so `import nbkit` stays cheap and never touches CUDA or IPython.
 """
 
@@ -24,6 +27,11 @@ __version__ = "0.2.0"
 _EXPORTS: dict[str, str] = {
     # launching
     "launch": "nbkit.launching",
+    # live sets: processes that stay up across cells
+    "start": "nbkit.live",
+    "connect": "nbkit.live",
+    "LiveRanks": "nbkit.live",
+    "LiveError": "nbkit.errors",
     # errors: one family (nbkit.errors)
     "NbkitError": "nbkit.errors",
     "LaunchError": "nbkit.errors",
@@ -60,13 +68,15 @@ _EXPORTS: dict[str, str] = {
 }
 
 # submodules used as namespaces, imported on first use: nbkit.savers.apply(...),
-# nbkit.checkpoints.resume_point(...), nbkit.dashboard.latest(), nbkit.export.notebook_to_script(...)
+# nbkit.checkpoints.resume_point(...), nbkit.dashboard.latest(), nbkit.export.export_script(...),
+# nbkit.live.LiveRanks
 _SUBMODULES = (
     "checkpoints",
     "config",
     "dashboard",
     "export",
     "integration",
+    "live",
     "offline",
     "patching",
     "savers",

@@ -12,10 +12,15 @@ body is one of the dataclasses below:
     Returned  the rank's function returned (and rank 0's Result was sent before it)
 
 Code inside a launched rank calls `send(body)`; outside a launch `connected()` is False.
+
+The ranks of a live set (nbkit.live) are not forked from the notebook: each connects to the
+notebook's relay listener instead and hands that connection to `attach_connection`; `send` then
+works the same way there, and the live set adds bodies of its own (nbkit.live.messages).
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,6 +38,7 @@ __all__ = [
     "Result",
     "Returned",
     "Started",
+    "attach_connection",
     "connected",
     "send",
 ]
@@ -71,6 +77,7 @@ class Returned:
     """The rank's function returned; anything the rank does after this is the launcher's teardown."""
 
 
+# The bodies of a launch; a live set (nbkit.live.messages) sends bodies of its own over the same wire.
 Body = Started | Report | Result | Raised | Returned
 
 
@@ -79,10 +86,10 @@ class Envelope:
     """One message on the wire: which global rank sent it, and what."""
 
     rank: int
-    body: Body
+    body: object  # a Body, or a live set's message
 
 
-_writer: connection.Connection | None = None
+_writer: connection.Connection | _LockedConnection | None = None
 _writer_rank: int = -1
 
 
@@ -91,11 +98,31 @@ def connected() -> bool:
     return _writer is not None
 
 
-def send(body: Body) -> None:
+def send(body: object) -> None:
     """Send one message to the notebook process. A no-op outside a launched rank."""
     if _writer is None:
         return
     _writer.send(Envelope(_writer_rank, body))
+
+
+class _LockedConnection:
+    """A connection that several threads of a rank may send on (a Trainer callback, a print in a
+    data-loading thread): one message at a time, so messages never interleave on the socket.
+    """
+
+    def __init__(self, conn: connection.Connection):
+        self._conn = conn
+        self._lock = threading.Lock()
+
+    def send(self, message: Any) -> None:
+        with self._lock:
+            self._conn.send(message)
+
+
+def attach_connection(conn: connection.Connection, rank: int) -> None:
+    """In a live rank: make `send()` write to `conn` (a connection to the notebook's relay)."""
+    global _writer, _writer_rank
+    _writer, _writer_rank = _LockedConnection(conn), rank
 
 
 class Channel:

@@ -5,6 +5,11 @@ magic accepts is read the same way by both, and `import nbkit.export` never impo
 
     opts = parse("--gpus 2 --out loss --env A=1 B=2")
     opts.gpus, opts.out, opts.env          # 2, "loss", {"A": "1", "B": "2"}
+
+`--rank N [N ...]` runs the cell on those ranks of the live set only (`%ddp start`); a one-shot
+%%ddp (no live set) rejects it (nbkit.magics), since its processes end with the cell and a cell
+that runs on some of them only would leave the others waiting. `parse_start` reads the line of
+`%ddp start`.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from dataclasses import dataclass, field
 
 from nbkit.errors import NbkitError
 
-__all__ = ["DdpOptions", "OptionsError", "parse", "parse_env"]
+__all__ = ["DdpOptions", "OptionsError", "StartOptions", "parse", "parse_env", "parse_start"]
 
 PROG = "%%ddp"
 
@@ -38,6 +43,7 @@ class DdpOptions:
         all_ranks: show every rank's output, not only rank 0's.
         env: environment variables for the processes.
         spawn: start fresh processes even where forking would work.
+        ranks: run on these ranks of the live set only (None: every rank).
     """
 
     gpus: int | None = None
@@ -46,6 +52,16 @@ class DdpOptions:
     all_ranks: bool = False
     env: dict[str, str] = field(default_factory=dict)
     spawn: bool = False
+    ranks: list[int] | None = None
+
+
+@dataclass
+class StartOptions:
+    """What a `%ddp start` line asks for (the arguments of nbkit.start)."""
+
+    gpus: int | None = None
+    timeout: float | None = None
+    env: dict[str, str] = field(default_factory=dict)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -70,6 +86,9 @@ def _parser() -> argparse.ArgumentParser:
         help="environment variables for the processes",
     )
     parser.add_argument("--spawn", action="store_true", help="start fresh processes even where forking would work")
+    parser.add_argument(
+        "--rank", type=int, nargs="+", default=None, metavar="N", help="run on these ranks of the live set only"
+    )
     return parser
 
 
@@ -91,12 +110,11 @@ def parse(line: str) -> DdpOptions:
     except ValueError as exc:
         raise OptionsError(f"{PROG}: cannot read the line ({exc}).") from None
     ns = _parser().parse_args(words)
+    _check_common(ns)
+    if ns.rank is not None and any(r < 0 for r in ns.rank):
+        raise OptionsError(f"--rank takes rank numbers (0 and up); got {' '.join(map(str, ns.rank))}.")
     if ns.out is not None and (not ns.out.isidentifier() or keyword.iskeyword(ns.out)):
         raise OptionsError(f"--out needs a Python name to store the value under; {ns.out!r} is not one.")
-    if ns.gpus is not None and ns.gpus < 1:
-        raise OptionsError(f"--gpus takes a whole number of at least 1; got {ns.gpus}.")
-    if ns.timeout is not None and not (math.isfinite(ns.timeout) and ns.timeout > 0):
-        raise OptionsError(f"--timeout takes a number of seconds above 0; got {ns.timeout}.")
     return DdpOptions(
         gpus=ns.gpus,
         out=ns.out,
@@ -104,7 +122,33 @@ def parse(line: str) -> DdpOptions:
         all_ranks=ns.all_ranks,
         env=parse_env(item for group in ns.env for item in group),
         spawn=ns.spawn,
+        ranks=sorted(set(ns.rank)) if ns.rank is not None else None,
     )
+
+
+def parse_start(line: str) -> StartOptions:
+    """The options of a `%ddp start` line: --gpus N, --timeout S, --env KEY=VALUE ...
+
+    Raises OptionsError as parse() does.
+    """
+    try:
+        words = shlex.split(line)
+    except ValueError as exc:
+        raise OptionsError(f"%ddp start: cannot read the line ({exc}).") from None
+    parser = _Parser(prog="%ddp start", add_help=False)
+    parser.add_argument("--gpus", type=int, default=None)
+    parser.add_argument("--timeout", type=float, default=None)
+    parser.add_argument("--env", nargs="+", action="append", default=[], metavar="KEY=VALUE")
+    ns = parser.parse_args(words)
+    _check_common(ns)
+    return StartOptions(gpus=ns.gpus, timeout=ns.timeout, env=parse_env(item for group in ns.env for item in group))
+
+
+def _check_common(ns: argparse.Namespace) -> None:
+    if ns.gpus is not None and ns.gpus < 1:
+        raise OptionsError(f"--gpus takes a whole number of at least 1; got {ns.gpus}.")
+    if ns.timeout is not None and not (math.isfinite(ns.timeout) and ns.timeout > 0):
+        raise OptionsError(f"--timeout takes a number of seconds above 0; got {ns.timeout}.")
 
 
 def parse_env(items: Iterable[str]) -> dict[str, str]:

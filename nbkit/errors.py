@@ -24,6 +24,7 @@ __all__ = [
     "ExportError",
     "KernelsError",
     "LaunchError",
+    "LiveError",
     "NbkitError",
     "RankError",
 ]
@@ -80,6 +81,27 @@ class LaunchError(NbkitError, RuntimeError):
         self.failures = dict(failures or {})
         self.errors = dict(errors or {})
         self.timed_out = timed_out
+
+
+class LiveError(LaunchError):
+    """A call on a live set (nbkit.start) failed, or the set could not start or has ended.
+
+    Attributes (besides LaunchError's):
+        ended: True when the live set is gone (a rank died, a timeout, an unanswered interrupt):
+            start a new one. False when a rank raised and every rank is still up with its names.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        failures: Mapping[int, str] | None = None,
+        errors: Mapping[int, RankError] | None = None,
+        timed_out: bool = False,
+        ended: bool = False,
+    ):
+        super().__init__(message, failures=failures, errors=errors, timed_out=timed_out)
+        self.ended = ended
 
 
 class DeviceMapError(NbkitError, ValueError):

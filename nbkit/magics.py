@@ -1,7 +1,24 @@
-"""IPython magics: `%load_ext nbkit` adds %%ddp and %nbkit. Thin layers over the Python API.
+"""IPython magics: `%load_ext nbkit` adds %ddp, %%ddp and %nbkit. Thin layers over the Python API.
+
+%ddp start [--gpus N] [--timeout S] [--env KEY=VALUE ...]
+    nbkit.start(...): a live set of training processes, one per GPU (N gloo processes on a CPU),
+    that stay up across cells until %ddp stop. While it runs, every %%ddp cell runs on it.
+%ddp stop                           ranks.stop(); after a set that a failure ended, makes %%ddp one-shot again
+                                    (until then %%ddp refuses to run, since its cells expect the set's names)
+%ddp status                         ranks.status(), printed
+
+%%ddp [--out NAME] [--timeout S] [--all-ranks] [--rank N ...]       (a live set is running)
+    Runs the cell on every rank of the live set (ranks.exec), or on the --rank ranks only (say,
+    rank 0 for inference, saving, pushing), and shows the value of its last expression on the
+    lowest rank it ran on; --out NAME also stores it in the notebook. Notebook names the cell reads
+    are sent along (cloudpickle) with their current value; the names the cell defines stay on the
+    ranks for later %%ddp cells (and win over notebook names of the same name). A rank's exception
+    fails the cell (LiveError) and every rank stays up with its names. --timeout S ends the set
+    when the cell takes longer. --gpus, --env and --spawn belong to starting processes and are
+    refused here (%ddp stop, then %ddp start with them).
 
 %%ddp [--gpus N] [--out NAME] [--timeout S] [--all-ranks] [--env KEY=VALUE ...] [--spawn]
-    Runs the cell body on N processes (nbkit.launch) and shows rank 0's value of the last
+    (no live set) Runs the cell body on N processes (nbkit.launch) and shows rank 0's value of the last
     expression; --out NAME also stores it in the notebook. Ranks other than 0 are silent unless
     --all-ranks. A failure shows one rank-labelled traceback and raises nbkit.LaunchError (the
     cell fails for papermill/nbclient; the kernel stays usable and the cell can run again at once).
@@ -15,6 +32,8 @@
       notebook functions/classes and picklable values the cell uses (nbkit.spawning). It prints
       one line naming the reason and what it brought along; a name that cannot be brought along
       raises an error naming it.
+    --rank is refused here: the processes end with the cell, and a cell that runs on some of them
+    only would leave the others waiting in their first collective.
 
 %nbkit doctor                       nbkit.doctor(): GPUs, CUDA state, versions, problems and fixes
 %nbkit plan MODEL [--seq-len N] [--batch-size N] [--4bit] [--gpus N] [--gpu-memory GIB] [--lora-rank R]
@@ -48,47 +67,138 @@ def register(ipython: Any) -> None:
 
 
 def unregister(ipython: Any) -> None:
-    """Remove %%ddp and %nbkit from `ipython` (what `%unload_ext nbkit` does)."""
+    """Remove %ddp, %%ddp and %nbkit from `ipython` (what `%unload_ext nbkit` does)."""
     manager = ipython.magics_manager
     manager.magics["cell"].pop("ddp", None)
+    manager.magics["line"].pop("ddp", None)
     manager.magics["line"].pop("nbkit", None)
     manager.registry.pop(NbkitMagics.__name__, None)
 
 
 @magics_class
 class NbkitMagics(Magics):
-    """The %%ddp cell magic and the %nbkit line magic."""
+    """The %ddp line magic, the %%ddp cell magic and the %nbkit line magic."""
+
+    # (the ignore: IPython's stubs type the decorator that takes a name as accepting nothing)
+    @line_magic("ddp")  # type: ignore[arg-type]
+    def ddp_line(self, line: str) -> None:
+        """%ddp start [--gpus N] [--timeout S] [--env K=V ...] | stop | status (see nbkit.magics)."""
+        from nbkit import live
+
+        command, _, rest = line.strip().partition(" ")
+        ranks = live.current()
+        if command == "start":
+            try:
+                opts = ddp_options.parse_start(rest)
+            except ddp_options.OptionsError as exc:
+                raise UsageError(str(exc)) from None
+            ranks = live.start(gpus=opts.gpus, timeout=opts.timeout, env=opts.env)
+            devices = ", ".join(sorted({r.device for r in ranks.status().ranks}))
+            print(f"nbkit: live set of {ranks.world_size} rank(s) on {devices}; %%ddp cells now run on it.")
+        elif command == "stop":
+            gone = live.ended()
+            if ranks is None and gone is not None:
+                live.forget_ended()
+                print(f"nbkit: the live set had ended ({gone.status().ended}); %%ddp cells are one-shot again.")
+                return
+            if ranks is None:
+                print("nbkit: no live set is running.")
+                return
+            ranks.stop()
+            print(f"nbkit: stopped the live set ({ranks.world_size} rank(s)).")
+        elif command == "status":
+            print(ranks.status() if ranks is not None else "nbkit: no live set is running (%ddp start starts one).")
+        else:
+            raise UsageError("%ddp takes one of: start [--gpus N] [--timeout S] [--env KEY=VALUE ...] | stop | status")
 
     @cell_magic
     def ddp(self, line: str, cell: str) -> Any:
-        """Run this cell on every GPU (see nbkit.magics)."""
-        from nbkit import spawning
-        from nbkit.errors import LaunchError
+        """Run this cell on every GPU: on the live set if one runs, else one-shot (see nbkit.magics)."""
+        from nbkit import live, spawning
+        from nbkit.errors import LaunchError, LiveError
         from nbkit.launching import launch
 
         try:
             args = ddp_options.parse(line)
         except ddp_options.OptionsError as exc:
             raise UsageError(str(exc)) from None
-        source = self.shell.transform_cell(cell)
+        shell = self.shell
+        assert shell is not None
+        ranks = live.current()
+        if ranks is not None:
+            return self._live_cell(ranks, args, cell)
+        gone = live.ended()
+        if gone is not None:
+            # Its cells expect the names that lived on the ranks: a one-shot run would fail oddly.
+            raise LiveError(
+                f"The live set has ended ({gone.status().ended}) and its names are gone. %ddp start starts a new "
+                "one (then run the cells that load the model again); %ddp stop makes %%ddp cells one-shot again.",
+                ended=True,
+            )
+        if args.ranks is not None:
+            raise UsageError(
+                "%%ddp --rank runs a cell on some ranks of a live set, and none is running. Start one with "
+                "%ddp start (its processes stay up across cells), or leave --rank out: a one-shot %%ddp runs "
+                "on every rank."
+            )
+        source = shell.transform_cell(cell)
         # Registered in linecache, so tracebacks of the ranks show the cell's lines.
-        filename = self.shell.compile.cache(source, self.shell.execution_count)
-        options = dict(gpus=args.gpus, timeout=args.timeout, quiet=not args.all_ranks, env=args.env)
+        filename = shell.compile.cache(source, shell.execution_count)
         blocker = None if args.spawn else spawning.fork_blocker()
         try:
             if args.spawn or blocker is not None:
                 value = spawning.run_source(
-                    source, self.shell.user_ns, filename=filename, reason=blocker or "asked for with --spawn", **options
+                    source,
+                    shell.user_ns,
+                    filename=filename,
+                    reason=blocker or "asked for with --spawn",
+                    gpus=args.gpus,
+                    timeout=args.timeout,
+                    quiet=not args.all_ranks,
+                    env=args.env,
                 )
             else:
-                value = launch(_cell_runner(source, self.shell.user_ns, filename), **options)
+                value = launch(
+                    _cell_runner(source, shell.user_ns, filename),
+                    gpus=args.gpus,
+                    timeout=args.timeout,
+                    quiet=not args.all_ranks,
+                    env=args.env,
+                )
         except LaunchError as exc:
             # The same error, without the frames of nbkit's own plumbing in the ranks' tracebacks.
             error = LaunchError(
                 _PLUMBING.sub("", str(exc)), failures=exc.failures, errors=exc.errors, timed_out=exc.timed_out
             )
             raise error from None
+        return self._finish(args, cell, value)
+
+    def _live_cell(self, ranks: Any, args: ddp_options.DdpOptions, cell: str) -> Any:
+        shell = self.shell
+        assert shell is not None
+        refused = [
+            name for name, given in (("--gpus", args.gpus), ("--env", args.env), ("--spawn", args.spawn)) if given
+        ]
+        if refused:
+            raise UsageError(
+                f"{', '.join(refused)} set up processes, and a live set of {ranks.world_size} rank(s) is running: "
+                "its processes are already set up. Leave it out, or %ddp stop and %ddp start with it."
+            )
+        source = shell.transform_cell(cell)
+        filename = shell.compile.cache(source, shell.execution_count)
+        value = ranks.exec(
+            source,
+            ranks=args.ranks if args.ranks is not None else "all",
+            names=ranks.names_for(source, shell.user_ns),
+            timeout=args.timeout,
+            all_ranks=args.all_ranks,
+            filename=filename,
+        )
+        return self._finish(args, cell, value)
+
+    def _finish(self, args: ddp_options.DdpOptions, cell: str, value: Any) -> Any:
         if args.out is not None:
+            assert self.shell is not None
             self.shell.user_ns[args.out] = value
         if cell.rstrip().endswith(";"):  # IPython's "no output" convention
             return None
@@ -129,8 +239,9 @@ class NbkitMagics(Magics):
         parser.add_argument("--lora-rank", type=int, dest="lora_rank")
         args = vars(parser.parse_args(words))
         model = args.pop("model")
-        # Only what was given: the planner's own defaults apply to the rest.
-        options = {k: v for k, v in args.items() if v not in (None, False)}
+        # Only what was given: the planner's own defaults apply to the rest. Compared by identity:
+        # `0 in (None, False)` is True, which dropped --gpu-memory 0 before plan could refuse it.
+        options = {k: v for k, v in args.items() if v is not None and v is not False}
         try:
             print(plan(model, **options))
         except ValueError as exc:

@@ -34,15 +34,17 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-NOTEBOOKS = ("qwen3_vl_2xT4", "text_llm_ddp", "model_parallel", "long_context")
+NOTEBOOKS = ("qwen3_vl_2xT4", "qwen3_vl_2xT4_oneshot", "text_llm_ddp", "model_parallel", "long_context")
 
 # Per notebook: (model without a GPU, model on GPUs without the hub, CPU-sized parameters).
+_QWEN3_VL = (
+    "tiny:qwen3-vl",
+    "random:qwen3-vl-2b",
+    dict(max_steps=16, num_samples=64, batch_size=2, max_seq_length=256, image_size=64, learning_rate=1e-2),
+)
 _OFFLINE: dict[str, tuple[str, str, dict[str, Any]]] = {
-    "qwen3_vl_2xT4": (
-        "tiny:qwen3-vl",
-        "random:qwen3-vl-2b",
-        dict(max_steps=16, num_samples=64, batch_size=2, max_seq_length=256, image_size=64, learning_rate=1e-2),
-    ),
+    "qwen3_vl_2xT4": _QWEN3_VL,  # the live set, cell by cell
+    "qwen3_vl_2xT4_oneshot": _QWEN3_VL,  # the same run in one %%ddp cell
     "text_llm_ddp": (
         "tiny:qwen3",
         "random:qwen3-1.7b",

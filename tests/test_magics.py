@@ -33,6 +33,7 @@ CELLS = {
     "text": "os.environ['NBKIT_DASHBOARD'] = 'text'\nprint(again)",
     "doctor": "%nbkit doctor",
     "plan": "%nbkit plan tiny:qwen3 --gpus 2 --gpu-memory 15 --seq-len 256",
+    "plan_zero": "%nbkit plan tiny:qwen3 --gpus 2 --gpu-memory 0",
     "blocker": (
         "import threading\nlock = threading.Lock()\nfrom accelerate import PartialState\nstate = PartialState()"
     ),
@@ -138,6 +139,14 @@ def test_plan_prints_the_planners_verdict(outputs):
     plan = outputs["plan"]
     assert plan["error"] is None, plan["error"]
     assert "Strategy: ddp" in plan["stdout"] and "256 tokens per GPU" in plan["stdout"]
+
+
+def test_plan_passes_zero_on_and_shows_the_planners_refusal_in_one_line(outputs):
+    # `0 in (None, False)` is True: --gpu-memory 0 was once dropped and the planner's default used.
+    zero = outputs["plan_zero"]
+    assert zero["error"] is None and zero["stdout"] == "" and "Strategy" not in zero["stderr"]
+    lines = zero["stderr"].strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("UsageError: ") and "gpu_memory_gib" in lines[0], lines
 
 
 def test_a_name_that_cannot_be_brought_along_is_named(outputs):

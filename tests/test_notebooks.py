@@ -137,7 +137,10 @@ def test_notebook_trains_saves_and_answers_on_cpu(name: str, tmp_path: Path) -> 
     assert f"nbkit: no checkpoint in {run_dir} yet; starting fresh." in text
     if name == "model_parallel":
         assert "Strategy: model_parallel" in text  # the planner's verdict for Qwen3-8B on 2 x T4
-    if name == "qwen3_vl_2xT4":  # a Kaggle session ended: the same notebook, run again, continues
+    if name == "qwen3_vl_2xT4":
+        # Cell by cell on a live set: started, used by every GPU cell, stopped.
+        assert "nbkit: live set of 2 rank(s) on cpu" in text and "nbkit: stopped the live set (2 rank(s))." in text
+        # A Kaggle session ended: the same notebook, run again, continues.
         runner.run([name], tmp_path, {"max_steps": max_steps + 4})
         again = json.loads((run_dir / "summary.json").read_text())
         assert again["train"]["resumed_from"] == str(run_dir / f"checkpoint-{max_steps}")

@@ -38,9 +38,6 @@ INSTALL_CELL = 2  # the first code cell of every notebook, after the title and "
 # unsloth is an optional backend (its extra), bitsandbytes comes with unsloth or the quant extra,
 # torchvision is optional for transformers, and the platforms' secret stores exist only on Kaggle/Colab.
 OPTIONAL_IMPORTS = {"unsloth", "unsloth_zoo", "bitsandbytes", "torchvision", "kaggle_secrets", "google", "liger_kernel"}
-# Required for what other branches are adding (live sets on ipyparallel engines, spawn mode with
-# cloudpickle); they may not be imported on this branch yet.
-ARRIVING = {"ipyparallel", "cloudpickle"}
 
 
 def _pins(path: Path) -> dict[str, str]:
@@ -94,7 +91,7 @@ def test_dependencies_are_exactly_what_nbkit_imports():
         assert names, f"nbkit imports {module}, which no installed distribution provides"
         needed |= names
     assert needed <= required, f"imported but not required: {sorted(needed - required)}"
-    assert required - needed <= ARRIVING, f"required but not imported: {sorted(required - needed - ARRIVING)}"
+    assert required <= needed, f"required but not imported: {sorted(required - needed)}"
     # papermill runs notebooks/run.py, which is not part of the package: an extra brings it.
     assert "papermill" not in required
     assert any(Requirement(r).name == "papermill" for r in PYPROJECT["project"]["optional-dependencies"]["notebooks"])

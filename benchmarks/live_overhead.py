@@ -1,0 +1,82 @@
+"""What a trivial cell costs on a live set (nbkit.start), on the CPU.
+
+    python benchmarks/live_overhead.py [--gpus 2] [--cells 50] [--out live_overhead.json]
+
+Measures, on one live set of N gloo ranks (CUDA ranks where GPUs are visible and --gpus is left
+out), the wall time of
+- `ranks.exec("1")`: the Python API, every rank, rank 0's value back;
+- a `%%ddp` cell with the body `1`, run through IPython's own cell machinery in this process
+  (InteractiveShell.run_cell: transforms, the magic, the names it sends along, the display hook);
+- `ranks.exec("1", ranks=0)`: one rank.
+Each: the median, 10th and 90th percentile of --cells runs after 5 warm-up runs, in milliseconds,
+plus the seconds nbkit.start took. Target (issue 12): the median of a trivial %%ddp cell <= 50 ms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+
+
+def _timed(fn: Callable[[], object], runs: int, warmup: int = 5) -> dict[str, float]:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1000)
+    times.sort()
+    return {
+        "median_ms": round(statistics.median(times), 2),
+        "p10_ms": round(times[len(times) // 10], 2),
+        "p90_ms": round(times[(len(times) * 9) // 10], 2),
+        "runs": runs,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gpus", type=int, default=2, help="ranks (gloo CPU processes where there is no GPU)")
+    parser.add_argument("--cells", type=int, default=50, help="timed runs of each kind")
+    parser.add_argument("--out", default=None, help="write the figures as JSON here too")
+    args = parser.parse_args()
+
+    from IPython.core.interactiveshell import InteractiveShell
+
+    import nbkit
+
+    shell = InteractiveShell.instance()
+    shell.run_cell("%load_ext nbkit", store_history=False)
+    start = time.perf_counter()
+    ranks = nbkit.start(gpus=args.gpus)
+    started = time.perf_counter() - start
+    try:
+
+        def ddp_cell() -> None:
+            result = shell.run_cell("%%ddp\n1", store_history=False, silent=True)
+            result.raise_error()
+
+        figures = {
+            "ranks": ranks.world_size,
+            "devices": sorted({r.device for r in ranks.status().ranks}),
+            "start_s": round(started, 2),
+            "exec_all_ranks": _timed(lambda: ranks.exec("1"), args.cells),
+            "ddp_cell": _timed(ddp_cell, args.cells),
+            "exec_rank0": _timed(lambda: ranks.exec("1", ranks=0), args.cells),
+        }
+    finally:
+        ranks.stop()
+    figures["target_ddp_cell_median_ms"] = 50
+    text = json.dumps(figures, indent=2)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

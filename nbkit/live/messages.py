@@ -1,0 +1,92 @@
+"""What the notebook and the live ranks send each other (nbkit.live).
+
+Calls travel through ipyparallel (its apply requests carry these dataclasses, pickled); a rank's
+output, its dashboard events and its end-of-call marks travel over the relay connection that each
+rank opens to the notebook (nbkit.channel), because they must arrive while a call still runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from nbkit.errors import RankError
+
+__all__ = ["CallDone", "EngineInfo", "Lost", "Outcome", "Output", "RankPlan"]
+
+
+@dataclass
+class EngineInfo:
+    """Who an engine is, asked before ranks are assigned.
+
+    Attributes:
+        pid: the engine's process id.
+        host: its node name: NBKIT_HOST where set (stand-ins for hosts in tests), else the host name.
+        address: the address other nodes reach it at: NBKIT_HOST_ADDRESS where set, else the host
+            name resolved.
+        gpus: CUDA devices the engine sees (0 without CUDA); counted without creating a context.
+    """
+
+    pid: int
+    host: str
+    address: str
+    gpus: int
+
+
+@dataclass
+class RankPlan:
+    """What one engine becomes: sent once, by LiveRanks, before anything else runs there.
+
+    Attributes:
+        rank, local_rank, world_size, local_world_size, node_rank, nnodes: the usual torchrun meanings.
+        master_addr, master_port: the rendezvous (rank 0's node).
+        relay: (host, port) of the notebook's relay listener; authkey: its key.
+        use_cuda: put rank on cuda:local_rank and use nccl (else gloo on the CPU).
+        env: extra environment variables (nbkit.start(env=...)).
+    """
+
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    node_rank: int
+    nnodes: int
+    master_addr: str
+    master_port: int
+    relay: tuple[str, int]
+    authkey: bytes
+    use_cuda: bool
+    env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class Output:
+    """Text a rank wrote to sys.stdout or sys.stderr during a call."""
+
+    rank: int
+    stream: str  # "stdout" | "stderr"
+    text: str
+
+
+@dataclass
+class CallDone:
+    """A rank finished call `call` (sent after its last output, so nothing of the call is behind it)."""
+
+    rank: int
+    call: int
+    failed: bool
+
+
+@dataclass(frozen=True)
+class Lost:
+    """Not sent by a rank: the notebook's relay puts it in an Envelope of its own when a rank's
+    connection closes, which means the rank died.
+    """
+
+
+@dataclass
+class Outcome:
+    """What a call returned on one rank: `value` (pickled, tensors on the CPU) or `error`."""
+
+    rank: int
+    value: bytes | None = None
+    error: RankError | None = None

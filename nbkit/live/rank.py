@@ -1,0 +1,263 @@
+"""The rank side of a live set: what runs inside each ipyparallel engine (nbkit.live).
+
+LiveRanks calls these functions through ipyparallel's apply. `setup()` turns a fresh engine into a
+rank (environment, device, process group, nbkit's patches, the relay to the notebook); the others
+run one call each in the rank's own namespace, which lives as long as the rank and holds every name
+the cells define.
+
+Output: sys.stdout and sys.stderr of a rank are replaced for its whole life by streams that send
+what is written over the relay while a call that shows this rank runs (rank 0 by default), and drop
+it otherwise. Replacing them once, not per call, matters: libraries keep the stream they found at
+import (transformers' logging handler), and those imports happen inside calls.
+"""
+
+from __future__ import annotations
+
+import builtins
+import faulthandler
+import io
+import linecache
+import os
+import socket
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from multiprocessing import connection
+from typing import Any
+
+from nbkit import channel
+from nbkit.errors import RankError
+from nbkit.live.messages import CallDone, EngineInfo, Outcome, Output, RankPlan
+
+__all__ = ["free_port", "identify", "pull", "run_code", "run_function", "setup", "teardown"]
+
+_NBKIT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# nbkit's own frames at the top of a rank's traceback: the user's code starts below them.
+_PLUMBING = (os.path.join(_NBKIT_DIR, "live", "rank.py"), os.path.join(_NBKIT_DIR, "cells.py"))
+
+_rank = -1
+_shown = False
+_namespace: dict[str, Any] = {}
+_crash_log: Any = None
+
+
+def identify() -> EngineInfo:
+    """This engine's pid, node name, address and GPU count (before it is given a rank)."""
+    host = os.environ.get("NBKIT_HOST") or socket.gethostname()
+    address = os.environ.get("NBKIT_HOST_ADDRESS")
+    if not address:
+        try:
+            address = socket.gethostbyname(socket.gethostname())
+        except OSError:
+            address = "127.0.0.1"
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return EngineInfo(pid=os.getpid(), host=host, address=address, gpus=gpus)
+
+
+def free_port(address: str) -> int:
+    """A TCP port free on `address` now (asked of rank 0's engine, which hosts the rendezvous)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((address if address != "localhost" else "127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def setup(plan: RankPlan) -> str:
+    """Make this engine rank `plan.rank`: returns its device ("cuda:1", "cpu").
+
+    Sets the torchrun environment (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK,
+    GROUP_WORLD_SIZE, MASTER_ADDR, MASTER_PORT; NODE_RANK too) and NBKIT_LAUNCHED, plus
+    ACCELERATE_USE_CPU on the CPU (so Trainer and accelerate train with gloo DDP rather than
+    alone); joins the process group (nccl on cuda:local_rank, or gloo); connects to the notebook's
+    relay; installs nbkit's patches, the Trainer dashboard callback and checkpoint handling (what
+    nbkit.launch does in its ranks).
+    Blocks until every rank of the set has joined (the rendezvous).
+    """
+    global _rank, _namespace
+    _rank = plan.rank
+    os.environ.update(
+        {
+            "RANK": str(plan.rank),
+            "LOCAL_RANK": str(plan.local_rank),
+            "WORLD_SIZE": str(plan.world_size),
+            "LOCAL_WORLD_SIZE": str(plan.local_world_size),
+            "GROUP_RANK": str(plan.node_rank),
+            "GROUP_WORLD_SIZE": str(plan.nnodes),
+            "NODE_RANK": str(plan.node_rank),
+            "MASTER_ADDR": plan.master_addr,
+            "MASTER_PORT": str(plan.master_port),
+            "NBKIT_LAUNCHED": "1",
+        }
+    )
+    if not plan.use_cuda:
+        os.environ["ACCELERATE_USE_CPU"] = "true"
+        if plan.master_addr in ("127.0.0.1", "localhost") and sys.platform.startswith("linux"):
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    os.environ.update(plan.env)
+    import torch
+    import torch.distributed as dist
+
+    if plan.use_cuda:
+        torch.cuda.set_device(plan.local_rank)
+        device = f"cuda:{plan.local_rank}"
+    else:
+        # As torchrun does: the node's cores shared among its ranks, not each rank taking them all.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // plan.local_world_size))
+        device = "cpu"
+    # A native crash (segfault, abort) leaves the Python stack in the log of an engine nbkit started,
+    # which the notebook shows under the message naming the signal. (The engine's fd 2 is a pipe
+    # that ipykernel reads on a thread, which dies with the process before passing it on.)
+    global _crash_log
+    if os.environ.get("NBKIT_LIVE_LOG") and _crash_log is None:
+        _crash_log = open(os.environ["NBKIT_LIVE_LOG"], "a")  # noqa: SIM115 (open for the rank's life)
+        faulthandler.enable(file=_crash_log, all_threads=False)  # the crashing thread: the cell's
+    conn = connection.Client(plan.relay, authkey=plan.authkey)
+    channel.attach_connection(conn, plan.rank)
+    channel.send(channel.Started(os.getpid()))
+    sys.stdout = _RankStream("stdout", sys.stdout)
+    sys.stderr = _RankStream("stderr", sys.stderr)
+    dist.init_process_group(
+        backend="nccl" if plan.use_cuda else "gloo",
+        init_method=f"tcp://{plan.master_addr}:{plan.master_port}",
+        rank=plan.rank,
+        world_size=plan.world_size,
+    )
+    # What nbkit.launching._prepare_rank does in a forked rank, less its output routing: a live
+    # rank's output is routed per call (see _RankStream).
+    from nbkit import checkpoints, integration, reporting
+
+    integration.install()
+    reporting.setup_rank()
+    checkpoints.enable()
+    _namespace = {"__name__": "__main__", "__builtins__": builtins}
+    return device
+
+
+def teardown() -> None:
+    """Leave the process group and forget the rank's names (engines started outside nbkit live on)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _namespace.clear()
+
+
+def run_code(call: int, source: str, filename: str, names: dict[str, bytes], show: bool, want_value: bool) -> Outcome:
+    """Run notebook cell `source` in this rank's namespace, after adding `names` ({name: cloudpickled value})."""
+
+    def body() -> Any:
+        from nbkit.cells import run_cell
+
+        if names:
+            import cloudpickle
+
+            _namespace.update({name: cloudpickle.loads(value) for name, value in names.items()})
+        # So that tracebacks show the cell's lines.
+        linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+        return run_cell(source, _namespace, filename)
+
+    return _call(call, show, want_value, body)
+
+
+def run_function(call: int, payload: bytes, show: bool, want_value: bool) -> Outcome:
+    """Call the cloudpickled (fn, args, kwargs) in `payload`."""
+
+    def body() -> Any:
+        import cloudpickle
+
+        fn, args, kwargs = cloudpickle.loads(payload)
+        return fn(*args, **kwargs)
+
+    return _call(call, show, want_value, body)
+
+
+def pull(call: int, name: str, show: bool, want_value: bool) -> Outcome:
+    """This rank's value of `name` (NameError if the rank has none)."""
+
+    def body() -> Any:
+        if name not in _namespace:
+            raise NameError(f"name {name!r} is not defined on rank {_rank}")
+        return _namespace[name]
+
+    return _call(call, show, want_value, body)
+
+
+def _call(call: int, show: bool, want_value: bool, body: Callable[[], Any]) -> Outcome:
+    global _shown
+    from nbkit.launching import pickle_for_notebook
+
+    _shown = show
+    failed = False
+    try:
+        value = body()
+        outcome = Outcome(_rank, value=pickle_for_notebook(value) if want_value else None)
+    except BaseException as exc:  # KeyboardInterrupt included: the rank stays alive
+        failed = True
+        outcome = Outcome(_rank, error=_rank_error(exc))
+    finally:
+        for stream in (sys.stdout, sys.stderr):  # the call's last partial line, while still shown
+            try:
+                stream.flush()
+            except Exception:
+                pass
+        _shown = False
+        channel.send(CallDone(_rank, call, failed))
+    return outcome
+
+
+def _rank_error(exc: BaseException) -> RankError:
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename in _PLUMBING:
+        tb = tb.tb_next
+    return RankError(
+        rank=_rank,
+        type=type(exc).__qualname__,
+        message=str(exc),
+        traceback="".join(traceback.format_exception(type(exc), exc, tb or exc.__traceback__)),
+        time=time.time(),
+        secondary=isinstance(exc, KeyboardInterrupt),
+    )
+
+
+class _RankStream(io.TextIOBase):
+    r"""sys.stdout / sys.stderr of a live rank: to the notebook while a call shows this rank.
+
+    Sends whole lines (up to the last "\n" or "\r"; flush() sends the rest): print() writes its
+    pieces one by one, and two ranks' pieces would otherwise interleave within a line.
+    """
+
+    def __init__(self, name: str, original: Any):
+        self.name, self._original = name, original
+        self._pending = ""
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        if not _shown or not text:
+            return len(text)
+        self._pending += text
+        end = max(self._pending.rfind("\n"), self._pending.rfind("\r")) + 1
+        if end:
+            self._send(self._pending[:end])
+            self._pending = self._pending[end:]
+        return len(text)
+
+    def flush(self) -> None:
+        if self._pending:
+            self._send(self._pending)
+            self._pending = ""
+
+    def _send(self, text: str) -> None:
+        try:
+            channel.send(Output(_rank, self.name, text))
+        except OSError:  # the notebook is gone; this rank is about to be ended
+            pass
+
+    def isatty(self) -> bool:
+        return False
+
+    def fileno(self) -> int:
+        return int(self._original.fileno())

@@ -1,0 +1,1002 @@
+"""The notebook side of a live set: training processes that stay up across notebook cells.
+
+    ranks = nbkit.start(gpus=2)              # one process per GPU (gpus=N gloo processes on a CPU)
+    ranks.exec("model = load()")             # every rank; `model` stays in each rank
+    ranks.exec("trainer.train()")            # a later cell, same processes, same model
+    answer = ranks.exec("generate(model)", ranks=0)
+    ranks.stop()
+
+Built on ipyparallel: its controller and engines (fresh processes, not forks of the notebook, so the
+notebook keeps its own GPU and may import unsloth), its apply requests and its signals. nbkit adds
+one engine per GPU with its device, the torch.distributed process group, nbkit's patches, rank-0
+output, the dashboard, and what happens when things go wrong:
+
+- an exception in a call fails the call with the rank's traceback (LiveError); every rank stays up
+  with its names;
+- an interrupt (the notebook's stop button) interrupts the call on every rank; when a rank does not
+  respond within 2 s (it waits in a collective, where Python never sees the signal) the set is ended;
+- a rank that dies (killed, segfault, OOM) ends the set within a second, naming the rank and its
+  signal or exit code; a call that passes its timeout ends it too (a process group with a rank stuck
+  in a collective cannot be trusted);
+- nothing outlives the set: the engines and the controller end with stop(), with a failure, and with
+  the notebook kernel however it ends (nbkit.live._proc).
+
+One live set per process (per notebook). The `%ddp start|stop|status` and `%%ddp` magics are thin
+layers over this module.
+"""
+
+from __future__ import annotations
+
+import ast
+import atexit
+import contextlib
+import logging
+import os
+import pickle
+import queue
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from nbkit import cells, channel, distributed
+from nbkit.errors import LiveError, RankError
+from nbkit.live import rank as rank_side
+from nbkit.live.messages import CallDone, EngineInfo, Lost, Outcome, Output, RankPlan
+from nbkit.live.relay import Relay
+
+__all__ = ["LiveRanks", "LiveStatus", "RankStatus", "connect", "current", "ended", "forget_ended", "start"]
+
+# How long ranks that have not finished get after another rank failed, before they are interrupted
+# (they may still be finishing on their own), and after an interrupt, before the set is ended.
+_FAILURE_GRACE_S = 1.0
+_INTERRUPT_GRACE_S = 2.0
+_POLL_S = 0.1  # how often the monitor looks at the engine processes
+# Notebook names never sent to the ranks: IPython's own.
+_NOT_SENT = {"In", "Out", "get_ipython", "exit", "quit", "open"}
+
+_current: LiveRanks | None = None
+_ended: LiveRanks | None = None  # the last set that a failure ended, until start() or forget_ended()
+
+
+def current() -> LiveRanks | None:
+    """The live set of this process, or None when none is running."""
+    return _current
+
+
+def ended() -> LiveRanks | None:
+    """The live set that a failure ended (a rank died, a timeout, an unanswered interrupt), until a new
+    one starts or `forget_ended()`; None otherwise. %%ddp refuses to fall back to one-shot runs while
+    there is one, since its cells expect the names that lived on the ranks.
+    """
+    return _ended
+
+
+def forget_ended() -> None:
+    """Forget the set that a failure ended (what `%ddp stop` does after one)."""
+    global _ended
+    _ended = None
+
+
+@dataclass
+class RankStatus:
+    """One rank of a live set, as status() sees it."""
+
+    rank: int
+    local_rank: int
+    node_rank: int
+    host: str
+    pid: int
+    device: str
+    alive: bool
+
+
+@dataclass
+class LiveStatus:
+    """What ranks.status() returns.
+
+    Attributes:
+        running: False once the set was stopped or ended.
+        world_size: number of ranks; nnodes: number of nodes (hosts).
+        ranks: one RankStatus per rank.
+        ended: why the set ended, when it did not end by stop() (else None).
+        names: the names the set's cells defined on the ranks.
+    """
+
+    running: bool
+    world_size: int
+    nnodes: int
+    ranks: list[RankStatus]
+    ended: str | None = None
+    names: list[str] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        if not self.running:
+            return f"nbkit: the live set is not running ({self.ended or 'stopped'})."
+        lines = [f"nbkit: live set of {self.world_size} rank(s) on {self.nnodes} node(s)"]
+        for r in self.ranks:
+            state = "alive" if r.alive else "DEAD"
+            lines.append(f"  rank {r.rank}: {r.device} on {r.host} (node {r.node_rank}), pid {r.pid}, {state}")
+        if self.names:
+            lines.append("  names on the ranks: " + ", ".join(self.names))
+        return "\n".join(lines)
+
+
+def start(
+    gpus: int | None = None,
+    timeout: float | None = None,
+    env: Mapping[str, str] | None = None,
+    *,
+    startup_timeout: float = 180.0,
+) -> LiveRanks:
+    """Start a live set on this machine: one process per GPU that stays up until stopped.
+
+    Args:
+        gpus: processes to start. None: one per visible GPU. Without CUDA, gpus=N starts N CPU
+            processes that train together over gloo (for tests and CI); gpus=None then raises.
+        timeout: default seconds a call may take (per call: the `timeout` argument of run/exec);
+            a call that passes it ends the set. None: no limit.
+        env: extra environment variables for the ranks.
+        startup_timeout: seconds to wait for the processes to start and join the process group.
+
+    Returns:
+        The LiveRanks (also `nbkit.live.current()`). On a machine with one GPU it says, in one line,
+        that the set has one rank.
+
+    Raises:
+        LiveError: a live set is already running in this process, or the processes failed to start
+            (the message holds what they printed); nothing is left running.
+        ValueError: gpus is not a positive whole number, or more GPUs are asked for than exist.
+        RuntimeError: gpus=None on a machine without a GPU.
+    """
+    _check_none_live()
+    forget_ended()
+    visible = distributed.visible_gpus()
+    use_cuda, count = _count_ranks(gpus, len(visible))
+    if len(visible) == 1:  # Colab
+        print(
+            f"nbkit: one GPU is visible ({visible[0].name}), so the live set has one rank, on cuda:0 (no DDP).",
+            file=sys.stderr,
+        )
+    ranks = LiveRanks(timeout=timeout)
+    try:
+        ranks._start_local(count, use_cuda, dict(env or {}), startup_timeout)
+    except BaseException:
+        ranks._shutdown(kill=True)
+        raise
+    return ranks
+
+
+def connect(
+    client: Any,
+    *,
+    engines: Iterable[int] | None = None,
+    timeout: float | None = None,
+    env: Mapping[str, str] | None = None,
+    notebook_address: str = "127.0.0.1",
+    startup_timeout: float = 180.0,
+) -> LiveRanks:
+    """Make a live set of ipyparallel engines started outside nbkit (several machines).
+
+    Start a controller and engines with ipyparallel (`ipcluster start`, or `ipcontroller` and
+    `ipengine` on each host, SSH/MPI/Slurm launchers), one engine per GPU. nbkit groups the engines
+    by host into nodes (in the order of their engine ids), numbers the ranks node by node, puts each
+    on cuda:local_rank, and holds the rendezvous on rank 0's host.
+
+    Args:
+        client: an ipyparallel Client, a Cluster (connected here), or the path of a client
+            connection file (ipcontroller-client.json).
+        engines: the engine ids to use (default: all registered engines).
+        timeout: as for start().
+        env: as for start().
+        startup_timeout: as for start().
+        notebook_address: the address of this machine that the engines can reach (the ranks
+            send their output and dashboard events there). 127.0.0.1 when all engines run here.
+
+    Host names: an engine's node is NBKIT_HOST in its environment where set (two engine groups on
+    one machine can stand in for two hosts), else its host name; its address is NBKIT_HOST_ADDRESS
+    where set, else its host name resolved.
+
+    Returns the LiveRanks. stop() leaves the engines running (without process group or names); a
+    failure that ends the set kills them (a broken process group cannot be trusted), and they must
+    be started again.
+    """
+    _check_none_live()
+    forget_ended()
+    import ipyparallel as ipp
+
+    if isinstance(client, str):
+        client = ipp.Client(client)
+    elif isinstance(client, ipp.Cluster):
+        client = client.connect_client_sync()
+    ranks = LiveRanks(timeout=timeout)
+    try:
+        ranks._connect(
+            client, list(engines) if engines is not None else None, dict(env or {}), notebook_address, startup_timeout
+        )
+    except BaseException:
+        ranks._shutdown(kill=False)
+        raise
+    return ranks
+
+
+def _check_none_live() -> None:
+    if _current is not None:
+        raise LiveError(
+            f"A live set of {_current.world_size} rank(s) is already running in this notebook; each notebook "
+            "has one. Use it (%%ddp cells, ranks.exec/run), or stop it first (%ddp stop, or "
+            "nbkit.live.current().stop())."
+        )
+
+
+def _count_ranks(gpus: int | None, visible: int) -> tuple[bool, int]:
+    """(whether the ranks use CUDA, how many ranks) for nbkit.start(gpus) with `visible` GPUs."""
+    if gpus is not None and (not isinstance(gpus, int) or isinstance(gpus, bool) or gpus < 1):
+        raise ValueError(f"gpus must be a positive whole number or None (all visible GPUs); got {gpus!r}.")
+    if not visible:
+        if gpus is None:
+            raise RuntimeError(
+                "No GPU is visible to this notebook, so nbkit.start(gpus=None) has nothing to run on. On Kaggle, "
+                "choose Settings > Accelerator > GPU T4 x2; on Colab, Runtime > Change runtime type. To try it "
+                "on the CPU, pass gpus=N: N CPU processes then train together over gloo."
+            )
+        return False, gpus
+    if gpus is not None and gpus > visible:
+        raise ValueError(f"Asked for {gpus} GPUs but this machine shows {visible}. Use gpus={visible} or gpus=None.")
+    return True, gpus or visible
+
+
+@dataclass
+class _Rank:
+    rank: int
+    local_rank: int
+    node_rank: int
+    engine: int
+    info: EngineInfo
+    device: str = "?"
+    process: subprocess.Popen | None = None  # engines nbkit started (start(), not connect())
+
+
+class LiveRanks:
+    """A live set of training processes (see the module doc). Made by nbkit.start / nbkit.connect.
+
+    Every call blocks until every rank it runs on has finished, shows the output of the ranks it
+    shows (rank 0 by default) as it happens, feeds the ranks' reports to a dashboard, and returns
+    the value of one rank (rank 0, or the lowest rank it ran on).
+    """
+
+    def __init__(self, *, timeout: float | None = None):
+        self.timeout = timeout
+        self.world_size = 0
+        self.nnodes = 0
+        self._ranks: list[_Rank] = []
+        self._client: Any = None
+        self._cluster: Any = None
+        self._tmpdir: str | None = None
+        self._relay: Relay | None = None
+        self._owned = False  # whether nbkit started the engines (start) or found them (connect)
+        self._ended: str | None = None
+        self._ended_log = ""  # the tail of a dead rank's own output, when it left one
+        self._stopped = False
+        self._lock = threading.Lock()
+        self._call = 0
+        self._defined: set[str] = set()  # names the set's cells bound on the ranks
+        self._done: dict[int, CallDone] = {}
+        self._shown: set[int] = set()
+        self._streams: dict[tuple[int, str], Any] = {}
+        self._board: Any = None
+
+    # ------------------------------------------------------------------------------------------
+    # The API
+    # ------------------------------------------------------------------------------------------
+    def run(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None, **kwargs: Any) -> Any:
+        """Call `fn(*args, **kwargs)` on every rank; return rank 0's value.
+
+        `fn` and its arguments travel by value (cloudpickle), so a function defined in the notebook
+        works, closures and lambdas included. Raises LiveError when a rank raises (the set stays up)
+        or when the set ends (a rank died, the timeout passed, an interrupt got no answer).
+        """
+        import cloudpickle
+
+        payload = cloudpickle.dumps((fn, args, kwargs))
+        return self._run_call(rank_side.run_function, (payload,), self._targets("all"), timeout, show=None)
+
+    def exec(
+        self,
+        code: str,
+        ranks: str | int | Iterable[int] = "all",
+        *,
+        names: Mapping[str, Any] | None = None,
+        timeout: float | None = None,
+        all_ranks: bool = False,
+        filename: str | None = None,
+    ) -> Any:
+        """Run `code` like a notebook cell in the namespace of each rank in `ranks`.
+
+        Args:
+            code: Python source. What it defines stays in each rank for later calls.
+            ranks: "all", one rank, or several.
+            names: values to define on the ranks first (cloudpickled), e.g. notebook names the code
+                uses. The %%ddp magic passes what `names_for(code, user_ns)` picks.
+            timeout: seconds before the set is ended (default: the set's timeout).
+            all_ranks: show the output of every rank it runs on (prefixed "[rank N] " but rank 0's),
+                not only the lowest one's.
+            filename: the name tracebacks give the code (default "<live cell N>").
+
+        Returns:
+            The value of the code's last expression on the lowest rank it ran on (None without one).
+
+        Raises:
+            LiveError: a rank raised (the message holds its traceback; every rank stays up with its
+                names), or the set ended. SyntaxError before anything runs.
+        """
+        targets = self._targets(ranks)
+        tree = ast.parse(code, filename or "<live cell>")
+        payload = _send_names(names or {})
+        filename = filename or f"<live cell {self._call + 1}>"
+        show = set(targets) if all_ranks else {targets[0]}
+        value = self._run_call(
+            rank_side.run_code,
+            (code, filename, payload),
+            targets,
+            timeout,
+            show=show,
+            after=lambda: self._defined.update(cells.usage(tree.body).binds),
+        )
+        return value
+
+    def names_for(self, code: str, namespace: Mapping[str, Any]) -> dict[str, Any]:
+        """The names of `namespace` (the notebook's) that `code` reads and that must be sent along.
+
+        A name the set's own cells defined stays the rank's (it is not sent, so the model loaded on
+        the ranks is not replaced by a notebook object of the same name); other names the code reads
+        and the notebook has are sent, each time, with their current notebook value.
+        """
+        wanted = cells.free_names(code) - self._defined - _NOT_SENT
+        return {n: namespace[n] for n in sorted(wanted) if n in namespace and not n.startswith("_")}
+
+    def pull(self, name: str, rank: int = 0) -> Any:
+        """The value of `name` on `rank` (default rank 0), brought to the notebook (tensors on the CPU)."""
+        return self._run_call(rank_side.pull, (name,), self._targets(rank), None, show=set())
+
+    def status(self) -> LiveStatus:
+        """The set's ranks (rank, device, host, pid, alive) and whether it is running."""
+        running = not self._stopped and self._ended is None
+        rows = [
+            RankStatus(r.rank, r.local_rank, r.node_rank, r.info.host, r.info.pid, r.device, running and self._alive(r))
+            for r in self._ranks
+        ]
+        return LiveStatus(running, self.world_size, self.nnodes, rows, self._ended, sorted(self._defined))
+
+    def stop(self) -> None:
+        """End the set: every rank and the controller end (engines from connect() stay up). Idempotent."""
+        if self._stopped or self._ended is not None:
+            self._forget()
+            return
+        self._stopped = True
+        if not self._owned and self._client is not None:
+            with contextlib.suppress(Exception):
+                self._client[[r.engine for r in self._ranks]].apply_async(rank_side.teardown).get(timeout=10)
+        self._shutdown(kill=False)
+
+    def __repr__(self) -> str:
+        state = "running" if not self._stopped and self._ended is None else "ended"
+        return f"<nbkit LiveRanks: {self.world_size} rank(s), {state}>"
+
+    def __enter__(self) -> LiveRanks:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    # ------------------------------------------------------------------------------------------
+    # Starting
+    # ------------------------------------------------------------------------------------------
+    def _start_local(self, count: int, use_cuda: bool, env: dict[str, str], startup_timeout: float) -> None:
+        import ipyparallel as ipp
+
+        global _current
+        _current = self
+        self._owned = True
+        self._tmpdir = tempfile.mkdtemp(prefix="nbkit-live-")
+        parent = str(os.getpid())
+        self._cluster = ipp.Cluster(
+            profile_dir=self._tmpdir,
+            cluster_id="nbkit",
+            controller_ip="127.0.0.1",
+            log_level=logging.WARNING,
+            shutdown_atexit=False,  # nbkit's own atexit handler, and _proc, end it
+            cluster_file="",
+            load_profile=False,
+        )
+        # --usethreads: the schedulers run as threads of the controller, not as processes it forks,
+        # which the parent watch of nbkit.live._proc would not cover (seen: 8 orphans per set).
+        self._cluster.start_controller_sync(
+            controller_cmd=[sys.executable, "-m", "nbkit.live._proc", parent, "ipyparallel.controller", "--usethreads"]
+        )
+        self._client = self._cluster.connect_client_sync()
+        with open(self._cluster.controller.connection_files["engine"]) as f:
+            engine_info = f.read()
+        self._relay = Relay("127.0.0.1")
+        engine_env = {**os.environ, "IPP_CONNECTION_INFO": engine_info, "PYTHONUNBUFFERED": "1"}
+        cmd = [
+            sys.executable,
+            "-m",
+            "nbkit.live._proc",
+            parent,
+            "ipyparallel.engine",
+            f"--profile-dir={self._tmpdir}",
+            "--cluster-id=nbkit",
+            "--log-level=ERROR",  # its start-up warnings would bury what a crashing rank wrote
+            # No nanny process per engine: nbkit signals its engines by pid and watches them itself,
+            # and a nanny notices its engine's end only later (it outlived stop() by up to a second).
+            "--IPEngine.enable_nanny=False",
+        ]
+        processes = []
+        for i in range(count):
+            log_path = os.path.join(self._tmpdir, f"rank{i}.log")
+            with open(log_path, "wb") as log:
+                processes.append(
+                    subprocess.Popen(
+                        cmd,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        stdin=subprocess.DEVNULL,
+                        env={**engine_env, "NBKIT_LIVE_LOG": log_path},
+                        start_new_session=True,
+                    )  # interrupts come from nbkit
+                )
+        self._wait_for_engines(count, startup_timeout, processes)
+        engines = sorted(self._client.ids)[:count]
+        infos = self._client[engines].apply_sync(rank_side.identify)
+        by_pid = {p.pid: i for i, p in enumerate(processes)}
+        # rank i = the i-th engine started, so rank i's log is rank{i}.log
+        order = sorted(zip(engines, infos), key=lambda item: by_pid[item[1].pid])
+        self._ranks = [
+            _Rank(rank=i, local_rank=i, node_rank=0, engine=eid, info=info, process=processes[by_pid[info.pid]])
+            for i, (eid, info) in enumerate(order)
+        ]
+        self.world_size, self.nnodes = count, 1
+        threading.Thread(target=self._monitor, name="nbkit-live-monitor", daemon=True).start()
+        port = rank_side.free_port("127.0.0.1")
+        self._setup_ranks("127.0.0.1", port, use_cuda, env, startup_timeout)
+
+    def _connect(
+        self, client: Any, engines: list[int] | None, env: dict[str, str], notebook_address: str, startup_timeout: float
+    ) -> None:
+        global _current
+        _current = self
+        self._client = client
+        ids = sorted(engines if engines is not None else client.ids)
+        if not ids:
+            raise LiveError("No ipyparallel engines are registered with this controller; start them first (ipengine).")
+        infos = client[ids].apply_sync(rank_side.identify)
+        hosts: dict[str, list[tuple[int, EngineInfo]]] = {}
+        for eid, info in zip(ids, infos):
+            hosts.setdefault(info.host, []).append((eid, info))
+        use_cuda = all(info.gpus > 0 for info in infos)
+        rank = 0
+        for node_rank, members in enumerate(hosts.values()):
+            for local_rank, (eid, info) in enumerate(members):
+                if use_cuda and local_rank >= info.gpus:
+                    raise LiveError(
+                        f"Host {info.host} runs {len(members)} engines but shows {info.gpus} GPU(s); start one "
+                        "engine per GPU there."
+                    )
+                self._ranks.append(_Rank(rank, local_rank, node_rank, eid, info))
+                rank += 1
+        self.world_size, self.nnodes = rank, len(hosts)
+        self._relay = Relay(notebook_address)
+        master = self._ranks[0]
+        port = client[master.engine].apply_sync(rank_side.free_port, master.info.address)
+        self._setup_ranks(master.info.address, port, use_cuda, env, startup_timeout)
+
+    def _wait_for_engines(self, count: int, timeout: float, processes: list[subprocess.Popen]) -> None:
+        deadline = time.monotonic() + timeout
+        while len(self._client.ids) < count:
+            for i, proc in enumerate(processes):
+                if proc.poll() is not None:
+                    raise LiveError(
+                        f"Rank {i}'s process ended while starting ({_exit_text(proc.returncode)}).\n"
+                        + self._log_tail(i)
+                    )
+            if time.monotonic() > deadline:
+                raise LiveError(f"The ranks' processes did not start within {timeout:.0f} s.\n" + self._log_tail(0))
+            time.sleep(0.05)
+
+    def _setup_ranks(
+        self,
+        master_addr: str,
+        port: int,
+        use_cuda: bool,
+        env: dict[str, str],
+        startup_timeout: float,
+    ) -> None:
+        assert self._relay is not None
+        local_sizes: dict[int, int] = {}
+        for r in self._ranks:
+            local_sizes[r.node_rank] = local_sizes.get(r.node_rank, 0) + 1
+        results = []
+        for r in self._ranks:
+            plan = RankPlan(
+                rank=r.rank,
+                local_rank=r.local_rank,
+                world_size=self.world_size,
+                local_world_size=local_sizes[r.node_rank],
+                node_rank=r.node_rank,
+                nnodes=self.nnodes,
+                master_addr=master_addr,
+                master_port=port,
+                relay=self._relay.address,
+                authkey=self._relay.authkey,
+                use_cuda=use_cuda,
+                env=env,
+            )
+            results.append(self._client[r.engine].apply_async(rank_side.setup, plan))
+        deadline = time.monotonic() + startup_timeout
+        while not all(ar.ready() for ar in results):
+            self._pump(0.05)
+            if self._ended is not None:
+                raise LiveError(f"The live set could not start: {self._ended}")
+            if time.monotonic() > deadline:
+                raise LiveError(
+                    f"The ranks did not join the process group within {startup_timeout:.0f} s.\n" + self._log_tail(0)
+                )
+        for r, ar in zip(self._ranks, results):
+            try:
+                r.device = ar.get()
+            except Exception as exc:
+                raise LiveError(f"Rank {r.rank} failed to start: {exc}") from None
+
+    # ------------------------------------------------------------------------------------------
+    # One call
+    # ------------------------------------------------------------------------------------------
+    def _targets(self, ranks: str | int | Iterable[int]) -> list[int]:
+        self._check_running()
+        if ranks == "all":
+            return list(range(self.world_size))
+        chosen: list[int] = [ranks] if isinstance(ranks, int) else sorted({int(r) for r in ranks})
+        bad = [r for r in chosen if not isinstance(r, int) or not 0 <= r < self.world_size]
+        if bad or not chosen:
+            raise ValueError(f"ranks must be 'all' or ranks 0..{self.world_size - 1}; got {ranks!r}.")
+        return chosen
+
+    def _check_running(self) -> None:
+        if self._ended is not None:
+            raise LiveError(
+                f"The live set has ended: {self._ended} Start a new one (%ddp start / nbkit.start()).", ended=True
+            )
+        if self._stopped:
+            raise LiveError("The live set was stopped. Start a new one (%ddp start / nbkit.start()).", ended=True)
+
+    def _run_call(
+        self,
+        fn: Callable[..., Outcome],
+        args: tuple,
+        targets: list[int],
+        timeout: float | None,
+        *,
+        show: set[int] | None,
+        after: Callable[[], None] | None = None,
+    ) -> Any:
+        self._check_running()
+        self._call += 1
+        call = self._call
+        shown = {targets[0]} if show is None else show
+        self._done, self._shown, self._streams, self._board = {}, shown, {}, None
+        ar = self._apply_each(fn, call, args, targets, shown)
+        success = False
+        try:
+            try:
+                outcomes = self._wait(call, ar, targets, timeout if timeout is not None else self.timeout)
+            finally:
+                if after is not None:  # what the code bound before it failed is on the ranks too
+                    after()
+            value = self._result(outcomes, targets)
+            success = True
+            return value
+        finally:
+            if self._board is not None:
+                with contextlib.suppress(Exception):
+                    self._board.close(success=success)
+            self._flush_streams()
+
+    def _apply_each(
+        self, fn: Callable[..., Outcome], call: int, args: tuple, targets: list[int], shown: set[int]
+    ) -> _Gathered:
+        value_rank = targets[0]
+        results = [
+            self._client[self._ranks[r].engine].apply_async(fn, call, *args, r in shown, r == value_rank)
+            for r in targets
+        ]
+        return _Gathered(results)
+
+    def _wait(self, call: int, ar: _Gathered, targets: list[int], timeout: float | None) -> list[Outcome]:
+        deadline = time.monotonic() + timeout if timeout else None
+        failed_at: float | None = None
+        interrupted_at: float | None = None
+        ready_at: float | None = None
+        try:
+            while True:
+                self._pump(0.01)
+                if self._ended is not None:
+                    raise LiveError(self._ended_text(), ended=True)
+                unfinished = [r for r in targets if r not in self._done]
+                now = time.monotonic()
+                if ar.ready():
+                    # Every rank answered. A rank whose end-of-call mark is missing failed before
+                    # nbkit's code ran there (ipyparallel could not unpickle the call): its answer
+                    # says why, so waiting longer would only hang.
+                    ready_at = ready_at or now
+                    if not unfinished or now - ready_at > _FAILURE_GRACE_S:
+                        break
+                if failed_at is None and any(d.failed for d in self._done.values()):
+                    failed_at = now
+                if failed_at is not None and interrupted_at is None and now - failed_at > _FAILURE_GRACE_S:
+                    self._interrupt(unfinished)
+                    interrupted_at = now
+                if interrupted_at is not None and now - interrupted_at > _INTERRUPT_GRACE_S:
+                    failed = sorted(r for r, d in self._done.items() if d.failed)
+                    self._end(
+                        f"rank(s) {_join(failed)} failed, and rank(s) {_join(unfinished)} neither finished nor "
+                        f"answered an interrupt within {_INTERRUPT_GRACE_S:.0f} s (most likely waiting in a "
+                        "collective for the rank that failed)."
+                    )
+                    raise self._call_error(ar.finished_errors(), ended=True)
+                if deadline is not None and now > deadline:
+                    self._end(
+                        f"the call did not finish within its timeout ({timeout:g} s); rank(s) {_join(unfinished)} "
+                        "were still running. A rank waiting in a collective (all-reduce, barrier) for a peer that "
+                        "never arrives hangs like this: check that every rank runs the same steps on the same "
+                        "number of batches."
+                    )
+                    raise LiveError(self._ended_text(), ended=True, timed_out=True)
+        except KeyboardInterrupt:
+            self._on_interrupt(ar, targets)
+            raise
+        return ar.get(targets)
+
+    def _on_interrupt(self, ar: _Gathered, targets: list[int]) -> None:
+        """The notebook was interrupted during a call: interrupt it on every rank, or end the set."""
+        unfinished = [r for r in targets if r not in self._done]
+        self._interrupt(unfinished)
+        deadline = time.monotonic() + _INTERRUPT_GRACE_S
+        while time.monotonic() < deadline and self._ended is None:
+            try:
+                self._pump(0.01)
+                if all(r in self._done for r in targets) and ar.ready():
+                    print(
+                        f"nbkit: interrupted the cell on rank(s) {_join(unfinished)}; every rank is alive with "
+                        "its names.",
+                        file=sys.stderr,
+                    )
+                    return
+            except KeyboardInterrupt:
+                continue  # a second press while the ranks are being interrupted
+        if self._ended is None:
+            still = [r for r in targets if r not in self._done]
+            self._end(
+                f"rank(s) {_join(still)} did not answer the interrupt within {_INTERRUPT_GRACE_S:.0f} s "
+                "(most likely waiting in a collective, where Python never sees the signal)."
+            )
+        raise LiveError(self._ended_text(), ended=True)
+
+    def _interrupt(self, ranks: list[int]) -> None:
+        if self._owned:
+            for r in ranks:
+                proc = self._ranks[r].process
+                if proc is not None and proc.poll() is None:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(proc.pid, signal.SIGINT)
+        elif ranks:
+            with contextlib.suppress(Exception):
+                self._client.send_signal("SIGINT", targets=[self._ranks[r].engine for r in ranks], block=False)
+
+    def _result(self, outcomes: list[Outcome], targets: list[int]) -> Any:
+        errors = {o.rank: o.error for o in outcomes if o.error is not None}
+        if errors:
+            raise self._call_error(errors, ended=False)
+        value = outcomes[0].value
+        if value is None:
+            return None
+        try:
+            return pickle.loads(value)
+        except Exception as exc:
+            raise LiveError(
+                f"Rank {targets[0]}'s value arrived but cannot be rebuilt in the notebook ({type(exc).__name__}: "
+                f"{exc}); a class defined in a %%ddp cell exists on the ranks only. Return plain data (numbers, "
+                "strings, lists, dicts, tensors), or keep the object on the ranks and use it in %%ddp cells."
+            ) from None
+
+    def _call_error(self, errors: dict[int, RankError], *, ended: bool) -> LiveError:
+        primary = {r: e for r, e in errors.items() if not e.secondary} or errors
+        ranks = _join(sorted(primary))
+        if ended:
+            head = f"rank(s) {ranks} failed, and the live set was ended: {self._ended}"
+        else:
+            head = f"rank(s) {ranks} failed; the live set is still running, every rank with its names."
+        lines = [head]
+        for r, err in sorted(primary.items()):
+            lines.append(f"\n[rank {r}] {err.type}: {err.message}")
+            lines.append(err.traceback.rstrip())
+        return LiveError(
+            "\n".join(lines),
+            failures={r: f"{e.type}: {e.message}" for r, e in primary.items()},
+            errors=errors,
+            ended=ended,
+        )
+
+    # ------------------------------------------------------------------------------------------
+    # What the ranks send while a call runs
+    # ------------------------------------------------------------------------------------------
+    def _pump(self, wait: float) -> None:
+        """Handle the relay's messages for up to `wait` s (on the notebook's main thread, so that output
+        and the dashboard land in the cell that runs).
+        """
+        assert self._relay is not None
+        try:
+            item = self._relay.messages.get(timeout=wait)
+        except queue.Empty:
+            return
+        while True:
+            self._handle(item)
+            try:
+                item = self._relay.messages.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle(self, message: channel.Envelope) -> None:
+        body: object = message.body
+        if isinstance(body, Output):
+            if body.rank in self._shown:
+                self._stream(body.rank, body.stream).write(body.text)
+        elif isinstance(body, CallDone):
+            if body.call == self._call:
+                self._done[body.rank] = body
+        elif isinstance(body, channel.Report):
+            if self._board is None:
+                from nbkit.dashboard import Dashboard
+
+                self._board = Dashboard(self.world_size)
+            try:
+                self._board.event(message.rank, body.metrics)
+            except Exception:  # a display problem must never fail the call
+                logging.getLogger("nbkit").exception("nbkit: the dashboard failed")
+        elif isinstance(body, Lost):
+            self._on_lost(message.rank)
+
+    def _stream(self, rank: int, name: str) -> Any:
+        stream = self._streams.get((rank, name))
+        if stream is None:
+            target = sys.stdout if name == "stdout" else sys.stderr
+            if rank != min(self._shown):
+                from nbkit.launching import _Prefixed
+
+                target = _Prefixed(target, f"[rank {rank}] ")
+            stream = self._streams[(rank, name)] = target
+        return stream
+
+    def _flush_streams(self) -> None:
+        for stream in self._streams.values():
+            with contextlib.suppress(Exception):
+                stream.flush()
+
+    def _on_lost(self, rank: int) -> None:
+        if self._stopped or self._ended is not None:
+            return
+        r = self._ranks[rank] if 0 <= rank < len(self._ranks) else None
+        if r is not None and r.process is not None:
+            # nbkit's own engine: the monitor names the signal or exit code in a moment.
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                r.process.wait(timeout=1.0)
+            if r.process.poll() is not None:
+                self._end(self._death_text(r))
+                return
+        self._end(f"rank {rank}'s connection to the notebook closed: its process died, or its host went away.")
+
+    # ------------------------------------------------------------------------------------------
+    # Ending
+    # ------------------------------------------------------------------------------------------
+    def _monitor(self) -> None:
+        """Watch nbkit's engine processes and the controller; a death ends the set at once."""
+        controller = self._cluster.controller if self._cluster is not None else None
+        while not self._stopped and self._ended is None:
+            for r in self._ranks:
+                if r.process is not None and r.process.poll() is not None:
+                    self._end(self._death_text(r))
+                    return
+            if controller is not None and controller.pid > 0 and not _pid_alive(controller.pid):
+                self._end("the ipyparallel controller process ended.")
+                return
+            time.sleep(_POLL_S)
+
+    def _death_text(self, r: _Rank) -> str:
+        assert r.process is not None
+        code = r.process.returncode
+        why = _exit_text(code)
+        hint = ""
+        if code == -signal.SIGKILL:
+            hint = (
+                " SIGKILL without a kill by hand usually means the machine ran out of CPU memory (the OOM "
+                "killer): use a smaller batch or fewer dataloader workers."
+            )
+        elif code == -signal.SIGSEGV:
+            hint = " A segmentation fault is a crash in native code (a CUDA kernel, a C extension)."
+        # What the process wrote outside Python's streams (a native crash, a CUDA or NCCL abort),
+        # shown after the message (the set's files are removed when it ends).
+        self._ended_log = self._log_tail(r.rank, lines=10)
+        return f"rank {r.rank} (pid {r.info.pid}) {why}.{hint}"
+
+    def _ended_text(self) -> str:
+        log = f"\n{self._ended_log}" if self._ended_log else ""
+        return (
+            f"The live set has ended: {self._ended} Every rank was stopped; start a new set with %ddp start "
+            "(or nbkit.start())." + log
+        )
+
+    def _alive(self, r: _Rank) -> bool:
+        if r.process is not None:
+            return r.process.poll() is None
+        return r.engine in (self._client.ids if self._client is not None else [])
+
+    def _end(self, reason: str) -> None:
+        """End the set after a failure: record why, then stop everything, killing what is left."""
+        global _ended
+        with self._lock:
+            if self._ended is not None or self._stopped:
+                return
+            self._ended = reason
+        _ended = self
+        if not self._owned and self._client is not None:
+            # Engines started outside nbkit: their process group is broken, so they are ended too.
+            with contextlib.suppress(Exception):
+                alive = [r.engine for r in self._ranks if r.engine in self._client.ids]
+                self._client.send_signal("SIGKILL", targets=alive, block=False)
+        self._shutdown(kill=True)
+
+    def _shutdown(self, *, kill: bool) -> None:
+        """Stop the engines nbkit started (SIGTERM, then SIGKILL after 3 s; SIGKILL at once with kill),
+        the controller, the client and the relay; remove the set's files. Safe to call twice.
+        """
+        procs = [r.process for r in self._ranks if r.process is not None]
+        for proc in procs:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(proc.pid, signal.SIGKILL if kill else signal.SIGTERM)
+        deadline = time.monotonic() + 3
+        for proc in procs:
+            try:
+                proc.wait(timeout=max(0.05, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if self._cluster is not None and self._cluster.controller is not None:
+            # SIGTERM: the controller ends its heart monitor process itself; SIGKILL if it hangs.
+            pid = self._cluster.controller.pid
+            if pid > 0:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGTERM)
+                deadline = time.monotonic() + 3
+                while _pid_alive(pid) and time.monotonic() < deadline:
+                    time.sleep(0.02)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        if self._client is not None and self._owned:
+            with contextlib.suppress(Exception):
+                self._client.close()
+        if self._relay is not None:
+            self._relay.close()
+        if self._tmpdir is not None:
+            shutil.rmtree(self._tmpdir, ignore_errors=True)
+        self._forget()
+
+    def _forget(self) -> None:
+        global _current
+        if _current is self:
+            _current = None
+
+    def _log_tail(self, rank: int, lines: int = 20) -> str:
+        """The end of what rank `rank`'s process wrote outside Python's streams; for a native crash, the
+        Python stack faulthandler wrote (from its "Fatal Python error" line, the cell's frame first).
+        """
+        if self._tmpdir is None:
+            return ""
+        try:
+            with open(os.path.join(self._tmpdir, f"rank{rank}.log"), errors="replace") as f:
+                text = f.read().splitlines()
+        except OSError:
+            return ""
+        crash = [i for i, line in enumerate(text) if line.startswith("Fatal Python error")]
+        if crash:
+            text = [line for line in text[crash[-1] :] if not line.startswith("Extension modules:")][:30]
+        else:
+            text = text[-lines:]
+        return "Its last output:\n" + "\n".join(text) if text else ""
+
+
+class _Gathered:
+    """Several ipyparallel AsyncResults (one per rank, each with its own arguments) as one."""
+
+    def __init__(self, results: list[Any]):
+        self._results = results
+
+    def ready(self) -> bool:
+        return all(ar.ready() for ar in self._results)
+
+    def get(self, ranks: list[int]) -> list[Outcome]:
+        """Each rank's Outcome; an error ipyparallel itself raised (before nbkit's code ran in the
+        rank) becomes that rank's Outcome with the error.
+        """
+        outcomes = []
+        for rank, ar in zip(ranks, self._results):
+            try:
+                outcomes.append(ar.get())
+            except Exception as exc:
+                text = getattr(exc, "render_traceback", None)
+                tb = "\n".join(text()) if callable(text) else str(exc)
+                error = RankError(rank, type(exc).__name__, str(exc), tb, time.time())
+                outcomes.append(Outcome(rank, error=error))
+        return outcomes
+
+    def finished_errors(self) -> dict[int, RankError]:
+        """The errors of the ranks that have finished (the others are still running)."""
+        outcomes = [ar.get() for ar in self._results if ar.ready() and ar.successful()]
+        return {o.rank: o.error for o in outcomes if o.error is not None}
+
+
+def _send_names(names: Mapping[str, Any]) -> dict[str, bytes]:
+    """{name: cloudpickled value}; each value pickled once, so that one that cannot be is named."""
+    import cloudpickle
+
+    pickled = {}
+    for name, value in names.items():
+        try:
+            pickled[name] = cloudpickle.dumps(value)
+        except Exception as exc:
+            raise LiveError(
+                f"The notebook's {name!r} ({type(value).__name__}) cannot be sent to the ranks: {exc}. Create it "
+                "in a %%ddp cell instead (it then lives on the ranks), or send what it is made from."
+            ) from None
+    return pickled
+
+
+def _exit_text(code: int | None) -> str:
+    if code is None:
+        return "is still running"
+    if code < 0:
+        try:
+            return f"died from signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"died from signal {-code}"
+    return f"exited with code {code}"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
+    except OSError:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+
+def _join(ranks: Iterable[int]) -> str:
+    return ", ".join(str(r) for r in ranks) or "none"
+
+
+@atexit.register
+def _stop_at_exit() -> None:
+    if _current is not None:
+        with contextlib.suppress(Exception):
+            _current.stop()

@@ -1,0 +1,210 @@
+"""Faults of a live set (%ddp start) in a real Jupyter kernel, 2 gloo CPU ranks, real signals.
+
+Each test says what a user does or suffers and checks what they rely on: the message (which rank,
+which signal), how soon the cell ends, that the ranks stay up (with their names) where they should,
+that a new set starts at once where the old one ended, and that no process is left behind. Times
+are asserted with a wide margin over the 2 s targets: the machine is shared and slow.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import time
+
+import psutil
+import pytest
+from jupyter_client.manager import start_new_kernel
+
+pytestmark = pytest.mark.slow
+
+# The targets are 2 s; the asserts allow for a loaded 2-core machine.
+MARGIN_S = 6.0
+
+
+class Kernel:
+    """A Jupyter kernel and a blocking client: run a cell, interrupt it, read what it showed."""
+
+    def __init__(self, kernel_name: str, cwd: str):
+        self.manager, self.client = start_new_kernel(kernel_name=kernel_name, cwd=cwd)
+        self.pid = self.manager.provisioner.process.pid
+
+    def run(self, code: str, *, interrupt_on: str | None = None, timeout: float = 300) -> dict:
+        """Run `code`; with `interrupt_on`, interrupt the kernel once that text appears in stdout.
+        Returns stdout, stderr, error (ename, evalue, traceback text), result, and seconds from the
+        interrupt (or the start) to the end of the cell."""
+        msg_id = self.client.execute(code)
+        out = {"stdout": "", "stderr": "", "error": None, "result": None}
+        start = time.monotonic()
+        interrupted = None
+        deadline = start + timeout
+        while True:
+            try:
+                msg = self.client.get_iopub_msg(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                raise AssertionError(f"the cell did not finish within {timeout} s; so far: {out}") from None
+            if msg["parent_header"].get("msg_id") != msg_id:
+                continue
+            kind, content = msg["msg_type"], msg["content"]
+            if kind == "stream":
+                out[content["name"]] += content["text"]
+                if interrupt_on and interrupted is None and interrupt_on in out["stdout"]:
+                    interrupted = time.monotonic()
+                    self.manager.interrupt_kernel()
+            elif kind == "error":
+                out["error"] = (content["ename"], content["evalue"], "\n".join(content["traceback"]))
+            elif kind == "execute_result":
+                out["result"] = content["data"].get("text/plain")
+            elif kind == "status" and content["execution_state"] == "idle":
+                break
+        out["seconds"] = time.monotonic() - (interrupted or start)
+        return out
+
+    def descendants(self) -> list[psutil.Process]:
+        return psutil.Process(self.pid).children(recursive=True)
+
+    def close(self) -> None:
+        self.client.stop_channels()
+        self.manager.shutdown_kernel(now=True)
+
+
+def _all_gone(processes: list[psutil.Process], within: float = 5.0) -> list[int]:
+    deadline = time.monotonic() + within
+    alive = processes
+    while alive and time.monotonic() < deadline:
+        alive = [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        time.sleep(0.1)
+    return [p.pid for p in alive]
+
+
+@pytest.fixture(scope="module")
+def kernel(kernel_name, tmp_path_factory):
+    k = Kernel(kernel_name, str(tmp_path_factory.mktemp("live-faults")))
+    setup = k.run("%load_ext nbkit\nimport nbkit, os, signal, time")
+    assert setup["error"] is None, setup
+    yield k
+    k.close()
+
+
+def _fresh_set(kernel: Kernel) -> list[psutil.Process]:
+    """A live set of 2 ranks with `x = 41` on both; returns the processes it runs in."""
+    started = kernel.run("if nbkit.live.current() is None:\n    nbkit.start(gpus=2)")
+    assert started["error"] is None, started
+    defined = kernel.run("%%ddp\nx = 41")
+    assert defined["error"] is None, defined
+    procs = kernel.descendants()
+    assert len(procs) >= 3  # controller, 2 engines (and their nannies)
+    return procs
+
+
+def test_interrupt_stops_the_cell_on_every_rank_and_keeps_them(kernel):
+    procs = _fresh_set(kernel)
+    cell = "%%ddp\nprint('running', flush=True)\nwhile True:\n    time.sleep(0.05)"
+    out = kernel.run(cell, interrupt_on="running")
+    assert out["error"] is not None and out["error"][0] == "KeyboardInterrupt", out
+    assert out["seconds"] < MARGIN_S, out["seconds"]
+    assert "interrupted the cell on rank(s) 0, 1; every rank is alive" in out["stderr"]
+    after = kernel.run("%%ddp\nx + 1 + nbkit.rank()")
+    assert after["error"] is None and after["result"] == "42", after
+    assert [p.pid for p in procs if not p.is_running()] == []  # the same processes
+
+
+def test_interrupt_of_a_rank_waiting_in_a_collective_ends_the_set(kernel):
+    procs = _fresh_set(kernel)
+    cell = (
+        "%%ddp\nimport torch.distributed as dist\nprint('running', flush=True)\n"
+        "if nbkit.rank() == 0:\n    dist.barrier()  # rank 1 never comes\nelse:\n    time.sleep(3600)"
+    )
+    out = kernel.run(cell, interrupt_on="running")
+    assert out["error"] is not None and out["error"][0] == "LiveError", out
+    assert "rank(s) 0 did not answer the interrupt within 2 s" in out["error"][2]
+    assert out["seconds"] < MARGIN_S
+    assert _all_gone(procs) == []
+    assert kernel.run("print(nbkit.live.current())")["stdout"].strip() == "None"
+
+
+def test_killed_rank_ends_the_set_naming_it_and_start_works_again(kernel):
+    procs = _fresh_set(kernel)
+    cell = (
+        "%%ddp\nprint('running', flush=True)\nif nbkit.rank() == 1:\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)\ntime.sleep(120)"
+    )
+    out = kernel.run(cell)
+    assert out["error"] is not None and out["error"][0] == "LiveError", out
+    text = out["error"][2]
+    assert "rank 1 (pid " in text and "died from signal SIGKILL" in text and "%ddp start" in text
+    assert out["seconds"] < MARGIN_S + 1  # the cell itself printed first
+    assert _all_gone(procs) == []
+    # The next %%ddp cell does not quietly become a one-shot run that lacks the set's names.
+    orphan = kernel.run("%%ddp\nmodel")
+    assert orphan["error"] is not None and orphan["error"][0] == "LiveError", orphan
+    assert "The live set has ended (rank 1 (pid" in orphan["error"][1] and "%ddp start" in orphan["error"][1]
+    # A new set at once, with a clean namespace.
+    again = kernel.run("%ddp start --gpus 2")
+    assert again["error"] is None and "live set of 2 rank(s)" in again["stdout"], again
+    fresh = kernel.run("%%ddp\n'x' in globals(), nbkit.rank()")
+    assert fresh["result"] == "(False, 0)", fresh
+
+
+def test_segfault_names_the_signal(kernel):
+    procs = _fresh_set(kernel)
+    out = kernel.run("%%ddp\nimport ctypes\nif nbkit.rank() == 0:\n    ctypes.string_at(0)\ntime.sleep(120)")
+    assert out["error"] is not None and out["error"][0] == "LiveError", out
+    text = out["error"][2]
+    assert "rank 0 (pid " in text and "died from signal SIGSEGV" in text
+    # faulthandler's stack of the crashing rank comes with it: ctypes, then the cell's line 3 (under %%ddp).
+    crash = text[text.index("Fatal Python error: Segmentation fault") :].splitlines()
+    assert "in string_at" in crash[3] and "line 3 in <module>" in crash[4], crash
+    assert _all_gone(procs) == []
+
+
+def test_cell_hanging_in_a_collective_ends_at_its_timeout(kernel):
+    procs = _fresh_set(kernel)
+    cell = "%%ddp --timeout 4\nimport torch.distributed as dist\nif nbkit.rank() == 0:\n    dist.barrier()"
+    out = kernel.run(cell)
+    assert out["error"] is not None and out["error"][0] == "LiveError", out
+    assert "did not finish within its timeout (4 s); rank(s) 0 were still running" in out["error"][2]
+    assert 4 <= out["seconds"] < 4 + MARGIN_S
+    assert _all_gone(procs) == []
+    # %ddp stop acknowledges the ended set; %%ddp is one-shot again.
+    stopped = kernel.run("%ddp stop")
+    assert "the live set had ended (the call did not finish" in stopped["stdout"], stopped
+    assert "%%ddp cells are one-shot again" in stopped["stdout"]
+    oneshot = kernel.run("%%ddp --gpus 2\nimport nbkit\nnbkit.world_size()")
+    assert oneshot["error"] is None and oneshot["result"] == "2", oneshot
+
+
+def test_rank_failing_while_another_waits_in_a_collective_ends_the_set(kernel):
+    procs = _fresh_set(kernel)
+    cell = (
+        "%%ddp\nimport torch.distributed as dist\nif nbkit.rank() == 1:\n    raise RuntimeError('no data on rank 1')\n"
+        "dist.barrier()"
+    )
+    out = kernel.run(cell)
+    assert out["error"] is not None and out["error"][0] == "LiveError", out
+    text = out["error"][2]
+    assert "RuntimeError: no data on rank 1" in text
+    assert "rank(s) 1 failed, and rank(s) 0 neither finished nor answered an interrupt" in text
+    assert out["seconds"] < 3 + MARGIN_S
+    assert _all_gone(procs) == []
+
+
+def test_second_start_says_one_is_running(kernel):
+    _fresh_set(kernel)
+    out = kernel.run("%ddp start --gpus 2")
+    assert out["error"] is not None and out["error"][0] == "LiveError"
+    assert "already running in this notebook" in out["error"][1]
+    assert kernel.run("%%ddp\nx")["result"] == "41"  # the running set is untouched
+
+
+def test_kernel_death_leaves_no_process(kernel_name, tmp_path):
+    k = Kernel(kernel_name, str(tmp_path))
+    try:
+        assert k.run("%load_ext nbkit\n%ddp start --gpus 2")["error"] is None
+        procs = k.descendants()
+        assert len(procs) >= 3
+        os.kill(k.pid, signal.SIGKILL)  # no atexit, no cleanup: only the processes' own watch
+        assert _all_gone(procs) == []
+    finally:
+        k.close()

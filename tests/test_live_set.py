@@ -1,0 +1,191 @@
+"""nbkit.start / nbkit.connect from a plain Python process: 2 gloo CPU ranks, real processes.
+
+The API a script or a notebook relies on: run() returns rank 0's value (notebook functions and
+closures travel by value), exec() keeps names on the ranks, pull() brings a value back, names are
+sent along, the ranks' reports reach the dashboard, status() describes the set, stop() leaves
+nothing behind. The last test stands two engine groups, started separately on 127.0.0.1, in for
+two hosts and makes one set of them with nbkit.connect.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+
+import psutil
+import pytest
+
+import nbkit
+from nbkit.errors import LiveError
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    live = nbkit.start(gpus=2)
+    yield live
+    live.stop()
+
+
+def test_run_returns_rank_0s_value_and_takes_closures(ranks):
+    offset = 100
+
+    def where(extra):
+        import torch
+        import torch.distributed as dist
+
+        total = torch.tensor([float(dist.get_rank())])
+        dist.all_reduce(total)
+        return {"rank": nbkit.rank(), "world": nbkit.world_size(), "sum": total.item(), "value": offset + extra}
+
+    assert ranks.run(where, 1) == {"rank": 0, "world": 2, "sum": 1.0, "value": 101}
+    assert ranks.run(lambda: os.environ["LOCAL_RANK"] + os.environ["MASTER_ADDR"]) == "0127.0.0.1"
+
+
+def test_names_stay_on_each_rank_between_calls(ranks):
+    ranks.exec("import nbkit\nmine = nbkit.rank() * 10")
+    assert ranks.exec("mine + 1") == 1  # rank 0
+    assert ranks.exec("mine + 1", ranks=1) == 11
+    assert ranks.pull("mine") == 0 and ranks.pull("mine", rank=1) == 10
+    with pytest.raises(LiveError, match="name 'missing' is not defined on rank 0"):
+        ranks.pull("missing")
+
+
+def test_names_are_sent_along_and_unsendable_ones_named(ranks):
+    assert ranks.exec("y * 2", names={"y": 21}) == 42
+    code = "ghost + 1"
+    assert ranks.names_for(code, {"ghost": 1, "unused": 2}) == {"ghost": 1}
+    ranks.exec("ghost = 5")  # defined on the ranks: from now on theirs, not the notebook's
+    assert ranks.names_for(code, {"ghost": 1}) == {}
+    with pytest.raises(LiveError, match="notebook's 'lock' \\(lock\\) cannot be sent to the ranks"):
+        ranks.exec("lock", names={"lock": threading.Lock()})
+
+
+def test_a_value_the_notebook_cannot_take_is_named(ranks):
+    ranks.exec("class Point:\n    pass\np = Point()")
+    with pytest.raises(LiveError, match=r"Rank 0's return value \(Point\) cannot be sent back to the notebook") as info:
+        ranks.exec("p")
+    assert not info.value.ended
+    assert ranks.exec("type(p).__name__") == "Point"  # still there
+
+
+def test_failure_keeps_the_ranks(ranks):
+    ranks.exec("state = 'kept'")
+    with pytest.raises(LiveError) as info:
+        ranks.exec("import nbkit\nif nbkit.rank() == 1:\n    1 / 0")
+    assert not info.value.ended and set(info.value.failures) == {1}
+    assert "ZeroDivisionError" in str(info.value) and "1 / 0" in str(info.value)
+    assert ranks.exec("state", ranks=1) == "kept"
+
+
+def test_reports_reach_the_dashboard(ranks):
+    import nbkit.dashboard
+
+    ranks.exec("import nbkit\nnbkit.report(step=1, loss=0.5 + nbkit.rank(), total_steps=1)")
+    board = nbkit.dashboard.latest()
+    assert sorted(r for r, e in board.events if e.get("step") == 1) == [0, 1]
+    assert board.snapshot().loss == 1.0  # the mean of 0.5 and 1.5
+
+
+def test_status_and_bad_arguments(ranks):
+    status = ranks.status()
+    assert status.running and status.world_size == 2 and status.nnodes == 1
+    assert [(r.rank, r.local_rank, r.device, r.alive) for r in status.ranks] == [
+        (0, 0, "cpu", True),
+        (1, 1, "cpu", True),
+    ]
+    assert "mine" in status.names
+    with pytest.raises(ValueError, match="ranks must be 'all' or ranks 0..1"):
+        ranks.exec("1", ranks=2)
+    with pytest.raises(LiveError, match="already running"):
+        nbkit.start(gpus=2)
+
+
+def test_stop_leaves_nothing_and_later_calls_say_so(ranks):
+    live = ranks  # the module's set, stopped here (the tests before this one use it)
+    procs = psutil.Process().children(recursive=True)
+    assert len(procs) >= 3
+    tmpdir = live._tmpdir
+    live.stop()
+    _, alive = psutil.wait_procs(procs, timeout=3)
+    assert [(p.pid, p.cmdline()) for p in alive] == []
+    assert not os.path.exists(tmpdir)
+    assert nbkit.live.current() is None
+    with pytest.raises(LiveError, match="stopped"):
+        live.exec("1")
+
+
+def test_two_engine_groups_make_one_set_of_two_nodes(tmp_path):
+    """Two hosts, stood in for by two groups of 2 engines on 127.0.0.1 with their own NBKIT_HOST."""
+    import ipyparallel as ipp
+
+    cluster = ipp.Cluster(profile_dir=str(tmp_path), cluster_id="t", controller_ip="127.0.0.1", n=0, log_level=30)
+    cluster.start_controller_sync()
+    engines: list[subprocess.Popen] = []
+    live = None
+    try:
+        client = cluster.connect_client_sync()
+        engine_file = cluster.controller.connection_files["engine"]
+        for host in ("node-a", "node-b"):
+            env = {**os.environ, "NBKIT_HOST": host, "NBKIT_HOST_ADDRESS": "127.0.0.1"}
+            for _ in range(2):
+                cmd = [sys.executable, "-m", "ipyparallel.engine", f"--file={engine_file}", "--log-level=WARN"]
+                engines.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        client.wait_for_engines(4, timeout=180)
+        live = nbkit.connect(client)
+        status = live.status()
+        assert status.world_size == 4 and status.nnodes == 2
+        layout = [(r.rank, r.node_rank, r.local_rank, r.host) for r in status.ranks]
+        first = layout[0][3]
+        assert [row[:3] for row in layout] == [(0, 0, 0), (1, 0, 1), (2, 1, 0), (3, 1, 1)]
+        assert {row[3] for row in layout[:2]} == {first} and {row[3] for row in layout[2:]} == {"node-a", "node-b"} - {
+            first
+        }
+        live.exec(
+            "import os, json, torch, torch.distributed as dist\nt = torch.tensor([float(dist.get_rank())])\n"
+            "dist.all_reduce(t)\nseen = json.dumps([t.item(), os.environ['GROUP_RANK'], os.environ['LOCAL_RANK'], "
+            "os.environ['LOCAL_WORLD_SIZE'], os.environ['NBKIT_HOST']])",
+            timeout=120,
+        )
+        seen = live.pull("seen", rank=2)
+        assert json.loads(seen) == [6.0, "1", "0", "2", layout[2][3]]  # rank 2: node 1's first rank
+        live.stop()
+        # stop() leaves engines it did not start running, ready for another set.
+        assert all(p.poll() is None for p in engines)
+        live = nbkit.connect(client)
+        assert live.run(lambda: nbkit.world_size()) == 4
+    finally:
+        if live is not None:
+            live.stop()
+        for p in engines:
+            p.kill()
+            p.wait()
+        cluster.stop_cluster_sync()
+
+
+@pytest.mark.gpu
+def test_one_rank_per_gpu_with_nccl_and_the_notebook_keeps_no_cuda_context():
+    import torch
+
+    gpus = len(nbkit.visible_gpus())
+    if gpus < 2:
+        pytest.skip("needs 2 GPUs")
+
+    def reduce_on_the_gpu():
+        import torch
+        import torch.distributed as dist
+
+        t = torch.ones(1, device=nbkit.device()) * (dist.get_rank() + 1)
+        dist.all_reduce(t)
+        return dist.get_backend(), str(t.device), t.item()
+
+    with nbkit.start() as ranks:
+        assert [r.device for r in ranks.status().ranks] == [f"cuda:{i}" for i in range(gpus)]
+        backend, device, total = ranks.run(reduce_on_the_gpu)
+        assert (backend, device, total) == ("nccl", "cuda:0", gpus * (gpus + 1) / 2)
+        assert ranks.exec("str(torch.cuda.current_device())", ranks=1, names={"torch": torch}) == "1"
+    assert not torch.cuda.is_initialized()  # the notebook process may still fork, or use its own GPU
