@@ -50,6 +50,12 @@ SETTINGS: dict[str, Setting] = {
     "dashboard_interval": Setting("NBKIT_DASHBOARD_INTERVAL", "10", number=True),
     # Where nbkit.offline keeps the checkpoints it builds ("" : ~/.cache/nbkit).
     "cache": Setting("NBKIT_CACHE", ""),
+    # A live-set engine's node name ("": the host name) and the address other nodes reach it at ("": the
+    # host name resolved); set per engine group, e.g. two groups on one machine standing in for two hosts.
+    "host": Setting("NBKIT_HOST", ""),
+    "host_address": Setting("NBKIT_HOST_ADDRESS", ""),
+    # Set by nbkit.live for each engine it starts: the file a native crash's stack is written to.
+    "live_log": Setting("NBKIT_LIVE_LOG", ""),
 }
 
 

@@ -27,6 +27,7 @@ from multiprocessing import connection
 from typing import Any
 
 from nbkit import channel
+from nbkit.config import setting
 from nbkit.errors import RankError
 from nbkit.live.messages import CallDone, EngineInfo, Outcome, Output, RankPlan
 
@@ -44,8 +45,8 @@ _crash_log: Any = None
 
 def identify() -> EngineInfo:
     """This engine's pid, node name, address and GPU count (before it is given a rank)."""
-    host = os.environ.get("NBKIT_HOST") or socket.gethostname()
-    address = os.environ.get("NBKIT_HOST_ADDRESS")
+    host = setting("host") or socket.gethostname()
+    address = setting("host_address")
     if not address:
         try:
             address = socket.gethostbyname(socket.gethostname())
@@ -110,8 +111,8 @@ def setup(plan: RankPlan) -> str:
     # which the notebook shows under the message naming the signal. (The engine's fd 2 is a pipe
     # that ipykernel reads on a thread, which dies with the process before passing it on.)
     global _crash_log
-    if os.environ.get("NBKIT_LIVE_LOG") and _crash_log is None:
-        _crash_log = open(os.environ["NBKIT_LIVE_LOG"], "a")  # noqa: SIM115 (open for the rank's life)
+    if setting("live_log") and _crash_log is None:
+        _crash_log = open(setting("live_log"), "a")  # noqa: SIM115 (open for the rank's life)
         faulthandler.enable(file=_crash_log, all_threads=False)  # the crashing thread: the cell's
     conn = connection.Client(plan.relay, authkey=plan.authkey)
     channel.attach_connection(conn, plan.rank)

@@ -45,7 +45,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from nbkit import cells, channel, distributed
+from nbkit import cells, channel, config, distributed
 from nbkit.errors import LiveError, RankError
 from nbkit.live import rank as rank_side
 from nbkit.live.messages import CallDone, EngineInfo, Lost, Outcome, Output, RankPlan
@@ -448,7 +448,7 @@ class LiveRanks:
                         stdout=log,
                         stderr=subprocess.STDOUT,
                         stdin=subprocess.DEVNULL,
-                        env={**engine_env, "NBKIT_LIVE_LOG": log_path},
+                        env={**engine_env, config.SETTINGS["live_log"].env: log_path},
                         start_new_session=True,
                     )  # interrupts come from nbkit
                 )
