@@ -33,7 +33,8 @@ def _load_runner():
 
 
 @pytest.mark.gpu
-def test_flagship_trains_on_two_capped_gpus_with_unsloth_in_fp16(tmp_path: Path) -> None:
+@pytest.mark.parametrize("load_in_4bit", [None, True], ids=["16bit-by-the-planner", "4bit"])
+def test_flagship_trains_on_two_capped_gpus_with_unsloth_in_fp16(tmp_path: Path, load_in_4bit: bool | None) -> None:
     if len(nbkit.visible_gpus()) < 2:
         pytest.skip("needs 2 GPUs")
     if importlib.util.find_spec("unsloth") is None:
@@ -64,6 +65,7 @@ def test_flagship_trains_on_two_capped_gpus_with_unsloth_in_fp16(tmp_path: Path)
             image_size=448,
             max_seq_length=1024,
             learning_rate=1e-3,
+            load_in_4bit=load_in_4bit,
         ),
         timeout=600,
     )
@@ -75,7 +77,8 @@ def test_flagship_trains_on_two_capped_gpus_with_unsloth_in_fp16(tmp_path: Path)
     summary = json.loads((tmp_path / "qwen3_vl_2xT4" / "summary.json").read_text())
     train = summary["train"]
     assert summary["backend"] == "unsloth" and summary["precision"] == "fp16" and summary["gpus"] == 2
-    assert summary["load_in_4bit"] is False  # the planner: 16-bit LoRA of a 2B model fits a T4
+    # None: the planner decides, and 16-bit LoRA of a 2B model fits a T4; True: QLoRA, as unsloth's Kaggle notebook
+    assert summary["load_in_4bit"] is bool(load_in_4bit)
     assert train["global_step"] == STEPS and all(math.isfinite(loss) for loss in summary["losses"])
     losses = summary["losses"]
     assert sum(losses[-3:]) < sum(losses[:3]), losses
@@ -84,7 +87,7 @@ def test_flagship_trains_on_two_capped_gpus_with_unsloth_in_fp16(tmp_path: Path)
     record = {
         "what": "notebooks/qwen3_vl_2xT4.ipynb on 2 GPUs capped at 15 GiB each (a T4's usable memory), "
         "random:qwen3-vl-2b, unsloth, fp16, LoRA r=16 on the language model, batch 2 per GPU, "
-        "synthetic 448x448 images",
+        "synthetic 448x448 images, " + ("4-bit (QLoRA)" if load_in_4bit else "16-bit LoRA"),
         "gpu": nbkit.visible_gpus()[0].name,
         "steps": train["global_step"],
         "seconds_per_step_mean_incl_first": train["seconds_per_step"],
@@ -95,7 +98,7 @@ def test_flagship_trains_on_two_capped_gpus_with_unsloth_in_fp16(tmp_path: Path)
     }
     results_dir = Path(os.environ.get("NBKIT_RESULTS_DIR", tmp_path))
     results_dir.mkdir(parents=True, exist_ok=True)
-    out = results_dir / "notebook_qwen3_vl_2xT4_gpu.json"
+    out = results_dir / f"notebook_qwen3_vl_2xT4_gpu_{'4bit' if load_in_4bit else '16bit'}.json"
     out.write_text(json.dumps(record, indent=1))
     print(json.dumps(record, indent=1))
     print(f"written to {out}")
