@@ -45,8 +45,16 @@ def warmed_up(private_tmp: Path) -> None:
     assert_reruns(2)
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "leftovers_ignore(*kinds): leftover kinds ('descriptors', 'threads', ...) that this test process "
+        "cannot attribute to nbkit (say why where it is used)",
+    )
+
+
 @pytest.fixture(autouse=True)
-def leftovers(warmed_up: None) -> Iterator[Snapshot]:
+def leftovers(request: pytest.FixtureRequest, warmed_up: None) -> Iterator[Snapshot]:
     """Fail the case if it left a process, descriptor, thread, listening port or nbkit file."""
     if not Path("/proc/self/fd").exists():
         pytest.skip("the leftover checks read Linux /proc")
@@ -59,7 +67,13 @@ def leftovers(warmed_up: None) -> Iterator[Snapshot]:
     finally:
         if was_enabled:
             gc.enable()
+    marker = request.node.get_closest_marker("leftovers_ignore")
+    ignored = set(marker.args) if marker else set()
+
+    def grown() -> dict[str, list]:
+        return {k: v for k, v in Snapshot.take().grown_since(before).items() if k not in ignored}
+
     deadline = time.monotonic() + SETTLE_S
-    while (grown := Snapshot.take().grown_since(before)) and time.monotonic() < deadline:
+    while (left := grown()) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not grown, f"left behind: {grown}"
+    assert not left, f"left behind: {left}"

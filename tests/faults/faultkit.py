@@ -92,8 +92,10 @@ def _listening_ports() -> list[int]:
 
 
 def _nbkit_tmp_files() -> list[str]:
-    """Everything in the temporary directory (the matrix's own: conftest's private_tmp)."""
-    return glob.glob(os.path.join(tempfile.gettempdir(), "*"))
+    """Everything in the temporary directory (the matrix's own: conftest's private_tmp), except
+    the ipykernel_PID folders where ipykernel keeps its cells' code (the kernel's, not nbkit's).
+    """
+    return [p for p in glob.glob(os.path.join(tempfile.gettempdir(), "*")) if "ipykernel_" not in p]
 
 
 @contextlib.contextmanager
