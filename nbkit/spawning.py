@@ -119,8 +119,7 @@ def check_syntax(source: str, filename: str) -> None:
     try:
         ast.parse(source, filename)
     except SyntaxError as exc:
-        details = (exc.filename, exc.lineno, exc.offset, exc.text, exc.end_lineno, exc.end_offset)
-        raise CellSyntaxError(exc.msg, details) from None
+        raise CellSyntaxError(exc) from None
 
 
 # --------------------------------------------------------------------------------------------

@@ -68,7 +68,7 @@ def test_spawn_mode_points_at_the_line_that_does_not_parse():
     with pytest.raises(CellSyntaxError) as caught:
         spawning.run_source("x = 1\nif x:\n    y = (2,\n", {}, gpus=2)
     error = caught.value
-    assert isinstance(error, SyntaxError) and isinstance(error, nbkit.NbkitError)
+    assert isinstance(error, ValueError) and isinstance(error, nbkit.NbkitError)
     assert error.lineno == 3
     rendered = "\n".join(error._render_traceback_())
     assert rendered.count("\n") <= 3  # one short message, no nbkit frames

@@ -159,3 +159,15 @@ def test_the_launch_uses_its_own_port_whatever_the_environment_says(kernel_name,
     finally:
         kernel.close()
         taken.close()
+
+
+def test_a_spawn_mode_cell_that_does_not_parse_is_one_short_message(kernel):
+    assert kernel.run("%load_ext nbkit")["error"] is None
+    out = kernel.run("%%ddp --gpus 2 --spawn\nx = 1\ny = (x,\n")
+    error = out["error"]
+    assert error is not None and error["ename"] == "CellSyntaxError"
+    shown = "\n".join(error["traceback"])
+    assert "line 2 of the cell does not parse: '(' was never closed" in shown and "y = (x," in shown
+    assert len(shown.splitlines()) <= 4 and "nbkit/" not in shown  # none of nbkit's frames
+    assert "spawn mode" not in out["stdout"]  # refused before anything started
+    assert kernel.run(_NEXT_CELL)["result"] == "42"
