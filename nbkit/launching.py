@@ -414,7 +414,7 @@ class _Run:
             print(f"nbkit: interrupted; stopped ranks {', '.join(map(str, sorted(self.pids)))}.", file=sys.stderr)
             raise KeyboardInterrupt
         for rank, status in launcher_failures.items():  # what only torch elastic saw
-            if self.exits.get(rank) == ExitStatus():
+            if self.exits.get(rank, ExitStatus()) == ExitStatus():
                 self.exits[rank] = status
         # A status torch elastic collected before the supervisor read it, without reporting it as a
         # failure, was code 0: any other code ends elastic's wait with that rank's failure.
