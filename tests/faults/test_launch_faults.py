@@ -22,7 +22,7 @@ from faultkit import Snapshot, assert_reruns, failed_within
 import nbkit
 
 # Issue 14's target is 2 s from a rank's death to the error; the bound here leaves room for this
-# shared 2-core machine (measured: 0.2-1.3 s, see benchmarks/RESULTS.md).
+# shared 2-core machine (measured: 0.24-0.96 s, see benchmarks/RESULTS.md).
 DEATH_TO_ERROR_S = 4.0
 # A launch's start (fork, gloo set-up) before the fault can happen, on the loaded machine.
 START_S = 20.0
