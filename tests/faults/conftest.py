@@ -23,10 +23,11 @@ import pytest
 from faultkit import SETTLE_S, Snapshot, assert_reruns
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def private_tmp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """A temporary directory of the matrix's own (TMPDIR, also for every process it starts): other
-    test runs on this machine share /tmp, and their files are not this matrix's leftovers.
+    """A temporary directory of the module's own (TMPDIR, also for every process it starts): other
+    test runs on this machine share /tmp, and their files are not this matrix's leftovers. Put
+    back after the module, so tests outside the matrix see the usual one.
     """
     path = tmp_path_factory.mktemp("tmpdir")
     with pytest.MonkeyPatch.context() as mp:
@@ -35,7 +36,7 @@ def private_tmp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         yield path
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def warmed_up(private_tmp: Path) -> None:
     """One launch before the first case: a process's first torch TCPStore creates a pipe pair that
     the process keeps for good (libuv's process-wide signal pipe: one per process, not per
