@@ -1,13 +1,15 @@
 """The fault matrix's shared check: whatever a case does, nothing of it is left behind.
 
-`leftovers` (autouse here) snapshots this test process before each case: its child processes
+`leftovers` snapshots this test process before each case: its child processes
 (zombies included), open descriptors, Python threads, listening TCP sockets, and nbkit's files in
 the temporary directory; after the case the same must hold. Automatic garbage collection is off
 during a case, so a launch must release its resources itself rather than through a later
 collection (issue 14: the rendezvous socket stayed until then).
 
-Cases use faultkit's `failed_within(seconds)` to time a fault and `assert_reruns()` for the
-immediate rerun.
+A module opts in with `pytestmark = pytest.mark.usefixtures("leftovers")` (not autouse: modules of
+the matrix that drive kernels from other test code decide for themselves), and marks with
+`leftovers_ignore(...)` what this process cannot attribute to nbkit. Cases use faultkit's
+`failed_within(seconds)` to time a fault and `assert_reruns()` for the immediate rerun.
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ def pytest_configure(config: pytest.Config) -> None:
     )
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture
 def leftovers(request: pytest.FixtureRequest, warmed_up: None) -> Iterator[Snapshot]:
     """Fail the case if it left a process, descriptor, thread, listening port or nbkit file."""
     if not Path("/proc/self/fd").exists():

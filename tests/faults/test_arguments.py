@@ -16,6 +16,8 @@ from nbkit import ddp_options, launching, spawning
 from nbkit.errors import BringAlongError, CellSyntaxError
 from nbkit.planner import plan
 
+pytestmark = pytest.mark.usefixtures("leftovers")
+
 
 def _touch(path: str) -> None:
     Path(path).touch()

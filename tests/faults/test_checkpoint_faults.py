@@ -15,6 +15,8 @@ import pytest
 import nbkit
 from nbkit.checkpoints import is_complete, resume_point
 
+pytestmark = pytest.mark.usefixtures("leftovers")
+
 
 def _train(path: str, out: str, kill_in: str | None) -> dict:
     import torch

@@ -30,7 +30,7 @@ _HANGING_CELL = (
 # nbkit runs in the kernels, not here: this process's own descriptors and threads are
 # jupyter_client's (ZeroMQ's epoll, eventfds and socket pairs, created lazily) and say nothing about
 # nbkit. Its children (the kernels, reaped), listening ports and temporary files are still checked.
-pytestmark = pytest.mark.leftovers_ignore("descriptors", "threads")
+pytestmark = [pytest.mark.usefixtures("leftovers"), pytest.mark.leftovers_ignore("descriptors", "threads")]
 
 
 class Kernel:

@@ -21,6 +21,8 @@ from faultkit import Snapshot, assert_reruns, failed_within
 
 import nbkit
 
+pytestmark = pytest.mark.usefixtures("leftovers")
+
 # Issue 14's target is 2 s from a rank's death to the error; the bound here leaves room for this
 # shared 2-core machine (measured: 0.24-0.96 s, see benchmarks/RESULTS.md).
 DEATH_TO_ERROR_S = 4.0
@@ -249,7 +251,7 @@ def test_an_interrupt_stops_every_rank_and_the_process_stays_usable(tmp_path, le
         "import os, sys, time\nimport nbkit\n"
         "def hang():\n    import torch.distributed as dist\n    dist.init_process_group('gloo')\n"
         "    print('ready', os.getpid(), flush=True)\n    time.sleep(300)\n"
-        "try:\n    nbkit.launch(hang, gpus=2)\nexcept KeyboardInterrupt:\n"
+        "try:\n    nbkit.launch(hang, gpus=2, quiet=False)\nexcept KeyboardInterrupt:\n"
         "    print('interrupted at', time.time(), flush=True)\n    print('again', nbkit.launch(lambda: 42, gpus=2))\n"
     )
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)

@@ -18,6 +18,8 @@ import pytest
 import nbkit
 from nbkit import spawning
 
+pytestmark = pytest.mark.usefixtures("leftovers")
+
 # Starting the launcher process (a fresh interpreter importing torch) on the loaded machine.
 START_S = 40.0
 DEATH_TO_ERROR_S = 4.0
