@@ -246,29 +246,30 @@ def test_accelerates_fault_tolerant_case_is_a_retry_around_launch(tmp_path):
 
 
 def test_an_interrupt_stops_every_rank_and_the_process_stays_usable(tmp_path, leftovers):
+    pids = tmp_path / "pids"
+    pids.mkdir()
     script = tmp_path / "interrupt.py"
     script.write_text(
-        "import os, sys, time\nimport nbkit\n"
+        "import os, sys, time\nfrom pathlib import Path\nimport nbkit\n"
         "def hang():\n    import torch.distributed as dist\n    dist.init_process_group('gloo')\n"
-        "    print('ready', os.getpid(), flush=True)\n    time.sleep(300)\n"
-        "try:\n    nbkit.launch(hang, gpus=2, quiet=False)\nexcept KeyboardInterrupt:\n"
+        f"    Path({str(pids)!r}, str(os.getpid())).touch()\n    time.sleep(120)\n"
+        "try:\n    nbkit.launch(hang, gpus=2)\nexcept KeyboardInterrupt:\n"
         "    print('interrupted at', time.time(), flush=True)\n    print('again', nbkit.launch(lambda: 42, gpus=2))\n"
     )
-    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        pids = []
-        assert proc.stdout is not None
-        while len(pids) < 2:
-            line = proc.stdout.readline()
-            assert line, "the ranks did not start"
-            if "ready" in line:  # "ready PID", "[rank 1] ready PID"
-                pids.append(int(line.split()[-1]))
+        deadline = time.monotonic() + START_S
+        while len(list(pids.iterdir())) < 2:
+            assert time.monotonic() < deadline and proc.poll() is None, "the ranks did not start"
+            time.sleep(0.05)
+        ranks = [int(p.name) for p in pids.iterdir()]
         sent = time.time()
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=60)
     finally:
         proc.kill()
         proc.wait()
+    assert "interrupted at " in out, out
     assert float(out.split("interrupted at ")[1].split()[0]) - sent < 5
-    assert "again 42" in out
-    assert not any(Path(f"/proc/{pid}").exists() for pid in pids)
+    assert "again 42" in out, out
+    assert not any(Path(f"/proc/{pid}").exists() for pid in ranks)
