@@ -37,6 +37,7 @@ _EXPORTS: dict[str, str] = {
     "LaunchError": "nbkit.errors",
     "DeviceMapError": "nbkit.errors",
     "BringAlongError": "nbkit.errors",
+    "CellSyntaxError": "nbkit.errors",
     "ExportError": "nbkit.errors",
     "CheckpointError": "nbkit.errors",
     # where this process stands

@@ -135,18 +135,31 @@ class KernelsError(NbkitError, RuntimeError):
     """
 
 
-class CellSyntaxError(NbkitError, SyntaxError):
+class CellSyntaxError(NbkitError, ValueError):
     """Code for the ranks that does not parse, reported before anything starts.
 
-    A SyntaxError (lineno, offset, text, msg as Python gives them, lines counted in the code the
-    ranks would run), shown as one short message: the line, a caret and Python's reason.
+    Not a SyntaxError subclass on purpose: IPython shows those with the full stack of the code
+    that raised them (nbkit's own frames), where this error is one short message, the line with a
+    caret and Python's reason.
+
+    Attributes:
+        msg: Python's reason ("'(' was never closed").
+        lineno: the line, counted in the code the ranks would run (a %%ddp cell's body).
+        offset: the column (1-based) Python points at, or None.
+        text: the line's text.
+        filename: the name the code was compiled under.
     """
 
-    def __str__(self) -> str:
-        line = (self.text or "").rstrip("\n")
+    def __init__(self, error: SyntaxError):
+        self.msg = error.msg
+        self.lineno = error.lineno
+        self.offset = error.offset
+        self.text = error.text
+        self.filename = error.filename
+        line = (error.text or "").rstrip("\n")
         stripped = line.lstrip()
-        caret = " " * max((self.offset or 1) - 1 - (len(line) - len(stripped)), 0) + "^"
-        return f"line {self.lineno} of the cell does not parse: {self.msg}\n    {stripped}\n    {caret}"
+        caret = " " * max((error.offset or 1) - 1 - (len(line) - len(stripped)), 0) + "^"
+        super().__init__(f"line {error.lineno} of the cell does not parse: {error.msg}\n    {stripped}\n    {caret}")
 
 
 class CheckpointError(NbkitError, OSError):

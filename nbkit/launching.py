@@ -251,9 +251,11 @@ _FAILURE_HINTS = (
 # How often the supervisor looks at the ranks: a rank that ends is named within this (plus the
 # time to stop the others), far inside the 2 s that issue 14 asks for.
 _WATCH_INTERVAL_S = 0.05
+# How long an error waits for a peer's death that caused it (see _Run._settle_errors).
+_CAUSE_WINDOW_S = 0.3
 # After the supervisor has stopped every rank, how long torch elastic gets to notice on its own
 # (it polls every 0.1 s) before the supervisor ends its wait (see _Run._abandon_launcher).
-_LAUNCHER_GRACE_S = 1.0
+_LAUNCHER_GRACE_S = 0.5
 # The signal number whose Python handler ends torch elastic's wait. It is never sent to any
 # process: _thread.interrupt_main(signum) only runs that handler in the main thread. SIGUSR2 because
 # nothing in a notebook process handles it; the handler is installed for the launch only.
@@ -355,6 +357,7 @@ class _Run:
     def __post_init__(self) -> None:
         self.pipes = channel.Channel(self.nprocs)
         self._lock = threading.Lock()
+        self._unsettled: dict[int, float] = {}  # rank -> when its error arrived (monotonic)
         self._in_launcher = False
         self._abandoned_at = -math.inf
         self.abandoned = False
@@ -412,12 +415,11 @@ class _Run:
             print(f"nbkit: interrupted; stopped ranks {', '.join(map(str, sorted(self.pids)))}.", file=sys.stderr)
             raise KeyboardInterrupt
         for rank, status in launcher_failures.items():  # what only torch elastic saw
-            if self.exits.get(rank) == ExitStatus():
+            if self.exits.get(rank, ExitStatus()) == ExitStatus():
                 self.exits[rank] = status
-        if self.abandoned:
-            # Torch elastic collects a status before nbkit reads it only to go on waiting, which it
-            # does for code 0 alone (any other code ends its wait with a failure).
-            self.exits = {r: ExitStatus(code=0) if s == ExitStatus() else s for r, s in self.exits.items()}
+        # A status torch elastic collected before the supervisor read it, without reporting it as a
+        # failure, was code 0: any other code ends elastic's wait with that rank's failure.
+        self.exits = {r: ExitStatus(code=0) if s == ExitStatus() else s for r, s in self.exits.items()}
         if self.failed:
             raise self._failure_error()
         if self.timed_out:
@@ -449,10 +451,13 @@ class _Run:
             if deadline is not None and time.monotonic() > deadline and self.stopped_at is None:
                 self.timed_out = True
                 self._stop_ranks()
+            self._settle_errors(time.monotonic() - _CAUSE_WINDOW_S)
             if self.stopped_at is not None and time.monotonic() - self.stopped_at > _LAUNCHER_GRACE_S:
                 self._stop_ranks(failed_too=True)  # a failed rank that hangs on its way out
                 self._abandon_launcher()
-        self.pipes.receive(self._handle, timeout=0)  # what the ranks wrote before they ended
+        # What the ranks wrote before they ended, and how they ended, now that all have.
+        self._check_exits(drain=True)
+        self._settle_errors(math.inf)
 
     def _handle(self, message: channel.Envelope) -> None:
         rank, body = message.rank, message.body
@@ -466,16 +471,13 @@ class _Run:
         elif isinstance(body, channel.Result):
             self.payload = body.payload
         elif isinstance(body, channel.Raised):
-            # A peer that already ended caused this one's error (a collective that lost it): it
-            # is recorded, and named, first.
-            self._check_exits(drain=False)
             if rank in self.errors:
                 return
             if self.stopped_at is not None:  # caused by the stop (or an interrupt), not a cause
                 self.errors[rank] = dataclasses.replace(body.error, secondary=True)
                 return
             self.errors[rank] = body.error
-            self._fail(rank)
+            self._unsettled[rank] = time.monotonic()
         elif isinstance(body, channel.Report) and self.on_event is not None:
             try:
                 self.on_event(rank, body.metrics)
@@ -499,8 +501,30 @@ class _Run:
             if rank in self.returned or rank in self.exits:
                 continue
             self.exits[rank] = status
-            consequence = rank in self.killed or (self.failed and status.signal == signal.SIGTERM)
+            # Once a rank exited with an error, torch elastic stops the others with SIGTERM and
+            # collects their status (unknown here): such ends are consequences, not causes.
+            by_elastic = status.signal == signal.SIGTERM or status == ExitStatus()
+            others_failed = any(r != rank for r in [*self.failed, *self.errors])
+            consequence = rank in self.killed or (by_elastic and others_failed)
             if rank not in self.errors and not consequence and self.stopped_at is None:
+                self._fail(rank)
+
+    def _settle_errors(self, arrived_before: float) -> None:
+        """Decide about the errors that arrived before `arrived_before` (monotonic time).
+
+        A rank whose peer dies raises moments later (gloo: "Connection closed by peer"), and its
+        error can reach the notebook before the dead peer's process is seen to have ended: an
+        error waits _CAUSE_WINDOW_S for such a death, which is then the cause, and the error a
+        consequence. The first error without a death before it is the failure; errors after it
+        are its consequences too (the peers of a rank that raised lose it in their next collective).
+        """
+        for rank, arrived in sorted(self._unsettled.items(), key=lambda item: item[1]):
+            if arrived >= arrived_before:
+                break
+            del self._unsettled[rank]
+            if self.failed:
+                self.errors[rank] = dataclasses.replace(self.errors[rank], secondary=True)
+            else:
                 self._fail(rank)
 
     def _fail(self, rank: int) -> None:
@@ -596,6 +620,10 @@ class _Run:
                 lines.append(err.traceback.rstrip())
             else:
                 lines.append(self.exits.get(rank, ExitStatus()).hint)
+        after = [e for r, e in sorted(self.errors.items()) if r not in failures and e.secondary]
+        for err in after:
+            first = err.message.strip().splitlines()[0] if err.message.strip() else ""
+            lines.append(f"\n(then rank {err.rank} raised {err.type}: {first})")
         return LaunchError("\n".join(lines), failures=failures, errors=self.errors)
 
 
@@ -757,7 +785,7 @@ def _kernel_signals_kept() -> Iterator[None]:
     "accelerate.launchers:are_libraries_initialized",
     reason="notebook_launcher refuses to fork once bitsandbytes is merely imported, and peft imports it "
     "wherever it is installed (Kaggle), so `import peft` in a notebook blocked every launch. The "
-    "real hazard is a CUDA context in the parent, which nbkit checks itself (check_can_fork).",
+    "real hazard is a CUDA context in the parent, which nbkit checks itself (forksafety.fork_blocker).",
     upstream="https://github.com/huggingface/accelerate/issues/1807",
     group="launch",
 )
@@ -768,15 +796,42 @@ def _fork_hazards_are_checked_by_nbkit(original: Callable[..., list[str]]) -> Ca
     return are_libraries_initialized
 
 
+@patching.patch(
+    "torch.distributed.launcher.api:LaunchConfig.__post_init__",
+    reason="torch elastic's default log specs create a torchelastic_* directory in the temporary directory for "
+    "every launch and never remove it (measured: one per nbkit.launch, error files inside after a failure); "
+    "notebook_launcher offers no way to pass log specs. nbkit's ranks report through their own pipes and "
+    "print to the notebook, so the launch gets log specs with log_dir=os.devnull, which torch documents as "
+    "writing no files.",
+    upstream="none filed yet: torch/distributed/elastic/multiprocessing/api.py DefaultLogsSpecs(log_dir=None) "
+    "calls tempfile.mkdtemp(prefix='torchelastic_'); accelerate's notebook_launcher builds LaunchConfig "
+    "without logs_specs",
+    group="launch",
+)
+def _no_elastic_log_directory(original: Callable[..., None]) -> Callable[..., None]:
+    def __post_init__(self: Any) -> None:
+        if self.logs_specs is None:
+            from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+
+            self.logs_specs = DefaultLogsSpecs(log_dir=os.devnull)
+        original(self)
+
+    return __post_init__
+
+
 def _start(child: _Child, nprocs: int, port: int) -> None:
+    patching.apply("launch")
+    try:
+        _start_ranks(child, nprocs, port)
+    finally:
+        patching.revert("launch")
+
+
+def _start_ranks(child: _Child, nprocs: int, port: int) -> None:
     if nprocs > 1:
         from accelerate import notebook_launcher
 
-        patching.apply("launch")
-        try:
-            notebook_launcher(child, num_processes=nprocs, use_port=str(port), master_addr="127.0.0.1")
-        finally:
-            patching.revert("launch")
+        notebook_launcher(child, num_processes=nprocs, use_port=str(port), master_addr="127.0.0.1")
         return
     # notebook_launcher runs a single process inside the notebook itself, which would create the
     # CUDA context and an Accelerator here and make every later launch fail; fork one rank instead.
@@ -858,11 +913,11 @@ class _Child:
                     )
                 )
             )
-            if not isinstance(exc, Exception):
-                # KeyboardInterrupt and SystemExit(0) would end the rank with code 0, which torch
-                # elastic takes for a rank whose result is on its way: end with 1, a failure.
-                raise SystemExit(1) from exc
-            raise
+            # The notebook has the error now. End with code 1 rather than re-raising: torch would
+            # write the traceback to a pytorch-errorfile-* left in the temporary directory, and
+            # turn KeyboardInterrupt into code 0, which torch elastic takes for a rank whose
+            # result is on its way.
+            raise SystemExit(1) from exc
         finally:
             for stream in (sys.stdout, sys.stderr):
                 with contextlib.suppress(Exception):

@@ -51,7 +51,7 @@ import cloudpickle
 from nbkit import cells, dashboard, distributed, forksafety, launching
 from nbkit.errors import BringAlongError, CellSyntaxError, LaunchError, RankError
 
-__all__ = ["BringAlongError", "BroughtAlong", "bring_along", "fork_blocker", "run_source"]
+__all__ = ["BringAlongError", "BroughtAlong", "bring_along", "check_syntax", "fork_blocker", "run_source"]
 
 # IPython's own names in a notebook namespace (history, output cache, helpers): never brought along.
 _IPYTHON_NAME = re.compile(r"^(In|Out|get_ipython|exit|quit|_(i+|\d+|i\d+|oh|ih|dh)?|__+|__\w+__)$")
@@ -119,8 +119,7 @@ def check_syntax(source: str, filename: str) -> None:
     try:
         ast.parse(source, filename)
     except SyntaxError as exc:
-        details = (exc.filename, exc.lineno, exc.offset, exc.text, exc.end_lineno, exc.end_offset)
-        raise CellSyntaxError(exc.msg, details) from None
+        raise CellSyntaxError(exc) from None
 
 
 # --------------------------------------------------------------------------------------------
@@ -306,6 +305,8 @@ _Outcome = _Finished | _Failed | _Interrupted | _Refused
 
 
 class _Coordinator:
+    """Runs one job: starts the launcher process, sends the job, relays its output and reports."""
+
     def __init__(self, job: _Job):
         self.job = job
         self.cell = dashboard.OutputCell()
@@ -345,6 +346,8 @@ class _Coordinator:
             for thread in forwarders:
                 thread.join(timeout=5)
             reader.close()
+            with contextlib.suppress(OSError):  # closed already unless the job never went out
+                proc.stdin.close()  # type: ignore[union-attr]
         return self._finish(outcome, proc.returncode)
 
     def _send_job(self, proc: subprocess.Popen) -> None:

@@ -1,0 +1,198 @@
+"""Soak: many nbkit.launch calls in a row, alternating success and failure, watching for growth.
+
+    python benchmarks/soak.py [--n 200] [--gpus 2] [--out soak.json]
+
+Launch i succeeds when i is even; odd launches fail, cycling through the faults that end a rank
+differently (an exception, os._exit(0), SIGKILL mid-all-reduce, a hang stopped by a 2 s timeout).
+Every launch is checked: a success returns its value, a failure raises LaunchError naming the
+rank and cause that was injected. After each launch the process's descriptors, Python threads,
+child processes, /dev/shm entries and resident memory are sampled. The JSON printed (and written
+to --out) holds the time per launch (median, p95, max, per outcome), the first and last sample
+and the growth between them (taken after --warmup launches, which create what a process keeps
+for good, such as torch's first TCPStore pipe), and any launch whose outcome was wrong.
+
+Runs on CPU (gloo ranks) or GPUs alike. The live-set cells of issue 12 are a second kind of
+iteration: `ITERATIONS` is where a "live" kind joins "launch" once nbkit's live-set API exists.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import signal
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import nbkit
+
+
+def _group() -> Any:
+    import torch.distributed as dist
+
+    backend = "nccl" if __import__("torch").cuda.is_available() else "gloo"
+    if backend == "nccl":
+        __import__("torch").cuda.set_device(nbkit.local_rank())
+    dist.init_process_group(backend)
+    return dist
+
+
+def succeeds() -> int:
+    dist = _group()
+    t = __import__("torch").ones(1, device="cuda" if dist.get_backend() == "nccl" else "cpu")
+    dist.all_reduce(t)
+    dist.destroy_process_group()
+    return int(t.item())
+
+
+def raises() -> None:
+    dist = _group()
+    if nbkit.rank() == 1:
+        raise ValueError("soak: injected failure")
+    dist.barrier()
+
+
+def exits() -> None:
+    dist = _group()
+    if nbkit.rank() == 1:
+        os._exit(0)
+    dist.barrier()
+
+
+def killed() -> None:
+    dist = _group()
+    t = __import__("torch").ones(1024, device="cuda" if dist.get_backend() == "nccl" else "cpu")
+    for step in range(1000):
+        if step == 2 and nbkit.rank() == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        dist.all_reduce(t)
+
+
+def hangs() -> None:
+    dist = _group()
+    if nbkit.rank() == 0:
+        dist.barrier()
+    time.sleep(60)
+
+
+# (function, timeout, what the LaunchError must start with; None: it must succeed)
+FAULTS: list[tuple[Callable[[], Any], float | None, str]] = [
+    (raises, None, "rank 1 failed"),
+    (exits, None, "rank 1 exited with code 0"),
+    (killed, None, "rank 1 died from signal SIGKILL"),
+    (hangs, 2.0, "The launch did not finish within the timeout"),
+]
+
+
+def launch_iteration(i: int, gpus: int) -> tuple[str, str | None]:
+    """One launch: even i succeeds, odd i fails with the next fault. Returns (kind, problem)."""
+    if i % 2 == 0:
+        value = nbkit.launch(succeeds, gpus=gpus, dashboard=False)
+        expected = gpus
+        return "success", None if value == expected else f"returned {value!r}, expected {expected}"
+    fn, timeout, lead = FAULTS[(i // 2) % len(FAULTS)]
+    try:
+        nbkit.launch(fn, gpus=gpus, timeout=timeout, dashboard=False)
+    except nbkit.LaunchError as exc:
+        return fn.__name__, None if str(exc).startswith(lead) else f"message {str(exc)[:200]!r}"
+    return fn.__name__, "did not fail"
+
+
+ITERATIONS = {"launch": launch_iteration}
+
+
+def sample() -> dict[str, float]:
+    """What a leak would grow: descriptors, threads, children, /dev/shm entries, RSS (MiB)."""
+    me = os.getpid()
+    children = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(") ", 1)[1].split()[1]) == me:
+                children += 1
+        except (OSError, IndexError, ValueError):
+            pass
+    status = Path("/proc/self/status").read_text().splitlines()
+    rss_kib = next(int(line.split()[1]) for line in status if line.startswith("VmRSS:"))
+    return {
+        "fds": len(os.listdir("/proc/self/fd")),
+        "threads": threading.active_count(),
+        "os_threads": len(os.listdir("/proc/self/task")),
+        "children": children,
+        "dev_shm": len(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else 0,
+        "rss_mib": round(rss_kib / 1024, 1),
+    }
+
+
+def _stats(values: list[float]) -> dict[str, float]:
+    ordered = sorted(values)
+    return {
+        "n": len(ordered),
+        "median_s": round(statistics.median(ordered), 3),
+        "p95_s": round(ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))], 3),
+        "max_s": round(ordered[-1], 3),
+    }
+
+
+def soak(n: int, gpus: int, warmup: int, kind: str = "launch") -> dict[str, Any]:
+    """Run `n` iterations of `kind`; return the report (see the module doc)."""
+    iteration = ITERATIONS[kind]
+    times: dict[str, list[float]] = {}
+    problems = []
+    first: dict[str, float] = {}
+    peak: dict[str, float] = {}
+    last: dict[str, float] = {}
+    for i in range(n):
+        start = time.monotonic()
+        outcome, problem = iteration(i, gpus)
+        times.setdefault(outcome, []).append(time.monotonic() - start)
+        if problem:
+            problems.append({"iteration": i, "kind": outcome, "problem": problem})
+        now = sample()
+        if i + 1 == warmup:
+            first = now
+        if i + 1 >= warmup:
+            peak = {k: max(v, peak.get(k, v)) for k, v in now.items()}
+            last = now
+    gc.collect()
+    after_gc = sample()
+    return {
+        "kind": kind,
+        "iterations": n,
+        "gpus": gpus,
+        "warmup": warmup,
+        "time_per_launch": {k: _stats(v) for k, v in times.items()},
+        "all_launches": _stats([t for v in times.values() for t in v]),
+        "first_sample": first,
+        "last_sample": last,
+        "peak_sample": peak,
+        "after_gc": after_gc,
+        "growth": {k: round(last[k] - first[k], 1) for k in first},
+        "wrong_outcomes": problems,
+        "python": sys.version.split()[0],
+        "torch": __import__("torch").__version__,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--n", type=int, default=200, help="iterations (default 200)")
+    parser.add_argument("--gpus", type=int, default=2, help="ranks per launch (CPU: gloo processes)")
+    parser.add_argument("--warmup", type=int, default=4, help="iterations before the first sample")
+    parser.add_argument("--kind", choices=sorted(ITERATIONS), default="launch")
+    parser.add_argument("--out", help="also write the JSON here")
+    args = parser.parse_args()
+    report = soak(args.n, args.gpus, min(args.warmup, args.n), args.kind)
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

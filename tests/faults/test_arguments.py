@@ -1,0 +1,126 @@
+"""Bad arguments: each refused with one message naming the argument and what it takes, before any
+process starts (the leftovers fixture checks that none did), in well under a second's work.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+
+import pytest
+from faultkit import assert_reruns
+
+import nbkit
+from nbkit import ddp_options, launching, spawning
+from nbkit.errors import BringAlongError, CellSyntaxError
+from nbkit.planner import plan
+
+pytestmark = pytest.mark.usefixtures("leftovers")
+
+
+def _touch(path: str) -> None:
+    Path(path).touch()
+
+
+@pytest.mark.parametrize(
+    ("timeout", "error", "text"),
+    [
+        ("5", TypeError, "timeout must be a number of seconds (or None for no limit); got str '5'"),
+        (True, TypeError, "got bool True"),
+        (-5, ValueError, "finite number of seconds above 0 (or None for no limit); got -5"),
+        (0, ValueError, "got 0"),
+        (math.nan, ValueError, "got nan"),
+        (math.inf, ValueError, "got inf"),
+    ],
+)
+def test_timeout_is_refused_before_anything_starts(tmp_path, timeout, error, text):
+    ran = tmp_path / "ran"
+    start = time.monotonic()
+    with pytest.raises(error) as caught:
+        nbkit.launch(_touch, str(ran), gpus=2, timeout=timeout)
+    assert text in str(caught.value)
+    with pytest.raises(error, match="timeout must be"):
+        spawning.run_source("1", {}, gpus=2, timeout=timeout)
+    assert time.monotonic() - start < 5
+    assert not ran.exists()
+
+
+@pytest.mark.parametrize("gpus", [0, -1, 1.5, "2", True])
+def test_gpus_must_be_a_whole_number_of_at_least_one(gpus):
+    with pytest.raises(ValueError, match=r"gpus must be a positive whole number or None .*; got"):
+        nbkit.launch(print, gpus=gpus)
+    with pytest.raises(ValueError, match="gpus must be a positive whole number"):
+        spawning.run_source("1", {}, gpus=gpus)
+
+
+def test_cpu_ranks_are_capped_instead_of_forking_a_thousand():
+    limit = launching.cpu_rank_limit()
+    assert limit >= 8
+    start = time.monotonic()
+    with pytest.raises(ValueError) as caught:
+        nbkit.launch(print, gpus=1000)
+    assert time.monotonic() - start < 5
+    message = str(caught.value)
+    assert "gpus=1000 would start 1000 CPU processes" in message and f"limit of {limit}" in message
+    assert_reruns(2)
+
+
+def test_spawn_mode_points_at_the_line_that_does_not_parse():
+    with pytest.raises(CellSyntaxError) as caught:
+        spawning.run_source("x = 1\nif x:\n    y = (2,\n", {}, gpus=2)
+    error = caught.value
+    assert isinstance(error, ValueError) and isinstance(error, nbkit.NbkitError)
+    assert error.lineno == 3
+    rendered = "\n".join(error._render_traceback_())
+    assert rendered.count("\n") <= 3  # one short message, no nbkit frames
+    assert "line 3 of the cell does not parse: '(' was never closed" in rendered
+    assert "y = (2," in rendered
+
+
+def test_spawn_mode_names_a_value_it_cannot_send():
+    import threading
+
+    with pytest.raises(BringAlongError, match="cannot bring 'lock' along.*cannot be pickled"):
+        spawning.run_source("lock.locked()", {"lock": threading.Lock()}, gpus=2)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "text"),
+    [
+        ({"gpu_memory_gib": 0}, "gpu_memory_gib must be a finite number of GiB above 0, not 0"),
+        ({"gpu_memory_gib": math.nan}, "not nan"),
+        ({"gpu_memory_gib": math.inf}, "not inf"),
+        ({"gpu_memory_gib": "15"}, "not '15'"),
+        ({"gpus": 0, "gpu_memory_gib": 15}, "gpus must be a positive whole number, not 0"),
+        ({"gpus": True, "gpu_memory_gib": 15}, "not True"),
+    ],
+)
+def test_plan_refuses_numbers_out_of_range(kwargs, text):
+    with pytest.raises(ValueError) as caught:
+        plan("tiny:qwen3", **{"gpus": 2, **kwargs})
+    assert text in str(caught.value)
+
+
+def test_plan_of_a_model_that_does_not_exist_offline_is_one_message():
+    with pytest.raises(ValueError) as caught:
+        plan("nobody/no-such-model-7B", gpus=2, gpu_memory_gib=15)
+    message = str(caught.value)
+    assert message.startswith("Cannot read the config of 'nobody/no-such-model-7B'")
+    assert "HF_HUB_OFFLINE=1" in message and "Pass a local path" in message
+    assert caught.value.__cause__ is None and caught.value.__suppress_context__  # not transformers' chain
+
+
+@pytest.mark.parametrize(
+    ("line", "text"),
+    [
+        ("--gpus 0", "--gpus takes a whole number of at least 1"),
+        ("--timeout 0", "timeout"),
+        ("--timeout -5", "timeout"),
+        ("--timeout nan", "timeout"),
+        ("--out class", "--out needs a Python name"),
+    ],
+)
+def test_ddp_cell_options_out_of_range(line, text):
+    with pytest.raises(ddp_options.OptionsError, match=text):
+        ddp_options.parse(line)
