@@ -1,6 +1,8 @@
-"""Soak: many nbkit.launch calls in a row, alternating success and failure, watching for growth.
+"""Soak: many nbkit.launch calls (or live-set cells) in a row, alternating success and failure,
+watching for growth.
 
     python benchmarks/soak.py [--n 200] [--gpus 2] [--out soak.json]
+    python benchmarks/soak.py --kind live [--n 200] [--gpus 2] [--out soak-live.json]
 
 Launch i succeeds when i is even; odd launches fail, cycling through the faults that end a rank
 differently (an exception, os._exit(0), SIGKILL mid-all-reduce, a hang stopped by a 2 s timeout).
@@ -11,8 +13,15 @@ to --out) holds the time per launch (median, p95, max, per outcome), the first a
 and the growth between them (taken after --warmup launches, which create what a process keeps
 for good, such as torch's first TCPStore pipe), and any launch whose outcome was wrong.
 
-Runs on CPU (gloo ranks) or GPUs alike. The live-set cells of issue 12 are a second kind of
-iteration: `ITERATIONS` is where a "live" kind joins "launch" once nbkit's live-set API exists.
+`--kind live` runs cells on one live set (nbkit.start) instead: cell i succeeds when i is even (it
+adds to a counter that stays on the ranks, and the value returned must be the number of successes
+so far on this set); odd cells fail, cycling through eight: six cells that raise on rank 1 (the set stays
+up and keeps its counter), one where rank 1 ends itself with os._exit(3) (the set ends, naming it)
+and one stuck in a collective past a 2 s timeout (the set ends); after a set ends, the next cell
+starts a new one (its start-up counted in that cell's time, reported as "restart + ..."). For the
+live kind, samples are taken only after plain successes, so that every sample sees a running set.
+
+Runs on CPU (gloo ranks) or GPUs alike.
 """
 
 from __future__ import annotations
@@ -104,7 +113,57 @@ def launch_iteration(i: int, gpus: int) -> tuple[str, str | None]:
     return fn.__name__, "did not fail"
 
 
-ITERATIONS = {"launch": launch_iteration}
+# --kind live: (code for the failing cell, timeout, text the LiveError must contain, the set survives)
+_RAISES = (
+    "import nbkit\nif nbkit.rank() == 1:\n    raise ValueError('cell fails')",
+    None,
+    "ValueError: cell fails",
+    True,
+)
+LIVE_FAULTS = [
+    _RAISES,
+    _RAISES,
+    _RAISES,
+    ("import os, nbkit\nif nbkit.rank() == 1:\n    os._exit(3)", None, "exited with code 3", False),
+    _RAISES,
+    _RAISES,
+    _RAISES,
+    (
+        "import time, nbkit, torch.distributed as dist\nif nbkit.rank() == 1:\n    time.sleep(60)\ndist.barrier()",
+        2.0,
+        "timeout",
+        False,
+    ),
+]
+_live: dict[str, Any] = {"ranks": None, "successes": 0}
+
+
+def live_iteration(i: int, gpus: int) -> tuple[str, str | None]:
+    """One cell on the live set (started anew where the last one ended). Returns (kind, problem)."""
+    restarted = _live["ranks"] is None
+    if restarted:
+        _live["ranks"], _live["successes"] = nbkit.start(gpus=gpus), 0
+    ranks = _live["ranks"]
+    if i % 2 == 0:
+        value = ranks.exec("counter = globals().get('counter', 0) + 1\ncounter")
+        _live["successes"] += 1
+        kind = "restart + success" if restarted else "success"
+        return kind, None if value == _live["successes"] else f"returned {value!r}, expected {_live['successes']}"
+    code, timeout, expected, survives = LIVE_FAULTS[(i // 2) % len(LIVE_FAULTS)]
+    kind = ("restart + " if restarted else "") + ("raises" if survives else "ends the set")
+    try:
+        ranks.exec(code, timeout=timeout)
+    except nbkit.LiveError as exc:
+        if not survives:
+            ranks.stop()
+            _live["ranks"] = None
+        elif not ranks.status().running:
+            return kind, "the set ended after a cell that only raised"
+        return kind, None if expected in str(exc) else f"message {str(exc)[:300]!r}"
+    return kind, "did not fail"
+
+
+ITERATIONS = {"launch": launch_iteration, "live": live_iteration}
 
 
 def sample() -> dict[str, float]:
@@ -153,12 +212,17 @@ def soak(n: int, gpus: int, warmup: int, kind: str = "launch") -> dict[str, Any]
         times.setdefault(outcome, []).append(time.monotonic() - start)
         if problem:
             problems.append({"iteration": i, "kind": outcome, "problem": problem})
+        if kind == "live" and outcome != "success":
+            continue  # a sample with the set running, or with it ended, would not compare
         now = sample()
-        if i + 1 == warmup:
+        if not first and i + 1 >= warmup:
             first = now
         if i + 1 >= warmup:
             peak = {k: max(v, peak.get(k, v)) for k, v in now.items()}
             last = now
+    if _live["ranks"] is not None:
+        _live["ranks"].stop()
+        _live["ranks"] = None
     gc.collect()
     after_gc = sample()
     return {
