@@ -47,7 +47,7 @@ from __future__ import annotations
 import functools
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, cast
 
 import torch
@@ -197,6 +197,19 @@ def _decoder(model: nn.Module) -> nn.Module:
     return base.get_decoder() if callable(getattr(base, "get_decoder", None)) else base
 
 
+def _mixins(model: nn.Module) -> Iterator[tuple[nn.Module, type]]:
+    """The modules of `model`'s language model that get a Liger mixin, each with its mixin."""
+    for norm in _norms(_decoder(model)):
+        yield norm, _LigerRMSNorm
+    for layer in decoder_layers(base_model(model)):
+        mlp = layer_mlp(layer)
+        if mlp is not None:
+            yield mlp, _LigerSwiGLU
+        attention = _attention(layer)
+        if attention is not None:
+            yield attention, _LigerAttention
+
+
 def enable(model: nn.Module) -> None:
     """Put Liger's RMSNorm, SwiGLU and RoPE kernels into `model`'s language model (bare, peft or DDP-wrapped).
 
@@ -204,18 +217,10 @@ def enable(model: nn.Module) -> None:
     separate: pass `fused_linear_cross_entropy` to nbkit.savers.loss.apply (nbkit.savers.apply does).
     """
     check(model)
-    base = base_model(model)
-    for norm in _norms(_decoder(model)):
-        add_mixin(norm, _LigerRMSNorm)
-    for layer in decoder_layers(base):
-        mlp = layer_mlp(layer)
-        if mlp is not None:
-            add_mixin(mlp, _LigerSwiGLU)
-        attention = _attention(layer)
-        if attention is not None:
-            add_mixin(attention, _LigerAttention)
+    for module, mixin in _mixins(model):
+        add_mixin(module, mixin)
     with _lock:
-        _ENABLED.add(base)
+        _ENABLED.add(base_model(model))
         patching.apply(_GROUP)
 
 
@@ -225,18 +230,10 @@ def disable(model: nn.Module) -> None:
     A no-op where kernels are not on. Call it before removing another mixin from the same MLP
     (nbkit.savers.remove does): the mixins come off in the reverse order they went on.
     """
-    base = base_model(model)
-    for norm in _norms(_decoder(model)):
-        remove_mixin(norm, _LigerRMSNorm)
-    for layer in decoder_layers(base):
-        mlp = layer_mlp(layer)
-        if mlp is not None:
-            remove_mixin(mlp, _LigerSwiGLU)
-        attention = _attention(layer)
-        if attention is not None:
-            remove_mixin(attention, _LigerAttention)
+    for module, mixin in _mixins(model):
+        remove_mixin(module, mixin)
     with _lock:
-        _ENABLED.discard(base)
+        _ENABLED.discard(base_model(model))
         if not _ENABLED:
             patching.revert(_GROUP)
 
