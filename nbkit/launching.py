@@ -941,6 +941,10 @@ def _route_output(rank: int, quiet: bool) -> None:
     if quiet:
         devnull = open(os.devnull, "w")  # noqa: SIM115 (the rank's stdout for the rest of its life)
         sys.stdout = sys.stderr = devnull
+        # C++ code writes to the descriptors themselves (DDP's find_unused_parameters warning printed
+        # once per rank in the notebook): in this forked rank they are its own, so point them away too.
+        os.dup2(devnull.fileno(), 1)
+        os.dup2(devnull.fileno(), 2)
         return
     sys.stdout = _Prefixed(sys.stdout, f"[rank {rank}] ")
     sys.stderr = _Prefixed(sys.stderr, f"[rank {rank}] ")

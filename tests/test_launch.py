@@ -59,13 +59,15 @@ def test_returns_rank0_value_and_sets_up_each_rank(capfd):
 def _print_from_each_rank() -> None:
     print(f"hello from {nbkit.rank()}")
     print(f"second line {nbkit.rank()}", file=sys.stderr)
+    # What C++ code writes (torch's DDP warnings) goes to the file descriptor, past sys.stderr.
+    os.write(2, f"c-level {nbkit.rank()}\n".encode())
 
 
 def test_rank0_output_only_by_default_other_ranks_prefixed_on_request(capfd):
     nbkit.launch(_print_from_each_rank, gpus=2)  # the default, as in %%ddp: rank 0 only
     out, err = capfd.readouterr()
-    assert "hello from 0" in out
-    assert "rank 1" not in out + err and "from 1" not in out
+    assert "hello from 0" in out and "c-level 0" in err
+    assert "rank 1" not in out + err and "from 1" not in out and "c-level 1" not in err
 
     nbkit.launch(_print_from_each_rank, gpus=2, quiet=False)
     out, err = capfd.readouterr()
