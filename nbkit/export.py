@@ -25,6 +25,13 @@ The %%ddp line's `$name`, `$name.attr` and `{expr}` are expanded as IPython expa
 namespace (nothing else of the notebook runs). A name that is not a parameter is an error naming
 it. An option whose value comes out as `None` (a parameter left at None, e.g. `--gpus $gpus`
 with `gpus = None`) takes its default, which is None for every valued option of %%ddp.
+
+A notebook that runs its %%ddp cells on a live set (`%ddp start` above them) keeps state across
+those cells: the model loaded in one is trained in a later one. Exporting such a cell exports every
+%%ddp cell of the set up to it, in order, each as a function whose top-level names are the
+script's globals (as they are the rank's names in the live set), cells run `--rank N` only on those
+ranks, and the `%ddp start` line's --gpus/--timeout/--env become the launch's; the exported cell's
+value is what the script returns.
 """
 
 from __future__ import annotations
@@ -102,24 +109,81 @@ def export_script(notebook_path: str | os.PathLike[str], cell: str | int, out: s
     where = f"Cell {index} of {nb_path.name}"
     if target.cell_type != "code":
         raise ExportError(f"{where} is a {target.cell_type} cell, not code.")
-    magic_line, body = _split_cell_magic(target.source)
     statements, skipped = _earlier_statements(notebook.cells[:index])
-    options = _ddp_options(magic_line, statements, where)
-    try:
-        body, tree = _as_python(body)
-    except SyntaxError as exc:
-        raise ExportError(f"{where} is not valid Python at line {exc.lineno}: {exc.msg}.") from exc
-    _refuse_ipython(body, where)
-
-    kept = _slice(statements, cells.free_names(tree.body))
+    start_line, earlier = _live_set(notebook.cells[:index])
+    parts = [_Part.read(i, notebook.cells[i].source, statements, nb_path.name) for i in [*earlier, index]]
+    options = parts[-1].options
+    if start_line is not None:
+        start = _start_options(start_line, statements, where)
+        options = dataclasses.replace(
+            options, gpus=start.gpus, env={**start.env, **options.env}, timeout=options.timeout or start.timeout
+        )
+    exported = {f"cell {part.cell} (%%ddp)" for part in parts}
+    skipped = [item for item in skipped if item not in exported]
+    needed = cells.free_names([node for part in parts for node in part.tree.body])
+    kept = _slice(statements, needed)
     for statement in kept:
         _refuse_ipython(statement.code, f"Cell {statement.cell} of {nb_path.name}")
-    function = _unused_name(
-        "ddp_cell", {n for s in statements for n in cells.usage([s.node]).binds} | cells.usage(tree.body).binds
-    )
-    script = _render(nb_path, index, cell, options, kept, skipped, function, body, tree, out_path.name)
+    taken = {n for s in statements for n in cells.usage([s.node]).binds}
+    taken |= {n for part in parts for n in cells.usage(part.tree.body).binds}
+    function = _unused_name("ddp_cell", taken)
+    script = _render(nb_path, index, cell, options, kept, skipped, function, parts, taken, out_path.name)
     out_path.write_text(script)
     return out_path
+
+
+@dataclass
+class _Part:
+    """One %%ddp cell of what is exported: its index, options, Python body and tree."""
+
+    cell: int
+    options: ddp_options.DdpOptions
+    body: str
+    tree: ast.Module
+
+    @classmethod
+    def read(cls, index: int, source: str, statements: list[_Statement], notebook: str) -> _Part:
+        where = f"Cell {index} of {notebook}"
+        magic_line, body = _split_cell_magic(source)
+        options = _ddp_options(magic_line, statements, where)
+        try:
+            body, tree = _as_python(body)
+        except SyntaxError as exc:
+            raise ExportError(f"{where} is not valid Python at line {exc.lineno}: {exc.msg}.") from exc
+        _refuse_ipython(body, where)
+        return cls(index, options, body, tree)
+
+
+def _live_set(nb_cells: list[Any]) -> tuple[str | None, list[int]]:
+    """The `%ddp start` line in force after `nb_cells` (None: no live set) and the indices of the
+    %%ddp cells that ran on that set, in order.
+    """
+    start_line: str | None = None
+    ran: list[int] = []
+    for index, cell in enumerate(nb_cells):
+        if cell.cell_type != "code":
+            continue
+        if cell.source.lstrip().startswith("%%ddp"):
+            if start_line is not None:
+                ran.append(index)
+            continue
+        for line in cell.source.splitlines():
+            words = line.split()
+            if words[:2] == ["%ddp", "start"]:
+                start_line, ran = line.strip()[len("%ddp start") :], []
+            elif words[:2] == ["%ddp", "stop"]:
+                start_line, ran = None, []
+    return start_line, ran
+
+
+def _start_options(line: str, statements: list[_Statement], where: str) -> ddp_options.StartOptions:
+    """The options of the `%ddp start` line above the cell, expanded as a %%ddp line is."""
+    if "$" in line or "{" in line:
+        line = _expand(line, statements, where)
+    try:
+        return ddp_options.parse_start(_without_none_values(line))
+    except ddp_options.OptionsError as exc:
+        raise ExportError(f"{where}: the `%ddp start` line above it: {exc}") from None
 
 
 def _same_file(a: Path, b: Path) -> bool:
@@ -417,12 +481,12 @@ def _render(
     nb_path: Path,
     index: int,
     wanted: Any,
-    options: Any,
+    options: ddp_options.DdpOptions,
     kept: list[_Statement],
     skipped: list[str],
     function: str,
-    body: str,
-    tree: ast.Module,
+    parts: list[_Part],
+    taken: set[str],
     script: str,
 ) -> str:
     gpus = options.gpus
@@ -435,6 +499,8 @@ def _render(
         f"  or: accelerate launch --num_processes {n} {script}",
         f"  or: python {script}   (nbkit.launch forks {forks})",
     ]
+    if len(parts) > 1:
+        doc += ["", f"The live set's %%ddp cells {', '.join(str(p.cell) for p in parts)} run in order on every rank."]
     if skipped:
         doc += ["", "Not exported (notebook only): " + ", ".join(skipped) + "."]
     out = ["#!/usr/bin/env python", '"""' + "\n".join(doc) + '\n"""', ""]
@@ -451,15 +517,11 @@ def _render(
         elif isinstance(statement.node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             out.append("")
         out.append(statement.code.rstrip())
-    out += [
-        "",
-        "",
-        f"def {function}():",
-        f'    """The %%ddp cell (cell {index}); runs on every rank."""',
-        _function_body(body, tree),
-        "",
-        "",
-    ]
+    if len(parts) == 1:
+        out += ["", "", f"def {function}():", f'    """The %%ddp cell (cell {index}); runs on every rank."""']
+        out += [_function_body(parts[0].body, parts[0].tree), "", ""]
+    else:
+        out += _live_functions(function, parts, taken)
     call = [f"gpus={gpus!r}"]
     if options.timeout is not None:
         call.append(f"timeout={options.timeout!r}")
@@ -477,6 +539,36 @@ def _render(
         "",
     ]
     return "\n".join(out)
+
+
+def _live_functions(function: str, parts: list[_Part], taken: set[str]) -> list[str]:
+    """One function per %%ddp cell of a live set, its top-level names the script's globals (as
+    they stay the rank's names between cells), and `function`, which calls them in order.
+    """
+    names = [_unused_name(f"ddp_cell_{part.cell}", taken | {function}) for part in parts]
+    out: list[str] = []
+    for name, part in zip(names, parts):
+        bound = sorted(cells.usage(part.tree.body).binds)
+        out += ["", "", f"def {name}():", f'    """%%ddp cell {part.cell}."""']
+        if bound:
+            out.append(f"    global {', '.join(bound)}")
+        out += [_function_body(part.body, part.tree), ""]
+    out += [
+        "",
+        f"def {function}():",
+        f'    """The live set\'s %%ddp cells, in order, on every rank; returns cell {parts[-1].cell}\'s value."""',
+        "    import nbkit",
+        "",
+    ]
+    for name, part in zip(names, parts):
+        is_last = part is parts[-1]
+        call = f"return {name}()" if is_last else f"{name}()"
+        if part.options.ranks is None:
+            out.append(f"    {call}")
+        else:
+            out += [f"    if nbkit.rank() in {tuple(part.options.ranks)!r}:  # %%ddp --rank", f"        {call}"]
+    out += ["", ""]
+    return out
 
 
 def _function_body(body: str, tree: ast.Module) -> str:

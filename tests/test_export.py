@@ -300,3 +300,32 @@ def test_a_shipped_training_cell_exports_to_a_script_that_trains_under_torchrun(
     assert result["global_step"] == 2 and result["resumed_from"] is None
     assert result["last_loss"] > 0
     assert proc.stdout.count("'global_step'") == 1
+
+
+# ----------------------------------------------------------------------------------------------
+# A live set's cells keep their names between cells: exporting one exports the set's cells up to it.
+
+
+def test_a_live_set_cell_exports_with_the_cells_that_ran_before_it_on_the_set(tmp_path):
+    nb = new_notebook(
+        cells=[
+            new_code_cell("workers = 2", metadata={"tags": ["parameters"]}),
+            new_code_cell("%%ddp --gpus 9\nignored = 'a one-shot cell before the set, not part of it'"),
+            new_code_cell("%load_ext nbkit\n%ddp start --gpus $workers --env A=1"),
+            new_code_cell("offset = 100"),
+            new_code_cell("%%ddp\nimport math\nbase = math.floor(2.5) + offset"),
+            new_code_cell("%%ddp --rank 0\nbase = base * 10"),
+            new_code_cell("%%ddp --out value\nbase + 1", metadata={"tags": ["train"]}),
+            new_code_cell("%ddp stop"),
+        ]
+    )
+    nb_path = tmp_path / "live.ipynb"
+    nbformat.write(nb, nb_path)
+    script = export_script(nb_path, "train", tmp_path / "train.py").read_text()
+    assert "nbkit.launch(ddp_cell, gpus=2, quiet=True)" in script  # --gpus from the %ddp start line
+    assert "os.environ.setdefault('A', '1')" in script
+    assert "cells 4, 5, 6 run in order" in script and "ignored" not in script
+    assert "global base, math" in script and "if nbkit.rank() in (0,):" in script
+    namespace = runpy.run_path(str(tmp_path / "train.py"), run_name="exported")
+    # Outside a distributed run this process is rank 0: every cell runs, in order, sharing names.
+    assert namespace["ddp_cell"]() == (2 + 100) * 10 + 1
