@@ -296,7 +296,10 @@ def test_a_shipped_training_cell_exports_to_a_script_that_trains_under_torchrun(
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    result = ast.literal_eval(proc.stdout.strip().splitlines()[-1])  # rank 0 prints the cell's value, once
+    # rank 0 prints the cell's value, once (under torchrun the other ranks' lines come prefixed "[rank N] ",
+    # in any order relative to rank 0's)
+    rank0 = [line for line in proc.stdout.strip().splitlines() if not line.startswith("[rank ")]
+    result = ast.literal_eval(rank0[-1])
     assert result["global_step"] == 2 and result["resumed_from"] is None
     assert result["last_loss"] > 0
     assert proc.stdout.count("'global_step'") == 1
