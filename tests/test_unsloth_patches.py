@@ -349,7 +349,7 @@ def test_on_transformers_4_unsloth_keeps_its_ddp_checkpointing(stand_in, monkeyp
     model = AutoModelForImageTextToText.from_pretrained(tiny_vl_path)
     vlm = FastBaseModel.post_patch_model(peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["q_proj"])))
     assert vlm._unsloth_vlm_gc_non_reentrant is True and not getattr(vlm, "_nbkit_kept_reentrant", False)
-    assert not [t for t in integration.installed() if t.endswith("vlm_gradient_checkpointing_reentrant")]
+    assert not [t for t in patching.applied() if t.endswith("vlm_gradient_checkpointing_reentrant")]
 
 
 @needs_transformers_5
