@@ -221,10 +221,10 @@ class Plan:
         processes; the reason says so where that is more than the asked batch_size.
 
         Returns a BatchSettings: the two arguments (`trainer_args`, for SFTConfig(**...)), the processes,
-        the effective batch and the reason, in a sentence or two (str() of it: all of that in one line). Raises
-        ValueError when
-        effective_batch is not a whole number above 0 or not a multiple of the processes (each takes the
-        same number of examples per step). Runs anywhere (CPU, any rank); never touches CUDA.
+        the effective batch and the reason in a sentence or two (its str(): all of that in one line).
+        Raises ValueError when effective_batch is not a whole number above 0 or not a multiple of the
+        processes (each takes the same number of examples per step). Runs anywhere (CPU, any rank);
+        never touches CUDA.
         """
         processes = 1 if self.strategy == "model_parallel" else self.gpus
         unit = "process" if self.strategy == "model_parallel" or _is_cpu(self.gpu) else "GPU"
