@@ -19,7 +19,7 @@ from nbkit.checkpoints import is_complete
 
 NOTEBOOKS_DIR = Path(__file__).resolve().parent.parent / "notebooks"
 # The notebooks whose training cell takes its batch from the planner (Plan.batch_settings).
-BATCH_PLANNED = {"qwen3_vl_2xT4", "qwen3_vl_2xT4_oneshot", "text_llm_ddp"}
+BATCH_PLANNED = {"qwen3_vl_2xT4", "qwen3_vl_2xT4_oneshot", "text_llm_ddp", "long_context"}
 REQUIRED_PARAMETERS = {
     "model_name",
     "dataset_name",
