@@ -383,6 +383,10 @@ def test_kaggle_t4s_keep_the_batch_the_notebooks_ask_for():
         "At 2 x 2048 tokens the host is 5% of a step on Tesla T4: the GPU bounds it."
     )
     assert plan.batch_settings(16).trainer_args == {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 4}
+    # text_llm_ddp's and long_context's defaults keep theirs too.
+    for model, seq_len, batch in (("random:qwen3-1.7b", 2048, 4), ("random:qwen3-1.7b", 16384, 1)):
+        kept = nbkit.plan(model, **T4, seq_len=seq_len, batch_size=batch, gpu="Tesla T4").batch_settings()
+        assert kept.trainer_args == {"per_device_train_batch_size": batch, "gradient_accumulation_steps": 1}, model
 
 
 def test_an_effective_batch_the_processes_cannot_share_evenly_is_refused_with_the_nearest_that_they_can():
