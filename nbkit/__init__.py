@@ -57,6 +57,7 @@ _EXPORTS: dict[str, str] = {
     "resolve_device_map": "nbkit.guard",
     "plan": "nbkit.planner",
     "Plan": "nbkit.planner",
+    "BatchSettings": "nbkit.planner",
     # offline models and data
     "resolve_model": "nbkit.offline",
     "vision_dataset": "nbkit.synthetic",

@@ -37,7 +37,10 @@
 
 %nbkit doctor                       nbkit.doctor(): GPUs, CUDA state, versions, problems and fixes
 %nbkit plan MODEL [--seq-len N] [--batch-size N] [--4bit] [--gpus N] [--gpu-memory GIB] [--lora-rank R]
-                                    nbkit.plan(...), printed
+            [--gpu-model NAME] [--effective-batch N]
+                                    nbkit.plan(...), printed; with --effective-batch also the Trainer
+                                    batch that keeps it, plan.batch_settings(N). --gpu-model: plan(gpu=NAME),
+                                    e.g. "Tesla T4", or cpu for processes on CPU cores
 %nbkit export NOTEBOOK CELL_OR_TAG -o train.py
                                     nbkit.export.export_script(): the %%ddp cell and what it needs
                                     as a script for torchrun / accelerate launch
@@ -237,15 +240,19 @@ class NbkitMagics(Magics):
         parser.add_argument("--gpus", type=int)
         parser.add_argument("--gpu-memory", type=float, dest="gpu_memory_gib", metavar="GIB")
         parser.add_argument("--lora-rank", type=int, dest="lora_rank")
+        parser.add_argument("--gpu-model", dest="gpu", metavar="NAME", help='the GPU model, e.g. "Tesla T4"; or cpu')
+        parser.add_argument("--effective-batch", type=int, dest="effective_batch", metavar="N")
         args = vars(parser.parse_args(words))
-        model = args.pop("model")
+        model, effective_batch = args.pop("model"), args.pop("effective_batch")
         # Only what was given: the planner's own defaults apply to the rest. Compared by identity:
         # `0 in (None, False)` is True, which dropped --gpu-memory 0 before plan could refuse it.
         options = {k: v for k, v in args.items() if v is not None and v is not False}
         try:
-            print(plan(model, **options))
+            planned = plan(model, **options)
+            settings = None if effective_batch is None else planned.batch_settings(effective_batch)
         except ValueError as exc:
             raise UsageError(str(exc)) from None
+        print(planned if settings is None else f"{planned}\n{settings}")
 
     def _export(self, words: list[str]) -> None:
         from nbkit.export import export_script

@@ -31,7 +31,13 @@ per step that the host cost is at most a fifth of the step, scaling the measured
 model's size, its layer count and the GPU's 16-bit tensor throughput, and takes the largest batch
 up to that which still fits in memory. On a T4 (65 TFLOP/s, 1/15 of an H200) a 1K x 4 step is
 already about 1.25 s of GPU work against about 0.07 s of host work (the H200 host's figure; Kaggle's CPUs
-are slower, which was not measured): GPU-bound, so the asked batch stays.
+are slower, which was not measured): GPU-bound, so the asked batch stays. Where the processes train on
+CPU cores (`gpu="cpu"`: no GPU to keep busy) the asked batch stays too.
+
+`Plan.batch_settings(effective_batch)` turns the recommendation into Trainer's two arguments,
+per_device_train_batch_size and gradient_accumulation_steps, keeping the examples per optimizer step
+the user asked for (or, with None, training at the recommended batch without accumulation), and
+says in one line what it chose and why.
 """
 
 from __future__ import annotations
@@ -46,7 +52,7 @@ from typing import Any
 from nbkit import distributed
 from nbkit.offline import load_config
 
-__all__ = ["LORA_TARGET_MODULES", "STRATEGIES", "Plan", "plan"]
+__all__ = ["LORA_TARGET_MODULES", "STRATEGIES", "BatchSettings", "Plan", "plan"]
 
 STRATEGIES = ("ddp", "model_parallel", "does_not_fit")
 LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -98,6 +104,50 @@ MAX_RECOMMENDED_BATCH = 64
 
 
 @dataclass(frozen=True)
+class BatchSettings:
+    """Trainer's batch arguments from a plan (Plan.batch_settings), and why.
+
+    per_device_train_batch_size, gradient_accumulation_steps: the arguments of TrainingArguments /
+    SFTConfig of the same names (`trainer_args` holds both, for SFTConfig(**settings.trainer_args)).
+    processes: the data-parallel training processes the effective batch is spread over.
+    unit: what one process trains on, for the text ("GPU", or "process" on CPU cores and in model parallel).
+    reason: what was chosen and why, in a sentence or two. str() is one line with the numbers and the reason.
+    """
+
+    per_device_train_batch_size: int
+    gradient_accumulation_steps: int
+    processes: int
+    unit: str
+    reason: str
+
+    @property
+    def effective_batch(self) -> int:
+        """Examples per optimizer step over all processes."""
+        return self.per_device_train_batch_size * self.gradient_accumulation_steps * self.processes
+
+    @property
+    def trainer_args(self) -> dict[str, int]:
+        """{"per_device_train_batch_size": ..., "gradient_accumulation_steps": ...} for TrainingArguments."""
+        return {
+            "per_device_train_batch_size": self.per_device_train_batch_size,
+            "gradient_accumulation_steps": self.gradient_accumulation_steps,
+        }
+
+    def __str__(self) -> str:
+        steps = self.gradient_accumulation_steps
+        parts = [f"{self.per_device_train_batch_size} per {self.unit}"]
+        if steps > 1:
+            parts.append(f"{steps} accumulation steps")
+        if self.processes > 1:
+            parts.append(f"{self.processes} {self.unit}s" if self.unit == "GPU" else f"{self.processes} processes")
+        accumulation = "" if steps > 1 else ", no gradient accumulation"
+        return (
+            f"Trainer: {' x '.join(parts)} = {self.effective_batch} examples per optimizer step{accumulation}. "
+            f"{self.reason}"
+        )
+
+
+@dataclass(frozen=True)
 class Plan:
     """The planner's answer for one model on one machine.
 
@@ -112,7 +162,12 @@ class Plan:
     recommended_batch_size: the per-GPU batch (Trainer's per_device_train_batch_size) of seq_len
         sequences that keeps the GPU, not the host, the bound of each step and fits in memory;
         batch_reason says why, with the figures. The memory figures above are for batch_size.
-    gpu: the GPU model planned for ("T4", "H200", ...), None when unknown.
+        batch_settings(effective_batch) turns it into Trainer's arguments.
+    gpu: the GPU model planned for ("T4", "H200", ...), "cpu" for processes training on CPU cores,
+        None when unknown.
+    host_seconds_per_step, gpu_seconds_per_token: the fixed host time of a step and the GPU time per
+        token the recommendation was computed from (None where it used none: gpu="cpu", or a strategy
+        other than "ddp").
     peak_allocated_gib: per_gpu_gib without the overhead, comparable to torch.cuda.max_memory_allocated.
     """
 
@@ -136,11 +191,120 @@ class Plan:
     recommended_batch_size: int = 1
     batch_reason: str = ""
     gpu: str | None = None
+    host_seconds_per_step: float | None = None
+    gpu_seconds_per_token: float | None = None
 
     @property
     def peak_allocated_gib(self) -> float:
         """Peak memory torch allocates per GPU (per_gpu_gib without the CUDA context and allocator overhead)."""
         return self.per_gpu_gib - self.breakdown["overhead"]
+
+    def host_share(self, batch_size: int) -> float | None:
+        """The fraction of a step of batch_size x seq_len tokens per GPU that is fixed host work, by the
+        figures the recommendation used; None where it used none (gpu="cpu", a strategy other than "ddp").
+        """
+        if self.host_seconds_per_step is None or self.gpu_seconds_per_token is None:
+            return None
+        gpu_s = self.gpu_seconds_per_token * self.seq_len * batch_size
+        return self.host_seconds_per_step / (self.host_seconds_per_step + gpu_s)
+
+    def batch_settings(self, effective_batch: int | None = None) -> BatchSettings:
+        """Trainer's per_device_train_batch_size and gradient_accumulation_steps for this plan.
+
+        Takes effective_batch: the examples per optimizer step over all data-parallel processes
+        (per_device_train_batch_size x gradient_accumulation_steps x processes, where the processes are
+        the plan's GPUs, except for "model_parallel": one process drives them all). A number is kept
+        exactly: the per-process batch is the largest divisor of effective_batch / processes up to
+        recommended_batch_size, and gradient accumulation makes up the rest; where that is below the
+        recommendation, the reason says which effective batch would reach it. None trains at
+        recommended_batch_size without accumulation, so the effective batch is recommended_batch_size x
+        processes; the reason says so where that is more than the asked batch_size.
+
+        Returns a BatchSettings: the two arguments (`trainer_args`, for SFTConfig(**...)), the processes,
+        the effective batch and the reason in a sentence or two (its str(): all of that in one line).
+        Raises ValueError when effective_batch is not a whole number above 0 or not a multiple of the
+        processes (each takes the same number of examples per step). Runs anywhere (CPU, any rank);
+        never touches CUDA.
+        """
+        processes = 1 if self.strategy == "model_parallel" else self.gpus
+        unit = "process" if self.strategy == "model_parallel" or _is_cpu(self.gpu) else "GPU"
+        recommended = self.recommended_batch_size
+        if effective_batch is None:
+            per_device, accumulation = recommended, 1
+        else:
+            if isinstance(effective_batch, bool) or not isinstance(effective_batch, int) or effective_batch < 1:
+                raise ValueError(
+                    f"effective_batch must be a whole number of examples per optimizer step above 0, "
+                    f"not {effective_batch!r}."
+                )
+            if effective_batch % processes:
+                lower = effective_batch // processes * processes
+                options = " or ".join(str(n) for n in (lower, lower + processes) if n > 0)
+                raise ValueError(
+                    f"effective_batch={effective_batch} is not a multiple of the {processes} training processes: "
+                    f"each takes the same number of examples per optimizer step. Use {options}."
+                )
+            share = effective_batch // processes
+            per_device = max(d for d in range(1, min(share, recommended) + 1) if share % d == 0)
+            accumulation = share // per_device
+        reason = self._settings_reason(per_device, processes, unit, effective_batch)
+        return BatchSettings(per_device, accumulation, processes, unit, reason)
+
+    def _settings_reason(self, per_device: int, processes: int, unit: str, effective_batch: int | None) -> str:
+        """Why batch_settings chose per_device (see there), in a sentence or two."""
+        recommended, asked = self.recommended_batch_size, self.batch_size
+        if self.strategy == "does_not_fit":
+            why = (
+                f"The plan says this does not fit (about {self.per_gpu_gib:.1f} GiB per GPU, "
+                f"{self.usable_gib:.1f} usable): expect to run out of memory; str(plan) says what would fit."
+            )
+        elif self.strategy == "model_parallel":
+            why = f"One process drives the {self.gpus} GPUs the model is split over: the batch is a question of memory."
+        elif _is_cpu(self.gpu):
+            why = (
+                f"The processes train on CPU cores: no GPU waits for the host, so at most the asked {asked} per {unit}."
+            )
+        elif self.host_share(per_device) is None:  # a Plan made by hand, without the figures
+            why = f"{recommended} per {unit} is the plan's recommendation."
+        elif per_device == recommended > asked:
+            why = (
+                f"Raised from the asked {asked} per {unit}: {self._host_words(asked)}, at {per_device} it is "
+                f"{self.host_share(per_device):.0%}."
+            )
+        else:
+            words = self._host_words(per_device)
+            why = words[0].upper() + words[1:]
+            if (self.host_share(per_device) or 0.0) <= 1 / HOST_SHARE_FACTOR:
+                why += ": the GPU bounds it."
+            elif per_device == recommended:
+                limit = "the planner's cap" if recommended == MAX_RECOMMENDED_BATCH else "what fits in memory"
+                why += f", but more per {unit} exceeds {limit}: DDP scales below the GPU count."
+            else:
+                why += "."
+        if effective_batch is None:
+            if per_device > asked:
+                why += f" Set effective_batch to choose the examples per step ({asked * processes} keeps the asked)."
+            return why
+        share = effective_batch // processes
+        if per_device < recommended and share < recommended:
+            why += (
+                f" effective_batch={effective_batch} leaves {share} per {unit}, below the planner's {recommended}: "
+                f"effective_batch={recommended * processes} would train at {recommended}."
+            )
+        elif per_device < recommended:
+            lower = share // recommended * recommended * processes
+            why += (
+                f" The planner's {recommended} per {unit} does not divide the {share} per {unit} of "
+                f"effective_batch={effective_batch}, {per_device} is the largest that does: effective_batch={lower} or "
+                f"{lower + recommended * processes} would train at {recommended}."
+            )
+        return why
+
+    def _host_words(self, batch_size: int) -> str:
+        gpu = self.gpu or "an H100/H200-class GPU (model unknown)"
+        return (
+            f"at {batch_size} x {self.seq_len} tokens the host is {self.host_share(batch_size):.0%} of a step on {gpu}"
+        )
 
     def __str__(self) -> str:
         b = self.breakdown
@@ -172,7 +336,8 @@ class Plan:
             )
         lines.extend(self.advice)
         if self.batch_reason:
-            lines.append(f"Batch: {self.recommended_batch_size} per GPU. {self.batch_reason}")
+            unit = "process" if _is_cpu(self.gpu) else "GPU"
+            lines.append(f"Batch: {self.recommended_batch_size} per {unit}. {self.batch_reason}")
         return "\n".join(lines)
 
 
@@ -197,6 +362,7 @@ def plan(
     per step. gpu names the GPU model ("T4", "L4", "A100", "H100", "H200") for the batch
     recommendation; by default, the name of this machine's first visible GPU where at least `gpus`
     GPUs are visible, else unknown (then an H100-class GPU is assumed, and the reason says so).
+    gpu="cpu" says the processes train on CPU cores (gloo, no GPU): the asked batch stays.
 
     Returns a Plan, with the per-GPU batch it recommends for seq_len and why. Raises ValueError for
     arguments out of range, or when no GPU is visible and gpus / gpu_memory_gib were not given.
@@ -609,6 +775,9 @@ def _with_batch(planned: Plan, counts: _Counts, config: Any, gpu: str | None) ->
             f"Keep {asked}: with {planned.strategy} the question is memory, not the host cost per step (see above)."
         )
         return replace(planned, recommended_batch_size=asked, batch_reason=reason, gpu=gpu)
+    if _is_cpu(gpu):
+        reason = f"Keep {asked}: the processes train on CPU cores (gpu='cpu'), so no GPU waits for the host."
+        return replace(planned, recommended_batch_size=asked, batch_reason=reason, gpu="cpu")
     known = gpu_tflops(gpu)
     assumed = known is None
     tflops = MEASURED_TFLOPS if known is None else known
@@ -663,4 +832,16 @@ def _with_batch(planned: Plan, counts: _Counts, config: Any, gpu: str | None) ->
             "to keep the effective batch; with short samples of uneven length also pack them (TRL: "
             "SFTConfig(padding_free=True)) so that the tokens per step are real tokens, not padding."
         )
-    return replace(planned, recommended_batch_size=batch, batch_reason=reason, gpu=gpu)
+    return replace(
+        planned,
+        recommended_batch_size=batch,
+        batch_reason=reason,
+        gpu=gpu,
+        host_seconds_per_step=step_host,
+        gpu_seconds_per_token=token_s,
+    )
+
+
+def _is_cpu(gpu: str | None) -> bool:
+    """Whether `gpu` says the processes train on CPU cores (gpu="cpu")."""
+    return gpu is not None and gpu.strip().lower() == "cpu"

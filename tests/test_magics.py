@@ -34,6 +34,12 @@ CELLS = {
     "doctor": "%nbkit doctor",
     "plan": "%nbkit plan tiny:qwen3 --gpus 2 --gpu-memory 15 --seq-len 256",
     "plan_zero": "%nbkit plan tiny:qwen3 --gpus 2 --gpu-memory 0",
+    "plan_batch": (
+        "model, workers, gpu_model = 'tiny:qwen3', 2, 'cpu'\n"
+        '%nbkit plan $model --gpus $workers --gpu-memory 15 --seq-len 256 --batch-size 2 --gpu-model "$gpu_model" '
+        "--effective-batch 8\n"
+        "%nbkit plan tiny:qwen3 --gpus 2 --gpu-memory 15 --gpu-model 'Tesla T4' --effective-batch 3"
+    ),
     "blocker": (
         "import threading\nlock = threading.Lock()\nfrom accelerate import PartialState\nstate = PartialState()"
     ),
@@ -147,6 +153,17 @@ def test_plan_passes_zero_on_and_shows_the_planners_refusal_in_one_line(outputs)
     assert zero["error"] is None and zero["stdout"] == "" and "Strategy" not in zero["stderr"]
     lines = zero["stderr"].strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("UsageError: ") and "gpu_memory_gib" in lines[0], lines
+
+
+def test_plan_prints_the_trainer_batch_it_chose_and_refuses_an_effective_batch_the_gpus_cannot_share(outputs):
+    out = outputs["plan_batch"]
+    assert out["error"] is None, out["error"]
+    lines = out["stdout"].strip().splitlines()
+    assert "Batch: 2 per process. Keep 2: the processes train on CPU cores (gpu='cpu')" in lines[-2]
+    assert lines[-1].startswith("Trainer: 2 per process x 2 accumulation steps x 2 processes = 8 examples per optim")
+    refused = out["stderr"].strip().splitlines()
+    assert len(refused) == 1 and refused[0].startswith("UsageError: effective_batch=3 is not a multiple of the 2")
+    assert "Use 2 or 4." in refused[0]
 
 
 def test_a_name_that_cannot_be_brought_along_is_named(outputs):

@@ -18,6 +18,8 @@ import torch
 from nbkit.checkpoints import is_complete
 
 NOTEBOOKS_DIR = Path(__file__).resolve().parent.parent / "notebooks"
+# The notebooks whose training cell takes its batch from the planner (Plan.batch_settings).
+BATCH_PLANNED = {"qwen3_vl_2xT4", "qwen3_vl_2xT4_oneshot", "text_llm_ddp", "long_context"}
 REQUIRED_PARAMETERS = {
     "model_name",
     "dataset_name",
@@ -65,6 +67,9 @@ def test_committed_notebooks_are_clean_and_share_their_parameters() -> None:
         sources = "\n".join(cell.source for cell in code)
         for line in ("%load_ext nbkit", "%nbkit doctor", "%nbkit plan", "nbkit.checkpoints.resume_point(output_dir)"):
             assert line in sources, f"{name} lacks {line!r}"
+        if name in BATCH_PLANNED:  # the training cell's batch comes from the plan, and the user may fix the total
+            assert "effective_batch" in names and "**batch.trainer_args" in sources, name
+            assert "per_device_train_batch_size=batch_size" not in sources, name
         # Every step is explained: the first cell is markdown, and no more than 3 code cells follow each other.
         kinds = "".join("c" if cell.cell_type == "code" else "m" for cell in nb.cells)
         assert kinds.startswith("m") and "cccc" not in kinds, f"{name}: {kinds}"
@@ -135,6 +140,23 @@ def test_notebook_trains_saves_and_answers_on_cpu(name: str, tmp_path: Path) -> 
 
     text = _text(nb)
     assert f"nbkit: no checkpoint in {run_dir} yet; starting fresh." in text
+    if name in BATCH_PLANNED:
+        # The planning cell prints the batch it chose in one line, and the trainer trained at it: on CPU
+        # processes the asked batch per process, accumulation making up the effective batch.
+        cpu = runner.parameters(name, tmp_path, gpu=False, hub=False)
+        effective = cpu.get("effective_batch") or cpu["batch_size"] * 2
+        accumulation = effective // (2 * cpu["batch_size"])
+        assert summary["train"]["batch"] == {
+            "per_device": cpu["batch_size"],
+            "accumulation": accumulation,
+            "processes": 2,
+        }
+        (line,) = [line for line in text.splitlines() if line.startswith("Trainer: ")]
+        steps = f" x {accumulation} accumulation steps" if accumulation > 1 else ""
+        assert line.startswith(
+            f"Trainer: {cpu['batch_size']} per process{steps} x 2 processes = {effective} examples per optimizer step"
+        ), line
+        assert "The processes train on CPU cores: no GPU waits for the host" in line
     if name == "model_parallel":
         assert "Strategy: model_parallel" in text  # the planner's verdict for Qwen3-8B on 2 x T4
     if name == "qwen3_vl_2xT4":

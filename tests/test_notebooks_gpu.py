@@ -61,6 +61,7 @@ def test_flagship_trains_on_two_capped_gpus_with_unsloth_in_fp16(tmp_path: Path,
             max_steps=STEPS,
             save_steps=STEPS // 2,
             batch_size=2,
+            effective_batch=4,  # 2 per GPU, as on a T4: the planner sees the H200 behind the cap and would raise it
             num_samples=128,
             image_size=448,
             max_seq_length=1024,
@@ -83,10 +84,11 @@ def test_flagship_trains_on_two_capped_gpus_with_unsloth_in_fp16(tmp_path: Path,
     losses = summary["losses"]
     assert sum(losses[-3:]) < sum(losses[:3]), losses
     assert 0 < train["peak_memory_gib"] <= T4_USABLE_GIB
+    assert train["batch"] == {"per_device": 2, "accumulation": 1, "processes": 2}
 
     record = {
         "what": "notebooks/qwen3_vl_2xT4.ipynb on 2 GPUs capped at 15 GiB each (a T4's usable memory), "
-        "random:qwen3-vl-2b, unsloth, fp16, LoRA r=16 on the language model, batch 2 per GPU, "
+        "random:qwen3-vl-2b, unsloth, fp16, LoRA r=16 on the language model, batch 2 per GPU without gradient accumulation, "
         "synthetic 448x448 images, " + ("4-bit (QLoRA)" if load_in_4bit else "16-bit LoRA"),
         "gpu": nbkit.visible_gpus()[0].name,
         "steps": train["global_step"],

@@ -319,3 +319,117 @@ def test_a_model_that_does_not_fit_keeps_its_batch():
 )
 def test_gpu_throughput_by_name(name, tflops):
     assert planner.gpu_tflops(name) == tflops
+
+
+# ---------------------------------------------------------------------------------------------
+# Plan.batch_settings: the recommendation as Trainer's two arguments, keeping the effective batch.
+
+H200 = dict(gpus=2, gpu_memory_gib=140, gpu="NVIDIA H200")
+
+
+def test_batch_settings_keep_the_effective_batch_at_the_recommended_per_gpu_batch():
+    plan = nbkit.plan(qwen3_vl_2b(), **H200, seq_len=1024, batch_size=4)
+    assert plan.recommended_batch_size == 16
+    settings = plan.batch_settings(64)
+    assert settings.trainer_args == {"per_device_train_batch_size": 16, "gradient_accumulation_steps": 2}
+    assert settings.processes == 2 and settings.effective_batch == 64
+    assert str(settings).startswith("Trainer: 16 per GPU x 2 accumulation steps x 2 GPUs = 64 examples per optimizer")
+    assert "Raised from the asked 4 per GPU: at 4 x 1024 tokens the host is 46% of a step on NVIDIA H200" in str(
+        settings
+    )
+    exact = plan.batch_settings(32)
+    assert (exact.per_device_train_batch_size, exact.gradient_accumulation_steps) == (16, 1)
+    assert str(exact).startswith("Trainer: 16 per GPU x 2 GPUs = 32 examples per optimizer step, no gradient accum")
+    # Any even effective batch is kept exactly, with the largest per-GPU batch up to 16 that divides its share.
+    for effective in range(2, 200, 2):
+        s = plan.batch_settings(effective)
+        share = effective // 2
+        assert s.effective_batch == effective and s.per_device_train_batch_size <= 16, effective
+        assert share % s.per_device_train_batch_size == 0
+        assert not any(share % d == 0 for d in range(s.per_device_train_batch_size + 1, 17)), effective
+
+
+def test_batch_settings_say_when_the_effective_batch_keeps_the_gpu_below_the_recommendation():
+    plan = nbkit.plan(qwen3_vl_2b(), **H200, seq_len=1024, batch_size=4)
+    small = plan.batch_settings(8)  # 4 per GPU: what the user trains on stays, and the text says what it costs
+    assert small.trainer_args == {"per_device_train_batch_size": 4, "gradient_accumulation_steps": 1}
+    assert "the host is 46% of a step" in small.reason
+    assert "effective_batch=8 leaves 4 per GPU, below the planner's 16: effective_batch=32 would train at 16" in (
+        small.reason
+    )
+    odd = plan.batch_settings(48)  # 24 per GPU: 16 does not divide it, 12 does
+    assert odd.trainer_args == {"per_device_train_batch_size": 12, "gradient_accumulation_steps": 2}
+    assert "16 per GPU does not divide the 24 per GPU of effective_batch=48" in odd.reason
+    assert "effective_batch=32 or 64 would train at 16" in odd.reason
+    assert "\n" not in str(odd)
+
+
+def test_without_an_effective_batch_the_recommended_batch_trains_without_accumulation_and_says_so():
+    plan = nbkit.plan(qwen3_vl_2b(), **H200, seq_len=2048, batch_size=2)
+    settings = plan.batch_settings()
+    assert settings.trainer_args == {"per_device_train_batch_size": 8, "gradient_accumulation_steps": 1}
+    assert settings.effective_batch == 16
+    assert "Raised from the asked 2 per GPU" in settings.reason
+    assert "Set effective_batch to choose the examples per step (4 keeps the asked)." in settings.reason
+
+
+def test_kaggle_t4s_keep_the_batch_the_notebooks_ask_for():
+    # The flagship's defaults: 2 examples of up to 2048 tokens per GPU, 2 T4s.
+    plan = nbkit.plan(qwen3_vl_2b(), **T4, seq_len=2048, batch_size=2, gpu="Tesla T4")
+    settings = plan.batch_settings()
+    assert settings.trainer_args == {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 1}
+    assert str(settings) == (
+        "Trainer: 2 per GPU x 2 GPUs = 4 examples per optimizer step, no gradient accumulation. "
+        "At 2 x 2048 tokens the host is 5% of a step on Tesla T4: the GPU bounds it."
+    )
+    assert plan.batch_settings(16).trainer_args == {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 4}
+    # text_llm_ddp's and long_context's defaults keep theirs too.
+    for model, seq_len, batch in (("random:qwen3-1.7b", 2048, 4), ("random:qwen3-1.7b", 16384, 1)):
+        kept = nbkit.plan(model, **T4, seq_len=seq_len, batch_size=batch, gpu="Tesla T4").batch_settings()
+        assert kept.trainer_args == {"per_device_train_batch_size": batch, "gradient_accumulation_steps": 1}, model
+
+
+def test_an_effective_batch_the_processes_cannot_share_evenly_is_refused_with_the_nearest_that_they_can():
+    plan = nbkit.plan(qwen3_vl_2b(), **T4, seq_len=2048, batch_size=2, gpu="T4")
+    with pytest.raises(
+        ValueError, match=r"effective_batch=5 is not a multiple of the 2 training processes.*Use 4 or 6"
+    ):
+        plan.batch_settings(5)
+    with pytest.raises(ValueError, match=r"Use 2\.$"):
+        plan.batch_settings(1)
+    for wrong in (0, -4, 4.0, True, "8"):
+        with pytest.raises(ValueError, match="effective_batch must be a whole number"):
+            plan.batch_settings(wrong)
+
+
+def test_processes_on_cpu_cores_keep_the_asked_batch():
+    # A tiny model is all host work on any GPU, so for an unknown GPU the planner raises its batch;
+    # on CPU cores (the notebooks without a GPU) there is no GPU to keep busy and the asked batch stays.
+    tiny = dict(gpus=2, gpu_memory_gib=15, seq_len=256, batch_size=2)
+    assert nbkit.plan("tiny:qwen3-vl", **tiny, gpu="H100").recommended_batch_size > 2
+    plan = nbkit.plan("tiny:qwen3-vl", **tiny, gpu="cpu")
+    assert plan.gpu == "cpu" and plan.recommended_batch_size == 2 and plan.host_share(2) is None
+    assert "Batch: 2 per process. Keep 2: the processes train on CPU cores" in str(plan)
+    assert str(plan.batch_settings()).startswith("Trainer: 2 per process x 2 processes = 4 examples per optimizer")
+    settings = plan.batch_settings(8)
+    assert settings.trainer_args == {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 2}
+    assert "no GPU waits for the host" in settings.reason
+
+
+def test_model_parallel_trains_in_one_process_and_a_plan_that_does_not_fit_says_so():
+    split = nbkit.plan(qwen3_8b(), **T4, seq_len=1024, batch_size=2, gpu="T4")
+    assert split.strategy == "model_parallel"
+    settings = split.batch_settings(8)
+    assert settings.processes == 1 and settings.trainer_args["gradient_accumulation_steps"] == 4
+    assert str(settings).startswith("Trainer: 2 per process x 4 accumulation steps = 8 examples per optimizer step.")
+    assert "One process drives the 2 GPUs" in settings.reason
+    too_big = nbkit.plan(llama_70b(), **T4, gpu="T4").batch_settings()
+    assert "The plan says this does not fit" in too_big.reason and "expect to run out of memory" in too_big.reason
+
+
+def test_batch_settings_are_trainer_arguments(tmp_path):
+    from trl import SFTConfig
+
+    settings = nbkit.plan(qwen3_vl_2b(), **H200, seq_len=1024, batch_size=4).batch_settings(64)
+    config = SFTConfig(output_dir=str(tmp_path), **settings.trainer_args, bf16=False, report_to=[])
+    assert (config.per_device_train_batch_size, config.gradient_accumulation_steps) == (16, 2)
