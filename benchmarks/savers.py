@@ -48,7 +48,7 @@ HERE = Path(__file__).resolve().parent
 if str(HERE.parent) not in sys.path:  # run as a script (python benchmarks/savers.py): the package lives there
     sys.path.insert(0, str(HERE.parent))
 
-from benchmarks import bench, cases, host, models, ranks, runner  # noqa: E402
+from benchmarks import bench, cases, host, launching, models, ranks, runner  # noqa: E402
 
 # name -> nbkit.savers.apply options (None: the plain model, savers removed)
 SAVER_CONFIGS: dict[str, dict[str, Any] | None] = {
@@ -216,7 +216,7 @@ def _main_launch(
             )
         except Exception as exc:  # a failed launch: keep what it recorded, go on without its current case
             failure = f"{type(exc).__name__}: {exc}"
-        done, _ = bench._read_rows(Path(spec.results_path))
+        done, _ = launching.read_rows(Path(spec.results_path))
         rows += done
         finished = {(r["config"], r["seq_len"]) for r in done}
         plan = [pair for pair in plan if pair not in finished]
