@@ -3,6 +3,7 @@
 Scripts, run as `python benchmarks/NAME.py ...` (see README.md):
 
 - bench.py: the matrix of backends x launchers x GPU counts (results as JSON and a markdown table).
+- trainer_bench.py: the same through TRL's SFTTrainer / transformers' Trainer, as users train.
 - savers.py: nbkit's memory savers at long sequences, one configuration after another.
 - planner_accuracy.py: nbkit.plan's estimates against measured peaks.
 - fork_probe.py: which import creates a CUDA context in a notebook-like process.
@@ -18,6 +19,8 @@ Parts (also imported by tests/test_bench_cpu.py and tests/test_gpu_ddp.py):
 - profiling: a torch.profiler summary of a few steps.
 - host: the machine and library versions a result was measured with.
 - runner: one launch on one rank (every case of a spec; the same function under every launcher).
+- launching: the launching side (each launch a fresh process group, its output's tail, its time limit,
+  the rows it wrote), for bench.py and trainer_bench.py.
 
 A minimal use, in each launched rank::
 

@@ -23,17 +23,12 @@ launcher in this process; `--worker SPEC.json` is the script entry point on each
 from __future__ import annotations
 
 import argparse
-import collections
 import importlib.util
 import json
 import os
 import shlex
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -43,7 +38,7 @@ ROOT = HERE.parent
 if str(ROOT) not in sys.path:  # run as a script (python benchmarks/bench.py): the package lives in ROOT
     sys.path.insert(0, str(ROOT))
 
-from benchmarks import cases, host, models, runner  # noqa: E402
+from benchmarks import cases, host, launching, models, runner  # noqa: E402
 
 LAUNCHERS = ("nbkit", "notebook", "accelerate", "torchrun")
 
@@ -221,46 +216,12 @@ def _cases(args: argparse.Namespace, device: str, gpus: int) -> list[cases.Case]
 # ---------------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _child_env(device: str) -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
-    env.setdefault("UNSLOTH_DISABLE_STATISTICS", "1")
-    paths = [str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
-    if device == "cpu":
-        env["ACCELERATE_USE_CPU"] = "true"
-    return env
-
-
 def _command(spec: cases.LaunchSpec, spec_path: Path) -> list[str]:
     me = str(Path(__file__).resolve())
     if spec.launcher in ("nbkit", "notebook"):
         return [sys.executable, me, "--run-launch", str(spec_path)]
     if spec.launcher == "accelerate":
-        cmd = [
-            sys.executable,
-            "-m",
-            "accelerate.commands.launch",
-            "--num_processes",
-            str(spec.gpus),
-            "--num_machines",
-            "1",
-            "--mixed_precision",
-            "no",
-            "--dynamo_backend",
-            "no",
-            "--main_process_port",
-            str(_free_port()),
-        ]
-        if spec.gpus > 1:
-            cmd.append("--multi_gpu")  # with ACCELERATE_USE_CPU=true this is gloo on CPU
-        return cmd + [me, "--worker", str(spec_path)]
+        return launching.accelerate_command(spec.gpus, me, "--worker", str(spec_path))
     return [
         sys.executable,
         "-m",
@@ -272,79 +233,6 @@ def _command(spec: cases.LaunchSpec, spec_path: Path) -> list[str]:
         "--worker",
         str(spec_path),
     ]
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    """SIGTERM the launch's whole process group, then SIGKILL what is left after 10 s."""
-    for sig, grace in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=grace)
-            return
-        except subprocess.TimeoutExpired:
-            continue
-
-
-def _run_subprocess(spec: cases.LaunchSpec, spec_path: Path, timeout: float) -> tuple[str | None, list[str]]:
-    """Run one launch; returns (why it failed or None, the last lines of its output)."""
-    tail: collections.deque[str] = collections.deque(maxlen=40)
-    spec.launched_at = time.time()
-    spec_path.write_text(spec.to_json())
-    # A working directory of its own: unsloth writes its compiled cache into the current one.
-    cwd = Path(tempfile.gettempdir()) / "nbkit-bench"
-    cwd.mkdir(exist_ok=True)
-    proc = subprocess.Popen(
-        _command(spec, spec_path),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        bufsize=1,
-        env=_child_env(spec.device),
-        start_new_session=True,
-        cwd=str(cwd),
-    )
-
-    def pump() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            sys.stdout.write(line)
-            sys.stdout.flush()
-            tail.append(line.rstrip("\n"))
-
-    reader = threading.Thread(target=pump, daemon=True)
-    reader.start()
-    reason = None
-    try:
-        code = proc.wait(timeout=timeout)
-        if code != 0:
-            reason = f"launch exited with code {code}"
-    except subprocess.TimeoutExpired:
-        reason = f"launch stopped after the {timeout:.0f} s timeout"
-        _stop(proc)
-    except KeyboardInterrupt:
-        _stop(proc)
-        raise
-    finally:
-        # A rank left behind (in another process group) must not hold the GPUs for the next launch.
-        if proc.poll() is None:
-            _stop(proc)
-    reader.join(timeout=10)
-    return reason, list(tail)
-
-
-def _read_rows(path: Path) -> tuple[list[dict], str | None]:
-    rows, launch_error = [], None
-    if path.exists():
-        for line in path.read_text().splitlines():
-            entry = json.loads(line)
-            if "launch_error" in entry:
-                launch_error = entry["launch_error"]
-            else:
-                rows.append(entry)
-    return rows, launch_error
 
 
 def _placeholder(spec: cases.LaunchSpec, case: cases.Case, status: str, why: str, **extra: Any) -> dict:
@@ -362,8 +250,12 @@ def run_one(spec: cases.LaunchSpec, workdir: Path, index: int, timeout: float) -
         flush=True,
     )
     start = time.monotonic()
-    reason, tail = _run_subprocess(spec, spec_path, timeout)
-    rows, launch_error = _read_rows(Path(spec.results_path))
+    spec.launched_at = time.time()
+    spec_path.write_text(spec.to_json())
+    reason, tail = launching.run_process(
+        _command(spec, spec_path), launching.child_env(spec.device), timeout, "nbkit-bench"
+    )
+    rows, launch_error = launching.read_rows(Path(spec.results_path))
     wall = time.monotonic() - start
     for row in rows:
         row["launch_wall_s"] = wall
@@ -408,45 +300,18 @@ def _skip_reason(backend: str, gpus: int, device: str, gpu_count: int) -> str | 
 
 
 def _run_launch_mode(spec_path: str) -> int:
-    """A fresh process standing in for a notebook kernel: call the notebook launcher from here."""
-    spec = cases.LaunchSpec.from_json(Path(spec_path).read_text())
-    try:
-        # What a notebook has imported in earlier cells (never unsloth: it must be imported in the ranks).
-        models.preload(spec)
-        spec.launched_at = time.time()
-        if spec.launcher == "nbkit":
-            import nbkit
+    """A fresh process standing in for a notebook kernel: call the notebook launcher from here.
 
-            nbkit.launch(runner.run_launch, spec, gpus=spec.gpus, quiet=True, dashboard=False)
-        else:
-            from accelerate import notebook_launcher
-
-            notebook_launcher(runner.run_launch, args=(spec,), num_processes=spec.gpus, use_port=str(_free_port()))
-    except BaseException as exc:
-        message = f"{type(exc).__name__}: {exc}"
-        with open(spec.results_path, "a") as f:
-            f.write(json.dumps({"launch_error": message[-4000:]}) + "\n")
-        print(f"launch failed: {message}", file=sys.stderr, flush=True)
-        return 1
-    return 0
+    models.preload: what a notebook has imported in earlier cells (never unsloth: it must be imported in the ranks).
+    """
+    return launching.launch_from_kernel(
+        runner.run_launch, cases.LaunchSpec.from_json(Path(spec_path).read_text()), models.preload
+    )
 
 
 def _worker_mode(spec_path: str) -> int:
-    """One rank of a script launch (accelerate launch / torchrun): nbkit's per-rank set-up, then the
-    same function nbkit.launch runs.
-    """
-    import nbkit
-
-    spec = cases.LaunchSpec.from_json(Path(spec_path).read_text())
-    nbkit.install()
-    try:
-        runner.run_launch(spec)
-    except BaseException as exc:
-        if int(os.environ.get("RANK", "0")) == 0:
-            with open(spec.results_path, "a") as f:
-                f.write(json.dumps({"launch_error": f"{type(exc).__name__}: {exc}"[-4000:]}) + "\n")
-        raise
-    return 0
+    """One rank of a script launch (accelerate launch / torchrun): the same function nbkit.launch runs."""
+    return launching.script_rank(runner.run_launch, cases.LaunchSpec.from_json(Path(spec_path).read_text()))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -48,7 +48,7 @@ HERE = Path(__file__).resolve().parent
 if str(HERE.parent) not in sys.path:  # run as a script (python benchmarks/savers.py): the package lives there
     sys.path.insert(0, str(HERE.parent))
 
-from benchmarks import bench, cases, host, models, ranks, runner  # noqa: E402
+from benchmarks import bench, cases, host, launching, models, ranks, runner  # noqa: E402
 
 # name -> nbkit.savers.apply options (None: the plain model, savers removed)
 SAVER_CONFIGS: dict[str, dict[str, Any] | None] = {
@@ -173,6 +173,33 @@ def plan_cases(configs: list[str], seq_lens: list[int]) -> list[tuple[str, int]]
     return sorted(((c, n) for c in configs for n in seq_lens), key=key)
 
 
+def _spec(
+    args: argparse.Namespace,
+    backend: str,
+    model_path: str,
+    device: str,
+    spec_cases: list[cases.Case],
+    results_path: str = "",
+    **fields: Any,
+) -> cases.LaunchSpec:
+    """A LaunchSpec under nbkit.launch with the command line's GPUs, model, steps, LoRA rank and images."""
+    return cases.LaunchSpec(
+        backend=backend,
+        gpus=args.gpus,
+        launcher="nbkit",
+        model=args.model,
+        model_path=model_path,
+        device=device,
+        cases=spec_cases,
+        results_path=results_path,
+        steps=args.steps,
+        warmup=args.warmup,
+        lora_r=args.lora_r,
+        image=not args.no_image,
+        **fields,
+    )
+
+
 def _main_launch(
     args: argparse.Namespace, plan: list[tuple[str, int]], model_path: str, device: str, deadline: float, workdir: Path
 ) -> list[dict]:
@@ -185,19 +212,13 @@ def _main_launch(
     for attempt in range(3):
         if not plan or time.time() > deadline - 30:
             break
-        spec = cases.LaunchSpec(
-            backend="plain",
-            gpus=args.gpus,
-            launcher="nbkit",
-            model=args.model,
-            model_path=model_path,
-            device=device,
-            cases=[],
+        spec = _spec(
+            args,
+            "plain",
+            model_path,
+            device,
+            [],
             results_path=str(workdir / f"main-{attempt}.jsonl"),
-            steps=args.steps,
-            warmup=args.warmup,
-            lora_r=args.lora_r,
-            image=not args.no_image,
             collective_timeout_s=120.0,
         )
         models.preload(spec)  # what a notebook would have imported before launching
@@ -216,7 +237,7 @@ def _main_launch(
             )
         except Exception as exc:  # a failed launch: keep what it recorded, go on without its current case
             failure = f"{type(exc).__name__}: {exc}"
-        done, _ = bench._read_rows(Path(spec.results_path))
+        done, _ = launching.read_rows(Path(spec.results_path))
         rows += done
         finished = {(r["config"], r["seq_len"]) for r in done}
         plan = [pair for pair in plan if pair not in finished]
@@ -256,19 +277,8 @@ def _main_launch(
 def _unsloth_launch(
     args: argparse.Namespace, seq_lens: list[int], model_path: str, deadline: float, workdir: Path
 ) -> list[dict]:
-    spec = cases.LaunchSpec(
-        backend="unsloth",
-        gpus=args.gpus,
-        launcher="nbkit",
-        model=args.model,
-        model_path=model_path,
-        device="cuda",
-        cases=[cases.Case(n, 1, "bf16", cases.parse_ddp_options("")) for n in seq_lens],
-        results_path="",
-        steps=args.steps,
-        warmup=args.warmup,
-        lora_r=args.lora_r,
-        image=not args.no_image,
+    spec = _spec(
+        args, "unsloth", model_path, "cuda", [cases.Case(n, 1, "bf16", cases.parse_ddp_options("")) for n in seq_lens]
     )
     timeout = max(60.0, min(UNSLOTH_SHARE_S, deadline - time.time()))
     rows = bench.run_one(spec, workdir, 0, timeout)

@@ -44,13 +44,9 @@ import gc
 import importlib.metadata
 import json
 import os
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -63,7 +59,7 @@ if str(ROOT) not in sys.path:  # run as a script (python benchmarks/trainer_benc
 
 import torch  # noqa: E402
 
-from benchmarks import batches, host, measures  # noqa: E402
+from benchmarks import batches, host, launching, measures  # noqa: E402
 
 BACKENDS = ("unsloth", "transformers", "liger")
 LAUNCHERS = ("nbkit", "notebook", "accelerate")
@@ -403,12 +399,6 @@ def _row(launch: Launch, row: dict, ranks: list[dict], load_s: float, first: boo
 # ---------------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _preload(launch: Launch) -> None:
     """What a notebook has imported in earlier cells: transformers and the model's modeling module
     (never unsloth, peft or bitsandbytes: they initialise CUDA or make both notebook launchers refuse to fork).
@@ -425,63 +415,19 @@ def _preload(launch: Launch) -> None:
 
 def _launch_mode(path: str) -> int:
     """A fresh process standing in for a notebook kernel: call the notebook launcher from here."""
-    launch = Launch.from_json(Path(path).read_text())
-    try:
-        _preload(launch)
-        launch.launched_at = time.time()
-        if launch.launcher == "nbkit":
-            import nbkit
-
-            nbkit.launch(run, launch, gpus=launch.gpus, quiet=True, dashboard=False)
-        else:
-            from accelerate import notebook_launcher
-
-            notebook_launcher(run, args=(launch,), num_processes=launch.gpus, use_port=str(_free_port()))
-    except BaseException as exc:
-        with open(launch.results_path, "a") as f:
-            f.write(json.dumps({"launch_error": f"{type(exc).__name__}: {exc}"[-4000:]}) + "\n")
-        raise
-    return 0
+    return launching.launch_from_kernel(run, Launch.from_json(Path(path).read_text()), _preload)
 
 
 def _worker_mode(path: str) -> int:
-    """One rank of `accelerate launch`: nbkit's per-rank set-up (as nbkit.launch does), then the same function."""
-    import nbkit
-
-    nbkit.install()
-    launch = Launch.from_json(Path(path).read_text())
-    try:
-        run(launch)
-    except BaseException as exc:
-        if int(os.environ.get("RANK", "0")) == 0:
-            with open(launch.results_path, "a") as f:
-                f.write(json.dumps({"launch_error": f"{type(exc).__name__}: {exc}"[-4000:]}) + "\n")
-        raise
-    return 0
+    """One rank of `accelerate launch`: the same function the notebook launchers run."""
+    return launching.script_rank(run, Launch.from_json(Path(path).read_text()))
 
 
 def _command(launch: Launch, path: Path) -> list[str]:
     me = str(Path(__file__).resolve())
     if launch.launcher != "accelerate":
         return [sys.executable, me, "--launch-mode", str(path)]
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(launch.gpus)]
-    cmd += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
-    cmd += ["--main_process_port", str(_free_port())]
-    if launch.gpus > 1:
-        cmd.append("--multi_gpu")  # with ACCELERATE_USE_CPU=true: gloo on the CPU
-    return cmd + [me, "--worker-mode", str(path)]
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    """SIGTERM the launch's process group, SIGKILL what is left after 10 s."""
-    for sig, grace in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=grace)
-            return
+    return launching.accelerate_command(launch.gpus, me, "--worker-mode", str(path))
 
 
 def run_launch(launch: Launch, workdir: Path, timeout: float) -> list[dict]:
@@ -491,55 +437,12 @@ def run_launch(launch: Launch, workdir: Path, timeout: float) -> list[dict]:
     launch.results_path = str(workdir / f"{slug}.jsonl")
     launch.launched_at = time.time()
     path.write_text(launch.to_json())
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(
-        dict.fromkeys([str(ROOT), str(HERE), *env.get("PYTHONPATH", "").split(os.pathsep)])
-    )
-    if launch.device == "cpu":
-        env["ACCELERATE_USE_CPU"] = "true"
     print(f"\n=== {launch.config} {launch.precision} {launch.quant} repeat {launch.repeat} ===", flush=True)
-    tail: collections.deque[str] = collections.deque(maxlen=40)
     start = time.monotonic()
-    cwd = Path(tempfile.gettempdir()) / "nbkit-trainer-bench"  # unsloth writes its compile cache here
-    cwd.mkdir(exist_ok=True)
-    proc = subprocess.Popen(
-        _command(launch, path),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        bufsize=1,
-        env=env,
-        start_new_session=True,
-        cwd=str(cwd),
-    )
-
-    def pump() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            sys.stdout.write(line)
-            tail.append(line.rstrip("\n"))
-
-    reader = threading.Thread(target=pump, daemon=True)
-    reader.start()
-    reason = None
-    try:
-        code = proc.wait(timeout=timeout)
-        reason = None if code == 0 else f"launch exited with code {code}"
-    except subprocess.TimeoutExpired:
-        reason = f"launch stopped after the {timeout:.0f} s timeout"
-    finally:
-        if proc.poll() is None:
-            _stop(proc)
-    reader.join(timeout=10)
+    command, env = _command(launch, path), launching.child_env(launch.device)
+    reason, tail = launching.run_process(command, env, timeout, "nbkit-trainer-bench")
     wall = time.monotonic() - start
-    rows, error = [], None
-    results = Path(launch.results_path)
-    for line in results.read_text().splitlines() if results.exists() else []:
-        entry = json.loads(line)
-        if "launch_error" in entry:
-            error = entry["launch_error"]
-        else:
-            rows.append(entry)
+    rows, error = launching.read_rows(Path(launch.results_path))
     for row in rows:
         row["launch_wall_s"] = wall
     done = {(r["seq_len"], r["batch"]) for r in rows}

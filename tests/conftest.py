@@ -82,3 +82,13 @@ def patch_groups_as_found() -> Iterator[None]:
     yield
     for group in before:
         patching.apply(group)
+
+
+@pytest.fixture
+def exact_fp32() -> Iterator[None]:
+    """fp32 matmuls and convolutions on CUDA without TF32 during the test, as before it afterwards: GPU
+    results are compared with fp32 references (GPU tests: `pytest.mark.usefixtures("exact_fp32")`)."""
+    previous = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = previous

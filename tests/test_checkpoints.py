@@ -12,6 +12,7 @@ import stat
 from pathlib import Path
 
 import pytest
+from tiny_training import saving_trainer
 
 import nbkit
 from nbkit import checkpoints
@@ -272,9 +273,7 @@ class _Killed(Exception):
 
 
 def _train(path: str, out: str, max_steps: int, kill_at: int | None) -> dict:
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
+    from transformers import TrainerCallback
 
     class StepsRun(TrainerCallback):
         def __init__(self) -> None:
@@ -283,25 +282,8 @@ def _train(path: str, out: str, max_steps: int, kill_at: int | None) -> dict:
         def on_step_end(self, args, state, control, **kwargs):
             self.steps.append(state.global_step)
 
-    torch.manual_seed(0)
-    model = get_peft_model(
-        AutoModelForCausalLM.from_pretrained(path), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear")
-    )
-    g = torch.Generator().manual_seed(1)
-    data = [{"input_ids": (ids := torch.randint(8, 1000, (16,), generator=g)), "labels": ids} for _ in range(64)]
-    args = TrainingArguments(
-        output_dir=out,
-        per_device_train_batch_size=2,
-        max_steps=max_steps,
-        learning_rate=1e-3,
-        save_steps=2,
-        save_total_limit=1,
-        report_to=[],
-        disable_tqdm=True,
-        logging_steps=1,
-    )
     steps = StepsRun()
-    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[steps])
+    trainer = saving_trainer(path, out, 64, max_steps, callbacks=[steps], save_total_limit=1, logging_steps=1)
     if kill_at is not None and nbkit.is_main():
         # The worst moment for a session to end: the checkpoint's files are all written and older
         # checkpoints already rotated away, but on_save (which marks it complete) has not run.

@@ -7,6 +7,7 @@ import io
 import time
 
 import pytest
+from tiny_training import train_tiny_qwen3
 
 from nbkit import dashboard
 from nbkit.dashboard import Dashboard
@@ -304,32 +305,6 @@ def test_a_relaying_dashboard_sends_typed_messages_and_knows_how_the_notebook_sh
 # --------------------------------------------------------------------------------------------
 
 
-def _train_tiny_trainer() -> list[str]:
-    """4 Trainer steps of a tiny random Qwen3 on every rank, logging every step; returns the Trainer's callbacks."""
-    import tempfile
-
-    import torch
-    from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
-
-    from nbkit.offline import load_config
-
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(load_config("tiny:qwen3"))
-    data = [{"input_ids": torch.randint(0, 100, (16,)), "labels": torch.randint(0, 100, (16,))} for _ in range(16)]
-    args = TrainingArguments(
-        output_dir=tempfile.mkdtemp(prefix="nbkit-test-"),
-        max_steps=4,
-        per_device_train_batch_size=2,
-        logging_steps=1,
-        report_to="none",
-        save_strategy="no",
-        use_cpu=True,
-    )
-    trainer = Trainer(model=model, args=args, train_dataset=data)
-    trainer.train()
-    return [type(c).__name__ for c in trainer.callback_handler.callbacks]
-
-
 def test_under_a_live_panel_rank_0_prints_no_log_lines_and_the_panel_shows_the_last_log(
     shell_displays, monkeypatch, capfd
 ):
@@ -338,7 +313,7 @@ def test_under_a_live_panel_rank_0_prints_no_log_lines_and_the_panel_shows_the_l
     import nbkit
 
     monkeypatch.setenv("NBKIT_DASHBOARD", "html")
-    callbacks = nbkit.launch(_train_tiny_trainer, gpus=2)
+    callbacks = nbkit.launch(train_tiny_qwen3, gpus=2, logging_steps=1)
     assert "DashboardCallback" in callbacks and "PrinterCallback" not in callbacks
     out = capfd.readouterr().out
     assert "'loss'" not in out and "'train_runtime'" not in out  # no log line piles up under the panel

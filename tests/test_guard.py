@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+from test_planner import llama_70b
 
 import nbkit
 from nbkit import guard
@@ -125,16 +126,7 @@ def test_outside_a_launch_everything_passes_through(tiny_text_path, capfd, monke
 
 
 def test_a_model_too_large_for_one_gpu_is_refused_with_numbers_and_alternatives():
-    from transformers import LlamaConfig
-
-    seventy_b = LlamaConfig(
-        vocab_size=128256,
-        hidden_size=8192,
-        intermediate_size=28672,
-        num_hidden_layers=80,
-        num_attention_heads=64,
-        num_key_value_heads=8,
-    )
+    seventy_b = llama_70b()
     estimate = plan(seventy_b, gpus=1, gpu_memory_gib=15, seq_len=512)
     message = guard.fit_error(estimate, "meta-llama/Llama-3.3-70B")
     assert message is not None
@@ -157,16 +149,7 @@ def _load_huge(config_dir: str) -> list[str] | None:
 @pytest.mark.gpu
 def test_ddp_load_of_a_model_no_gpu_holds_fails_before_loading(tmp_path):
     """On 2 GPUs: a 70B config (no weights on disk at all) is refused by the fit check, not by a missing file."""
-    from transformers import LlamaConfig
-
-    LlamaConfig(
-        vocab_size=128256,
-        hidden_size=8192,
-        intermediate_size=28672,
-        num_hidden_layers=80,
-        num_attention_heads=64,
-        num_key_value_heads=8,
-    ).save_pretrained(tmp_path)
+    llama_70b().save_pretrained(tmp_path)
     kind, message = nbkit.launch(_load_huge, str(tmp_path), gpus=2)
     assert kind == "DeviceMapError" and "does not fit on one GPU" in message
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from tiny_training import tiny_lora, token_sequences
 
 import nbkit
 
@@ -14,14 +15,8 @@ def _lora_weights(model) -> dict[str, torch.Tensor]:
 def _train_both(path: str, out_dir: str) -> dict:
     import torch.distributed as dist
     from datasets import Dataset
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments
+    from transformers import AutoTokenizer, Trainer, TrainingArguments
     from trl import SFTConfig, SFTTrainer
-
-    def lora_model():
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_pretrained(path)
-        return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
 
     def same_on_all_ranks(weights: dict[str, torch.Tensor]) -> bool:
         gathered: list = [None] * dist.get_world_size()
@@ -29,13 +24,8 @@ def _train_both(path: str, out_dir: str) -> dict:
         return all(torch.equal(gathered[0][k], other[k]) for other in gathered[1:] for k in weights)
 
     report = {}
-    # transformers' Trainer on random token ids (each rank gets its own shard of the data).
-    model = lora_model()
-    before = _lora_weights(model)
-    g = torch.Generator().manual_seed(1)
-    data = [{"input_ids": (ids := torch.randint(8, 1000, (24,), generator=g)), "labels": ids} for _ in range(16)]
-    args = TrainingArguments(
-        output_dir=f"{out_dir}/trainer",
+    # The same short run for both trainers: 3 steps of batch 2 per rank, nothing saved, no progress bar.
+    common = dict(
         per_device_train_batch_size=2,
         max_steps=3,
         learning_rate=5e-3,
@@ -43,7 +33,11 @@ def _train_both(path: str, out_dir: str) -> dict:
         save_strategy="no",
         disable_tqdm=True,
     )
-    Trainer(model=model, args=args, train_dataset=data).train()
+    # transformers' Trainer on random token ids (each rank gets its own shard of the data).
+    model = tiny_lora(path)
+    before = _lora_weights(model)
+    args = TrainingArguments(output_dir=f"{out_dir}/trainer", **common)
+    Trainer(model=model, args=args, train_dataset=token_sequences(16, 24)).train()
     after = _lora_weights(model)
     report["trainer"] = {
         "args_world_size": args.world_size,
@@ -53,16 +47,11 @@ def _train_both(path: str, out_dir: str) -> dict:
     }
 
     # TRL's SFTTrainer on the synthetic chat dataset.
-    model = lora_model()
+    model = tiny_lora(path)
     tokenizer = AutoTokenizer.from_pretrained(path)
     config = SFTConfig(
         output_dir=f"{out_dir}/sft",
-        per_device_train_batch_size=2,
-        max_steps=3,
-        learning_rate=5e-3,
-        report_to=[],
-        save_strategy="no",
-        disable_tqdm=True,
+        **common,
         max_length=64,
         logging_steps=1,
         bf16=nbkit.precision() == "bf16",

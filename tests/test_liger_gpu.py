@@ -12,36 +12,22 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
-from test_savers import loss_and_grads, make_batch, relative_error, tiny_model
+from gpu_marks import one_gpu, two_gpus
+from test_savers import GPU_TOLERANCE, loss_and_grads, make_batch, relative_error, tiny_model
+from test_savers_ddp import assert_matrix_on_two_gpus
 
 from nbkit import patching, savers
 from nbkit.savers import liger
 
-pytestmark = pytest.mark.gpu
-
-one_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
-GPU_TOLERANCE = 1e-3  # as test_savers_gpu.py: fp32 without TF32, kernels may order sums differently
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("exact_fp32")]
 
 LIGER_CASES = {
     "liger": dict(checkpointing=None, tiled_mlp=False, chunked_loss=True, kernels="liger"),
     "liger_full_logits": dict(checkpointing=None, tiled_mlp=False, chunked_loss=False, kernels="liger"),
     "liger_all": dict(checkpointing="offload", tiled_mlp=3, chunked_loss=True, kernels="liger"),
 }
-
-
-@pytest.fixture(autouse=True)
-def exact_fp32():
-    previous = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = previous
 
 
 def _on_gpu(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -96,29 +82,7 @@ def test_liger_under_bf16_autocast():
     assert max(relative_error(grads[n], reference[n]) for n in reference) < 5e-2
 
 
-def ddp_on_gpus(kind: str) -> None:
-    """test_savers_ddp's matrix with the kernels, on 2 GPUs over NCCL (run in a fresh interpreter)."""
-    import test_savers_ddp as ddp
-
-    import nbkit
-
-    # The matrix looks its savers up by name; the ranks fork from this process and see these too.
-    ddp.SAVERS.update(LIGER_CASES)
-    cases = [
-        (saver, {"find_unused_parameters": unused}) for saver in ("liger", "liger_all") for unused in (True, False)
-    ]
-    results = nbkit.launch(ddp._run_matrix, kind, "cuda", cases, gpus=2, timeout=300, dashboard=False)
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    ddp.check_matrix(results, *ddp._reference(kind, "cuda:0"), cases, tolerance=GPU_TOLERANCE)
-
-
 @two_gpus
 @pytest.mark.parametrize("kind", ["qwen3", "qwen3-vl"])
 def test_liger_under_ddp_on_two_gpus_matches_one_gpu(kind):
-    here = Path(__file__).resolve().parent
-    code = (
-        f"import sys; sys.path[:0] = [{str(here)!r}, {str(here.parent)!r}]; "
-        f"import test_liger_gpu; test_liger_gpu.ddp_on_gpus({kind!r})"
-    )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, (proc.stdout[-4000:], proc.stderr[-6000:])
+    assert_matrix_on_two_gpus(kind, {saver: LIGER_CASES[saver] for saver in ("liger", "liger_all")})

@@ -13,8 +13,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from nbclient import NotebookClient
-from nbformat.v4 import new_code_cell, new_notebook
+from kernel_cells import run_cells
 
 pytestmark = pytest.mark.slow
 
@@ -68,31 +67,14 @@ CELLS = {
 }
 
 
-def _read(cell) -> dict:
-    out = {"stdout": "", "stderr": "", "error": None, "result": None}
-    for o in cell.outputs:
-        if o.output_type == "stream":
-            out[o.name] += o.text
-        elif o.output_type == "error":
-            out["error"] = o
-        elif o.output_type == "execute_result":
-            out["result"] = o.data.get("text/plain")
-    return out
-
-
 @pytest.fixture(scope="module")
 def outputs(tmp_path_factory, kernel_name, tiny_text_path) -> dict[str, dict]:
     path = tmp_path_factory.mktemp("live-nb")
     cells = dict(CELLS)
     cells["setup"] += f"\nmodel_path = {tiny_text_path!r}\nout_dir = {str(path / 'out')!r}\nsteps = 3"
-    nb = new_notebook()
-    nb.cells = [new_code_cell(source) for source in cells.values()]
     with pytest.MonkeyPatch.context() as mp:
         mp.delenv("NBKIT_DASHBOARD", raising=False)
-        NotebookClient(
-            nb, kernel_name=kernel_name, timeout=600, allow_errors=True, resources={"metadata": {"path": str(path)}}
-        ).execute()
-    return {name: _read(cell) for name, cell in zip(cells, nb.cells)}
+        return run_cells(cells, path, kernel_name, timeout=600)
 
 
 def _value(out: dict):

@@ -6,21 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from gpu_marks import one_gpu, two_gpus
 
 from nbkit.savers import loss as chunked
 
-pytestmark = pytest.mark.gpu
-
-two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
-one_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-
-
-@pytest.fixture(autouse=True)
-def exact_fp32_matmuls():
-    previous = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False  # the references below are plain fp32
-    yield
-    torch.backends.cuda.matmul.allow_tf32 = previous
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("exact_fp32")]  # the references below are plain fp32
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -11,8 +11,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from nbclient import NotebookClient
-from nbformat.v4 import new_code_cell, new_notebook
+from kernel_cells import run_cells
 
 SECRET = "hf_DoNotPrintMe_4242"
 
@@ -51,39 +50,15 @@ CELLS = {
 }
 
 
-def _run(cells: dict[str, str], path, kernel_name: str) -> dict[str, dict]:
-    """Execute the cells in a fresh kernel of this interpreter; {cell name: its outputs}."""
-    nb = new_notebook()
-    nb.cells = [new_code_cell(source) for source in cells.values()]
-    NotebookClient(
-        nb, kernel_name=kernel_name, timeout=300, allow_errors=True, resources={"metadata": {"path": str(path)}}
-    ).execute()
-    return {name: _read(cell) for name, cell in zip(cells, nb.cells)}
-
-
 @pytest.fixture(scope="module")
 def outputs(tmp_path_factory, kernel_name) -> dict[str, dict]:
     mp = pytest.MonkeyPatch()
     mp.setenv("HF_TOKEN", SECRET)  # the kernel inherits it
     mp.delenv("NBKIT_DASHBOARD", raising=False)
     try:
-        return _run(CELLS, tmp_path_factory.mktemp("nb"), kernel_name)
+        return run_cells(CELLS, tmp_path_factory.mktemp("nb"), kernel_name, timeout=300)
     finally:
         mp.undo()
-
-
-def _read(cell) -> dict:
-    out = {"stdout": "", "stderr": "", "error": None, "result": None, "displays": []}
-    for o in cell.outputs:
-        if o.output_type == "stream":
-            out[o.name] += o.text
-        elif o.output_type == "error":
-            out["error"] = o
-        elif o.output_type == "execute_result":
-            out["result"] = o.data.get("text/plain")
-        elif o.output_type == "display_data":
-            out["displays"].append(o.data)
-    return out
 
 
 def test_ddp_cell_returns_rank_0s_value_and_stores_it(outputs):
@@ -190,7 +165,7 @@ def test_after_cuda_is_initialised_in_the_kernel_ddp_spawns_and_uses_every_gpu(t
     gpus = torch.cuda.device_count()
     if gpus < 2:
         pytest.skip("needs 2 GPUs")
-    out = _run(
+    out = run_cells(
         {
             "setup": "%load_ext nbkit\nimport torch\nx = torch.ones(3, device='cuda')  # inference in the notebook",
             "train": (
@@ -203,6 +178,7 @@ def test_after_cuda_is_initialised_in_the_kernel_ddp_spawns_and_uses_every_gpu(t
         },
         tmp_path,
         kernel_name,
+        timeout=300,
     )
     train = out["train"]
     assert train["error"] is None, train["error"]

@@ -219,6 +219,15 @@ def _fresh_env(path: Path, *, borrow_site_packages: bool) -> Path:
     return path
 
 
+def _pip_install(python: str, *args: str, timeout: float) -> subprocess.CompletedProcess:
+    """`python -m pip install ARGS` in the clean environment; asserts that it succeeded (showing pip's output)."""
+    done = subprocess.run(
+        [python, "-m", "pip", "install", *args], capture_output=True, text=True, env=_clean_env(), timeout=timeout
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done
+
+
 @pytest.mark.slow
 def test_the_wheel_installs_by_its_name_and_loads_as_nbkit_in_a_kernel(dist: Path, tmp_path: Path, monkeypatch):
     import nbformat
@@ -226,14 +235,7 @@ def test_the_wheel_installs_by_its_name_and_loads_as_nbkit_in_a_kernel(dist: Pat
 
     env = _fresh_env(tmp_path / "env", borrow_site_packages=True)
     python = str(env / "bin" / "python")
-    installed = subprocess.run(
-        [python, "-m", "pip", "install", "--no-deps", "--no-index", str(_wheel(dist))],
-        capture_output=True,
-        text=True,
-        env=_clean_env(),
-        timeout=300,
-    )
-    assert installed.returncode == 0, installed.stdout + installed.stderr
+    installed = _pip_install(python, "--no-deps", "--no-index", str(_wheel(dist)), timeout=300)
     assert f"Successfully installed nbkit-ddp-{nbkit.__version__}" in installed.stdout
     assert (_site_packages(env) / "nbkit" / "__init__.py").is_file()
 
@@ -290,14 +292,7 @@ def test_the_install_cell_names_a_foreign_nbkit_and_replaces_it(dist: Path, tmp_
     # nothing of the test environment is visible to it, so the cell sees only what a user's machine has.
     env = _fresh_env(tmp_path / "env", borrow_site_packages=False)
     python = str(env / "bin" / "python")
-    setup = subprocess.run(
-        [python, "-m", "pip", "install", "-q", "ipython", str(_foreign_nbkit_wheel(tmp_path))],
-        capture_output=True,
-        text=True,
-        env=_clean_env(),
-        timeout=600,
-    )
-    assert setup.returncode == 0, setup.stdout + setup.stderr
+    _pip_install(python, "-q", "ipython", str(_foreign_nbkit_wheel(tmp_path)), timeout=600)
     site = _site_packages(env)
     assert (site / "nbkit-0.0.10.dist-info").is_dir()
 

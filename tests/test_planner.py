@@ -64,6 +64,7 @@ def qwen3_8b() -> Qwen3Config:
 
 
 def llama_70b() -> LlamaConfig:
+    """Llama-3.3-70B's shapes: about 140 GB of bf16 weights, more than any one GPU holds (also test_guard's)."""
     return LlamaConfig(
         vocab_size=128256,
         hidden_size=8192,

@@ -6,11 +6,11 @@ The distributed tests run real gloo ranks through nbkit.launch (2 CPU processes)
 from __future__ import annotations
 
 import math
-import tempfile
 import time
 
 import pytest
 import torch
+from tiny_training import train_tiny_qwen3
 
 import nbkit
 from nbkit import dashboard, patching, reporting
@@ -67,40 +67,13 @@ def test_custom_loop_reports_arrive_in_order_from_every_rank(capsys):
     assert "peak memory rank 1 (cpu)" in out
 
 
-def _train_tiny(use_cpu: bool) -> list[str]:
-    """4 Trainer steps of a tiny random Qwen3 on every rank; returns the Trainer's callbacks."""
-    import torch
-    from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
-
-    from nbkit.offline import load_config
-
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(load_config("tiny:qwen3"))
-    data = [{"input_ids": torch.randint(0, 100, (16,)), "labels": torch.randint(0, 100, (16,))} for _ in range(16)]
-    # Trainer creates output_dir even with save_strategy="no": somewhere temporary, not the cwd.
-    args = TrainingArguments(
-        output_dir=tempfile.mkdtemp(prefix="nbkit-test-"),
-        max_steps=4,
-        per_device_train_batch_size=2,
-        logging_steps=2,
-        report_to="none",
-        save_strategy="no",
-        learning_rate=1e-3,
-        use_cpu=use_cpu,
-    )
-    trainer = Trainer(model=model, args=args, train_dataset=data)
-    callbacks = [type(c).__name__ for c in trainer.callback_handler.callbacks]
-    trainer.train()
-    return callbacks
-
-
 def test_trainer_in_a_launch_reports_every_step_and_draws_no_bars(capfd):
     import transformers.trainer  # noqa: F401  (imported once here, shared by the forked ranks)
 
     from nbkit.offline import load_config
 
     chance = math.log(load_config("tiny:qwen3").vocab_size)  # the loss of random weights
-    callbacks = nbkit.launch(_train_tiny, True, gpus=2)
+    callbacks = nbkit.launch(train_tiny_qwen3, gpus=2, logging_steps=2, learning_rate=1e-3)
     assert "DashboardCallback" in callbacks and "PrinterCallback" in callbacks
     assert "ProgressCallback" not in callbacks and "NotebookProgressCallback" not in callbacks
     assert patching.applied("reporting") == []  # the notebook process itself is never patched
@@ -131,7 +104,7 @@ def test_trainer_in_a_launch_reports_every_step_and_draws_no_bars(capfd):
 def test_trainer_on_gpus_reports_each_ranks_cuda_peak_memory():
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
-    nbkit.launch(_train_tiny, False, gpus=2)
+    nbkit.launch(train_tiny_qwen3, False, gpus=2, logging_steps=2, learning_rate=1e-3)
     events = dashboard.latest().events
     for rank in (0, 1):
         steps = [e for r, e in events if r == rank and "loss" in e]

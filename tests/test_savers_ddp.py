@@ -17,11 +17,14 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-from test_savers import TOLERANCE, make_batch, relative_error, tiny_model, trainable_grads
+from test_savers import GPU_TOLERANCE, TOLERANCE, make_batch, relative_error, tiny_model, trainable_grads
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
 
@@ -164,6 +167,33 @@ def check_matrix(
             expected = 1 if "static_graph" in case else 0
             assert all(set(r.values()) == {expected} for r in accumulating), f"{case}, rank {rank}: {accumulating}"
             assert set(last.values()) == {1}, f"{case}, rank {rank}: {last}"
+
+
+def matrix_on_two_gpus(kind: str, matrix_savers: dict[str, dict]) -> None:
+    """The matrix for `matrix_savers` (name: savers.apply options), each under find_unused_parameters True
+    and False, on 2 GPUs over NCCL, checked against a single-GPU reference without savers.
+
+    Launching needs a process without CUDA: the GPU tests run this in a fresh interpreter
+    (`assert_matrix_on_two_gpus`).
+    """
+    SAVERS.update(matrix_savers)  # _run_matrix looks savers up by name; the ranks fork from here and see these
+    cases = [(saver, {"find_unused_parameters": unused}) for saver in matrix_savers for unused in (True, False)]
+    results = nbkit.launch(_run_matrix, kind, "cuda", cases, gpus=2, timeout=300, dashboard=False)
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    check_matrix(results, *_reference(kind, "cuda:0"), cases, tolerance=GPU_TOLERANCE)
+
+
+def assert_matrix_on_two_gpus(kind: str, matrix_savers: dict[str, dict]) -> None:
+    """`matrix_on_two_gpus` in a fresh interpreter (earlier GPU tests of the session have initialised
+    CUDA in this one); fails with the end of its output if it fails. matrix_savers travel as their repr.
+    """
+    here = Path(__file__).resolve().parent
+    code = (
+        f"import sys; sys.path[:0] = [{str(here)!r}, {str(here.parent)!r}]; "
+        f"import test_savers_ddp; test_savers_ddp.matrix_on_two_gpus({kind!r}, {matrix_savers!r})"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, (proc.stdout[-4000:], proc.stderr[-6000:])
 
 
 @pytest.mark.parametrize("kind", ["qwen3", "qwen3-vl"])

@@ -13,32 +13,19 @@
 from __future__ import annotations
 
 import copy
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-from test_savers import LANGUAGE_LINEARS, loss_and_grads, make_batch, relative_error
+from gpu_marks import one_gpu, two_gpus
+from test_savers import GPU_TOLERANCE, LANGUAGE_LINEARS, loss_and_grads, make_batch, relative_error
+from test_savers_ddp import SAVERS, assert_matrix_on_two_gpus
 from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from nbkit import savers
 from nbkit.offline import load_config
 from nbkit.savers._model import decoder_layers, module_device
 
-pytestmark = pytest.mark.gpu
-
-two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
-one_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-GPU_TOLERANCE = 1e-3  # fp32 without TF32; GPU reductions may order sums differently
-
-
-@pytest.fixture(autouse=True)
-def exact_fp32():
-    previous = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = previous
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("exact_fp32")]
 
 
 def _lora(model: torch.nn.Module, dropout: float) -> torch.nn.Module:
@@ -170,25 +157,7 @@ def _tiny_path() -> str:
     return nbkit.resolve_model("tiny:qwen3")
 
 
-def ddp_on_gpus(kind: str) -> None:
-    """The DDP matrix's savers on 2 GPUs over NCCL against a single-GPU reference (fresh interpreter)."""
-    import test_savers_ddp as ddp
-
-    import nbkit
-
-    cases = [(saver, {"find_unused_parameters": unused}) for saver in ("offload", "all") for unused in (True, False)]
-    results = nbkit.launch(ddp._run_matrix, kind, "cuda", cases, gpus=2, timeout=300, dashboard=False)
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    ddp.check_matrix(results, *ddp._reference(kind, "cuda:0"), cases, tolerance=GPU_TOLERANCE)
-
-
 @two_gpus
 @pytest.mark.parametrize("kind", ["qwen3", "qwen3-vl"])
 def test_ddp_on_two_gpus_matches_one_gpu(kind):
-    here = Path(__file__).resolve().parent
-    code = (
-        f"import sys; sys.path[:0] = [{str(here)!r}, {str(here.parent)!r}]; "
-        f"import test_savers_gpu; test_savers_gpu.ddp_on_gpus({kind!r})"
-    )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, (proc.stdout[-4000:], proc.stderr[-6000:])
+    assert_matrix_on_two_gpus(kind, {saver: SAVERS[saver] for saver in ("offload", "all")})

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from tiny_training import saving_trainer
 
 import nbkit
 from nbkit.checkpoints import is_complete, resume_point
@@ -20,8 +21,6 @@ pytestmark = pytest.mark.usefixtures("leftovers")
 
 def _train(path: str, out: str, kill_in: str | None) -> dict:
     import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
     if kill_in is not None and nbkit.is_main():
         save = torch.save
@@ -33,22 +32,7 @@ def _train(path: str, out: str, kill_in: str | None) -> dict:
             return save(obj, f, *args, **kwargs)
 
         torch.save = save_then_die
-    torch.manual_seed(0)
-    model = get_peft_model(
-        AutoModelForCausalLM.from_pretrained(path), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear")
-    )
-    g = torch.Generator().manual_seed(1)
-    data = [{"input_ids": (ids := torch.randint(8, 1000, (16,), generator=g)), "labels": ids} for _ in range(32)]
-    args = TrainingArguments(
-        output_dir=out,
-        per_device_train_batch_size=2,
-        max_steps=6,
-        learning_rate=1e-3,
-        save_steps=2,
-        report_to=[],
-        disable_tqdm=True,
-    )
-    trainer = Trainer(model=model, args=args, train_dataset=data)
+    trainer = saving_trainer(path, out, 32, 6)
     resumed_from = resume_point(out)
     trainer.train(resume_from_checkpoint=resumed_from)
     return {"resumed_from": resumed_from, "global_step": trainer.state.global_step}
