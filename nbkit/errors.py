@@ -59,6 +59,27 @@ class RankError:
     time: float
     secondary: bool = False
 
+    @property
+    def lost_a_peer(self) -> bool:
+        """True when the error says another process of the group went away mid-collective.
+
+        Such an error is the symptom of another rank's end, never its cause: a launch whose rank
+        died and whose peer's "Connection closed by peer" reached the notebook first still names the
+        rank that died (a CI run on a loaded machine blamed the survivor before this was checked).
+        """
+        return any(marker in self.message for marker in _PEER_LOSS_MARKERS)
+
+
+# What a collective raises in a rank whose peer process is gone: gloo's TCP transport (torch 2.13:
+# "Connection closed by peer", or "Read error ...: Connection reset by peer" when the peer's socket
+# was reset; "Broken pipe" when the rank was writing), and NCCL's async error handling.
+_PEER_LOSS_MARKERS = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "remote process exited or there was a network error",
+)
+
 
 class LaunchError(NbkitError, RuntimeError):
     """A launched run failed.

@@ -502,9 +502,12 @@ class _Run:
                 continue
             self.exits[rank] = status
             # Once a rank exited with an error, torch elastic stops the others with SIGTERM and
-            # collects their status (unknown here): such ends are consequences, not causes.
+            # collects their status (unknown here): such ends are consequences, not causes. An error
+            # that only says a peer went away is no such failure: this end is what it reports.
             by_elastic = status.signal == signal.SIGTERM or status == ExitStatus()
-            others_failed = any(r != rank for r in [*self.failed, *self.errors])
+            others_failed = any(r != rank for r in self.failed) or any(
+                r != rank and not e.lost_a_peer for r, e in self.errors.items()
+            )
             consequence = rank in self.killed or (by_elastic and others_failed)
             if rank not in self.errors and not consequence and self.stopped_at is None:
                 self._fail(rank)
