@@ -190,7 +190,7 @@ def _origin(event: Any) -> str:
     frames = []
     parent = event.cpu_parent
     while parent is not None:
-        if "): " in parent.name and not parent.name.startswith("<built-in"):
+        if "): " in parent.name and not parent.name.startswith("<built-in") and "host_cost.py" not in parent.name:
             frames.append(parent.name.split("site-packages/")[-1])
         parent = parent.cpu_parent
     if not frames:
