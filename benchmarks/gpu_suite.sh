@@ -161,9 +161,9 @@ for what in "$@"; do
       # callback and Trainer's NaN filter, both backends. Then trainer_bench times SFTTrainer against Trainer
       # without the NaN filter, which has none of TRL's per-micro-step metric syncs: the most that deferring
       # those (no clean patch exists: see RESULTS.md) could gain.
-      part hostcost_transformers 90 python3 benchmarks/host_cost.py --variants sft,sft+noreport,hf,hf+nanfilter_off \
+      part hostcost_transformers 90 python3 benchmarks/host_cost.py --variants hf,hf+nanfilter_off,sft,sft+noreport \
         --steps 6 --out "$OUT/hostcost_transformers.json" --md "$OUT/hostcost_transformers.md"
-      part hostcost_unsloth 170 python3 benchmarks/host_cost.py --backend unsloth --variants sft,hf,hf+nanfilter_off \
+      part hostcost_unsloth 170 python3 benchmarks/host_cost.py --backend unsloth --variants hf,hf+nanfilter_off,sft \
         --steps 6 --out "$OUT/hostcost_unsloth.json" --md "$OUT/hostcost_unsloth.md"
       part hostcost_sft 150 python3 benchmarks/trainer_bench.py --configs transformers:2,unsloth:2 --shapes 1024x4 \
         --steps 20 --warmup 3 --time-limit 60 --launch-timeout 130 \

@@ -1,6 +1,6 @@
 r"""What a Trainer step spends outside the model's forward and backward: collectives, host reads, time.
 
-    python benchmarks/host_cost.py [--variants sft,sft+noreport,hf,hf+noreport] [--shape 128x4] \
+    python benchmarks/host_cost.py [--variants hf,hf+noreport,sft,sft+noreport] [--shape 128x4] \
         [--steps 8] [--gpus 2] [--out host_cost.json] [--md host_cost.md]
 
 Runs `--gpus` ranks under nbkit.launch (gloo CPU ranks where no GPU is visible), builds the
@@ -15,16 +15,21 @@ unsloth on GPUs), and trains it once per variant, each with its own Trainer buil
   each micro-step to filter NaN/inf out of the logged loss);
 - `log10`: logging_steps=10 instead of 1.
 
+Variants share the model: SFTTrainer patches the model's forward at __init__ (TRL's chunked or fused LM head) and
+the patch stays, so list `hf` variants first where Trainer alone matters.
+
 Per optimizer step, on rank 0, after `--warmup` steps:
 - time: the step's wall time (on_step_begin to the next on_step_begin, CUDA synchronised at both
   ends on GPUs), the model's forward (hooks on the PEFT model) and `accelerator.backward` (DDP's
   gradient all-reduce included), and the rest ("outside"): data, loss bookkeeping, metrics,
-  optimizer, logging, callbacks. `--steps` steps, no profiler.
+  optimizer, logging, callbacks. `--steps` steps, no profiler. On GPUs forward and backward are host times: the
+  host queues kernels, and waits inside them only where something reads a GPU tensor's value.
 - under torch.profiler, `--steps` more steps: collectives (`gloo:*` / `nccl:*` events; those issued from
   Python also as `c10d::*` ops with their caller; DDP's gradient all-reduce runs in C++ and has none) and
   host reads of a tensor's value (`aten::_local_scalar_dense`: `.item()`, `if tensor`, `float(tensor)`),
   each attributed to the first Python frame outside torch and accelerate; on GPUs the CUDA runtime's
-  synchronising calls (cudaStreamSynchronize, ...), which is what blocks the host;
+  synchronising calls (cudaStreamSynchronize, ...), which is what blocks the host (the harness's one
+  torch.cuda.synchronize at the end of the profiled steps included: 1/steps per step);
 - on CPUs, in the same steps, ValueReads: every Python-level call that needs a tensor's values on the host
   (`.item()`, `.tolist()`, `bool(tensor)`, `.numpy()`, `nonzero`, boolean-mask indexing, `repeat_interleave`
   by a tensor) with its caller. On a GPU each such call on a GPU tensor waits for the GPU; on a CPU none
@@ -321,7 +326,7 @@ def markdown(env: dict, command: str, launch: trainer_bench.Launch, rows: list[d
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--variants", default="sft,sft+noreport,hf,hf+noreport,hf+nanfilter_off")
+    p.add_argument("--variants", default="hf,hf+noreport,hf+nanfilter_off,sft,sft+noreport")
     p.add_argument("--backend", choices=trainer_bench.BACKENDS, default="transformers")
     p.add_argument("--model", default=None, help="default: tiny:qwen3-vl on CPUs, random:qwen3-vl-2b on GPUs")
     p.add_argument("--shape", default=None, help="seq_len x batch per rank (default: 128x4 on CPUs, 1024x4 on GPUs)")

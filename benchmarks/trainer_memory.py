@@ -57,21 +57,27 @@ def _largest_allocations(snapshot: dict, top: int = 5) -> list[dict]:
 
 
 def _phase(name: str, device: torch.device, fn: Any) -> dict:
-    torch.cuda.synchronize(device)
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats(device)
-    before = torch.cuda.memory_allocated(device) / GIB
-    torch.cuda.memory._record_memory_history(max_entries=200_000)
+    """Run `fn` (returns the forward's logits) and measure it; on a CPU (a smoke run) only the logits' shape."""
+    cuda = device.type == "cuda"
+    snapshot: dict = {}
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        torch.cuda.memory._record_memory_history(max_entries=200_000)
+    before = torch.cuda.memory_allocated(device) / GIB if cuda else None
     try:
         logits = fn()
-        torch.cuda.synchronize(device)
-        snapshot = torch.cuda.memory._snapshot()
+        if cuda:
+            torch.cuda.synchronize(device)
+            snapshot = torch.cuda.memory._snapshot()
     finally:
-        torch.cuda.memory._record_memory_history(enabled=None)
+        if cuda:
+            torch.cuda.memory._record_memory_history(enabled=None)
     row = {
         "phase": name,
         "allocated_before_gib": before,
-        "peak_gib": torch.cuda.max_memory_allocated(device) / GIB,
+        "peak_gib": torch.cuda.max_memory_allocated(device) / GIB if cuda else None,
         "logits_shape": list(logits.shape) if isinstance(logits, torch.Tensor) else None,
         "unsloth_return_logits": os.environ.get("UNSLOTH_RETURN_LOGITS"),
         "largest_allocations": _largest_allocations(snapshot),
@@ -83,29 +89,32 @@ def _phase(name: str, device: torch.device, fn: Any) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--backend", choices=trainer_bench.BACKENDS, default="unsloth")
-    p.add_argument("--model", default="random:qwen3-vl-2b")
-    p.add_argument("--shape", default="16384x1")
+    p.add_argument("--model", default=None, help="default: random:qwen3-vl-2b on GPUs, tiny:qwen3-vl on CPUs")
+    p.add_argument("--shape", default=None, help="default: 16384x1 on GPUs, 128x1 on CPUs (a smoke run)")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
 
     import nbkit
 
     nbkit.install()  # as nbkit.launch does in every rank
-    seq_len, batch = trainer_bench._shape(a.shape)
+    cuda = torch.cuda.is_available()
+    model_name = a.model or ("random:qwen3-vl-2b" if cuda else "tiny:qwen3-vl")
+    seq_len, batch = trainer_bench._shape(a.shape or ("16384x1" if cuda else "128x1"))
     launch = trainer_bench.Launch(
         backend=a.backend,
         gpus=1,
         launcher="notebook",
-        model=a.model,
-        model_path=nbkit.resolve_model(a.model),
-        device="cuda",
-        precision="bf16",
+        model=model_name,
+        model_path=nbkit.resolve_model(model_name),
+        device="cuda" if cuda else "cpu",
+        precision="bf16" if cuda else "fp32",
         quant="16bit",
         shapes=[(seq_len, batch)],
         results_path="",
     )
-    device = torch.device("cuda", 0)
-    torch.cuda.set_device(device)
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
     model = trainer_bench.build_model(launch, device)
     collate = trainer_bench._Collator(trainer_bench.common_config(launch), seq_len, launch.image)
     inputs = {k: v.to(device) for k, v in collate([0] * batch).items()}
@@ -113,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
 
     def plain() -> Any:
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
             out = model(**inputs)
         out.loss.backward()
         model.zero_grad(set_to_none=True)
@@ -144,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.out:
         Path(a.out).write_text(text)
     for r in rows:
-        print(f"{r['phase']:>22}: peak {r['peak_gib']:.2f} GiB, logits {r['logits_shape']}")
+        peak = "" if r["peak_gib"] is None else f"peak {r['peak_gib']:.2f} GiB, "
+        print(f"{r['phase']:>22}: {peak}logits {r['logits_shape']}")
     return 0
 
 

@@ -1,4 +1,6 @@
-"""benchmarks/host_cost.py on the CPU: two gloo ranks of SFTTrainer and Trainer on tiny:qwen3-vl.
+"""benchmarks/host_cost.py and trainer_memory.py on the CPU, on tiny:qwen3-vl.
+
+host_cost.py: two gloo ranks of SFTTrainer and Trainer.
 
 What the counts must say, whatever the machine: TRL's SFTTrainer.compute_loss adds four all-gathers per
 micro-step (entropy, token count, accuracy: issue 16), issued from compute_loss; nbkit's dashboard callback
@@ -9,6 +11,7 @@ applied; Trainer's NaN filter reads the loss twice per micro-step.
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -57,3 +60,19 @@ def test_counts_trl_metric_gathers_and_nbkit_reads_per_step(tmp_path):
     text = md.read_text()
     assert f"| sft | {sft['collectives_per_step']:g} | " in text
     assert "sft, per step, value calls by caller:" in text and "hf+noreport, per step, by origin (profiler):" in text
+
+
+def test_trainer_memory_phases_run_and_the_transformers_path_keeps_no_full_logits(tmp_path):
+    # In its own process: the script applies nbkit's patches (nbkit.install()) as a launched rank would.
+    out = tmp_path / "memory.json"
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "trainer_memory.py"
+    argv = [sys.executable, str(script), "--backend", "transformers", "--shape", "128x1", "--out", str(out)]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = {r["phase"]: r for r in json.loads(out.read_text())["rows"]}
+    assert list(rows) == ["plain", "plain_after_sft_init", "compute_loss", "train"]
+    # nbkit's chunked loss: the logits hold the last position only, never (tokens, vocab).
+    assert rows["plain"]["logits_shape"][:2] == [1, 1]
+    # Under SFTTrainer (trl 1.14's chunked_nll forward) no logits come back at all.
+    assert rows["plain_after_sft_init"]["logits_shape"] is None and rows["compute_loss"]["logits_shape"] is None
+    assert all(r["peak_gib"] is None for r in rows.values())  # a CPU run measures no GPU memory
