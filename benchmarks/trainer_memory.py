@@ -121,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     items = int((inputs["labels"][..., 1:] != -100).sum())
     rows = []
 
+    model.train()  # as Trainer does before its first step
+
     def plain() -> Any:
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
             out = model(**inputs)
