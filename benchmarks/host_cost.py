@@ -1,7 +1,7 @@
 r"""What a Trainer step spends outside the model's forward and backward: collectives, host reads, time.
 
     python benchmarks/host_cost.py [--variants hf,hf+noreport,sft,sft+noreport] [--shape 128x4] \
-        [--steps 8] [--gpus 2] [--out host_cost.json] [--md host_cost.md]
+        [--steps 8] [--profile-steps 3] [--gpus 2] [--out host_cost.json] [--md host_cost.md]
 
 Runs `--gpus` ranks under nbkit.launch (gloo CPU ranks where no GPU is visible), builds the
 model of benchmarks/trainer_bench.py once per rank (`--backend`, default transformers+peft+nbkit.savers;
@@ -24,12 +24,12 @@ Per optimizer step, on rank 0, after `--warmup` steps:
   gradient all-reduce included), and the rest ("outside"): data, loss bookkeeping, metrics,
   optimizer, logging, callbacks. `--steps` steps, no profiler. On GPUs forward and backward are host times: the
   host queues kernels, and waits inside them only where something reads a GPU tensor's value.
-- under torch.profiler, `--steps` more steps: collectives (`gloo:*` / `nccl:*` events; those issued from
+- under torch.profiler, `--profile-steps` more steps: collectives (`gloo:*` / `nccl:*` events; those issued from
   Python also as `c10d::*` ops with their caller; DDP's gradient all-reduce runs in C++ and has none) and
   host reads of a tensor's value (`aten::_local_scalar_dense`: `.item()`, `if tensor`, `float(tensor)`),
   each attributed to the first Python frame outside torch and accelerate; on GPUs the CUDA runtime's
   synchronising calls (cudaStreamSynchronize, ...), which is what blocks the host (the harness's one
-  torch.cuda.synchronize at the end of the profiled steps included: 1/steps per step);
+  torch.cuda.synchronize at the end of the profiled steps included: 1/profile-steps per step);
 - on CPUs, in the same steps, ValueReads: every Python-level call that needs a tensor's values on the host
   (`.item()`, `.tolist()`, `bool(tensor)`, `.numpy()`, `nonzero`, boolean-mask indexing, `repeat_interleave`
   by a tensor) with its caller. On a GPU each such call on a GPU tensor waits for the GPU; on a CPU none
@@ -131,8 +131,8 @@ def parse_variant(text: str) -> tuple[str, list[str]]:
     return trainer, options
 
 
-def _probe(device: torch.device, model: Any, warmup: int, steps: int) -> Any:
-    """A TrainerCallback that times steps warmup..warmup+steps, then profiles the next `steps`."""
+def _probe(device: torch.device, model: Any, warmup: int, steps: int, profile_steps: int) -> Any:
+    """A TrainerCallback that times steps warmup..warmup+steps, then profiles the next `profile_steps`."""
     from torch.profiler import ProfilerActivity, profile
     from transformers import TrainerCallback
 
@@ -177,7 +177,7 @@ def _probe(device: torch.device, model: Any, warmup: int, steps: int) -> Any:
                 self.profiler.start()
                 if self.values is not None:
                     self.values.__enter__()
-            elif state.global_step == warmup + 2 * steps:
+            elif state.global_step == warmup + steps + profile_steps:
                 sync()
                 if self.values is not None:
                     self.values.__exit__(None, None, None)
@@ -241,8 +241,12 @@ def _counts(prof: Any, steps: int) -> dict[str, Any]:
     }
 
 
-def run(launch: trainer_bench.Launch, variants: list[str], warmup: int, steps: int) -> list[dict]:
-    """Each rank: build the model once, train it once per variant; returns rank 0's figures."""
+def run(
+    launch: trainer_bench.Launch, variants: list[str], warmup: int, steps: int, profile_steps: int, out: str | None
+) -> list[dict]:
+    """Each rank: build the model once, train it once per variant; returns rank 0's figures, which rank 0
+    also writes to `out` after each variant (a launch stopped by a time limit keeps what it measured).
+    """
     import nbkit
 
     cuda = launch.device == "cuda"
@@ -260,9 +264,11 @@ def run(launch: trainer_bench.Launch, variants: list[str], warmup: int, steps: i
         launch.trainer_options = {k: v for o in options for k, v in OPTIONS[o].items()}
         if "noreport" in options:
             nbkit.uninstall("reporting")
-        probe = _probe(device, model, warmup, steps)
+        probe = _probe(device, model, warmup, steps, profile_steps)
         with tempfile.TemporaryDirectory() as out_dir:
-            trainer = trainer_bench._trainer(launch, model, seq_len, batch, warmup + 2 * steps + 1, out_dir, probe)
+            trainer = trainer_bench._trainer(
+                launch, model, seq_len, batch, warmup + steps + profile_steps + 1, out_dir, probe
+            )
             trainer.accelerator.backward = probe.timed_backward(trainer.accelerator.backward)
             trainer.train()
             logged = [e for e in trainer.state.log_history if "loss" in e]
@@ -281,16 +287,18 @@ def run(launch: trainer_bench.Launch, variants: list[str], warmup: int, steps: i
                 "backward_ms": bwd_ms,
                 "outside_ms": step_ms - fwd_ms - bwd_ms,
                 "logged_keys": sorted(logged[-1]) if logged else [],
-                **_counts(probe.profiler, steps),
-                "value_reads_per_step": sum(probe.values.counts.values()) / steps if probe.values else None,
+                **_counts(probe.profiler, profile_steps),
+                "value_reads_per_step": sum(probe.values.counts.values()) / profile_steps if probe.values else None,
                 "value_reads_by_origin_per_step": {
-                    k: v / steps for k, v in sorted(probe.values.counts.items(), key=lambda kv: -kv[1])
+                    k: v / profile_steps for k, v in sorted(probe.values.counts.items(), key=lambda kv: -kv[1])
                 }
                 if probe.values
                 else None,
             }
         )
         del trainer
+        if out and int(os.environ.get("RANK", "0")) == 0:
+            Path(out).write_text(json.dumps({"partial": True, "rows": rows}, indent=1))
     return rows
 
 
@@ -332,7 +340,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shape", default=None, help="seq_len x batch per rank (default: 128x4 on CPUs, 1024x4 on GPUs)")
     p.add_argument("--gpus", type=int, default=2)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--steps", type=int, default=8, help="timed steps")
+    p.add_argument("--profile-steps", type=int, default=3, help="profiled steps, after the timed ones")
     p.add_argument("--no-image", action="store_true")
     p.add_argument("--out", default=None)
     p.add_argument("--md", default=None)
@@ -361,7 +370,10 @@ def main(argv: list[str] | None = None) -> int:
         image=not a.no_image,
     )
     command = " ".join(["python3", "benchmarks/host_cost.py", *(argv if argv is not None else sys.argv[1:])])
-    rows = nbkit.launch(run, launch, a.variants.split(","), a.warmup, a.steps, gpus=a.gpus, quiet=True, dashboard=False)
+    variants = a.variants.split(",")
+    rows = nbkit.launch(
+        run, launch, variants, a.warmup, a.steps, a.profile_steps, a.out, gpus=a.gpus, quiet=True, dashboard=False
+    )
     env = host.environment()
     text = markdown(env, command, launch, rows)
     print(text)
