@@ -161,9 +161,9 @@ for what in "$@"; do
       # callback and Trainer's NaN filter, both backends. Then trainer_bench times SFTTrainer against Trainer
       # without the NaN filter, which has none of TRL's per-micro-step metric syncs: the most that deferring
       # those (no clean patch exists: see RESULTS.md) could gain. ~9.5 minutes: run it alone in a call.
-      part hostcost_transformers 100 python3 benchmarks/host_cost.py --variants hf,hf+nanfilter_off,sft,sft+noreport \
+      part hostcost_transformers 120 python3 benchmarks/host_cost.py --variants hf,hf+nanfilter_off,hf+nanfilter_off+nobcast,sft,sft+noreport \
         --steps 6 --profile-steps 2 --out "$OUT/hostcost_transformers.json" --md "$OUT/hostcost_transformers.md"
-      part hostcost_unsloth 170 python3 benchmarks/host_cost.py --backend unsloth --variants hf,hf+nanfilter_off,sft \
+      part hostcost_unsloth 160 python3 benchmarks/host_cost.py --backend unsloth --variants hf,hf+nanfilter_off,sft \
         --steps 6 --profile-steps 2 --out "$OUT/hostcost_unsloth.json" --md "$OUT/hostcost_unsloth.md"
       part hostcost_sft 150 python3 benchmarks/trainer_bench.py --configs transformers:2,unsloth:2 --shapes 1024x4 \
         --steps 20 --warmup 3 --time-limit 60 --launch-timeout 130 \

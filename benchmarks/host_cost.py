@@ -13,7 +13,9 @@ unsloth on GPUs), and trains it once per variant, each with its own Trainer buil
   hook, which nbkit.launch adds to every Trainer), to see what they add;
 - `nanfilter_off`: TrainingArguments(logging_nan_inf_filter=False) (Trainer reads the loss on the host
   each micro-step to filter NaN/inf out of the logged loss);
-- `log10`: logging_steps=10 instead of 1.
+- `log10`: logging_steps=10 instead of 1;
+- `nobcast`: TrainingArguments(ddp_broadcast_buffers=False) (DDP broadcasts the model's buffers, Qwen3-VL's
+  rotary frequencies among them, from rank 0 before every forward).
 
 Variants share the model: SFTTrainer patches the model's forward at __init__ (TRL's chunked or fused LM head) and
 the patch stays, so list `hf` variants first where Trainer alone matters.
@@ -66,6 +68,7 @@ OPTIONS = {
     "noreport": {},
     "nanfilter_off": {"logging_nan_inf_filter": False},
     "log10": {"logging_steps": 10},
+    "nobcast": {"ddp_broadcast_buffers": False},
 }
 # CUDA runtime calls that block the host until the device has caught up (profiling.py counts the same).
 CUDA_SYNCS = frozenset({"cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize"})
