@@ -18,6 +18,8 @@
 #   bash benchmarks/gpu_suite.sh trainer_repeats      # SFTTrainer, unsloth 1 -> 2 GPUs at 1K x 4 and 16K x 1, repeated (median of 3 where time allows)
 #   bash benchmarks/gpu_suite.sh trainer1             # SFTTrainer on 1 GPU: unsloth vs transformers+savers vs +Liger
 #   bash benchmarks/gpu_suite.sh t4trainer t4trainer4 # T4 stand-in: longest sequence, unsloth / transformers, 16-bit / 4-bit
+#   bash benchmarks/gpu_suite.sh hostcost             # 1K x 4 on 2 GPUs: syncs and collectives per Trainer step, SFTTrainer vs Trainer timed (issue 16)
+#   bash benchmarks/gpu_suite.sh trainermem           # unsloth at 16K: peak memory by hand vs under SFTTrainer, largest allocations (issue 16)
 #
 # Two sets of parts can share a 4-GPU machine, one GPU pair each (a separate TMPDIR keeps unsloth's
 # compile caches apart):
@@ -152,6 +154,29 @@ for what in "$@"; do
         --quant $quant --precision fp16 --memory-cap-gib 15 --shapes 16k,32k,48k,64k,96k,128k \
         --steps 1 --warmup 1 --time-limit 380 --launch-timeout 270 \
         --out "$OUT/$what.json" --md "$OUT/$what.md" ;;
+    hostcost)
+      # What a Trainer step at 1K x 4 on 2 GPUs spends outside GPU work (issue 16; CPU counts in RESULTS.md).
+      # host_cost.py: per optimizer step, collectives, host reads of tensor values and CUDA syncs, each with
+      # the Python frame that caused it, for Trainer and SFTTrainer, with and without nbkit's reporting
+      # callback and Trainer's NaN filter, both backends. Then trainer_bench times SFTTrainer against Trainer
+      # without the NaN filter, which has none of TRL's per-micro-step metric syncs: the most that deferring
+      # those (no clean patch exists: see RESULTS.md) could gain. ~9.5 minutes: run it alone in a call.
+      part hostcost_transformers 120 python3 benchmarks/host_cost.py --variants hf,hf+nanfilter_off,hf+nanfilter_off+nobcast,sft,sft+noreport \
+        --steps 6 --profile-steps 2 --out "$OUT/hostcost_transformers.json" --md "$OUT/hostcost_transformers.md"
+      part hostcost_unsloth 160 python3 benchmarks/host_cost.py --backend unsloth --variants hf,hf+nanfilter_off,sft \
+        --steps 6 --profile-steps 2 --out "$OUT/hostcost_unsloth.json" --md "$OUT/hostcost_unsloth.md"
+      part hostcost_sft 150 python3 benchmarks/trainer_bench.py --configs transformers:2,unsloth:2 --shapes 1024x4 \
+        --steps 20 --warmup 3 --time-limit 60 --launch-timeout 130 \
+        --out "$OUT/hostcost_sft.json" --md "$OUT/hostcost_sft.md"
+      part hostcost_hf 150 python3 benchmarks/trainer_bench.py --configs transformers:2,unsloth:2 --shapes 1024x4 \
+        --trainer hf --trainer-option logging_nan_inf_filter=false --steps 20 --warmup 3 --time-limit 60 \
+        --launch-timeout 130 --out "$OUT/hostcost_hf.json" --md "$OUT/hostcost_hf.md" ;;
+    trainermem)
+      # Why unsloth's peak at 16K is 18.4 GiB under SFTTrainer against 13.8 GiB in bench.py's loop: one process,
+      # the same model stepped by hand, after SFTTrainer's __init__, through trainer.compute_loss, and trained;
+      # peak, logits shape, UNSLOTH_RETURN_LOGITS and the largest allocations with their Python frames.
+      part trainermem 240 python3 benchmarks/trainer_memory.py --backend unsloth --shape 16384x1 \
+        --out "$OUT/trainer_memory.json" ;;
     liger)
       part liger 240 python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests/test_liger_gpu.py ;;
     *) echo "unknown part: $what" >&2 ;;

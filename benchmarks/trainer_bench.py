@@ -48,7 +48,7 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -90,6 +90,7 @@ class Launch:
     memory_cap_gib: float | None = None
     longest: bool = False
     launched_at: float = 0.0  # time.time() when the launcher was called (script launchers: the command)
+    trainer_options: dict[str, Any] = field(default_factory=dict)  # TrainingArguments / SFTConfig overrides
 
     @property
     def config(self) -> str:
@@ -201,6 +202,9 @@ def _timer_callback(device: torch.device) -> Any:
 
 
 def _trainer(launch: Launch, model: Any, seq_len: int, batch: int, steps: int, out_dir: str, timer: Any) -> Any:
+    """The Trainer (or SFTTrainer) for one shape, as the flagship builds it, with `launch.trainer_options`
+    replacing TrainingArguments / SFTConfig options (`--trainer-option`).
+    """
     world = int(os.environ.get("WORLD_SIZE", "1"))
     from datasets import Dataset
 
@@ -226,6 +230,7 @@ def _trainer(launch: Launch, model: Any, seq_len: int, batch: int, steps: int, o
         dataloader_num_workers=0,
         disable_tqdm=True,
     )
+    options.update(launch.trainer_options)
     if launch.trainer == "sft":
         from trl import SFTConfig, SFTTrainer
 
@@ -373,6 +378,7 @@ def _row(launch: Launch, row: dict, ranks: list[dict], load_s: float, first: boo
         "precision": launch.precision,
         "quant": launch.quant,
         "trainer": launch.trainer,
+        "trainer_options": launch.trainer_options,
         "image": launch.image,
         "memory_cap_gib": launch.memory_cap_gib,
         "repeat": launch.repeat,
@@ -468,7 +474,18 @@ def run_launch(launch: Launch, workdir: Path, timeout: float) -> list[dict]:
 
 
 def _identity(launch: Launch) -> dict:
-    keys = ("backend", "gpus", "launcher", "precision", "quant", "trainer", "image", "memory_cap_gib", "repeat")
+    keys = (
+        "backend",
+        "gpus",
+        "launcher",
+        "precision",
+        "quant",
+        "trainer",
+        "trainer_options",
+        "image",
+        "memory_cap_gib",
+        "repeat",
+    )
     return {"config": launch.config, **{k: getattr(launch, k) for k in keys}}
 
 
@@ -594,6 +611,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--no-image", action="store_true", help="text-only sequences (default: one small image each)")
     p.add_argument("--trainer", choices=("sft", "hf"), default="sft")
+    p.add_argument(
+        "--trainer-option",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a TrainingArguments / SFTConfig option for every launch, VALUE as JSON "
+        "(e.g. logging_nan_inf_filter=false); repeatable",
+    )
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--memory-cap-gib", type=float, default=None)
     p.add_argument("--longest", action="store_true", help="search the longest sequence that trains (batch 1)")
@@ -612,6 +637,12 @@ def main(argv: list[str] | None = None) -> int:
     import nbkit
 
     configs = [parse_config(c) for c in a.configs.split(",") if c]
+    trainer_options = {}
+    for item in a.trainer_option:
+        name, sep, value = item.partition("=")
+        if not sep:
+            p.error(f"--trainer-option takes NAME=VALUE, not {item!r}")
+        trainer_options[name] = json.loads(value)
     shapes = [_shape(s) for s in a.shapes.split(",") if s]
     if a.longest:
         shapes = sorted((s, 1) for s, _ in shapes)
@@ -648,6 +679,7 @@ def main(argv: list[str] | None = None) -> int:
                     repeat,
                     a.memory_cap_gib,
                     a.longest,
+                    trainer_options=trainer_options,
                 )
                 skip = None
                 if a.time_limit is not None and time.monotonic() - started > a.time_limit:

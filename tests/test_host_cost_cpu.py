@@ -1,0 +1,78 @@
+"""benchmarks/host_cost.py and trainer_memory.py on the CPU, on tiny:qwen3-vl.
+
+host_cost.py: two gloo ranks of SFTTrainer and Trainer.
+
+What the counts must say, whatever the machine: TRL's SFTTrainer.compute_loss adds four all-gathers per
+micro-step (entropy, token count, accuracy: issue 16), issued from compute_loss; nbkit's dashboard callback
+reads the step's loss once per step and issues no collective, and only where nbkit's reporting patches are
+applied; Trainer's NaN filter reads the loss twice per micro-step.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks import host_cost
+
+
+def test_variants_parse():
+    assert host_cost.parse_variant("sft") == ("sft", [])
+    assert host_cost.parse_variant("hf+noreport+nanfilter_off") == ("hf", ["noreport", "nanfilter_off"])
+    for bad in ("dpo", "sft+fast", "sft+"):
+        with pytest.raises(ValueError, match="sft\\|hf"):
+            host_cost.parse_variant(bad)
+
+
+@pytest.mark.slow
+def test_counts_trl_metric_gathers_and_nbkit_reads_per_step(tmp_path):
+    out, md = tmp_path / "host_cost.json", tmp_path / "host_cost.md"
+    argv = ["--variants", "sft,hf+noreport", "--shape", "128x2", "--steps", "2", "--warmup", "1"]
+    assert host_cost.main([*argv, "--out", str(out), "--md", str(md)]) == 0
+    rows = {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
+    sft, hf = rows["sft"], rows["hf+noreport"]
+
+    def gathers(row: dict) -> float:
+        return row["by_kind_per_step"].get("collective gloo:all_gather", 0)
+
+    assert gathers(sft) - gathers(hf) == 4
+    from_trl = [v for k, v in sft["by_origin_per_step"].items() if k.startswith("c10d op") and "sft_trainer.py" in k]
+    assert sum(from_trl) == 4
+    assert not any("trl/" in k for k in hf["by_origin_per_step"] if k.startswith("c10d op"))
+
+    def calls(row: dict, caller: str, name: str = "") -> float:
+        return sum(v for k, v in row["value_reads_by_origin_per_step"].items() if caller in k and k.startswith(name))
+
+    assert calls(sft, "nbkit/reporting.py", "item") == 1
+    assert calls(hf, "nbkit/") == 0
+    assert not any("nbkit/" in k for k in sft["by_origin_per_step"] if k.startswith("c10d op"))
+    assert calls(hf, "transformers/trainer.py", "__bool__") == 2  # torch.isnan / isinf of the loss
+    assert calls(sft, "trl/trainer/sft_trainer.py") >= 5  # .item() and `if num_valid > 0` in compute_loss
+    for row in (sft, hf):
+        assert row["step_ms"] > 0 and row["forward_ms"] > 0 and row["backward_ms"] > 0
+        assert row["outside_ms"] == pytest.approx(row["step_ms"] - row["forward_ms"] - row["backward_ms"])
+    text = md.read_text()
+    assert f"| sft | {sft['collectives_per_step']:g} | " in text
+    assert "sft, per step, value calls by caller:" in text and "hf+noreport, per step, by origin (profiler):" in text
+
+
+def test_trainer_memory_phases_run_and_the_transformers_path_keeps_no_full_logits(tmp_path):
+    # In its own process: the script applies nbkit's patches (nbkit.install()) as a launched rank would.
+    out = tmp_path / "memory.json"
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "trainer_memory.py"
+    argv = [sys.executable, str(script), "--backend", "transformers", "--shape", "128x1", "--out", str(out)]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = {r["phase"]: r for r in json.loads(out.read_text())["rows"]}
+    assert list(rows) == ["plain", "plain_after_sft_init", "compute_loss", "train"]
+    # nbkit's chunked loss: the logits hold the last position only, never (tokens, vocab).
+    assert rows["plain"]["logits_shape"][:2] == [1, 1]
+    # Under SFTTrainer (trl 1.14's chunked_nll forward) no logits come back at all.
+    assert rows["plain_after_sft_init"]["logits_shape"] is None and rows["compute_loss"]["logits_shape"] is None
+    assert all(r["peak_gib"] is None for r in rows.values())  # a CPU run measures no GPU memory
