@@ -298,7 +298,8 @@ def _gpu_problems(gpus: list[distributed.GPU], platform: str) -> list[Problem]:
     if not gpus:
         fix = (
             "On Kaggle: Settings > Accelerator > GPU T4 x2. On Colab: Runtime > Change runtime type. "
-            "On CPU, nbkit.launch(gpus=N) / %%ddp --gpus N run N CPU processes (for trying code only)."
+            "On CPU, %ddp start --gpus N (nbkit.start(gpus=N)), nbkit.launch(gpus=N) or %%ddp --gpus N run N CPU "
+            "processes (for trying code only)."
         )
         problems.append(Problem("No GPU is visible to this process.", fix))
         return problems
