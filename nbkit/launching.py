@@ -752,8 +752,18 @@ def _launch_environment(use_cpu: bool, extra: dict[str, str]) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _elastic_quiet() -> Iterator[None]:
-    """Torch elastic logs every failure at length; nbkit reports it once, as a LaunchError."""
-    logs = [logging.getLogger(name) for name in ("torch.distributed.elastic", "torch.multiprocessing")]
+    """Torch elastic logs every failure at length; nbkit reports it once, as a LaunchError.
+
+    Its module loggers set their own level (torch.distributed.elastic.utils.logging), so quieting the
+    package's logger alone left "Received 2 death signal, shutting down workers" in the notebook on
+    an interrupt: every logger under the two packages is quieted, once the launcher's modules (which
+    create theirs on import) are imported.
+    """
+    import torch.distributed.launcher.api  # noqa: F401
+
+    roots = ("torch.distributed.elastic", "torch.multiprocessing")
+    names = [name for name in logging.root.manager.loggerDict if name.startswith(tuple(f"{r}." for r in roots))]
+    logs = [logging.getLogger(name) for name in (*roots, *names)]
     levels = [log.level for log in logs]
     for log in logs:
         log.setLevel(logging.CRITICAL)
