@@ -320,8 +320,8 @@ class Plan:
         ]
         if self.strategy == "ddp":
             lines.append(
-                f"Strategy: ddp. A full copy fits on one GPU, so nbkit.launch trains one copy per GPU "
-                f"({self.gpus} x the batches per step); load with device_map=None."
+                "Strategy: ddp. A full copy fits on one GPU, so DDP (a live set, %%ddp or nbkit.launch) trains one "
+                f"copy per GPU ({self.gpus} x the batches per step); load with device_map=None."
             )
         elif self.strategy == "model_parallel":
             lines.append(
@@ -401,7 +401,8 @@ def _machine(gpus: int | None, gpu_memory_gib: float | None) -> tuple[int, float
     if not visible:
         raise ValueError(
             "No GPU is visible here, so the planner cannot tell how many GPUs or how much memory to plan for. "
-            "Pass both, e.g. nbkit.plan(model, gpus=2, gpu_memory_gib=15) for Kaggle's 2x T4."
+            "Pass both, e.g. nbkit.plan(model, gpus=2, gpu_memory_gib=15) (%nbkit plan MODEL --gpus 2 "
+            "--gpu-memory 15) for Kaggle's 2x T4."
         )
     gpus = gpus if gpus is not None else len(visible)
     if gpu_memory_gib is None:

@@ -157,7 +157,12 @@ def run(
     each cell in seconds (None: no limit). Raises ValueError for an unknown name and papermill's
     PapermillExecutionError when a cell fails (the executed copy, with the error, is saved first).
     """
-    import papermill
+    try:
+        import papermill
+    except ImportError:
+        raise ImportError(
+            "Running the notebooks needs papermill and a kernel: pip install 'nbkit-ddp[notebooks]'."
+        ) from None
 
     names = list(names or NOTEBOOKS)
     for name in names:  # every name before the first notebook runs
