@@ -17,7 +17,8 @@
     notebook data again costs nothing extra. The name travels again when the notebook binds it to
     another object (`data = load()` run again). A change made in place to an object already sent
     (`data.append(x)`, `cfg["lr"] = 1e-4`) does NOT reach the ranks: rebind the name, or run the
-    cell with --resend NAME (--resend alone: every notebook name the cell reads). Notebook functions
+    cell with --resend NAME (--resend alone: every notebook name the cell reads). The set holds what
+    it sent until it stops (`del data` frees it then). Notebook functions
     and classes travel every time, with the notebook values they read then. A rank's exception
     fails the cell (LiveError) and every rank stays up with its names. --timeout S ends the set
     when the cell takes longer. --gpus, --env and --spawn belong to starting processes and are
