@@ -22,27 +22,27 @@ from nbkit.errors import LiveError
 pytestmark = pytest.mark.slow
 
 
-def _engines() -> list[psutil.Process]:
-    """This process's ipyparallel engine processes (nbkit's live ranks)."""
+def _processes(module: str = "ipyparallel.engine") -> list[psutil.Process]:
+    """This process's processes that run `module` (engines: nbkit's live ranks; or the controller)."""
     found = []
     for p in psutil.Process().children(recursive=True):
         try:
-            if "ipyparallel.engine" in p.cmdline():
+            if module in p.cmdline():
                 found.append(p)
         except psutil.NoSuchProcess:
             pass
     return found
 
 
-def _when_engines_run(count: int, action, timeout: float = 120) -> threading.Thread:
-    """Call action(engines) from a thread as soon as `count` engine processes of this process run."""
+def _when_running(count: int, action, module: str = "ipyparallel.engine", timeout: float = 120) -> threading.Thread:
+    """Call action(processes) from a thread as soon as `count` processes of this process run `module`."""
 
     def watch() -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            engines = _engines()
-            if len(engines) >= count:
-                action(engines)
+            found = _processes(module)
+            if len(found) >= count:
+                action(found)
                 return
             time.sleep(0.02)
 
@@ -80,10 +80,15 @@ def _starts_again() -> None:
         assert ranks.run(lambda: nbkit.world_size()) == 2
 
 
-def test_an_interrupt_while_the_engines_start_ends_them(before):
-    # The stop button while `%ddp start` waits for its engines: SIGINT in the notebook's main thread.
-    # (0.3 s after both exist: the second one's Popen has returned; registering takes seconds more)
-    _when_engines_run(2, lambda engines: (time.sleep(0.3), os.kill(os.getpid(), signal.SIGINT)))
+@pytest.mark.parametrize(
+    ("module", "count", "wait"),
+    # (the engines: 0.3 s after both exist, the second one's Popen has returned; registering takes seconds more)
+    [("ipyparallel.controller", 1, 0.0), ("ipyparallel.engine", 2, 0.3)],
+    ids=["controller-starting", "engines-starting"],
+)
+def test_an_interrupt_while_the_set_starts_ends_every_process(before, module, count, wait):
+    # The stop button during `%ddp start`: SIGINT in the notebook's main thread.
+    _when_running(count, lambda found: (time.sleep(wait), os.kill(os.getpid(), signal.SIGINT)), module)
     with pytest.raises(KeyboardInterrupt):
         nbkit.start(gpus=2)
     assert _nothing_left(before) == []
@@ -98,7 +103,7 @@ def test_the_start_up_timeout_ends_the_engines(before):
 
 
 def test_an_engine_that_dies_while_starting_takes_the_others_with_it(before):
-    _when_engines_run(2, lambda engines: engines[-1].kill())
+    _when_running(2, lambda engines: engines[-1].kill())
     with pytest.raises(LiveError, match=r"Rank \d's process ended while starting \(died from signal SIGKILL\)"):
         nbkit.start(gpus=2)
     assert _nothing_left(before) == []
