@@ -18,12 +18,12 @@
     another object (`data = load()` run again). A change made in place to an object already sent
     (`data.append(x)`, `cfg["lr"] = 1e-4`) does NOT reach the ranks: rebind the name, or run the
     cell with --resend NAME (--resend alone: every notebook name the cell reads). The set holds what
-    it sent until it stops (`del data` frees it then). Notebook functions
-    and classes travel every time, with the notebook values they read then. A rank's exception
-    fails the cell (LiveError) and every rank stays up with its names. --timeout S ends the set
-    when the cell takes longer. --gpus, --env and --spawn belong to starting processes and are
-    refused here (%ddp stop, then %ddp start with them); a --rank the set does not have, and a cell
-    that does not parse (CellSyntaxError, its line and Python's reason), fail before anything runs.
+    it sent until it stops (`del data` frees it then). Notebook functions and classes travel every
+    time, with the notebook values they read then. A rank's exception fails the cell (LiveError)
+    and every rank stays up with its names. --timeout S ends the set when the cell takes longer.
+    --gpus, --env and --spawn belong to starting processes and are refused here (%ddp stop, then
+    %ddp start with them); a --rank the set does not have, and a cell that does not parse
+    (CellSyntaxError, its line and Python's reason), fail before anything runs.
 
 %%ddp [--gpus N] [--out NAME] [--timeout S] [--all-ranks] [--env KEY=VALUE ...] [--spawn]
     (no live set) Runs the cell body on N processes (nbkit.launch) and shows rank 0's value of the last
@@ -131,7 +131,14 @@ class NbkitMagics(Magics):
 
     @cell_magic
     def ddp(self, line: str, cell: str) -> Any:
-        """Run this cell on every GPU: on the live set if one runs, else one-shot (see nbkit.magics)."""
+        """Run this cell on every GPU: on the live set if one runs, else one-shot (see nbkit.magics).
+
+        On a live set, notebook names the cell reads are sent once per object: a later cell that reads
+        the same object sends nothing; rebinding the name in the notebook sends it again. A change made
+        in place to an object already sent (`data.append(x)`) does not reach the ranks: rebind the name
+        or use --resend NAME (--resend alone: every name the cell reads). Names the ranks' cells defined
+        are never replaced by notebook objects.
+        """
         from nbkit import cells, live, spawning
         from nbkit.errors import LaunchError, LiveError
         from nbkit.launching import launch
