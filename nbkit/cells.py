@@ -15,7 +15,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Usage", "free_names", "run_cell", "usage"]
+from nbkit.errors import CellSyntaxError
+
+__all__ = ["Usage", "free_names", "parse", "run_cell", "usage"]
 
 
 @dataclass
@@ -30,6 +32,16 @@ class Usage:
     now: set[str] = field(default_factory=set)
     later: set[str] = field(default_factory=set)
     binds: set[str] = field(default_factory=set)
+
+
+def parse(source: str, filename: str = "<cell>") -> ast.Module:
+    """The ast of cell `source`; raises CellSyntaxError (the line, a caret, Python's reason) when it does
+    not parse, so that callers report it before anything runs.
+    """
+    try:
+        return ast.parse(source, filename)
+    except SyntaxError as exc:
+        raise CellSyntaxError(exc) from None
 
 
 def usage(nodes: Iterable[ast.AST]) -> Usage:

@@ -8,7 +8,9 @@ magic accepts is read the same way by both, and `import nbkit.export` never impo
 
 `--rank N [N ...]` runs the cell on those ranks of the live set only (`%ddp start`); a one-shot
 %%ddp (no live set) rejects it (nbkit.magics), since its processes end with the cell and a cell
-that runs on some of them only would leave the others waiting. `parse_start` reads the line of
+that runs on some of them only would leave the others waiting. `--resend [NAME ...]` sends notebook
+names to the live set's ranks again although they hold those objects already (a one-shot %%ddp
+always uses the current values, so there it changes nothing). `parse_start` reads the line of
 `%ddp start`.
 """
 
@@ -44,6 +46,8 @@ class DdpOptions:
         env: environment variables for the processes.
         spawn: start fresh processes even where forking would work.
         ranks: run on these ranks of the live set only (None: every rank).
+        resend: notebook names to send to the live set's ranks even though they hold that object
+            already (after a change made in place); [] for every name the cell reads; None: none.
     """
 
     gpus: int | None = None
@@ -53,6 +57,7 @@ class DdpOptions:
     env: dict[str, str] = field(default_factory=dict)
     spawn: bool = False
     ranks: list[int] | None = None
+    resend: list[str] | None = None
 
 
 @dataclass
@@ -89,6 +94,13 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--rank", type=int, nargs="+", default=None, metavar="N", help="run on these ranks of the live set only"
     )
+    parser.add_argument(
+        "--resend",
+        nargs="*",
+        default=None,
+        metavar="NAME",
+        help="live set: send these notebook names again although the ranks hold them (all the cell reads: none given)",
+    )
     return parser
 
 
@@ -113,6 +125,9 @@ def parse(line: str) -> DdpOptions:
     _check_common(ns)
     if ns.rank is not None and any(r < 0 for r in ns.rank):
         raise OptionsError(f"--rank takes rank numbers (0 and up); got {' '.join(map(str, ns.rank))}.")
+    bad = [n for n in ns.resend or () if not n.isidentifier()]
+    if bad:
+        raise OptionsError(f"--resend takes notebook names; {bad[0]!r} is not one.")
     if ns.out is not None and (not ns.out.isidentifier() or keyword.iskeyword(ns.out)):
         raise OptionsError(f"--out needs a Python name to store the value under; {ns.out!r} is not one.")
     return DdpOptions(
@@ -123,6 +138,7 @@ def parse(line: str) -> DdpOptions:
         env=parse_env(item for group in ns.env for item in group),
         spawn=ns.spawn,
         ranks=sorted(set(ns.rank)) if ns.rank is not None else None,
+        resend=ns.resend,
     )
 
 

@@ -7,21 +7,30 @@
                                     (until then %%ddp refuses to run, since its cells expect the set's names)
 %ddp status                         ranks.status(), printed
 
-%%ddp [--out NAME] [--timeout S] [--all-ranks] [--rank N ...]       (a live set is running)
+%%ddp [--out NAME] [--timeout S] [--all-ranks] [--rank N ...] [--resend [NAME ...]]   (a live set is running)
     Runs the cell on every rank of the live set (ranks.exec), or on the --rank ranks only (say,
     rank 0 for inference, saving, pushing), and shows the value of its last expression on the
-    lowest rank it ran on; --out NAME also stores it in the notebook. Notebook names the cell reads
-    are sent along (cloudpickle) with their current value; the names the cell defines stay on the
-    ranks for later %%ddp cells (and win over notebook names of the same name). A rank's exception
-    fails the cell (LiveError) and every rank stays up with its names. --timeout S ends the set
-    when the cell takes longer. --gpus, --env and --spawn belong to starting processes and are
-    refused here (%ddp stop, then %ddp start with them).
+    lowest rank it ran on; --out NAME also stores it in the notebook. The names the cell defines
+    stay on the ranks for later %%ddp cells, and win over notebook names of the same name (never
+    replaced by a notebook object). Notebook names the cell reads are sent along (cloudpickle), each
+    object once: a rank that already got that very object keeps its copy, so a cell that reads big
+    notebook data again costs nothing extra. The name travels again when the notebook binds it to
+    another object (`data = load()` run again). A change made in place to an object already sent
+    (`data.append(x)`, `cfg["lr"] = 1e-4`) does NOT reach the ranks: rebind the name, or run the
+    cell with --resend NAME (--resend alone: every notebook name the cell reads). The set holds what
+    it sent until it stops (`del data` frees it then). Notebook functions and classes travel every
+    time, with the notebook values they read then. A rank's exception fails the cell (LiveError)
+    and every rank stays up with its names. --timeout S ends the set when the cell takes longer.
+    --gpus, --env and --spawn belong to starting processes and are refused here (%ddp stop, then
+    %ddp start with them); a --rank the set does not have, and a cell that does not parse
+    (CellSyntaxError, its line and Python's reason), fail before anything runs.
 
 %%ddp [--gpus N] [--out NAME] [--timeout S] [--all-ranks] [--env KEY=VALUE ...] [--spawn]
     (no live set) Runs the cell body on N processes (nbkit.launch) and shows rank 0's value of the last
     expression; --out NAME also stores it in the notebook. Ranks other than 0 are silent unless
     --all-ranks. A failure shows one rank-labelled traceback and raises nbkit.LaunchError (the
     cell fails for papermill/nbclient; the kernel stays usable and the cell can run again at once).
+    A cell that does not parse raises CellSyntaxError before any process starts.
 
     Two modes, and %%ddp says which ran when it is not the usual one:
     - fork (default): the processes are forked from the notebook, so every name of earlier cells is
@@ -102,7 +111,7 @@ class NbkitMagics(Magics):
             gone = live.ended()
             if ranks is None and gone is not None:
                 live.forget_ended()
-                print(f"nbkit: the live set had ended ({gone.status().ended}); %%ddp cells are one-shot again.")
+                print(f"nbkit: the live set had ended: {gone.status().ended} %%ddp cells are one-shot again.")
                 return
             if ranks is None:
                 print("nbkit: no live set is running.")
@@ -110,14 +119,27 @@ class NbkitMagics(Magics):
             ranks.stop()
             print(f"nbkit: stopped the live set ({ranks.world_size} rank(s)).")
         elif command == "status":
-            print(ranks.status() if ranks is not None else "nbkit: no live set is running (%ddp start starts one).")
+            gone = live.ended()
+            if ranks is not None:
+                print(ranks.status())
+            elif gone is not None:  # says that it ended, why, and what to do
+                print(gone.status())
+            else:
+                print("nbkit: no live set is running (%ddp start starts one).")
         else:
             raise UsageError("%ddp takes one of: start [--gpus N] [--timeout S] [--env KEY=VALUE ...] | stop | status")
 
     @cell_magic
     def ddp(self, line: str, cell: str) -> Any:
-        """Run this cell on every GPU: on the live set if one runs, else one-shot (see nbkit.magics)."""
-        from nbkit import live, spawning
+        """Run this cell on every GPU: on the live set if one runs, else one-shot (see nbkit.magics).
+
+        On a live set, notebook names the cell reads are sent once per object: a later cell that reads
+        the same object sends nothing; rebinding the name in the notebook sends it again. A change made
+        in place to an object already sent (`data.append(x)`) does not reach the ranks: rebind the name
+        or use --resend NAME (--resend alone: every name the cell reads). Names the ranks' cells defined
+        are never replaced by notebook objects.
+        """
+        from nbkit import cells, live, spawning
         from nbkit.errors import LaunchError, LiveError
         from nbkit.launching import launch
 
@@ -134,8 +156,8 @@ class NbkitMagics(Magics):
         if gone is not None:
             # Its cells expect the names that lived on the ranks: a one-shot run would fail oddly.
             raise LiveError(
-                f"The live set has ended ({gone.status().ended}) and its names are gone. %ddp start starts a new "
-                "one (then run the cells that load the model again); %ddp stop makes %%ddp cells one-shot again.",
+                f"The live set has ended: {gone.status().ended} Its names are gone. %ddp start starts a new one "
+                "(then run the cells that load the model again); %ddp stop makes %%ddp cells one-shot again.",
                 ended=True,
             )
         if args.ranks is not None:
@@ -147,6 +169,7 @@ class NbkitMagics(Magics):
         source = shell.transform_cell(cell)
         # Registered in linecache, so tracebacks of the ranks show the cell's lines.
         filename = shell.compile.cache(source, shell.execution_count)
+        cells.parse(source, filename)  # a cell that does not parse fails here, before any process starts
         blocker = None if args.spawn else spawning.fork_blocker()
         try:
             if args.spawn or blocker is not None:
@@ -177,6 +200,8 @@ class NbkitMagics(Magics):
         return self._finish(args, cell, value)
 
     def _live_cell(self, ranks: Any, args: ddp_options.DdpOptions, cell: str) -> Any:
+        from nbkit import cells
+
         shell = self.shell
         assert shell is not None
         refused = [
@@ -187,8 +212,15 @@ class NbkitMagics(Magics):
                 f"{', '.join(refused)} set up processes, and a live set of {ranks.world_size} rank(s) is running: "
                 "its processes are already set up. Leave it out, or %ddp stop and %ddp start with it."
             )
+        bad = [r for r in args.ranks or () if r >= ranks.world_size]
+        if bad:
+            raise UsageError(
+                f"--rank {' '.join(map(str, bad))}: the live set has {ranks.world_size} rank(s), numbered 0 to "
+                f"{ranks.world_size - 1}."
+            )
         source = shell.transform_cell(cell)
         filename = shell.compile.cache(source, shell.execution_count)
+        cells.parse(source, filename)  # a cell that does not parse fails here, before anything is sent
         value = ranks.exec(
             source,
             ranks=args.ranks if args.ranks is not None else "all",
@@ -196,6 +228,7 @@ class NbkitMagics(Magics):
             timeout=args.timeout,
             all_ranks=args.all_ranks,
             filename=filename,
+            resend=True if args.resend == [] else args.resend or False,
         )
         return self._finish(args, cell, value)
 

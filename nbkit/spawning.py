@@ -24,7 +24,6 @@ Output of the ranks appears in the notebook.
 
 from __future__ import annotations
 
-import ast
 import builtins
 import codecs
 import collections
@@ -49,7 +48,7 @@ from typing import Any
 import cloudpickle
 
 from nbkit import cells, dashboard, distributed, forksafety, launching
-from nbkit.errors import BringAlongError, CellSyntaxError, LaunchError, RankError
+from nbkit.errors import BringAlongError, LaunchError, RankError
 
 __all__ = ["BringAlongError", "BroughtAlong", "bring_along", "check_syntax", "fork_blocker", "run_source"]
 
@@ -116,10 +115,7 @@ def run_source(
 
 def check_syntax(source: str, filename: str) -> None:
     """Raise CellSyntaxError, pointing at the line, if `source` does not parse."""
-    try:
-        ast.parse(source, filename)
-    except SyntaxError as exc:
-        raise CellSyntaxError(exc) from None
+    cells.parse(source, filename)
 
 
 # --------------------------------------------------------------------------------------------

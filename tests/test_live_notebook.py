@@ -2,7 +2,8 @@
 
 One notebook tells the story a user lives: start the set; load tiny:qwen3 in one cell and train it
 with Trainer in a later one (the same model object, its weights changed, the same on both ranks);
-a notebook name used by a %%ddp cell, sent again after the notebook changes it; a failing cell,
+a notebook name used by a %%ddp cell, sent again after the notebook rebinds it (and only then, or with
+--resend); a failing cell,
 then a working one that still sees the model; --rank 0; --all-ranks; 50 cells in a row; the
 dashboard getting the Trainer's events; %ddp status; %ddp stop leaving no process behind. The
 fault cases (interrupts, killed ranks, timeouts, kernel death) are in tests/faults/test_live.py.
@@ -53,6 +54,16 @@ CELLS = {
     "name": "%%ddp --out scaled\nnbkit.rank() * scale",
     "rename": "scale = 100",
     "name_again": "%%ddp\nscale * 2 + nbkit.rank()",
+    "big": "big = list(range(5))\ndef times(x):\n    return x * factor\nfactor = 2",
+    "big_read": "%%ddp\nlen(big), times(3)",
+    "big_mutate": "big.append(5)\nfactor = 5",
+    "big_read_again": "%%ddp\nlen(big), times(3)",
+    "big_resend": "%%ddp --resend big\nlen(big)",
+    "big_rebind": "big = big + [6]",
+    "big_rebound": "%%ddp\nlen(big)",
+    "big_on_ranks": "%%ddp\nbig = 'the ranks'",
+    "big_in_notebook": "big = [0]",
+    "big_kept": "%%ddp\nbig",
     "fail": "%%ddp\nkept = 'before the error'\nif nbkit.rank() == 1:\n    raise ValueError('rank one is broken')\n1",
     "after_fail": "%%ddp\njson.dumps({'kept': kept, 'has_model': model is not None, 'rank': nbkit.rank()})",
     "rank0": "%%ddp --rank 0\nprint('only on', nbkit.rank())\nnbkit.rank()",
@@ -106,6 +117,16 @@ def test_model_loaded_in_one_cell_is_trained_in_later_cells(outputs):
 def test_notebook_names_are_sent_with_their_current_value(outputs):
     assert outputs["name"]["result"] == "0"  # rank 0's value: 0 * 10
     assert outputs["name_again"]["result"] == "200"  # the changed notebook value, on rank 0
+
+
+def test_a_notebook_value_travels_once_and_again_when_rebound(outputs):
+    assert outputs["big_read"]["result"] == "(5, 6)"
+    # `big` changed in place: the ranks keep the copy they got (it was not sent again); the notebook
+    # function travels every time, with the notebook's current `factor`.
+    assert outputs["big_read_again"]["result"] == "(5, 15)"
+    assert outputs["big_resend"]["result"] == "6"  # --resend big
+    assert outputs["big_rebound"]["result"] == "7"  # rebound in the notebook: sent again
+    assert outputs["big_kept"]["result"] == "'the ranks'"  # a name the ranks bound is never replaced
 
 
 def test_failing_cell_keeps_every_rank_and_its_names(outputs):

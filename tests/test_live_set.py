@@ -65,6 +65,43 @@ def test_names_are_sent_along_and_unsendable_ones_named(ranks):
         ranks.exec("lock", names={"lock": threading.Lock()})
 
 
+def test_a_value_travels_once_and_again_when_rebound(ranks):
+    data = [1, 2, 3]
+    assert ranks.exec("len(data)", names={"data": data}) == 3
+    data.append(4)  # in place: the ranks keep the copy they got, which shows that it was not sent again
+    assert ranks.exec("len(data)", names={"data": data}) == 3
+    assert ranks.exec("len(data)", ranks=1, names={"data": data}) == 3
+    assert ranks.exec("len(data)", names={"data": data}, resend=["data"]) == 4  # forced
+    data = data + [5]  # rebound to another object: it travels
+    assert ranks.exec("len(data)", names={"data": data}) == 5
+    assert ranks.exec("len(data)", ranks=1, names={"data": data}) == 5
+    # Sent to rank 1 only, then read on every rank: rank 0 gets it too.
+    data = [0]
+    assert ranks.exec("len(data)", ranks=1, names={"data": data}) == 1
+    assert ranks.exec("len(data)", names={"data": data}) == 1
+    data.append(1)
+    assert ranks.exec("len(data)", ranks=1, names={"data": data}, resend=True) == 2
+    assert ranks.exec("len(data)", names={"data": data}) == 1  # rank 0's copy: sent before the change
+    # A name a call binds is the rank's own: the same notebook object given again travels again.
+    shared = {"v": 1}
+    assert ranks.exec("shared['v']", names={"shared": shared}) == 1
+    ranks.exec("shared = {'v': 2}")
+    assert ranks.names_for("shared['v']", {"shared": shared}) == {}  # never replaced by a notebook object
+    assert ranks.exec("shared['v']", names={"shared": shared}) == 1  # unless passed explicitly
+
+
+def test_a_cell_that_does_not_parse_fails_before_anything_runs(ranks):
+    from nbkit.errors import CellSyntaxError
+
+    ranks.exec("marker = 'before'")
+    with pytest.raises(CellSyntaxError, match="line 2 of the cell does not parse") as info:
+        ranks.exec("marker = 'after'\nif True\n    pass")
+    assert info.value.lineno == 2 and info.value.text.startswith("if True")
+    with pytest.raises(CellSyntaxError):
+        ranks.names_for("y = (1,", {"y": 1})
+    assert ranks.exec("marker") == "before"
+
+
 def test_a_value_the_notebook_cannot_take_is_named(ranks):
     ranks.exec("class Point:\n    pass\np = Point()")
     with pytest.raises(LiveError, match=r"Rank 0's return value \(Point\) cannot be sent back to the notebook") as info:

@@ -85,8 +85,13 @@ class Lost:
 
 @dataclass
 class Outcome:
-    """What a call returned on one rank: `value` (pickled, tensors on the CPU) or `error`."""
+    """What a call returned on one rank: `value` (pickled, tensors on the CPU) or `error`.
+
+    `names_loaded`: the notebook names sent with the call (run_code) are defined on the rank (False
+    when rebuilding one failed, or the call had none); the notebook then counts them as sent there.
+    """
 
     rank: int
     value: bytes | None = None
     error: RankError | None = None
+    names_loaded: bool = False

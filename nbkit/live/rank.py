@@ -146,20 +146,29 @@ def teardown() -> None:
 
 
 def run_code(call: int, source: str, filename: str, names: dict[str, bytes], show: bool, want_value: bool) -> Outcome:
-    """Run notebook cell `source` in this rank's namespace, after adding `names` ({name: cloudpickled value})."""
+    """Run notebook cell `source` in this rank's namespace, after adding `names` ({name: cloudpickled value}).
+
+    The Outcome says whether the names were defined (names_loaded) even when the cell then failed:
+    the notebook does not send them again while it holds the same objects.
+    """
+    loaded = False
 
     def body() -> Any:
+        nonlocal loaded
         from nbkit.cells import run_cell
 
         if names:
             import cloudpickle
 
             _namespace.update({name: cloudpickle.loads(value) for name, value in names.items()})
+            loaded = True
         # So that tracebacks show the cell's lines.
         linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
         return run_cell(source, _namespace, filename)
 
-    return _call(call, show, want_value, body)
+    outcome = _call(call, show, want_value, body)
+    outcome.names_loaded = loaded
+    return outcome
 
 
 def run_function(call: int, payload: bytes, show: bool, want_value: bool) -> Outcome:

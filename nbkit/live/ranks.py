@@ -27,7 +27,6 @@ layers over this module.
 
 from __future__ import annotations
 
-import ast
 import atexit
 import contextlib
 import logging
@@ -41,6 +40,7 @@ import sys
 import tempfile
 import threading
 import time
+import types
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -117,8 +117,14 @@ class LiveStatus:
     names: list[str] = field(default_factory=list)
 
     def __str__(self) -> str:
+        if not self.running and self.ended:
+            return (
+                f"nbkit: the live set has ended: {self.ended} Its ranks and their names are gone. %ddp start (or "
+                "nbkit.start()) starts a new set: then run the cells that load the model again. %ddp stop makes "
+                "%%ddp cells one-shot again."
+            )
         if not self.running:
-            return f"nbkit: the live set is not running ({self.ended or 'stopped'})."
+            return "nbkit: the live set was stopped; %ddp start (or nbkit.start()) starts a new one."
         lines = [f"nbkit: live set of {self.world_size} rank(s) on {self.nnodes} node(s)"]
         for r in self.ranks:
             state = "alive" if r.alive else "DEAD"
@@ -167,7 +173,8 @@ def start(
     ranks = LiveRanks(timeout=timeout)
     try:
         ranks._start_local(count, use_cuda, dict(env or {}), startup_timeout)
-    except BaseException:
+    except BaseException:  # an interrupt (Ctrl-C) too: every process started so far ends
+        ranks._stopped = True  # the monitor must not take the killed engines for a set that ended
         ranks._shutdown(kill=True)
         raise
     return ranks
@@ -287,6 +294,10 @@ class LiveRanks:
         self._lock = threading.Lock()
         self._call = 0
         self._defined: set[str] = set()  # names the set's cells bound on the ranks
+        # {rank: {name: the notebook object sent under that name}}: what each rank holds already. Strong
+        # references, so that an object's id cannot pass to another object while it is recorded.
+        self._sent: dict[int, dict[str, Any]] = {}
+        self._processes: list[subprocess.Popen] = []  # engines nbkit started, from the moment each starts
         self._done: dict[int, CallDone] = {}
         self._shown: set[int] = set()
         self._streams: dict[tuple[int, str], Any] = {}
@@ -316,6 +327,7 @@ class LiveRanks:
         timeout: float | None = None,
         all_ranks: bool = False,
         filename: str | None = None,
+        resend: bool | Iterable[str] = False,
     ) -> Any:
         """Run `code` like a notebook cell in the namespace of each rank in `ranks`.
 
@@ -323,42 +335,76 @@ class LiveRanks:
             code: Python source. What it defines stays in each rank for later calls.
             ranks: "all", one rank, or several.
             names: values to define on the ranks first (cloudpickled), e.g. notebook names the code
-                uses. The %%ddp magic passes what `names_for(code, user_ns)` picks.
+                uses. The %%ddp magic passes what `names_for(code, user_ns)` picks. A value travels
+                once: a rank that got this very object under this name in an earlier call keeps its
+                copy, and it is sent again only when `names` holds another object under the name (the
+                notebook rebound it). So a change made in place to an object already sent (a list
+                appended to, a dict updated) does not reach the ranks: rebind the name, or pass it in
+                `resend`. Functions and classes defined in the notebook are the exception: they are sent
+                every time, with the notebook values they read at that moment (they are small, and a
+                notebook name they read may have been rebound since).
             timeout: seconds before the set is ended (default: the set's timeout).
             all_ranks: show the output of every rank it runs on (prefixed "[rank N] " but rank 0's),
                 not only the lowest one's.
             filename: the name tracebacks give the code (default "<live cell N>").
+            resend: names of `names` to send even where a rank holds that object already; True: all.
 
         Returns:
             The value of the code's last expression on the lowest rank it ran on (None without one).
 
         Raises:
+            CellSyntaxError: the code does not parse (before anything is sent or runs).
             LiveError: a rank raised (the message holds its traceback; every rank stays up with its
-                names), or the set ended. SyntaxError before anything runs.
+                names), or the set ended.
+            ValueError: `ranks` names a rank the set does not have.
         """
         targets = self._targets(ranks)
-        tree = ast.parse(code, filename or "<live cell>")
-        payload = _send_names(names or {})
+        tree = cells.parse(code, filename or "<live cell>")
+        given = dict(names or {})
+        forced = set(given) if resend is True else set(resend or ())
+        wanted = {r: {n for n, v in given.items() if n in forced or not self._holds(r, n, v)} for r in targets}
+        payload = _send_names({n: given[n] for n in sorted(set().union(*wanted.values()))})
         filename = filename or f"<live cell {self._call + 1}>"
         show = set(targets) if all_ranks else {targets[0]}
+        binds = cells.usage(tree.body).binds
+
+        def received(outcomes: list[Outcome]) -> None:
+            for o in outcomes:
+                if o.names_loaded:
+                    # (a name the cell bound is the rank's own value now, whatever was sent)
+                    self._sent.setdefault(o.rank, {}).update({n: given[n] for n in wanted[o.rank] - binds})
+
+        def after() -> None:
+            self._defined.update(binds)
+            for r in targets:  # a rank's own value now; a later notebook value must travel again
+                for n in binds & self._sent.get(r, {}).keys():
+                    del self._sent[r][n]
+
         value = self._run_call(
             rank_side.run_code,
-            (code, filename, payload),
+            {r: (code, filename, {n: payload[n] for n in sorted(wanted[r])}) for r in targets},
             targets,
             timeout,
             show=show,
-            after=lambda: self._defined.update(cells.usage(tree.body).binds),
+            after=after,
+            received=received,
         )
         return value
+
+    def _holds(self, rank: int, name: str, value: Any) -> bool:
+        """Whether `rank` holds `value` under `name` from an earlier call (so it need not travel again)."""
+        sent = self._sent.get(rank, {})
+        return name in sent and sent[name] is value and not _sent_each_time(value)
 
     def names_for(self, code: str, namespace: Mapping[str, Any]) -> dict[str, Any]:
         """The names of `namespace` (the notebook's) that `code` reads and that must be sent along.
 
         A name the set's own cells defined stays the rank's (it is not sent, so the model loaded on
         the ranks is not replaced by a notebook object of the same name); other names the code reads
-        and the notebook has are sent, each time, with their current notebook value.
+        and the notebook has are picked with their current notebook value (exec() then sends only
+        those a rank does not hold already). Raises CellSyntaxError when the code does not parse.
         """
-        wanted = cells.free_names(code) - self._defined - _NOT_SENT
+        wanted = cells.free_names(cells.parse(code, "<live cell>").body) - self._defined - _NOT_SENT
         return {n: namespace[n] for n in sorted(wanted) if n in namespace and not n.startswith("_")}
 
     def pull(self, name: str, rank: int = 0) -> Any:
@@ -438,7 +484,8 @@ class LiveRanks:
             # and a nanny notices its engine's end only later (it outlived stop() by up to a second).
             "--IPEngine.enable_nanny=False",
         ]
-        processes = []
+        # Kept on self as each starts: an interrupt or a failure while they start must end them all.
+        processes = self._processes
         for i in range(count):
             log_path = os.path.join(self._tmpdir, f"rank{i}.log")
             with open(log_path, "wb") as log:
@@ -578,13 +625,17 @@ class LiveRanks:
     def _run_call(
         self,
         fn: Callable[..., Outcome],
-        args: tuple,
+        args: tuple | Mapping[int, tuple],
         targets: list[int],
         timeout: float | None,
         *,
         show: set[int] | None,
         after: Callable[[], None] | None = None,
+        received: Callable[[list[Outcome]], None] | None = None,
     ) -> Any:
+        """Run fn on `targets` (args: the same for each, or {rank: args}); `received` sees every rank's
+        Outcome before errors are raised, `after` runs however the call ends.
+        """
         self._check_running()
         self._call += 1
         call = self._call
@@ -598,6 +649,8 @@ class LiveRanks:
             finally:
                 if after is not None:  # what the code bound before it failed is on the ranks too
                     after()
+            if received is not None:
+                received(outcomes)
             value = self._result(outcomes, targets)
             success = True
             return value
@@ -608,11 +661,18 @@ class LiveRanks:
             self._flush_streams()
 
     def _apply_each(
-        self, fn: Callable[..., Outcome], call: int, args: tuple, targets: list[int], shown: set[int]
+        self,
+        fn: Callable[..., Outcome],
+        call: int,
+        args: tuple | Mapping[int, tuple],
+        targets: list[int],
+        shown: set[int],
     ) -> _Gathered:
         value_rank = targets[0]
         results = [
-            self._client[self._ranks[r].engine].apply_async(fn, call, *args, r in shown, r == value_rank)
+            self._client[self._ranks[r].engine].apply_async(
+                fn, call, *(args[r] if isinstance(args, Mapping) else args), r in shown, r == value_rank
+            )
             for r in targets
         ]
         return _Gathered(results)
@@ -864,7 +924,7 @@ class LiveRanks:
         """Stop the engines nbkit started (SIGTERM, then SIGKILL after 3 s; SIGKILL at once with kill),
         the controller, the client and the relay; remove the set's files. Safe to call twice.
         """
-        procs = [r.process for r in self._ranks if r.process is not None]
+        procs = list(self._processes)  # every engine nbkit started, also those not yet given a rank
         for proc in procs:
             if proc.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
@@ -894,6 +954,7 @@ class LiveRanks:
             self._relay.close()
         if self._tmpdir is not None:
             shutil.rmtree(self._tmpdir, ignore_errors=True)
+        self._sent.clear()  # the notebook objects held for the ranks' copies
         self._forget()
 
     def _forget(self) -> None:
@@ -948,6 +1009,13 @@ class _Gathered:
         """The errors of the ranks that have finished (the others are still running)."""
         outcomes = [ar.get() for ar in self._results if ar.ready() and ar.successful()]
         return {o.rank: o.error for o in outcomes if o.error is not None}
+
+
+def _sent_each_time(value: Any) -> bool:
+    """A function or class defined in the notebook: cloudpickle sends it by value with the notebook
+    values it reads at that moment, so it travels every time (see LiveRanks.exec).
+    """
+    return isinstance(value, (types.FunctionType, type)) and getattr(value, "__module__", None) == "__main__"
 
 
 def _send_names(names: Mapping[str, Any]) -> dict[str, bytes]:

@@ -172,3 +172,15 @@ def test_a_spawn_mode_cell_that_does_not_parse_is_one_short_message(kernel):
     assert len(shown.splitlines()) <= 4 and "nbkit/" not in shown  # none of nbkit's frames
     assert "spawn mode" not in out["stdout"]  # refused before anything started
     assert kernel.run(_NEXT_CELL)["result"] == "42"
+
+
+def test_a_fork_mode_cell_that_does_not_parse_is_one_short_message_and_forks_nothing(kernel):
+    assert kernel.run("%load_ext nbkit")["error"] is None
+    out = kernel.run("%%ddp --gpus 2\nimport os\nprint(os.getpid())\nif True\n    pass")
+    error = out["error"]
+    assert error is not None and error["ename"] == "CellSyntaxError", out  # not a LaunchError from 2 forks
+    shown = "\n".join(error["traceback"])
+    assert "line 3 of the cell does not parse: expected ':'" in shown and "if True" in shown, shown
+    assert len(shown.splitlines()) <= 4 and "nbkit/" not in shown  # none of nbkit's frames
+    assert out["stdout"] == "" and "rank" not in out["stderr"]  # refused before any process started
+    assert kernel.run(_NEXT_CELL)["result"] == "42"

@@ -146,7 +146,12 @@ def test_killed_rank_ends_the_set_naming_it_and_start_works_again(kernel):
     # The next %%ddp cell does not quietly become a one-shot run that lacks the set's names.
     orphan = kernel.run("%%ddp\nmodel")
     assert orphan["error"] is not None and orphan["error"][0] == "LiveError", orphan
-    assert "The live set has ended (rank 1 (pid" in orphan["error"][1] and "%ddp start" in orphan["error"][1]
+    assert "The live set has ended: rank 1 (pid" in orphan["error"][1] and "%ddp start" in orphan["error"][1]
+    assert "SIGKILL.) " not in orphan["error"][1]  # the reason is a sentence of its own, not nested in brackets
+    # %ddp status says the same: that it ended, why, and what to do (not "no live set is running").
+    status = kernel.run("%ddp status")["stdout"]
+    assert "nbkit: the live set has ended: rank 1 (pid " in status and "died from signal SIGKILL" in status, status
+    assert "%ddp start" in status and "%ddp stop makes %%ddp cells one-shot again" in status, status
     # A new set at once, with a clean namespace.
     again = kernel.run("%ddp start --gpus 2")
     assert again["error"] is None and "live set of 2 rank(s)" in again["stdout"], again
@@ -172,7 +177,7 @@ def test_cell_hanging_in_a_collective_ends_at_its_timeout(kernel):
     assert out["seconds"] >= 4
     # %ddp stop acknowledges the ended set; %%ddp is one-shot again.
     stopped = kernel.run("%ddp stop")
-    assert "the live set had ended (the call did not finish" in stopped["stdout"], stopped
+    assert "the live set had ended: the call did not finish" in stopped["stdout"], stopped
     assert "%%ddp cells are one-shot again" in stopped["stdout"]
     oneshot = kernel.run("%%ddp --gpus 2\nimport nbkit\nnbkit.world_size()")
     assert oneshot["error"] is None and oneshot["result"] == "2", oneshot
@@ -190,6 +195,26 @@ def test_rank_failing_while_another_waits_in_a_collective_ends_the_set(kernel):
         "rank(s) 1 failed, and rank(s) 0 neither finished nor answered an interrupt",
     )
     _ended_the_set(out, procs, *says, within_s=3 + MARGIN_S)
+
+
+def test_a_cell_that_does_not_parse_is_one_short_message_and_the_set_lives_on(kernel):
+    procs = _fresh_set(kernel)
+    out = kernel.run("%%ddp\nx = 1\ny = (x,\n")
+    assert out["error"] is not None and out["error"][0] == "CellSyntaxError", out
+    shown = out["error"][2]
+    assert "line 2 of the cell does not parse: '(' was never closed" in shown and "y = (x," in shown, shown
+    assert len(shown.splitlines()) <= 4 and "nbkit/" not in shown  # none of nbkit's frames
+    assert kernel.run("%%ddp\nx")["result"] == "41"  # nothing ran: line 1 did not either
+    assert [p.pid for p in procs if not p.is_running()] == []
+
+
+def test_a_rank_the_set_does_not_have_is_a_one_line_usage_error(kernel):
+    _fresh_set(kernel)
+    out = kernel.run("%%ddp --rank 1 5\nx = 0")
+    assert out["error"] is None and out["result"] is None, out  # IPython shows a UsageError as one line
+    assert "UsageError: --rank 5: the live set has 2 rank(s), numbered 0 to 1." in out["stderr"], out
+    assert "Traceback" not in out["stderr"] and "ranks.py" not in out["stderr"]
+    assert kernel.run("%%ddp --rank 1\nx")["result"] == "41"  # nothing ran, not even on rank 1
 
 
 def test_second_start_says_one_is_running(kernel):

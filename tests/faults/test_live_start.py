@@ -1,0 +1,110 @@
+"""A live set whose start fails or is interrupted leaves nothing running (2 gloo CPU ranks, real processes).
+
+nbkit.start starts a controller and one engine process per rank, then waits for the engines to
+register and join the process group. Whatever ends that wait early -- the notebook's stop button
+(SIGINT, as `%ddp start` gets it), the start-up timeout, an engine that dies while starting -- every
+process started so far must end with it, and the notebook must be able to start a set at once.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import psutil
+import pytest
+
+import nbkit
+from nbkit.errors import LiveError
+
+pytestmark = pytest.mark.slow
+
+
+def _processes(module: str = "ipyparallel.engine") -> list[psutil.Process]:
+    """This process's processes that run `module` (engines: nbkit's live ranks; or the controller)."""
+    found = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if module in p.cmdline():
+                found.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return found
+
+
+def _when_running(count: int, action, module: str = "ipyparallel.engine", timeout: float = 120) -> threading.Thread:
+    """Call action(processes) from a thread as soon as `count` processes of this process run `module`."""
+
+    def watch() -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            found = _processes(module)
+            if len(found) >= count:
+                action(found)
+                return
+            time.sleep(0.02)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
+
+
+def _nothing_left(before: set[int], within: float = 5.0) -> list[str]:
+    """The processes started since `before` that still run after `within` seconds (zombies count as gone)."""
+    deadline = time.monotonic() + within
+    while True:
+        left = []
+        for p in psutil.Process().children(recursive=True):
+            try:
+                if p.pid not in before and p.status() != psutil.STATUS_ZOMBIE:
+                    left.append(" ".join(p.cmdline()[:6]))
+            except psutil.NoSuchProcess:
+                pass
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.1)
+
+
+@pytest.fixture
+def before() -> set[int]:
+    assert nbkit.live.current() is None
+    return {p.pid for p in psutil.Process().children(recursive=True)}
+
+
+def _starts_again() -> None:
+    """A new set starts at once, and works."""
+    assert nbkit.live.current() is None and nbkit.live.ended() is None
+    with nbkit.start(gpus=2) as ranks:
+        assert ranks.run(lambda: nbkit.world_size()) == 2
+
+
+@pytest.mark.parametrize(
+    ("module", "count", "wait"),
+    # (the engines: 0.3 s after both exist, the second one's Popen has returned; registering takes seconds more)
+    [("ipyparallel.controller", 1, 0.0), ("ipyparallel.engine", 2, 0.3)],
+    ids=["controller-starting", "engines-starting"],
+)
+def test_an_interrupt_while_the_set_starts_ends_every_process(before, module, count, wait):
+    # The stop button during `%ddp start`: SIGINT in the notebook's main thread.
+    _when_running(count, lambda found: (time.sleep(wait), os.kill(os.getpid(), signal.SIGINT)), module)
+    with pytest.raises(KeyboardInterrupt):
+        nbkit.start(gpus=2)
+    assert _nothing_left(before) == []
+    _starts_again()
+
+
+def test_the_start_up_timeout_ends_the_engines(before):
+    with pytest.raises(LiveError, match="did not start within 1 s"):
+        nbkit.start(gpus=2, startup_timeout=1)
+    assert _nothing_left(before) == []
+    _starts_again()
+
+
+def test_an_engine_that_dies_while_starting_takes_the_others_with_it(before):
+    _when_running(2, lambda engines: engines[-1].kill())
+    with pytest.raises(LiveError, match=r"Rank \d's process ended while starting \(died from signal SIGKILL\)"):
+        nbkit.start(gpus=2)
+    assert _nothing_left(before) == []
+    _starts_again()
