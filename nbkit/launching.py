@@ -65,8 +65,8 @@ def launch(
         gpus: how many processes. None: one per visible GPU. On a machine without CUDA, `gpus=N`
             runs N CPU processes that train with real gloo DDP (for tests and CI), N at most
             `cpu_rank_limit()`.
-        timeout: seconds (a finite number > 0) after which a run that has not finished is stopped
-            (LaunchError); None waits as long as the ranks run.
+        timeout: seconds (a finite number > 0) after which a run whose function has not returned
+            on every rank is stopped (LaunchError); None waits as long as the ranks run.
         quiet: show rank 0's output only (the default, as in %%ddp); False shows the other ranks' too,
             each line prefixed "[rank N] " (%%ddp --all-ranks).
         env: extra environment variables for the launched processes.
@@ -77,7 +77,11 @@ def launch(
 
     Returns:
         Rank 0's return value, sent back by pickling; tensors come back on the CPU so that the
-        notebook process never initialises CUDA.
+        notebook process never initialises CUDA. Once the function has returned on every rank, the
+        ranks' processes get 30 s to end (threads they started finish); one still running then is
+        stopped, named in a notice on stderr, and the value is returned all the same. Process
+        groups that the function destroys are kept until the rank ends (nbkit.teardown), so a DDP
+        model freed after its group cannot hang the rank at `return`.
 
     Raises:
         LaunchError: a rank raised, ended without returning (os._exit, a signal, an exit code), the
@@ -256,6 +260,11 @@ _CAUSE_WINDOW_S = 0.3
 # After the supervisor has stopped every rank, how long torch elastic gets to notice on its own
 # (it polls every 0.1 s) before the supervisor ends its wait (see _Run._abandon_launcher).
 _LAUNCHER_GRACE_S = 0.5
+# How long ranks that have all returned get to end their processes (threads they started finish,
+# multiprocessing's exit handlers run) before the supervisor stops those still running, keeps rank
+# 0's value and says so. A rank's own ending runs no C++ destructor (os._exit) and takes well under
+# a second; what remains past this is a thread that never ends or a hang at exit.
+_EXIT_GRACE_S = 30.0
 # The signal number whose Python handler ends torch elastic's wait. It is never sent to any
 # process: _thread.interrupt_main(signum) only runs that handler in the main thread. SIGUSR2 because
 # nothing in a notebook process handles it; the handler is installed for the launch only.
@@ -350,6 +359,7 @@ class _Run:
     failed: list[int] = field(default_factory=list)  # first-hand failures, in the order they happened
     killed: set[int] = field(default_factory=set)
     payload: bytes | None = None
+    lingered: set[int] = field(default_factory=set)  # returned, then stopped after _EXIT_GRACE_S
     timed_out: bool = False
     interrupted: bool = False
     stopped_at: float | None = None
@@ -360,6 +370,7 @@ class _Run:
         self._unsettled: dict[int, float] = {}  # rank -> when its error arrived (monotonic)
         self._in_launcher = False
         self._abandoned_at = -math.inf
+        self._all_returned_at: float | None = None
         self.abandoned = False
         self._done = threading.Event()
 
@@ -398,8 +409,11 @@ class _Run:
             elif _is_interrupt(exc):
                 self.interrupted = True
             else:
-                failure = exc
                 launcher_failures = _elastic_failures(exc)
+                if not (self.lingered and launcher_failures.keys() <= self.lingered):
+                    failure = exc
+                launcher_failures = {r: s for r, s in launcher_failures.items() if r not in self.lingered}
+
         finally:
             self._done.set()
             watcher.join()
@@ -414,6 +428,13 @@ class _Run:
         if self.interrupted:
             print(f"nbkit: interrupted; stopped ranks {', '.join(map(str, sorted(self.pids)))}.", file=sys.stderr)
             raise KeyboardInterrupt
+        if self.lingered:
+            print(
+                f"nbkit: rank(s) {', '.join(map(str, sorted(self.lingered)))} returned, but their processes were "
+                f"still running {_EXIT_GRACE_S:g} s later (a thread that does not end, or a hang at exit); nbkit "
+                "stopped them and kept rank 0's value. Join the threads a function starts before it returns.",
+                file=sys.stderr,
+            )
         for rank, status in launcher_failures.items():  # what only torch elastic saw
             if self.exits.get(rank, ExitStatus()) == ExitStatus():
                 self.exits[rank] = status
@@ -448,7 +469,9 @@ class _Run:
         while not self._done.is_set():
             self.pipes.receive(self._handle, timeout=_WATCH_INTERVAL_S)
             self._check_exits(drain=True)
-            if deadline is not None and time.monotonic() > deadline and self.stopped_at is None:
+            if len(self.returned) == self.nprocs:
+                self._stop_lingering()
+            elif deadline is not None and time.monotonic() > deadline and self.stopped_at is None:
                 self.timed_out = True
                 self._stop_ranks()
             self._settle_errors(time.monotonic() - _CAUSE_WINDOW_S)
@@ -545,6 +568,20 @@ class _Run:
             if exit_status(pid) is None:
                 self.killed.add(rank)
                 _kill(pid, signal.SIGKILL)
+
+    def _stop_lingering(self) -> None:
+        """Every rank returned: stop those whose processes have not ended within _EXIT_GRACE_S.
+
+        Torch elastic waits for every process to end and reports one that was killed as failed;
+        execute() keeps the value (the function returned on every rank) and names the ranks.
+        """
+        now = time.monotonic()
+        if self._all_returned_at is None:
+            self._all_returned_at = now
+        if self.stopped_at is not None or now - self._all_returned_at < _EXIT_GRACE_S:
+            return
+        self.lingered = {rank for rank, pid in self.pids.items() if exit_status(pid) is None}
+        self._stop_ranks(failed_too=True)  # sets stopped_at: torch elastic's wait is ended if need be
 
     def _abandon_launcher(self) -> None:
         """End torch elastic's wait once every rank is gone after a stop.
@@ -927,12 +964,13 @@ class _Child:
 def _prepare_rank(*, quiet: bool, rank: int) -> None:
     """Per-rank set-up shared by forked ranks and ranks of an outside launcher."""
     _route_output(rank, quiet)
-    from nbkit import checkpoints, compat, integration, reporting
+    from nbkit import checkpoints, compat, integration, reporting, teardown
 
     integration.install()
     reporting.setup_rank()
     checkpoints.enable()
     compat.enable()
+    teardown.enable()
 
 
 def _route_output(rank: int, quiet: bool) -> None:

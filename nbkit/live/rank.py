@@ -127,11 +127,12 @@ def setup(plan: RankPlan) -> str:
     )
     # What nbkit.launching._prepare_rank does in a forked rank, less its output routing: a live
     # rank's output is routed per call (see _RankStream).
-    from nbkit import checkpoints, integration, reporting
+    from nbkit import checkpoints, integration, reporting, teardown
 
     integration.install()
     reporting.setup_rank()
     checkpoints.enable()
+    teardown.enable()
     _namespace = {"__name__": "__main__", "__builtins__": builtins}
     return device
 
