@@ -26,7 +26,6 @@ import multiprocessing
 import numbers
 import os
 import pickle
-import re
 import signal
 import socket
 import sys
@@ -37,7 +36,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from nbkit import channel, distributed, forksafety, patching
+from nbkit import channel, distributed, forksafety, patching, rankoutput
 from nbkit.config import environment
 from nbkit.dashboard import Dashboard
 from nbkit.errors import LaunchError, RankError
@@ -105,7 +104,7 @@ def launch(
     (every failed launch leaves nothing behind, so the next one starts at once).
     """
     if distributed.is_distributed():
-        _prepare_rank(quiet=False, rank=distributed.rank())
+        _prepare_rank(quiet=False, rank=distributed.rank(), descriptors=False)
         return fn(*args, **kwargs)
 
     _check_function(fn)
@@ -413,7 +412,6 @@ class _Run:
                 if not (self.lingered and launcher_failures.keys() <= self.lingered):
                     failure = exc
                 launcher_failures = {r: s for r, s in launcher_failures.items() if r not in self.lingered}
-
         finally:
             self._done.set()
             watcher.join()
@@ -929,8 +927,9 @@ class _Child:
         # thread: rebuilt lazily, two threads that start at once (autograd's device threads) can see
         # it half-replaced and abort with "Invalid thread pool" (seen with unsloth on 2 H200s).
         torch.set_num_threads(1 if self.use_cpu else torch.get_num_threads())
+        output = None
         try:
-            _prepare_rank(quiet=self.quiet, rank=rank)
+            output = _prepare_rank(quiet=self.quiet, rank=rank, descriptors=True)
             value = self.fn(*self.args, **self.kwargs)
             if rank == 0:
                 channel.send(channel.Result(pickle_for_notebook(value)))
@@ -956,14 +955,22 @@ class _Child:
             # result is on its way.
             raise SystemExit(1) from exc
         finally:
+            # The process ends with os._exit: what C code printed to a piped stdout (a kernel's) sits
+            # in libc's buffer, and a routed rank's reader threads hold what they have not passed on.
+            if output is not None:
+                output.drain()
+            else:
+                rankoutput.flush_c_streams()
             for stream in (sys.stdout, sys.stderr):
                 with contextlib.suppress(Exception):
                     stream.flush()
 
 
-def _prepare_rank(*, quiet: bool, rank: int) -> None:
-    """Per-rank set-up shared by forked ranks and ranks of an outside launcher."""
-    _route_output(rank, quiet)
+def _prepare_rank(*, quiet: bool, rank: int, descriptors: bool) -> rankoutput.RankOutput | None:
+    """Per-rank set-up shared by forked ranks and ranks of an outside launcher (`descriptors`
+    False: that launcher owns them); returns the rank's routed output, if it has one to drain.
+    """
+    output = rankoutput.route_launched(rank, quiet, sys.stdout, sys.stderr, descriptors=descriptors)
     from nbkit import checkpoints, compat, integration, reporting, teardown
 
     integration.install()
@@ -971,56 +978,7 @@ def _prepare_rank(*, quiet: bool, rank: int) -> None:
     checkpoints.enable()
     compat.enable()
     teardown.enable()
-
-
-def _route_output(rank: int, quiet: bool) -> None:
-    if rank == 0:
-        return
-    if quiet:
-        devnull = open(os.devnull, "w")  # noqa: SIM115 (the rank's stdout for the rest of its life)
-        sys.stdout = sys.stderr = devnull
-        # C++ code writes to the descriptors themselves (DDP's find_unused_parameters warning printed
-        # once per rank in the notebook): in this forked rank they are its own, so point them away too.
-        os.dup2(devnull.fileno(), 1)
-        os.dup2(devnull.fileno(), 2)
-        return
-    sys.stdout = _Prefixed(sys.stdout, f"[rank {rank}] ")
-    sys.stderr = _Prefixed(sys.stderr, f"[rank {rank}] ")
-
-
-class _Prefixed(io.TextIOBase):
-    r"""A text stream that starts every line written to `target` with `prefix`.
-
-    Lines end at "\n" or at "\r" (progress bars redraw a line with "\r"); text is passed on at
-    once, so the notebook sees a rank's output as it happens.
-    """
-
-    def __init__(self, target: Any, prefix: str):
-        self._target, self._prefix, self._at_line_start = target, prefix, True
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, text: str) -> int:
-        out = []
-        for piece in re.split(r"(?<=[\r\n])", text):
-            if not piece:
-                continue
-            if self._at_line_start:
-                out.append(self._prefix)
-            out.append(piece)
-            self._at_line_start = piece.endswith(("\n", "\r"))
-        self._target.write("".join(out))
-        return len(text)
-
-    def flush(self) -> None:
-        self._target.flush()
-
-    def isatty(self) -> bool:
-        return False
-
-    def fileno(self) -> int:
-        return self._target.fileno()
+    return output
 
 
 def pickle_for_notebook(value: Any) -> bytes:

@@ -105,14 +105,44 @@ def test_status_and_bad_arguments(ranks):
         nbkit.start(gpus=2)
 
 
+C_LEVEL = (
+    "import ctypes, os\nos.write(2, f'c-level {nbkit.rank()}\\n'.encode())\n"
+    "ctypes.CDLL(None).printf(f'printf {nbkit.rank()}\\n'.encode())\nprint(f'py {nbkit.rank()}')"
+)
+
+
+def test_c_level_output_follows_the_ranks_a_call_shows(ranks, capsys):
+    # What C and C++ code writes to descriptors 1 and 2 (torch's warnings) is shown like prints.
+    ranks.exec("import nbkit\n" + C_LEVEL)
+    out, err = capsys.readouterr()
+    assert "c-level 0\n" in err and "printf 0\n" in out and "py 0\n" in out
+    assert "c-level 1" not in err and "printf 1" not in out and "py 1" not in out
+    ranks.exec(C_LEVEL, all_ranks=True)
+    out, err = capsys.readouterr()
+    assert "\nc-level 0\n" in "\n" + err and "\nprintf 0\n" in "\n" + out and "[rank 0]" not in out + err
+    assert "[rank 1] c-level 1\n" in err and "[rank 1] printf 1\n" in out and "[rank 1] py 1\n" in out
+    ranks.exec(C_LEVEL, ranks=1)  # the lowest rank a call runs on is shown as rank 0 is
+    out, err = capsys.readouterr()
+    assert "\nc-level 1\n" in "\n" + err and "\nprintf 1\n" in "\n" + out and "0" not in out + err
+
+
 def test_stop_leaves_nothing_and_later_calls_say_so(ranks):
     live = ranks  # the module's set, stopped here (the tests before this one use it)
+    # A DDP model that has just gathered a value stays on the ranks: their ends must not run its
+    # destructors (nbkit.teardown), and each rank ends by itself, at once.
+    live.exec(
+        "import torch, torch.distributed as dist\nfrom torch.nn.parallel import DistributedDataParallel\n"
+        "ddp = DistributedDataParallel(torch.nn.Linear(4, 2))\nddp(torch.ones(2, 4)).sum().backward()\n"
+        "got = [None, None]\ndist.all_gather_object(got, nbkit.rank())"
+    )
     procs = psutil.Process().children(recursive=True)
     assert len(procs) >= 3
     tmpdir = live._tmpdir
+    engines = [r.process for r in live._ranks]
     live.stop()
     _, alive = psutil.wait_procs(procs, timeout=3)
     assert [(p.pid, p.cmdline()) for p in alive] == []
+    assert [e.returncode for e in engines] == [0, 0]  # ended themselves on SIGTERM (os._exit), none killed
     assert not os.path.exists(tmpdir)
     assert nbkit.live.current() is None
     with pytest.raises(LiveError, match="stopped"):

@@ -41,6 +41,8 @@ class RankPlan:
         master_addr, master_port: the rendezvous (rank 0's node).
         relay: (host, port) of the notebook's relay listener; authkey: its key.
         use_cuda: put rank on cuda:local_rank and use nccl (else gloo on the CPU).
+        owned: nbkit started the engine (nbkit.start, not connect): it ends on SIGTERM without
+            running destructors.
         env: extra environment variables (nbkit.start(env=...)).
     """
 
@@ -55,6 +57,7 @@ class RankPlan:
     relay: tuple[str, int]
     authkey: bytes
     use_cuda: bool
+    owned: bool = False
     env: dict[str, str] = field(default_factory=dict)
 
 

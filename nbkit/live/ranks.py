@@ -50,6 +50,7 @@ from nbkit.errors import LiveError, RankError
 from nbkit.live import rank as rank_side
 from nbkit.live.messages import CallDone, EngineInfo, Lost, Outcome, Output, RankPlan
 from nbkit.live.relay import Relay
+from nbkit.rankoutput import Prefixed
 
 __all__ = ["LiveRanks", "LiveStatus", "RankStatus", "connect", "current", "ended", "forget_ended", "start"]
 
@@ -536,6 +537,7 @@ class LiveRanks:
                 relay=self._relay.address,
                 authkey=self._relay.authkey,
                 use_cuda=use_cuda,
+                owned=self._owned,
                 env=env,
             )
             results.append(self._client[r.engine].apply_async(rank_side.setup, plan))
@@ -776,9 +778,7 @@ class LiveRanks:
         if stream is None:
             target = sys.stdout if name == "stdout" else sys.stderr
             if rank != min(self._shown):
-                from nbkit.launching import _Prefixed
-
-                target = _Prefixed(target, f"[rank {rank}] ")
+                target = Prefixed(target, f"[rank {rank}] ")
             stream = self._streams[(rank, name)] = target
         return stream
 
