@@ -197,6 +197,42 @@ def test_two_engine_groups_make_one_set_of_two_nodes(tmp_path):
         cluster.stop_cluster_sync()
 
 
+def test_engines_started_outside_nbkit_outlive_a_failure_of_the_set(tmp_path):
+    """A rank of a connected set dies mid-call: the set ends, and nbkit stops none of the user's engines."""
+    import ipyparallel as ipp
+
+    cluster = ipp.Cluster(profile_dir=str(tmp_path), cluster_id="f", controller_ip="127.0.0.1", n=0, log_level=30)
+    cluster.start_controller_sync()
+    engines: list[subprocess.Popen] = []
+    live = None
+    try:
+        client = cluster.connect_client_sync()
+        cmd = [sys.executable, "-m", "ipyparallel.engine", f"--file={cluster.controller.connection_files['engine']}"]
+        engines = [subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for _ in range(2)]
+        client.wait_for_engines(2, timeout=180)
+        live = nbkit.connect(client)
+        victim = live.status().ranks[1].pid
+        survivor = next(p for p in engines if p.pid == live.status().ranks[0].pid)
+        threading.Timer(3, os.kill, (victim, 9)).start()
+        with pytest.raises(LiveError) as info:
+            live.exec("import time\ntime.sleep(60)", timeout=120)
+        message = str(info.value)
+        assert info.value.ended and "rank 1's connection to the notebook closed" in message, message
+        assert "started outside nbkit and are left running" in message
+        assert survivor.poll() is None  # not killed
+        # It was interrupted and left the process group: it answers, ready for another set.
+        engine = next(e for e in client.ids if client[e].apply_sync(os.getpid) == survivor.pid)
+        left = client[engine].apply_async(eval, "__import__('torch.distributed').distributed.is_initialized()")
+        assert left.get(timeout=30) is False
+    finally:
+        if live is not None:
+            live.stop()
+        for p in engines:
+            p.kill()
+            p.wait()
+        cluster.stop_cluster_sync()
+
+
 @pytest.mark.gpu
 def test_one_rank_per_gpu_with_nccl_and_the_notebook_keeps_no_cuda_context():
     import torch

@@ -204,9 +204,11 @@ def connect(
     one machine can stand in for two hosts), else its host name; its address is NBKIT_HOST_ADDRESS
     where set, else its host name resolved.
 
-    Returns the LiveRanks. stop() leaves the engines running (without process group or names); a
-    failure that ends the set kills them (a broken process group cannot be trusted), and they must
-    be started again.
+    Returns the LiveRanks. nbkit never stops engines it did not start: stop(), a failure of
+    connect() itself and a failure that ends the set (a rank died, a timeout, an unanswered
+    interrupt) all leave them running, each asked to leave the process group and forget the set's
+    names; an engine stuck in a collective answers only when that collective fails (gloo: its
+    timeout) and is better restarted (the message says which ranks).
     """
     _check_none_live()
     forget_ended()
@@ -222,6 +224,7 @@ def connect(
             client, list(engines) if engines is not None else None, dict(env or {}), notebook_address, startup_timeout
         )
     except BaseException:
+        ranks._release_engines(wait=10.0)  # those that joined the group leave it: a retry can join
         ranks._shutdown(kill=False)
         raise
     return ranks
@@ -381,9 +384,7 @@ class LiveRanks:
             self._forget()
             return
         self._stopped = True
-        if not self._owned and self._client is not None:
-            with contextlib.suppress(Exception):
-                self._client[[r.engine for r in self._ranks]].apply_async(rank_side.teardown).get(timeout=10)
+        self._release_engines(wait=10.0)
         self._shutdown(kill=False)
 
     def __repr__(self) -> str:
@@ -835,6 +836,12 @@ class LiveRanks:
 
     def _ended_text(self) -> str:
         log = f"\n{self._ended_log}" if self._ended_log else ""
+        if not self._owned:
+            return (
+                f"The live set has ended: {self._ended} Its engines were started outside nbkit and are left "
+                "running, each asked to leave the process group; one that waits in a collective answers only "
+                "when the collective fails, so restart those engines before nbkit.connect() again." + log
+            )
         return (
             f"The live set has ended: {self._ended} Every rank was stopped; start a new set with %ddp start "
             "(or nbkit.start())." + log
@@ -854,11 +861,25 @@ class LiveRanks:
             self._ended = reason
         _ended = self
         if not self._owned and self._client is not None:
-            # Engines started outside nbkit: their process group is broken, so they are ended too.
-            with contextlib.suppress(Exception):
-                alive = [r.engine for r in self._ranks if r.engine in self._client.ids]
-                self._client.send_signal("SIGKILL", targets=alive, block=False)
+            # Engines started outside nbkit stay up: what still runs there is interrupted, then each
+            # leaves the broken process group (queued behind a call that waits in a collective).
+            alive = [r.rank for r in self._ranks if r.engine in self._client.ids]
+            self._interrupt(alive)
+            self._release_engines(wait=None)
         self._shutdown(kill=True)
+
+    def _release_engines(self, *, wait: float | None) -> None:
+        """Engines started outside nbkit: ask each to forget the set's names and leave the process
+        group (rank_side.teardown); wait up to `wait` seconds for the answers (None: do not wait).
+        Nothing for nbkit's own engines, which end with the set.
+        """
+        if self._owned or self._client is None or not self._ranks:
+            return
+        with contextlib.suppress(Exception):
+            engines = [r.engine for r in self._ranks if r.engine in self._client.ids]
+            ar = self._client[engines].apply_async(rank_side.teardown)
+            if wait is not None:
+                ar.get(timeout=wait)
 
     def _shutdown(self, *, kill: bool) -> None:
         """Stop the engines nbkit started (SIGTERM, then SIGKILL after 3 s; SIGKILL at once with kill),
