@@ -126,6 +126,13 @@ def test_c_level_output_follows_the_ranks_a_call_shows(ranks, capsys):
     assert "\nc-level 1\n" in "\n" + err and "\nprintf 1\n" in "\n" + out and "0" not in out + err
 
 
+def test_display_of_the_shown_rank_reaches_the_notebook(ranks, capsys):
+    # No kernel here: the notebook side prints what display() would show as text.
+    ranks.exec("from IPython.display import display\nprint('before')\ndisplay({'shown by': nbkit.rank()})")
+    out = capsys.readouterr().out
+    assert out.splitlines() == ["before", "{'shown by': 0}"]
+
+
 def test_stop_leaves_nothing_and_later_calls_say_so(ranks):
     live = ranks  # the module's set, stopped here (the tests before this one use it)
     # A DDP model that has just gathered a value stays on the ranks: their ends must not run its

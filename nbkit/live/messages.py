@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from nbkit.errors import RankError
 
-__all__ = ["CallDone", "EngineInfo", "Lost", "Outcome", "Output", "RankPlan"]
+__all__ = ["CallDone", "Display", "EngineInfo", "Lost", "Outcome", "Output", "RankPlan"]
 
 
 @dataclass
@@ -68,6 +68,17 @@ class Output:
     rank: int
     stream: str  # "stdout" | "stderr"
     text: str
+
+
+@dataclass
+class Display:
+    """What a rank passed to IPython's display() during a call (a display_data message's fields)."""
+
+    rank: int
+    data: dict
+    metadata: dict
+    transient: dict
+    update: bool
 
 
 @dataclass

@@ -8,7 +8,9 @@ the cells define.
 Output: a rank's output, Python's streams and descriptors 1 and 2 alike (C++ warnings), goes over
 the relay while a call that shows this rank runs (rank 0 by default), and is dropped otherwise:
 nbkit.rankoutput, the routine one-shot ranks use too, set up once for the rank's life (libraries keep
-the stream they found at import, and those imports happen inside calls).
+the stream they found at import, and those imports happen inside calls). What a shown rank passes
+to IPython's display() (an image, HTML, a DataFrame) goes the same way, as display data the notebook
+shows in the cell; widgets do not (their state lives in the engine, which has no frontend).
 
 Ending: an engine nbkit started ends on SIGTERM (stop()) with os._exit, running no destructor: a
 rank's models, DDP reducers and process groups are freed by the end of the process, not by C++
@@ -37,7 +39,7 @@ from typing import Any
 from nbkit import channel, rankoutput
 from nbkit.config import setting
 from nbkit.errors import RankError
-from nbkit.live.messages import CallDone, EngineInfo, Outcome, Output, RankPlan
+from nbkit.live.messages import CallDone, Display, EngineInfo, Outcome, Output, RankPlan
 
 __all__ = ["free_port", "identify", "pull", "run_code", "run_function", "setup", "teardown"]
 
@@ -50,6 +52,7 @@ _shown = False
 _namespace: dict[str, Any] = {}
 _crash_log: Any = None
 _output: rankoutput.RankOutput | None = None
+_found_display: Any = None  # the engine's own display publisher, while nbkit's stands in for it
 
 
 def identify() -> EngineInfo:
@@ -129,6 +132,7 @@ def setup(plan: RankPlan) -> str:
     global _output
     if _output is None:
         _output = rankoutput.RankOutput(_send_output, shown=lambda: _shown)
+        _relay_display()
     if plan.owned and threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _end_now)
     dist.init_process_group(
@@ -164,6 +168,7 @@ def teardown() -> None:
     if _output is not None:
         _output.close()
         _output = None
+        _restore_display()
 
 
 def _end_now(signum: int, frame: Any) -> None:
@@ -173,6 +178,44 @@ def _end_now(signum: int, frame: Any) -> None:
 
 def _send_output(name: str, text: str) -> None:
     channel.send(Output(_rank, name, text))
+
+
+def _relay_display() -> None:
+    """display() on a shown rank goes over the relay: the engine's IPython display publisher gets a
+    publish() of nbkit's (on the instance: everything else about the publisher stays the engine's).
+    """
+    global _found_display
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return
+    shell = get_ipython()
+    if shell is None or _found_display is not None:
+        return
+
+    def publish(
+        data: dict,
+        metadata: dict | None = None,
+        *args: Any,
+        transient: dict | None = None,
+        update: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        if _shown:
+            if _output is not None:  # the rank's lines before it stay before it
+                _output.drain()
+            channel.send(Display(_rank, dict(data), dict(metadata or {}), dict(transient or {}), update))
+
+    _found_display = shell.display_pub
+    _found_display.publish = publish
+
+
+def _restore_display() -> None:
+    global _found_display
+    if _found_display is not None:
+        with contextlib.suppress(AttributeError):
+            del _found_display.publish  # the class's publish again
+        _found_display = None
 
 
 def run_code(call: int, source: str, filename: str, names: dict[str, bytes], show: bool, want_value: bool) -> Outcome:

@@ -48,7 +48,7 @@ from typing import Any
 from nbkit import cells, channel, config, distributed
 from nbkit.errors import LiveError, RankError
 from nbkit.live import rank as rank_side
-from nbkit.live.messages import CallDone, EngineInfo, Lost, Outcome, Output, RankPlan
+from nbkit.live.messages import CallDone, Display, EngineInfo, Lost, Outcome, Output, RankPlan
 from nbkit.live.relay import Relay
 from nbkit.rankoutput import Prefixed
 
@@ -759,6 +759,9 @@ class LiveRanks:
         if isinstance(body, Output):
             if body.rank in self._shown:
                 self._stream(body.rank, body.stream).write(body.text)
+        elif isinstance(body, Display):
+            if body.rank in self._shown:
+                self._display(body)
         elif isinstance(body, CallDone):
             if body.call == self._call:
                 self._done[body.rank] = body
@@ -782,6 +785,27 @@ class LiveRanks:
                 target = Prefixed(target, f"[rank {rank}] ")
             stream = self._streams[(rank, name)] = target
         return stream
+
+    def _display(self, body: Display) -> None:
+        """Show a rank's display() in the running cell: as display data in a kernel, else its text."""
+        self._flush_streams()  # the rank's lines before it stay before it
+        try:
+            from IPython import get_ipython
+        except ImportError:
+            shell = None
+        else:
+            shell = get_ipython()
+        if shell is None:  # a script: what display() prints outside a notebook
+            text = body.data.get("text/plain")
+            if text:
+                self._stream(body.rank, "stdout").write(f"{text}\n")
+            return
+        try:
+            shell.display_pub.publish(
+                data=body.data, metadata=body.metadata, transient=body.transient, update=body.update
+            )
+        except Exception:  # a display problem must never fail the call
+            logging.getLogger("nbkit").exception("nbkit: a rank's display() could not be shown")
 
     def _flush_streams(self) -> None:
         for stream in self._streams.values():
