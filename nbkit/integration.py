@@ -69,6 +69,12 @@ GROUPS: dict[str, Group] = {
             "(complete-checkpoint markers; `nbkit.checkpoints.disable()` reverts it)",
         ),
         Group(
+            "teardown",
+            "nbkit.teardown",
+            "in every rank nbkit.launch starts and every live rank: process groups that destroy_process_group "
+            "removes stay referenced until the rank ends, so a DDP model freed after them cannot hang the rank",
+        ),
+        Group(
             "launch",
             "nbkit.launching",
             "only while nbkit.launch starts its ranks through accelerate's notebook_launcher",

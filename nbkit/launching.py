@@ -26,7 +26,6 @@ import multiprocessing
 import numbers
 import os
 import pickle
-import re
 import signal
 import socket
 import sys
@@ -37,7 +36,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from nbkit import channel, distributed, forksafety, patching
+from nbkit import channel, distributed, forksafety, patching, rankoutput
 from nbkit.config import environment
 from nbkit.dashboard import Dashboard
 from nbkit.errors import LaunchError, RankError
@@ -65,8 +64,8 @@ def launch(
         gpus: how many processes. None: one per visible GPU. On a machine without CUDA, `gpus=N`
             runs N CPU processes that train with real gloo DDP (for tests and CI), N at most
             `cpu_rank_limit()`.
-        timeout: seconds (a finite number > 0) after which a run that has not finished is stopped
-            (LaunchError); None waits as long as the ranks run.
+        timeout: seconds (a finite number > 0) after which a run whose function has not returned
+            on every rank is stopped (LaunchError); None waits as long as the ranks run.
         quiet: show rank 0's output only (the default, as in %%ddp); False shows the other ranks' too,
             each line prefixed "[rank N] " (%%ddp --all-ranks).
         env: extra environment variables for the launched processes.
@@ -77,7 +76,11 @@ def launch(
 
     Returns:
         Rank 0's return value, sent back by pickling; tensors come back on the CPU so that the
-        notebook process never initialises CUDA.
+        notebook process never initialises CUDA. Once the function has returned on every rank, the
+        ranks' processes get 30 s to end (threads they started finish); one still running then is
+        stopped, named in a notice on stderr, and the value is returned all the same. Process
+        groups that the function destroys are kept until the rank ends (nbkit.teardown), so a DDP
+        model freed after its group cannot hang the rank at `return`.
 
     Raises:
         LaunchError: a rank raised, ended without returning (os._exit, a signal, an exit code), the
@@ -101,7 +104,7 @@ def launch(
     (every failed launch leaves nothing behind, so the next one starts at once).
     """
     if distributed.is_distributed():
-        _prepare_rank(quiet=False, rank=distributed.rank())
+        _prepare_rank(quiet=False, rank=distributed.rank(), descriptors=False)
         return fn(*args, **kwargs)
 
     _check_function(fn)
@@ -256,6 +259,11 @@ _CAUSE_WINDOW_S = 0.3
 # After the supervisor has stopped every rank, how long torch elastic gets to notice on its own
 # (it polls every 0.1 s) before the supervisor ends its wait (see _Run._abandon_launcher).
 _LAUNCHER_GRACE_S = 0.5
+# How long ranks that have all returned get to end their processes (threads they started finish,
+# multiprocessing's exit handlers run) before the supervisor stops those still running, keeps rank
+# 0's value and says so. A rank's own ending runs no C++ destructor (os._exit) and takes well under
+# a second; what remains past this is a thread that never ends or a hang at exit.
+_EXIT_GRACE_S = 30.0
 # The signal number whose Python handler ends torch elastic's wait. It is never sent to any
 # process: _thread.interrupt_main(signum) only runs that handler in the main thread. SIGUSR2 because
 # nothing in a notebook process handles it; the handler is installed for the launch only.
@@ -350,6 +358,7 @@ class _Run:
     failed: list[int] = field(default_factory=list)  # first-hand failures, in the order they happened
     killed: set[int] = field(default_factory=set)
     payload: bytes | None = None
+    lingered: set[int] = field(default_factory=set)  # returned, then stopped after _EXIT_GRACE_S
     timed_out: bool = False
     interrupted: bool = False
     stopped_at: float | None = None
@@ -360,6 +369,7 @@ class _Run:
         self._unsettled: dict[int, float] = {}  # rank -> when its error arrived (monotonic)
         self._in_launcher = False
         self._abandoned_at = -math.inf
+        self._all_returned_at: float | None = None
         self.abandoned = False
         self._done = threading.Event()
 
@@ -398,8 +408,10 @@ class _Run:
             elif _is_interrupt(exc):
                 self.interrupted = True
             else:
-                failure = exc
                 launcher_failures = _elastic_failures(exc)
+                if not (self.lingered and launcher_failures.keys() <= self.lingered):
+                    failure = exc
+                launcher_failures = {r: s for r, s in launcher_failures.items() if r not in self.lingered}
         finally:
             self._done.set()
             watcher.join()
@@ -414,6 +426,13 @@ class _Run:
         if self.interrupted:
             print(f"nbkit: interrupted; stopped ranks {', '.join(map(str, sorted(self.pids)))}.", file=sys.stderr)
             raise KeyboardInterrupt
+        if self.lingered:
+            print(
+                f"nbkit: rank(s) {', '.join(map(str, sorted(self.lingered)))} returned, but their processes were "
+                f"still running {_EXIT_GRACE_S:g} s later (a thread that does not end, or a hang at exit); nbkit "
+                "stopped them and kept rank 0's value. Join the threads a function starts before it returns.",
+                file=sys.stderr,
+            )
         for rank, status in launcher_failures.items():  # what only torch elastic saw
             if self.exits.get(rank, ExitStatus()) == ExitStatus():
                 self.exits[rank] = status
@@ -448,7 +467,9 @@ class _Run:
         while not self._done.is_set():
             self.pipes.receive(self._handle, timeout=_WATCH_INTERVAL_S)
             self._check_exits(drain=True)
-            if deadline is not None and time.monotonic() > deadline and self.stopped_at is None:
+            if len(self.returned) == self.nprocs:
+                self._stop_lingering()
+            elif deadline is not None and time.monotonic() > deadline and self.stopped_at is None:
                 self.timed_out = True
                 self._stop_ranks()
             self._settle_errors(time.monotonic() - _CAUSE_WINDOW_S)
@@ -548,6 +569,20 @@ class _Run:
             if exit_status(pid) is None:
                 self.killed.add(rank)
                 _kill(pid, signal.SIGKILL)
+
+    def _stop_lingering(self) -> None:
+        """Every rank returned: stop those whose processes have not ended within _EXIT_GRACE_S.
+
+        Torch elastic waits for every process to end and reports one that was killed as failed;
+        execute() keeps the value (the function returned on every rank) and names the ranks.
+        """
+        now = time.monotonic()
+        if self._all_returned_at is None:
+            self._all_returned_at = now
+        if self.stopped_at is not None or now - self._all_returned_at < _EXIT_GRACE_S:
+            return
+        self.lingered = {rank for rank, pid in self.pids.items() if exit_status(pid) is None}
+        self._stop_ranks(failed_too=True)  # sets stopped_at: torch elastic's wait is ended if need be
 
     def _abandon_launcher(self) -> None:
         """End torch elastic's wait once every rank is gone after a stop.
@@ -905,8 +940,9 @@ class _Child:
         # thread: rebuilt lazily, two threads that start at once (autograd's device threads) can see
         # it half-replaced and abort with "Invalid thread pool" (seen with unsloth on 2 H200s).
         torch.set_num_threads(1 if self.use_cpu else torch.get_num_threads())
+        output = None
         try:
-            _prepare_rank(quiet=self.quiet, rank=rank)
+            output = _prepare_rank(quiet=self.quiet, rank=rank, descriptors=True)
             value = self.fn(*self.args, **self.kwargs)
             if rank == 0:
                 channel.send(channel.Result(pickle_for_notebook(value)))
@@ -932,70 +968,30 @@ class _Child:
             # result is on its way.
             raise SystemExit(1) from exc
         finally:
+            # The process ends with os._exit: what C code printed to a piped stdout (a kernel's) sits
+            # in libc's buffer, and a routed rank's reader threads hold what they have not passed on.
+            if output is not None:
+                output.drain()
+            else:
+                rankoutput.flush_c_streams()
             for stream in (sys.stdout, sys.stderr):
                 with contextlib.suppress(Exception):
                     stream.flush()
 
 
-def _prepare_rank(*, quiet: bool, rank: int) -> None:
-    """Per-rank set-up shared by forked ranks and ranks of an outside launcher."""
-    _route_output(rank, quiet)
-    from nbkit import checkpoints, compat, integration, reporting
+def _prepare_rank(*, quiet: bool, rank: int, descriptors: bool) -> rankoutput.RankOutput | None:
+    """Per-rank set-up shared by forked ranks and ranks of an outside launcher (`descriptors`
+    False: that launcher owns them); returns the rank's routed output, if it has one to drain.
+    """
+    output = rankoutput.route_launched(rank, quiet, sys.stdout, sys.stderr, descriptors=descriptors)
+    from nbkit import checkpoints, compat, integration, reporting, teardown
 
     integration.install()
     reporting.setup_rank()
     checkpoints.enable()
     compat.enable()
-
-
-def _route_output(rank: int, quiet: bool) -> None:
-    if rank == 0:
-        return
-    if quiet:
-        devnull = open(os.devnull, "w")  # noqa: SIM115 (the rank's stdout for the rest of its life)
-        sys.stdout = sys.stderr = devnull
-        # C++ code writes to the descriptors themselves (DDP's find_unused_parameters warning printed
-        # once per rank in the notebook): in this forked rank they are its own, so point them away too.
-        os.dup2(devnull.fileno(), 1)
-        os.dup2(devnull.fileno(), 2)
-        return
-    sys.stdout = _Prefixed(sys.stdout, f"[rank {rank}] ")
-    sys.stderr = _Prefixed(sys.stderr, f"[rank {rank}] ")
-
-
-class _Prefixed(io.TextIOBase):
-    r"""A text stream that starts every line written to `target` with `prefix`.
-
-    Lines end at "\n" or at "\r" (progress bars redraw a line with "\r"); text is passed on at
-    once, so the notebook sees a rank's output as it happens.
-    """
-
-    def __init__(self, target: Any, prefix: str):
-        self._target, self._prefix, self._at_line_start = target, prefix, True
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, text: str) -> int:
-        out = []
-        for piece in re.split(r"(?<=[\r\n])", text):
-            if not piece:
-                continue
-            if self._at_line_start:
-                out.append(self._prefix)
-            out.append(piece)
-            self._at_line_start = piece.endswith(("\n", "\r"))
-        self._target.write("".join(out))
-        return len(text)
-
-    def flush(self) -> None:
-        self._target.flush()
-
-    def isatty(self) -> bool:
-        return False
-
-    def fileno(self) -> int:
-        return self._target.fileno()
+    teardown.enable()
+    return output
 
 
 def pickle_for_notebook(value: Any) -> bytes:

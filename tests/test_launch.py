@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import subprocess
@@ -59,8 +60,10 @@ def test_returns_rank0_value_and_sets_up_each_rank(capfd):
 def _print_from_each_rank() -> None:
     print(f"hello from {nbkit.rank()}")
     print(f"second line {nbkit.rank()}", file=sys.stderr)
-    # What C++ code writes (torch's DDP warnings) goes to the file descriptor, past sys.stderr.
+    # What C++ code writes (torch's DDP warnings) goes to the file descriptor, past sys.stderr;
+    # C's stdout is a buffered pipe here, let go when the function ends.
     os.write(2, f"c-level {nbkit.rank()}\n".encode())
+    ctypes.CDLL(None).printf(f"printf {nbkit.rank()}\n".encode())
 
 
 def test_rank0_output_only_by_default_other_ranks_prefixed_on_request(capfd):
@@ -71,9 +74,35 @@ def test_rank0_output_only_by_default_other_ranks_prefixed_on_request(capfd):
 
     nbkit.launch(_print_from_each_rank, gpus=2, quiet=False)
     out, err = capfd.readouterr()
-    assert "hello from 0\n" in out and "[rank 0]" not in out
+    assert "hello from 0\n" in out and "printf 0\n" in out and "[rank 0]" not in out + err
     assert "[rank 1] hello from 1\n" in out
     assert "[rank 1] second line 1\n" in err
+    # The descriptor level of rank 1 is prefixed too (it went to the notebook bare before).
+    assert "[rank 1] c-level 1\n" in err and "[rank 1] printf 1\n" in out
+    assert "\nc-level 1" not in "\n" + err and "\nprintf 1" not in "\n" + out
+
+
+def _ddp_step_with_nothing_unused() -> None:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    dist.init_process_group("gloo")
+    model = DistributedDataParallel(torch.nn.Linear(4, 2), find_unused_parameters=True)
+    model(torch.ones(3, 4)).sum().backward()  # torch's C++ reducer warns on stderr, from autograd's thread
+    dist.destroy_process_group()
+
+
+def test_a_torch_cpp_warning_of_rank_1_is_hidden_or_prefixed_like_its_prints(capfd):
+    warning = "find_unused_parameters=True was specified in DDP constructor"
+    nbkit.launch(_ddp_step_with_nothing_unused, gpus=2, dashboard=False)
+    err = capfd.readouterr().err
+    assert err.count(warning) == 1 and "[rank0]:" in err and "[rank1]:" not in err, err
+
+    nbkit.launch(_ddp_step_with_nothing_unused, gpus=2, quiet=False, dashboard=False)
+    lines = [line for line in capfd.readouterr().err.splitlines() if warning in line]
+    assert len(lines) == 2, lines
+    assert any(line.startswith("[rank 1] [rank1]:") for line in lines), lines
+    assert any(line.startswith("[rank0]:") for line in lines), lines
 
 
 def _fail_on_rank1(pid_dir: str) -> None:

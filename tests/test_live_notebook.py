@@ -69,6 +69,7 @@ CELLS = {
     "rank0": "%%ddp --rank 0\nprint('only on', nbkit.rank())\nnbkit.rank()",
     "rank1": "%%ddp --rank 1\nprint('only on', nbkit.rank())\nnbkit.rank()",
     "all_ranks": "%%ddp --all-ranks\nprint('hello from', nbkit.rank())",
+    "display": "%%ddp\nfrom IPython.display import HTML, display\ndisplay(HTML(f'<b>rank {nbkit.rank()}</b>'))",
     "counter": "%%ddp\ncount = 0",
     **{f"cell{i}": "%%ddp\ncount += 1\ncount" for i in range(50)},
     "status": "%ddp status",
@@ -144,6 +145,11 @@ def test_rank_selection_and_all_ranks(outputs):
     assert outputs["rank1"]["result"] == "1" and outputs["rank1"]["stdout"].strip() == "only on 1"
     lines = outputs["all_ranks"]["stdout"].splitlines()
     assert sorted(lines) == ["[rank 1] hello from 1", "hello from 0"]
+
+
+def test_display_of_rank_0_shows_in_the_cell(outputs):
+    shown = outputs["display"]["displays"]
+    assert [d.get("text/html") for d in shown] == ["<b>rank 0</b>"], shown  # rank 0's, once
 
 
 def test_fifty_cells_in_a_row(outputs):

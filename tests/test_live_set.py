@@ -142,14 +142,51 @@ def test_status_and_bad_arguments(ranks):
         nbkit.start(gpus=2)
 
 
+C_LEVEL = (
+    "import ctypes, os\nos.write(2, f'c-level {nbkit.rank()}\\n'.encode())\n"
+    "ctypes.CDLL(None).printf(f'printf {nbkit.rank()}\\n'.encode())\nprint(f'py {nbkit.rank()}')"
+)
+
+
+def test_c_level_output_follows_the_ranks_a_call_shows(ranks, capsys):
+    # What C and C++ code writes to descriptors 1 and 2 (torch's warnings) is shown like prints.
+    ranks.exec("import nbkit\n" + C_LEVEL)
+    out, err = capsys.readouterr()
+    assert "c-level 0\n" in err and "printf 0\n" in out and "py 0\n" in out
+    assert "c-level 1" not in err and "printf 1" not in out and "py 1" not in out
+    ranks.exec(C_LEVEL, all_ranks=True)
+    out, err = capsys.readouterr()
+    assert "\nc-level 0\n" in "\n" + err and "\nprintf 0\n" in "\n" + out and "[rank 0]" not in out + err
+    assert "[rank 1] c-level 1\n" in err and "[rank 1] printf 1\n" in out and "[rank 1] py 1\n" in out
+    ranks.exec(C_LEVEL, ranks=1)  # the lowest rank a call runs on is shown as rank 0 is
+    out, err = capsys.readouterr()
+    assert "\nc-level 1\n" in "\n" + err and "\nprintf 1\n" in "\n" + out and "0" not in out + err
+
+
+def test_display_of_the_shown_rank_reaches_the_notebook(ranks, capsys):
+    # No kernel here: the notebook side prints what display() would show as text.
+    ranks.exec("from IPython.display import display\nprint('before')\ndisplay({'shown by': nbkit.rank()})")
+    out = capsys.readouterr().out
+    assert out.splitlines() == ["before", "{'shown by': 0}"]
+
+
 def test_stop_leaves_nothing_and_later_calls_say_so(ranks):
     live = ranks  # the module's set, stopped here (the tests before this one use it)
+    # A DDP model that has just gathered a value stays on the ranks: their ends must not run its
+    # destructors (nbkit.teardown), and each rank ends by itself, at once.
+    live.exec(
+        "import torch, torch.distributed as dist\nfrom torch.nn.parallel import DistributedDataParallel\n"
+        "ddp = DistributedDataParallel(torch.nn.Linear(4, 2))\nddp(torch.ones(2, 4)).sum().backward()\n"
+        "got = [None, None]\ndist.all_gather_object(got, nbkit.rank())"
+    )
     procs = psutil.Process().children(recursive=True)
     assert len(procs) >= 3
     tmpdir = live._tmpdir
+    engines = [r.process for r in live._ranks]
     live.stop()
     _, alive = psutil.wait_procs(procs, timeout=3)
     assert [(p.pid, p.cmdline()) for p in alive] == []
+    assert [e.returncode for e in engines] == [0, 0]  # ended themselves on SIGTERM (os._exit), none killed
     assert not os.path.exists(tmpdir)
     assert nbkit.live.current() is None
     with pytest.raises(LiveError, match="stopped"):
@@ -195,6 +232,42 @@ def test_two_engine_groups_make_one_set_of_two_nodes(tmp_path):
         assert all(p.poll() is None for p in engines)
         live = nbkit.connect(client)
         assert live.run(lambda: nbkit.world_size()) == 4
+    finally:
+        if live is not None:
+            live.stop()
+        for p in engines:
+            p.kill()
+            p.wait()
+        cluster.stop_cluster_sync()
+
+
+def test_engines_started_outside_nbkit_outlive_a_failure_of_the_set(tmp_path):
+    """A rank of a connected set dies mid-call: the set ends, and nbkit stops none of the user's engines."""
+    import ipyparallel as ipp
+
+    cluster = ipp.Cluster(profile_dir=str(tmp_path), cluster_id="f", controller_ip="127.0.0.1", n=0, log_level=30)
+    cluster.start_controller_sync()
+    engines: list[subprocess.Popen] = []
+    live = None
+    try:
+        client = cluster.connect_client_sync()
+        cmd = [sys.executable, "-m", "ipyparallel.engine", f"--file={cluster.controller.connection_files['engine']}"]
+        engines = [subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for _ in range(2)]
+        client.wait_for_engines(2, timeout=180)
+        live = nbkit.connect(client)
+        victim = live.status().ranks[1].pid
+        survivor = next(p for p in engines if p.pid == live.status().ranks[0].pid)
+        threading.Timer(3, os.kill, (victim, 9)).start()
+        with pytest.raises(LiveError) as info:
+            live.exec("import time\ntime.sleep(60)", timeout=120)
+        message = str(info.value)
+        assert info.value.ended and "rank 1's connection to the notebook closed" in message, message
+        assert "started outside nbkit and are left running" in message
+        assert survivor.poll() is None  # not killed
+        # It was interrupted and left the process group: it answers, ready for another set.
+        engine = next(e for e in client.ids if client[e].apply_sync(os.getpid) == survivor.pid)
+        left = client[engine].apply_async(eval, "__import__('torch.distributed').distributed.is_initialized()")
+        assert left.get(timeout=30) is False
     finally:
         if live is not None:
             live.stop()

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from nbkit.errors import RankError
 
-__all__ = ["CallDone", "EngineInfo", "Lost", "Outcome", "Output", "RankPlan"]
+__all__ = ["CallDone", "Display", "EngineInfo", "Lost", "Outcome", "Output", "RankPlan"]
 
 
 @dataclass
@@ -41,6 +41,8 @@ class RankPlan:
         master_addr, master_port: the rendezvous (rank 0's node).
         relay: (host, port) of the notebook's relay listener; authkey: its key.
         use_cuda: put rank on cuda:local_rank and use nccl (else gloo on the CPU).
+        owned: nbkit started the engine (nbkit.start, not connect): it ends on SIGTERM without
+            running destructors.
         env: extra environment variables (nbkit.start(env=...)).
     """
 
@@ -55,6 +57,7 @@ class RankPlan:
     relay: tuple[str, int]
     authkey: bytes
     use_cuda: bool
+    owned: bool = False
     env: dict[str, str] = field(default_factory=dict)
 
 
@@ -65,6 +68,17 @@ class Output:
     rank: int
     stream: str  # "stdout" | "stderr"
     text: str
+
+
+@dataclass
+class Display:
+    """What a rank passed to IPython's display() during a call (a display_data message's fields)."""
+
+    rank: int
+    data: dict
+    metadata: dict
+    transient: dict
+    update: bool
 
 
 @dataclass

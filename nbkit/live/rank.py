@@ -5,31 +5,41 @@ rank (environment, device, process group, nbkit's patches, the relay to the note
 run one call each in the rank's own namespace, which lives as long as the rank and holds every name
 the cells define.
 
-Output: sys.stdout and sys.stderr of a rank are replaced for its whole life by streams that send
-what is written over the relay while a call that shows this rank runs (rank 0 by default), and drop
-it otherwise. Replacing them once, not per call, matters: libraries keep the stream they found at
-import (transformers' logging handler), and those imports happen inside calls.
+Output: a rank's output, Python's streams and descriptors 1 and 2 alike (C++ warnings), goes over
+the relay while a call that shows this rank runs (rank 0 by default), and is dropped otherwise:
+nbkit.rankoutput, the routine one-shot ranks use too, set up once for the rank's life (libraries keep
+the stream they found at import, and those imports happen inside calls). What a shown rank passes
+to IPython's display() (an image, HTML, a DataFrame) goes the same way, as display data the notebook
+shows in the cell; widgets do not (their state lives in the engine, which has no frontend).
+
+Ending: an engine nbkit started ends on SIGTERM (stop()) with os._exit, running no destructor: a
+rank's models, DDP reducers and process groups are freed by the end of the process, not by C++
+destructors that can hang (nbkit.teardown). Engines started outside nbkit keep ipyparallel's own
+SIGTERM handling; teardown() gives them back as they were.
 """
 
 from __future__ import annotations
 
 import builtins
+import contextlib
 import faulthandler
-import io
+import gc
 import linecache
 import os
+import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
 from multiprocessing import connection
 from typing import Any
 
-from nbkit import channel
+from nbkit import channel, rankoutput
 from nbkit.config import setting
 from nbkit.errors import RankError
-from nbkit.live.messages import CallDone, EngineInfo, Outcome, Output, RankPlan
+from nbkit.live.messages import CallDone, Display, EngineInfo, Outcome, Output, RankPlan
 
 __all__ = ["free_port", "identify", "pull", "run_code", "run_function", "setup", "teardown"]
 
@@ -41,6 +51,8 @@ _rank = -1
 _shown = False
 _namespace: dict[str, Any] = {}
 _crash_log: Any = None
+_output: rankoutput.RankOutput | None = None
+_found_display: Any = None  # the engine's own display publisher, while nbkit's stands in for it
 
 
 def identify() -> EngineInfo:
@@ -117,8 +129,12 @@ def setup(plan: RankPlan) -> str:
     conn = connection.Client(plan.relay, authkey=plan.authkey)
     channel.attach_connection(conn, plan.rank)
     channel.send(channel.Started(os.getpid()))
-    sys.stdout = _RankStream("stdout", sys.stdout)
-    sys.stderr = _RankStream("stderr", sys.stderr)
+    global _output
+    if _output is None:
+        _output = rankoutput.RankOutput(_send_output, shown=lambda: _shown)
+        _relay_display()
+    if plan.owned and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _end_now)
     dist.init_process_group(
         backend="nccl" if plan.use_cuda else "gloo",
         init_method=f"tcp://{plan.master_addr}:{plan.master_port}",
@@ -126,23 +142,80 @@ def setup(plan: RankPlan) -> str:
         world_size=plan.world_size,
     )
     # What nbkit.launching._prepare_rank does in a forked rank, less its output routing: a live
-    # rank's output is routed per call (see _RankStream).
-    from nbkit import checkpoints, integration, reporting
+    # rank's output is shown or not per call (see _call).
+    from nbkit import checkpoints, integration, reporting, teardown
 
     integration.install()
     reporting.setup_rank()
     checkpoints.enable()
+    teardown.enable()
     _namespace = {"__name__": "__main__", "__builtins__": builtins}
     return device
 
 
 def teardown() -> None:
-    """Leave the process group and forget the rank's names (engines started outside nbkit live on)."""
+    """Forget the rank's names, leave the process group, and give the engine's output back as it was
+    (engines started outside nbkit live on). The names go first: a DDP model freed after its group
+    was destroyed could hang the rank (nbkit.teardown).
+    """
     import torch.distributed as dist
 
+    global _output
+    _namespace.clear()
+    gc.collect()
     if dist.is_initialized():
         dist.destroy_process_group()
-    _namespace.clear()
+    if _output is not None:
+        _output.close()
+        _output = None
+        _restore_display()
+
+
+def _end_now(signum: int, frame: Any) -> None:
+    """SIGTERM in an engine nbkit started: end now, without running destructors (see the module doc)."""
+    os._exit(0)
+
+
+def _send_output(name: str, text: str) -> None:
+    channel.send(Output(_rank, name, text))
+
+
+def _relay_display() -> None:
+    """display() on a shown rank goes over the relay: the engine's IPython display publisher gets a
+    publish() of nbkit's (on the instance: everything else about the publisher stays the engine's).
+    """
+    global _found_display
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return
+    shell = get_ipython()
+    if shell is None or _found_display is not None:
+        return
+
+    def publish(
+        data: dict,
+        metadata: dict | None = None,
+        *args: Any,
+        transient: dict | None = None,
+        update: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        if _shown:
+            if _output is not None:  # the rank's lines before it stay before it
+                _output.drain()
+            channel.send(Display(_rank, dict(data), dict(metadata or {}), dict(transient or {}), update))
+
+    _found_display = shell.display_pub
+    _found_display.publish = publish
+
+
+def _restore_display() -> None:
+    global _found_display
+    if _found_display is not None:
+        with contextlib.suppress(AttributeError):
+            del _found_display.publish  # the class's publish again
+        _found_display = None
 
 
 def run_code(call: int, source: str, filename: str, names: dict[str, bytes], show: bool, want_value: bool) -> Outcome:
@@ -207,11 +280,9 @@ def _call(call: int, show: bool, want_value: bool, body: Callable[[], Any]) -> O
         failed = True
         outcome = Outcome(_rank, error=_rank_error(exc))
     finally:
-        for stream in (sys.stdout, sys.stderr):  # the call's last partial line, while still shown
-            try:
-                stream.flush()
-            except Exception:
-                pass
+        if _output is not None:  # the call's last lines, both levels, while still shown
+            with contextlib.suppress(Exception):
+                _output.drain()
         _shown = False
         channel.send(CallDone(_rank, call, failed))
     return outcome
@@ -229,45 +300,3 @@ def _rank_error(exc: BaseException) -> RankError:
         time=time.time(),
         secondary=isinstance(exc, KeyboardInterrupt),
     )
-
-
-class _RankStream(io.TextIOBase):
-    r"""sys.stdout / sys.stderr of a live rank: to the notebook while a call shows this rank.
-
-    Sends whole lines (up to the last "\n" or "\r"; flush() sends the rest): print() writes its
-    pieces one by one, and two ranks' pieces would otherwise interleave within a line.
-    """
-
-    def __init__(self, name: str, original: Any):
-        self.name, self._original = name, original
-        self._pending = ""
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, text: str) -> int:
-        if not _shown or not text:
-            return len(text)
-        self._pending += text
-        end = max(self._pending.rfind("\n"), self._pending.rfind("\r")) + 1
-        if end:
-            self._send(self._pending[:end])
-            self._pending = self._pending[end:]
-        return len(text)
-
-    def flush(self) -> None:
-        if self._pending:
-            self._send(self._pending)
-            self._pending = ""
-
-    def _send(self, text: str) -> None:
-        try:
-            channel.send(Output(_rank, self.name, text))
-        except OSError:  # the notebook is gone; this rank is about to be ended
-            pass
-
-    def isatty(self) -> bool:
-        return False
-
-    def fileno(self) -> int:
-        return int(self._original.fileno())

@@ -48,8 +48,9 @@ from typing import Any
 from nbkit import cells, channel, config, distributed
 from nbkit.errors import LiveError, RankError
 from nbkit.live import rank as rank_side
-from nbkit.live.messages import CallDone, EngineInfo, Lost, Outcome, Output, RankPlan
+from nbkit.live.messages import CallDone, Display, EngineInfo, Lost, Outcome, Output, RankPlan
 from nbkit.live.relay import Relay
+from nbkit.rankoutput import Prefixed
 
 __all__ = ["LiveRanks", "LiveStatus", "RankStatus", "connect", "current", "ended", "forget_ended", "start"]
 
@@ -210,9 +211,11 @@ def connect(
     one machine can stand in for two hosts), else its host name; its address is NBKIT_HOST_ADDRESS
     where set, else its host name resolved.
 
-    Returns the LiveRanks. stop() leaves the engines running (without process group or names); a
-    failure that ends the set kills them (a broken process group cannot be trusted), and they must
-    be started again.
+    Returns the LiveRanks. nbkit never stops engines it did not start: stop(), a failure of
+    connect() itself and a failure that ends the set (a rank died, a timeout, an unanswered
+    interrupt) all leave them running, each asked to leave the process group and forget the set's
+    names; an engine stuck in a collective answers only when that collective fails (gloo: its
+    timeout) and is better restarted (the message says which ranks).
     """
     _check_none_live()
     forget_ended()
@@ -228,6 +231,7 @@ def connect(
             client, list(engines) if engines is not None else None, dict(env or {}), notebook_address, startup_timeout
         )
     except BaseException:
+        ranks._release_engines(wait=10.0)  # those that joined the group leave it: a retry can join
         ranks._shutdown(kill=False)
         raise
     return ranks
@@ -426,9 +430,7 @@ class LiveRanks:
             self._forget()
             return
         self._stopped = True
-        if not self._owned and self._client is not None:
-            with contextlib.suppress(Exception):
-                self._client[[r.engine for r in self._ranks]].apply_async(rank_side.teardown).get(timeout=10)
+        self._release_engines(wait=10.0)
         self._shutdown(kill=False)
 
     def __repr__(self) -> str:
@@ -583,6 +585,7 @@ class LiveRanks:
                 relay=self._relay.address,
                 authkey=self._relay.authkey,
                 use_cuda=use_cuda,
+                owned=self._owned,
                 env=env,
             )
             results.append(self._client[r.engine].apply_async(rank_side.setup, plan))
@@ -816,6 +819,9 @@ class LiveRanks:
         if isinstance(body, Output):
             if body.rank in self._shown:
                 self._stream(body.rank, body.stream).write(body.text)
+        elif isinstance(body, Display):
+            if body.rank in self._shown:
+                self._display(body)
         elif isinstance(body, CallDone):
             if body.call == self._call:
                 self._done[body.rank] = body
@@ -836,11 +842,30 @@ class LiveRanks:
         if stream is None:
             target = sys.stdout if name == "stdout" else sys.stderr
             if rank != min(self._shown):
-                from nbkit.launching import _Prefixed
-
-                target = _Prefixed(target, f"[rank {rank}] ")
+                target = Prefixed(target, f"[rank {rank}] ")
             stream = self._streams[(rank, name)] = target
         return stream
+
+    def _display(self, body: Display) -> None:
+        """Show a rank's display() in the running cell: as display data in a kernel, else its text."""
+        self._flush_streams()  # the rank's lines before it stay before it
+        try:
+            from IPython import get_ipython
+        except ImportError:
+            shell = None
+        else:
+            shell = get_ipython()
+        if shell is None:  # a script: what display() prints outside a notebook
+            text = body.data.get("text/plain")
+            if text:
+                self._stream(body.rank, "stdout").write(f"{text}\n")
+            return
+        try:
+            shell.display_pub.publish(
+                data=body.data, metadata=body.metadata, transient=body.transient, update=body.update
+            )
+        except Exception:  # a display problem must never fail the call
+            logging.getLogger("nbkit").exception("nbkit: a rank's display() could not be shown")
 
     def _flush_streams(self) -> None:
         for stream in self._streams.values():
@@ -895,6 +920,12 @@ class LiveRanks:
 
     def _ended_text(self) -> str:
         log = f"\n{self._ended_log}" if self._ended_log else ""
+        if not self._owned:
+            return (
+                f"The live set has ended: {self._ended} Its engines were started outside nbkit and are left "
+                "running, each asked to leave the process group; one that waits in a collective answers only "
+                "when the collective fails, so restart those engines before nbkit.connect() again." + log
+            )
         return (
             f"The live set has ended: {self._ended} Every rank was stopped; start a new set with %ddp start "
             "(or nbkit.start())." + log
@@ -914,11 +945,25 @@ class LiveRanks:
             self._ended = reason
         _ended = self
         if not self._owned and self._client is not None:
-            # Engines started outside nbkit: their process group is broken, so they are ended too.
-            with contextlib.suppress(Exception):
-                alive = [r.engine for r in self._ranks if r.engine in self._client.ids]
-                self._client.send_signal("SIGKILL", targets=alive, block=False)
+            # Engines started outside nbkit stay up: what still runs there is interrupted, then each
+            # leaves the broken process group (queued behind a call that waits in a collective).
+            alive = [r.rank for r in self._ranks if r.engine in self._client.ids]
+            self._interrupt(alive)
+            self._release_engines(wait=None)
         self._shutdown(kill=True)
+
+    def _release_engines(self, *, wait: float | None) -> None:
+        """Engines started outside nbkit: ask each to forget the set's names and leave the process
+        group (rank_side.teardown); wait up to `wait` seconds for the answers (None: do not wait).
+        Nothing for nbkit's own engines, which end with the set.
+        """
+        if self._owned or self._client is None or not self._ranks:
+            return
+        with contextlib.suppress(Exception):
+            engines = [r.engine for r in self._ranks if r.engine in self._client.ids]
+            ar = self._client[engines].apply_async(rank_side.teardown)
+            if wait is not None:
+                ar.get(timeout=wait)
 
     def _shutdown(self, *, kill: bool) -> None:
         """Stop the engines nbkit started (SIGTERM, then SIGKILL after 3 s; SIGKILL at once with kill),
