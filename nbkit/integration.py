@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from nbkit import patching
 
-__all__ = ["DEFAULT_GROUPS", "GROUPS", "Group", "describe", "install", "uninstall"]
+__all__ = ["DEFAULT_GROUPS", "GROUPS", "Group", "describe", "install", "prepare_rank", "uninstall"]
 
 
 @dataclass(frozen=True)
@@ -48,30 +48,30 @@ GROUPS: dict[str, Group] = {
         Group(
             "guard",
             "nbkit.guard",
-            "by `nbkit.install()`, which nbkit.launch runs in every rank: device maps that would split a model "
+            "by `nbkit.install()`, which every rank nbkit starts runs: device maps that would split a model "
             "inside a DDP rank",
         ),
         Group(
             "unsloth_savers",
             "nbkit.savers.unsloth",
-            "by `nbkit.install()`, which nbkit.launch runs in every rank; each fix only where the installed "
+            "by `nbkit.install()`, which every rank nbkit starts runs; each fix only where the installed "
             "unsloth lacks it ([unsloth_patches.md](unsloth_patches.md))",
         ),
         Group(
             "reporting",
             "nbkit.reporting",
-            "in every rank nbkit.launch starts (the dashboard callback); its patches act only there",
+            "in every rank nbkit starts (the dashboard callback); its patches act only there",
         ),
         Group(
             "checkpoints",
             "nbkit.checkpoints",
-            "in every rank nbkit.launch starts, and by `nbkit.checkpoints.enable()` elsewhere "
+            "in every rank nbkit starts, and by `nbkit.checkpoints.enable()` elsewhere "
             "(complete-checkpoint markers; `nbkit.checkpoints.disable()` reverts it)",
         ),
         Group(
             "teardown",
             "nbkit.teardown",
-            "in every rank nbkit.launch starts and every live rank: process groups that destroy_process_group "
+            "in every rank nbkit starts: process groups that destroy_process_group "
             "removes stay referenced until the rank ends, so a DDP model freed after them cannot hang the rank",
         ),
         Group(
@@ -88,7 +88,7 @@ GROUPS: dict[str, Group] = {
         Group(
             "compat",
             "nbkit.compat",
-            "in every rank nbkit.launch starts, on transformers/trl releases older than 5 / 1 only: "
+            "in every rank nbkit starts, on transformers/trl releases older than 5 / 1 only: "
             "their defaults that break DDP or nbkit's chunked loss",
         ),
         Group(
@@ -123,6 +123,23 @@ def install(*groups: str) -> list[str]:
     """
     names = _checked(groups or DEFAULT_GROUPS)
     return [target for name in names if _declare(GROUPS[name]) for target in patching.apply(name)]
+
+
+def prepare_rank() -> None:
+    """What every rank nbkit starts applies before the user's code runs ("every rank nbkit starts"
+    in GROUPS: forked and spawned ranks of nbkit.launch and one-shot %%ddp, live ranks, and ranks of
+    an outside launcher running an exported script): the default groups, the dashboard's reporting,
+    complete-checkpoint markers, the fixes for older transformers/trl, and teardown.
+
+    Idempotent; imports none of the patched libraries. Call it only in a training process.
+    """
+    from nbkit import checkpoints, compat, reporting, teardown
+
+    install()
+    reporting.setup_rank()
+    checkpoints.enable()
+    compat.enable()
+    teardown.enable()
 
 
 def uninstall(group: str | None = None) -> None:

@@ -36,7 +36,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from nbkit import channel, distributed, forksafety, patching, rankoutput
+from nbkit import channel, distributed, forksafety, integration, patching, rankoutput
 from nbkit.config import environment
 from nbkit.dashboard import Dashboard
 from nbkit.errors import LaunchError, RankError
@@ -984,13 +984,7 @@ def _prepare_rank(*, quiet: bool, rank: int, descriptors: bool) -> rankoutput.Ra
     False: that launcher owns them); returns the rank's routed output, if it has one to drain.
     """
     output = rankoutput.route_launched(rank, quiet, sys.stdout, sys.stderr, descriptors=descriptors)
-    from nbkit import checkpoints, compat, integration, reporting, teardown
-
-    integration.install()
-    reporting.setup_rank()
-    checkpoints.enable()
-    compat.enable()
-    teardown.enable()
+    integration.prepare_rank()
     return output
 
 

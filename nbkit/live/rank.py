@@ -141,14 +141,11 @@ def setup(plan: RankPlan) -> str:
         rank=plan.rank,
         world_size=plan.world_size,
     )
-    # What nbkit.launching._prepare_rank does in a forked rank, less its output routing: a live
-    # rank's output is shown or not per call (see _call).
-    from nbkit import checkpoints, integration, reporting, teardown
+    # A live rank's output is shown or not per call (see _call), so only the rest of a launched
+    # rank's set-up applies here.
+    from nbkit import integration
 
-    integration.install()
-    reporting.setup_rank()
-    checkpoints.enable()
-    teardown.enable()
+    integration.prepare_rank()
     _namespace = {"__name__": "__main__", "__builtins__": builtins}
     return device
 
