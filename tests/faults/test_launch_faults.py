@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -281,26 +282,35 @@ def test_an_interrupt_stops_every_rank_and_the_process_stays_usable(tmp_path, le
     assert not any(Path(f"/proc/{pid}").exists() for pid in ranks)
 
 
-def _barrier_after_peer_left() -> str | None:
-    import torch.distributed as dist
-
-    _group()
-    if nbkit.rank() == 1:
-        dist.destroy_process_group()  # leaves; rank 0's barrier loses its peer
-        return None
-    try:
-        dist.barrier()
-    except RuntimeError as exc:
-        return str(exc)
-    return None
+_PEER_GOES_AWAY = """
+import os, torch.distributed as dist
+dist.init_process_group("gloo")
+if dist.get_rank() == 1:
+    os._exit(0)
+try:
+    dist.barrier()
+except RuntimeError as exc:
+    print(str(exc).splitlines()[0])
+"""
 
 
-def test_a_collective_that_lost_its_peer_is_known_for_a_symptom(leftovers):
-    # What this torch's gloo says when a peer goes away mid-collective must be one that
+def test_a_collective_that_lost_its_peer_is_known_for_a_symptom(tmp_path):
+    # What this torch's gloo says when a peer process ends mid-collective must be one that
     # RankError.lost_a_peer knows: a launch whose rank died then names that rank, not the survivor
     # whose "Connection closed by peer" reached the notebook first (seen in CI on a loaded machine).
-    message = nbkit.launch(_barrier_after_peer_left, gpus=2, timeout=60)
-    assert message, "rank 0's barrier did not fail when its peer left the group"
+    # Plain processes: in nbkit's ranks the teardown group keeps destroyed groups open.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2"}
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "-c", _PEER_GOES_AWAY], env={**env, "RANK": str(r)}, stdout=subprocess.PIPE, text=True
+        )
+        for r in (0, 1)
+    ]
+    message = ranks[0].communicate(timeout=60)[0].strip()
+    ranks[1].wait(timeout=60)
+    assert message, "rank 0's barrier did not fail when its peer ended"
     survivor = RankError(rank=0, type="RuntimeError", message=message, traceback="", time=time.time())
     assert survivor.lost_a_peer, message
-    assert not Snapshot.take().grown_since(leftovers)
