@@ -9,11 +9,14 @@ two hosts and makes one set of them with nbkit.connect.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
+from typing import Any
 
 import psutil
 import pytest
@@ -193,88 +196,90 @@ def test_stop_leaves_nothing_and_later_calls_say_so(ranks):
         live.exec("1")
 
 
-def test_two_engine_groups_make_one_set_of_two_nodes(tmp_path):
-    """Two hosts, stood in for by two groups of 2 engines on 127.0.0.1 with their own NBKIT_HOST."""
+@contextlib.contextmanager
+def _engines_outside_nbkit(tmp_path, cluster_id: str, hosts: list[str | None]) -> Iterator[tuple[Any, list]]:
+    """An ipyparallel controller and one engine per entry of `hosts` (its NBKIT_HOST, None for none),
+    started the way a user starts them, not by nbkit; yields (client, engine processes) once all
+    are up, and stops them all afterwards."""
     import ipyparallel as ipp
 
-    cluster = ipp.Cluster(profile_dir=str(tmp_path), cluster_id="t", controller_ip="127.0.0.1", n=0, log_level=30)
+    cluster = ipp.Cluster(
+        profile_dir=str(tmp_path), cluster_id=cluster_id, controller_ip="127.0.0.1", n=0, log_level=30
+    )
     cluster.start_controller_sync()
     engines: list[subprocess.Popen] = []
-    live = None
     try:
         client = cluster.connect_client_sync()
-        engine_file = cluster.controller.connection_files["engine"]
-        for host in ("node-a", "node-b"):
-            env = {**os.environ, "NBKIT_HOST": host, "NBKIT_HOST_ADDRESS": "127.0.0.1"}
-            for _ in range(2):
-                cmd = [sys.executable, "-m", "ipyparallel.engine", f"--file={engine_file}", "--log-level=WARN"]
-                engines.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-        client.wait_for_engines(4, timeout=180)
-        live = nbkit.connect(client)
-        status = live.status()
-        assert status.world_size == 4 and status.nnodes == 2
-        layout = [(r.rank, r.node_rank, r.local_rank, r.host) for r in status.ranks]
-        first = layout[0][3]
-        assert [row[:3] for row in layout] == [(0, 0, 0), (1, 0, 1), (2, 1, 0), (3, 1, 1)]
-        assert {row[3] for row in layout[:2]} == {first} and {row[3] for row in layout[2:]} == {"node-a", "node-b"} - {
-            first
-        }
-        live.exec(
-            "import os, json, torch, torch.distributed as dist\nt = torch.tensor([float(dist.get_rank())])\n"
-            "dist.all_reduce(t)\nseen = json.dumps([t.item(), os.environ['GROUP_RANK'], os.environ['LOCAL_RANK'], "
-            "os.environ['LOCAL_WORLD_SIZE'], os.environ['NBKIT_HOST']])",
-            timeout=120,
-        )
-        seen = live.pull("seen", rank=2)
-        assert json.loads(seen) == [6.0, "1", "0", "2", layout[2][3]]  # rank 2: node 1's first rank
-        live.stop()
-        # stop() leaves engines it did not start running, ready for another set.
-        assert all(p.poll() is None for p in engines)
-        live = nbkit.connect(client)
-        assert live.run(lambda: nbkit.world_size()) == 4
+        cmd = [sys.executable, "-m", "ipyparallel.engine", f"--file={cluster.controller.connection_files['engine']}"]
+        for host in hosts:
+            env = os.environ if host is None else {**os.environ, "NBKIT_HOST": host, "NBKIT_HOST_ADDRESS": "127.0.0.1"}
+            engines.append(
+                subprocess.Popen(
+                    [*cmd, "--log-level=WARN"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+                )
+            )
+        client.wait_for_engines(len(hosts), timeout=180)
+        yield client, engines
     finally:
-        if live is not None:
-            live.stop()
         for p in engines:
             p.kill()
             p.wait()
         cluster.stop_cluster_sync()
+
+
+def test_two_engine_groups_make_one_set_of_two_nodes(tmp_path):
+    """Two hosts, stood in for by two groups of 2 engines on 127.0.0.1 with their own NBKIT_HOST."""
+    live = None
+    with _engines_outside_nbkit(tmp_path, "t", ["node-a", "node-a", "node-b", "node-b"]) as (client, engines):
+        try:
+            live = nbkit.connect(client)
+            status = live.status()
+            assert status.world_size == 4 and status.nnodes == 2
+            layout = [(r.rank, r.node_rank, r.local_rank, r.host) for r in status.ranks]
+            first = layout[0][3]
+            assert [row[:3] for row in layout] == [(0, 0, 0), (1, 0, 1), (2, 1, 0), (3, 1, 1)]
+            assert {row[3] for row in layout[:2]} == {first}
+            assert {row[3] for row in layout[2:]} == {"node-a", "node-b"} - {first}
+            live.exec(
+                "import os, json, torch, torch.distributed as dist\nt = torch.tensor([float(dist.get_rank())])\n"
+                "dist.all_reduce(t)\nseen = json.dumps([t.item(), os.environ['GROUP_RANK'], os.environ['LOCAL_RANK'], "
+                "os.environ['LOCAL_WORLD_SIZE'], os.environ['NBKIT_HOST']])",
+                timeout=120,
+            )
+            seen = live.pull("seen", rank=2)
+            assert json.loads(seen) == [6.0, "1", "0", "2", layout[2][3]]  # rank 2: node 1's first rank
+            live.stop()
+            # stop() leaves engines it did not start running, ready for another set.
+            assert all(p.poll() is None for p in engines)
+            live = nbkit.connect(client)
+            assert live.run(lambda: nbkit.world_size()) == 4
+        finally:
+            if live is not None:
+                live.stop()
 
 
 def test_engines_started_outside_nbkit_outlive_a_failure_of_the_set(tmp_path):
     """A rank of a connected set dies mid-call: the set ends, and nbkit stops none of the user's engines."""
-    import ipyparallel as ipp
-
-    cluster = ipp.Cluster(profile_dir=str(tmp_path), cluster_id="f", controller_ip="127.0.0.1", n=0, log_level=30)
-    cluster.start_controller_sync()
-    engines: list[subprocess.Popen] = []
     live = None
-    try:
-        client = cluster.connect_client_sync()
-        cmd = [sys.executable, "-m", "ipyparallel.engine", f"--file={cluster.controller.connection_files['engine']}"]
-        engines = [subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for _ in range(2)]
-        client.wait_for_engines(2, timeout=180)
-        live = nbkit.connect(client)
-        victim = live.status().ranks[1].pid
-        survivor = next(p for p in engines if p.pid == live.status().ranks[0].pid)
-        threading.Timer(3, os.kill, (victim, 9)).start()
-        with pytest.raises(LiveError) as info:
-            live.exec("import time\ntime.sleep(60)", timeout=120)
-        message = str(info.value)
-        assert info.value.ended and "rank 1's connection to the notebook closed" in message, message
-        assert "started outside nbkit and are left running" in message
-        assert survivor.poll() is None  # not killed
-        # It was interrupted and left the process group: it answers, ready for another set.
-        engine = next(e for e in client.ids if client[e].apply_sync(os.getpid) == survivor.pid)
-        left = client[engine].apply_async(eval, "__import__('torch.distributed').distributed.is_initialized()")
-        assert left.get(timeout=30) is False
-    finally:
-        if live is not None:
-            live.stop()
-        for p in engines:
-            p.kill()
-            p.wait()
-        cluster.stop_cluster_sync()
+    with _engines_outside_nbkit(tmp_path, "f", [None, None]) as (client, engines):
+        try:
+            live = nbkit.connect(client)
+            victim = live.status().ranks[1].pid
+            survivor = next(p for p in engines if p.pid == live.status().ranks[0].pid)
+            threading.Timer(3, os.kill, (victim, 9)).start()
+            with pytest.raises(LiveError) as info:
+                live.exec("import time\ntime.sleep(60)", timeout=120)
+            message = str(info.value)
+            assert info.value.ended and "rank 1's connection to the notebook closed" in message, message
+            assert "started outside nbkit and are left running" in message
+            assert survivor.poll() is None  # not killed
+            # It was interrupted and left the process group: it answers, ready for another set.
+            engine = next(e for e in client.ids if client[e].apply_sync(os.getpid) == survivor.pid)
+            left = client[engine].apply_async(eval, "__import__('torch.distributed').distributed.is_initialized()")
+            assert left.get(timeout=30) is False
+        finally:
+            if live is not None:
+                live.stop()
 
 
 @pytest.mark.gpu
