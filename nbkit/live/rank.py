@@ -132,6 +132,7 @@ def setup(plan: RankPlan) -> str:
     integration.install()
     reporting.setup_rank()
     checkpoints.enable()
+    integration.install("live")  # an interrupt stops Trainer at a step every rank agrees on (nbkit.live.stopping)
     _namespace = {"__name__": "__main__", "__builtins__": builtins}
     return device
 

@@ -15,6 +15,12 @@ output, the dashboard, and what happens when things go wrong:
   with its names;
 - an interrupt (the notebook's stop button) interrupts the call on every rank; when a rank does not
   respond within 2 s (it waits in a collective, where Python never sees the signal) the set is ended;
+- an interrupt while every rank runs Trainer.train() stops training instead, at an optimizer step
+  that every rank agrees on (nbkit.live.stopping), so that no rank is left in a collective: train()
+  returns, the cell ends, the set and its names stay. A second interrupt while that stop is pending
+  interrupts as above;
+- a call on some ranks only (%%ddp --rank 0) that waits in a collective waits for ranks that never
+  join it: the message of an interrupt or a timeout that finds it so says that this is the likely cause;
 - a rank that dies (killed, segfault, OOM) ends the set within a second, naming the rank and its
   signal or exit code; a call that passes its timeout ends it too (a process group with a rank stuck
   in a collective cannot be trusted);
@@ -48,7 +54,7 @@ from typing import Any
 from nbkit import cells, channel, config, distributed
 from nbkit.errors import LiveError, RankError
 from nbkit.live import rank as rank_side
-from nbkit.live.messages import CallDone, EngineInfo, Lost, Outcome, Output, RankPlan
+from nbkit.live.messages import CallDone, EngineInfo, Lost, Outcome, Output, RankPlan, Training
 from nbkit.live.relay import Relay
 
 __all__ = ["LiveRanks", "LiveStatus", "RankStatus", "connect", "current", "ended", "forget_ended", "start"]
@@ -288,6 +294,7 @@ class LiveRanks:
         self._call = 0
         self._defined: set[str] = set()  # names the set's cells bound on the ranks
         self._done: dict[int, CallDone] = {}
+        self._training: dict[int, Training] = {}  # each rank's last Trainer.train() state in this call
         self._shown: set[int] = set()
         self._streams: dict[tuple[int, str], Any] = {}
         self._board: Any = None
@@ -590,6 +597,7 @@ class LiveRanks:
         call = self._call
         shown = {targets[0]} if show is None else show
         self._done, self._shown, self._streams, self._board = {}, shown, {}, None
+        self._training = {}
         ar = self._apply_each(fn, call, args, targets, shown)
         success = False
         try:
@@ -650,42 +658,102 @@ class LiveRanks:
                     )
                     raise self._call_error(ar.finished_errors(), ended=True)
                 if deadline is not None and now > deadline:
-                    self._end(
-                        f"the call did not finish within its timeout ({timeout:g} s); rank(s) {_join(unfinished)} "
-                        "were still running. A rank waiting in a collective (all-reduce, barrier) for a peer that "
-                        "never arrives hangs like this: check that every rank runs the same steps on the same "
-                        "number of batches."
-                    )
-                    raise LiveError(self._ended_text(), ended=True, timed_out=True)
+                    self._end_at_timeout(timeout, unfinished, targets)
         except KeyboardInterrupt:
-            self._on_interrupt(ar, targets)
+            self._on_interrupt(ar, targets, deadline, timeout)
             raise
         return ar.get(targets)
 
-    def _on_interrupt(self, ar: _Gathered, targets: list[int]) -> None:
-        """The notebook was interrupted during a call: interrupt it on every rank, or end the set."""
+    def _end_at_timeout(self, timeout: float | None, unfinished: list[int], targets: list[int]) -> None:
+        """End the set because the call passed its timeout; raises the LiveError that says so."""
+        self._end(
+            f"the call did not finish within its timeout ({timeout:g} s); rank(s) {_join(unfinished)} were still "
+            "running. A rank waiting in a collective (all-reduce, barrier) for a peer that never arrives hangs "
+            "like this: "
+            + (
+                self._some_ranks_hint(targets)
+                or "check that every rank runs the same steps on the same number of batches."
+            )
+        )
+        raise LiveError(self._ended_text(), ended=True, timed_out=True)
+
+    def _some_ranks_hint(self, targets: list[int]) -> str:
+        """For a call on some ranks only: the likely cause of a rank that waits ("" for a call on every rank)."""
+        if len(targets) == self.world_size:
+            return ""
+        return (
+            f"a cell run on rank(s) {_join(targets)} only called a collective (evaluate(), barrier, all_reduce) that "
+            "the other ranks never join: run it on every rank (%%ddp without --rank)."
+        )
+
+    def _on_interrupt(self, ar: _Gathered, targets: list[int], deadline: float | None, timeout: float | None) -> None:
+        """The notebook was interrupted during a call: stop training at an agreed step where every rank
+        runs Trainer.train(), else interrupt the call on every rank; end the set where a rank does not
+        answer (see the module doc). Returns when every rank has finished the call; raises LiveError
+        when the set was ended.
+        """
         unfinished = [r for r in targets if r not in self._done]
         self._interrupt(unfinished)
-        deadline = time.monotonic() + _INTERRUPT_GRACE_S
-        while time.monotonic() < deadline and self._ended is None:
+        hard = False  # a second press during a pending stop: interrupt as for any other code
+        said_stopping = False
+        grace_until = time.monotonic() + _INTERRUPT_GRACE_S
+        while self._ended is None:
             try:
                 self._pump(0.01)
                 if all(r in self._done for r in targets) and ar.ready():
-                    print(
-                        f"nbkit: interrupted the cell on rank(s) {_join(unfinished)}; every rank is alive with "
-                        "its names.",
-                        file=sys.stderr,
-                    )
+                    print(self._interrupted_text(targets, unfinished), file=sys.stderr)
                     return
+                now = time.monotonic()
+                still = [r for r in targets if r not in self._done]
+                # A rank in train() answers at the next agreed step end, however long a step takes; a
+                # rank that says so only after the signal (train() just began) still counts.
+                if not hard and self._all_training(targets, still):
+                    grace_until = now + _INTERRUPT_GRACE_S
+                    if not said_stopping:
+                        said_stopping = True
+                        print(
+                            "nbkit: stopping training at the next step that every rank agrees on (the model keeps "
+                            "its weights); interrupt again to stop at once, which may end the live set.",
+                            file=sys.stderr,
+                        )
+                if deadline is not None and now > deadline:
+                    self._end_at_timeout(timeout, still, targets)
+                if now > grace_until:
+                    hint = self._some_ranks_hint(targets)
+                    self._end(
+                        f"rank(s) {_join(still)} did not answer the interrupt within {_INTERRUPT_GRACE_S:.0f} s "
+                        + (
+                            f"(waiting in a collective, where Python never sees the signal): {hint}"
+                            if hint
+                            else "(most likely waiting in a collective, where Python never sees the signal)."
+                        )
+                    )
             except KeyboardInterrupt:
-                continue  # a second press while the ranks are being interrupted
-        if self._ended is None:
-            still = [r for r in targets if r not in self._done]
-            self._end(
-                f"rank(s) {_join(still)} did not answer the interrupt within {_INTERRUPT_GRACE_S:.0f} s "
-                "(most likely waiting in a collective, where Python never sees the signal)."
-            )
+                if said_stopping and not hard:  # the stop is pending: the second press interrupts at once
+                    hard = True
+                    self._interrupt([r for r in targets if r not in self._done])
+                    grace_until = time.monotonic() + _INTERRUPT_GRACE_S
+                # else: a further press while the ranks are being interrupted
         raise LiveError(self._ended_text(), ended=True)
+
+    def _all_training(self, targets: list[int], unfinished: list[int]) -> bool:
+        """Whether a call on every rank has each unfinished rank inside Trainer.train() now."""
+        return (
+            len(targets) == self.world_size
+            and bool(unfinished)
+            and all(r in self._training and self._training[r].running for r in unfinished)
+        )
+
+    def _interrupted_text(self, targets: list[int], unfinished: list[int]) -> str:
+        stops = {self._training[r].step for r in targets if r in self._training and self._training[r].stopped}
+        if len(stops) == 1:
+            step = stops.pop()
+            return (
+                f"nbkit: interrupted: training stopped at step {step} on every rank; the live set and its names are "
+                f"kept, and the model has the weights of step {step}. trainer.train(resume_from_checkpoint=True) "
+                "goes on from the last saved checkpoint."
+            )
+        return f"nbkit: interrupted the cell on rank(s) {_join(unfinished)}; every rank is alive with its names."
 
     def _interrupt(self, ranks: list[int]) -> None:
         if self._owned:
@@ -759,6 +827,8 @@ class LiveRanks:
         elif isinstance(body, CallDone):
             if body.call == self._call:
                 self._done[body.rank] = body
+        elif isinstance(body, Training):
+            self._training[body.rank] = body
         elif isinstance(body, channel.Report):
             if self._board is None:
                 from nbkit.dashboard import Dashboard
