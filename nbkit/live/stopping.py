@@ -21,11 +21,13 @@ nbkit.live.rank.setup):
   then (each rank's step k+1 needs every rank's step-k+1 gradients, which come after its step k), so
   reading it hardly waits; and every rank reads the same result at the same step, so every rank sets
   control.should_training_stop at the same step: a stop requested at step k's end on any rank stops
-  every rank at step k+1. Measured on this CPU (2 gloo ranks, benchmarks/stop_agreement.py): see
-  benchmarks/RESULTS.md. The notebook side could have picked the step from the ranks' step reports
-  instead, but a rank that has already passed the step it picks can only be told after the fact,
-  which needs a second round and ranks that wait for the notebook at a step's end; the all-reduce
-  cannot disagree.
+  every rank at step k+1. Cost per step (benchmarks/stop_agreement.py, 2 gloo ranks on a shared
+  2-core CPU box, benchmarks/RESULTS.md): 70-250 µs of host time, of which 2-10 µs waiting.
+  Why not agree through the notebook, which sees every rank's step in the dashboard reports: a step
+  it picks may already be behind a rank by the time that rank hears of it, so the ranks would have to
+  wait at a step's end for the notebook's word, and a rank that hears of the stop only after entering
+  the next step's collective would wait there for a peer that waits for the notebook. The all-reduce
+  cannot disagree and needs no round trip.
 - The group is made per train() run (dist.new_group, a few ms): a run that ended with an exception
   can leave one rank with one all-reduce more in flight than another, and a group reused after that
   would pair different steps' flags.
