@@ -63,6 +63,7 @@ __all__ = ["LiveRanks", "LiveStatus", "RankStatus", "connect", "current", "ended
 # (they may still be finishing on their own), and after an interrupt, before the set is ended.
 _FAILURE_GRACE_S = 1.0
 _INTERRUPT_GRACE_S = 2.0
+_SECOND_SIGNAL_S = 0.3  # after a peer failed: when ranks in Trainer.train() get the signal that interrupts them
 _POLL_S = 0.1  # how often the monitor looks at the engine processes
 # Notebook names never sent to the ranks: IPython's own.
 _NOT_SENT = {"In", "Out", "get_ipython", "exit", "quit", "open"}
@@ -629,6 +630,7 @@ class LiveRanks:
         deadline = time.monotonic() + timeout if timeout else None
         failed_at: float | None = None
         interrupted_at: float | None = None
+        hard_again = False  # ranks in Trainer.train() got the second signal that interrupts them at once
         ready_at: float | None = None
         try:
             while True:
@@ -649,6 +651,12 @@ class LiveRanks:
                 if failed_at is not None and interrupted_at is None and now - failed_at > _FAILURE_GRACE_S:
                     self._interrupt(unfinished)
                     interrupted_at = now
+                if interrupted_at is not None and not hard_again and now - interrupted_at > _SECOND_SIGNAL_S:
+                    # A peer failed, so no step will be agreed: where the first signal became a stop
+                    # request (nbkit.live.stopping), a second one interrupts. Sent apart, since two
+                    # signals that arrive before Python runs the handler count as one.
+                    hard_again = True
+                    self._interrupt([r for r in unfinished if r in self._training and self._training[r].running])
                 if interrupted_at is not None and now - interrupted_at > _INTERRUPT_GRACE_S:
                     failed = sorted(r for r, d in self._done.items() if d.failed)
                     self._end(

@@ -83,6 +83,31 @@ def test_interrupt_during_train_stops_every_rank_at_one_step_and_keeps_the_set(k
     assert [p.pid for p in procs if not p.is_running()] == []  # the same processes throughout
 
 
+def test_rank_failing_in_train_while_its_peer_runs_python_keeps_the_set(kernel):
+    _live_set_with_trainer(kernel)
+    # Rank 1 raises at step 3's end; rank 0 is in Python code there (a slow callback) when the notebook
+    # interrupts it: the first signal becomes a stop request that no step will honour, the second interrupts it.
+    cell = (
+        "%%ddp\nfrom transformers import TrainerCallback\n"
+        "class Fail(TrainerCallback):\n"
+        "    def on_step_end(self, args, state, control, **kwargs):\n"
+        "        if state.global_step == 3 and nbkit.rank() == 1:\n"
+        "            raise RuntimeError('no batch on rank 1')\n"
+        "        if state.global_step == 3:\n"
+        "            time.sleep(60)\n"
+        "trainer.add_callback(Fail)\ntry:\n    trainer.train()\nfinally:\n    trainer.remove_callback(Fail)"
+    )
+    out = kernel.run(cell)
+    assert out["error"] is not None and out["error"][0] == "LiveError", out
+    assert "rank(s) 1 failed; the live set is still running" in out["error"][2], out
+    assert "RuntimeError: no batch on rank 1" in out["error"][2]
+    assert out["seconds"] < 30, out["seconds"]  # not the 60 s sleep
+    after = kernel.run(
+        "%%ddp\nimport torch, torch.distributed as dist\nt = torch.ones(1)\ndist.all_reduce(t)\nt.item()", timeout=60
+    )
+    assert after["error"] is None and after["result"] == "2.0", after
+
+
 def test_second_interrupt_while_the_stop_is_pending_interrupts_at_once(kernel):
     procs = _live_set_with_trainer(kernel)
     # Rank 1 never ends step 3 (it sleeps in a callback, where the first signal only records the stop), so
