@@ -713,6 +713,12 @@ class LiveRanks:
                     return
                 now = time.monotonic()
                 still = [r for r in targets if r not in self._done]
+                if said_stopping and not hard and self._failed_otherwise():
+                    # A rank failed on its own while the stop was pending: no step will be agreed, so
+                    # the ranks still training get the signal that interrupts them.
+                    hard = True
+                    self._interrupt(still)
+                    grace_until = now + _INTERRUPT_GRACE_S
                 # A rank in train() answers at the next agreed step end, however long a step takes; a
                 # rank that says so only after the signal (train() just began) still counts.
                 if not hard and self._all_training(targets, still):
@@ -745,11 +751,20 @@ class LiveRanks:
         raise LiveError(self._ended_text(), ended=True)
 
     def _all_training(self, targets: list[int], unfinished: list[int]) -> bool:
-        """Whether a call on every rank has each unfinished rank inside Trainer.train() now."""
+        """Whether a call on every rank has each unfinished rank inside Trainer.train() now, and no
+        rank failed otherwise than by the agreed stop.
+        """
         return (
             len(targets) == self.world_size
             and bool(unfinished)
             and all(r in self._training and self._training[r].running for r in unfinished)
+            and not self._failed_otherwise()
+        )
+
+    def _failed_otherwise(self) -> bool:
+        """Whether a rank finished this call with an error other than an agreed stop of its training."""
+        return any(
+            done.failed and not (r in self._training and self._training[r].stopped) for r, done in self._done.items()
         )
 
     def _interrupted_text(self, targets: list[int], unfinished: list[int]) -> str:
