@@ -713,7 +713,7 @@ class LiveRanks:
                     return
                 now = time.monotonic()
                 still = [r for r in targets if r not in self._done]
-                if said_stopping and not hard and self._failed_otherwise():
+                if said_stopping and not hard and self._failed_otherwise(ar):
                     # A rank failed on its own while the stop was pending: no step will be agreed, so
                     # the ranks still training get the signal that interrupts them.
                     hard = True
@@ -721,7 +721,7 @@ class LiveRanks:
                     grace_until = now + _INTERRUPT_GRACE_S
                 # A rank in train() answers at the next agreed step end, however long a step takes; a
                 # rank that says so only after the signal (train() just began) still counts.
-                if not hard and self._all_training(targets, still):
+                if not hard and self._all_training(ar, targets, still):
                     grace_until = now + _INTERRUPT_GRACE_S
                     if not said_stopping:
                         said_stopping = True
@@ -733,6 +733,14 @@ class LiveRanks:
                 if deadline is not None and now > deadline:
                     self._end_at_timeout(timeout, still, targets)
                 if now > grace_until:
+                    failed = self._failed_otherwise(ar)
+                    if failed:
+                        self._end(
+                            f"rank(s) {_join(failed)} failed, and rank(s) {_join(still)} neither finished nor answered "
+                            f"an interrupt within {_INTERRUPT_GRACE_S:.0f} s (most likely waiting in a collective for "
+                            "the rank that failed)."
+                        )
+                        raise self._call_error(ar.finished_errors(), ended=True)
                     hint = self._some_ranks_hint(targets)
                     self._end(
                         f"rank(s) {_join(still)} did not answer the interrupt within {_INTERRUPT_GRACE_S:.0f} s "
@@ -750,7 +758,7 @@ class LiveRanks:
                 # else: a further press while the ranks are being interrupted
         raise LiveError(self._ended_text(), ended=True)
 
-    def _all_training(self, targets: list[int], unfinished: list[int]) -> bool:
+    def _all_training(self, ar: _Gathered, targets: list[int], unfinished: list[int]) -> bool:
         """Whether a call on every rank has each unfinished rank inside Trainer.train() now, and no
         rank failed otherwise than by the agreed stop.
         """
@@ -758,14 +766,16 @@ class LiveRanks:
             len(targets) == self.world_size
             and bool(unfinished)
             and all(r in self._training and self._training[r].running for r in unfinished)
-            and not self._failed_otherwise()
+            and not self._failed_otherwise(ar)
         )
 
-    def _failed_otherwise(self) -> bool:
-        """Whether a rank finished this call with an error other than an agreed stop of its training."""
-        return any(
-            done.failed and not (r in self._training and self._training[r].stopped) for r, done in self._done.items()
-        )
+    def _failed_otherwise(self, ar: _Gathered) -> list[int]:
+        """The ranks that finished this call with an error of their own: not an interrupt, nor the agreed
+        stop of their training (both KeyboardInterrupts).
+        """
+        if not any(done.failed for done in self._done.values()):
+            return []
+        return sorted(r for r, error in ar.finished_errors().items() if not error.secondary)
 
     def _interrupted_text(self, targets: list[int], unfinished: list[int]) -> str:
         stops = {self._training[r].step for r in targets if r in self._training and self._training[r].stopped}

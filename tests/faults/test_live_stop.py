@@ -108,6 +108,26 @@ def test_rank_failing_in_train_while_its_peer_runs_python_keeps_the_set(kernel):
     assert after["error"] is None and after["result"] == "2.0", after
 
 
+def test_rank_failing_while_the_stop_is_pending_ends_the_wait_and_is_named(kernel):
+    procs = _live_set_with_trainer(kernel)
+    # Rank 1 fails at the first step end after its interrupt arrived, before it joins the agreement; rank 0
+    # then waits for it in the next step's collective, so no step is ever agreed.
+    cell = (
+        "%%ddp\nfrom transformers import TrainerCallback\nfrom nbkit.live import stopping\n"
+        "class FailOnStop(TrainerCallback):\n"
+        "    def on_step_end(self, args, state, control, **kwargs):\n"
+        "        if nbkit.rank() == 1 and stopping._current is not None and stopping._current.requested:\n"
+        "            raise RuntimeError('rank 1 failed while the stop was pending')\n"
+        "trainer.add_callback(FailOnStop)\ntrainer.train()"
+    )
+    out = kernel.run(cell, interrupt_on="training", timeout=120)
+    says = (
+        "rank(s) 1 failed, and rank(s) 0 neither finished nor answered an interrupt within 2 s",
+        "RuntimeError: rank 1 failed while the stop was pending",
+    )
+    _ended_the_set(out, procs, *says, within_s=2 + MARGIN_S)
+
+
 def test_second_interrupt_while_the_stop_is_pending_interrupts_at_once(kernel):
     procs = _live_set_with_trainer(kernel)
     # Rank 1 never ends step 3 (it sleeps in a callback, where the first signal only records the stop), so
