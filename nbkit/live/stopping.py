@@ -167,22 +167,23 @@ def _train(original):
             # A nested train() (a subclass calling super().train()) is the same run; signal
             # handlers can only be set on the main thread.
             return original(self, *args, **kwargs)
-        run = _current = _Run()
         callback = _stop_callback()()
         self.add_callback(callback)
-        channel.send(Training(_rank(), running=True, step=self.state.global_step))
+        run: _Run | None = None
         failed = True
         try:
+            run = _current = _Run()
+            channel.send(Training(_rank(), running=True, step=self.state.global_step))
             output = original(self, *args, **kwargs)
             failed = False
         finally:
-            run.end(failed=failed)
             _current = None
             self.remove_callback(callback)
-            with contextlib.suppress(OSError):
-                channel.send(
-                    Training(_rank(), running=False, step=self.state.global_step, stopped=run.stopped_at is not None)
-                )
+            if run is not None:
+                run.end(failed=failed)
+                with contextlib.suppress(OSError):
+                    stopped = run.stopped_at is not None
+                    channel.send(Training(_rank(), running=False, step=self.state.global_step, stopped=stopped))
         if run.stopped_at is not None:
             raise TrainingStopped(run.stopped_at)
         return output
