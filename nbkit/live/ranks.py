@@ -709,6 +709,8 @@ class LiveRanks:
             try:
                 self._pump(0.01)
                 if all(r in self._done for r in targets) and ar.ready():
+                    if self._failed_otherwise(ar):  # a rank's own error says more than the interrupt
+                        raise self._call_error(ar.finished_errors(), ended=False)
                     print(self._interrupted_text(targets, unfinished), file=sys.stderr)
                     return
                 now = time.monotonic()
@@ -778,8 +780,8 @@ class LiveRanks:
         return sorted(r for r, error in ar.finished_errors().items() if not error.secondary)
 
     def _interrupted_text(self, targets: list[int], unfinished: list[int]) -> str:
-        stops = {self._training[r].step for r in targets if r in self._training and self._training[r].stopped}
-        if len(stops) == 1:
+        stops = {self._training[r].step if r in self._training and self._training[r].stopped else -1 for r in targets}
+        if len(stops) == 1 and -1 not in stops:
             step = stops.pop()
             return (
                 f"nbkit: interrupted: training stopped at step {step} on every rank; the live set and its names are "
