@@ -92,6 +92,12 @@ GROUPS: dict[str, Group] = {
             "their defaults that break DDP or nbkit's chunked loss",
         ),
         Group(
+            "live",
+            "nbkit.live.stopping",
+            "in every rank of a live set (nbkit.start): an interrupt stops Trainer.train() at a step every rank "
+            "agrees on",
+        ),
+        Group(
             "offline",
             "nbkit.offline",
             "when nbkit.offline builds a Qwen3-VL processor on a machine without torchvision",

@@ -23,7 +23,11 @@
     and every rank stays up with its names. --timeout S ends the set when the cell takes longer.
     --gpus, --env and --spawn belong to starting processes and are refused here (%ddp stop, then
     %ddp start with them); a --rank the set does not have, and a cell that does not parse
-    (CellSyntaxError, its line and Python's reason), fail before anything runs.
+    (CellSyntaxError, its line and Python's reason), fail before anything runs. The stop button
+    during trainer.train() stops training at a step every rank agrees on and keeps the set
+    (nbkit.live.stopping). A --rank cell must not call a collective (trainer.evaluate(),
+    dist.barrier(), all_reduce): the other ranks never join it, and it waits until an interrupt or
+    --timeout ends the set.
 
 %%ddp [--gpus N] [--out NAME] [--timeout S] [--all-ranks] [--env KEY=VALUE ...] [--spawn]
     (no live set) Runs the cell body on N processes (nbkit.launch) and shows rank 0's value of the last

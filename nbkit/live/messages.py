@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from nbkit.errors import RankError
 
-__all__ = ["CallDone", "Display", "EngineInfo", "Lost", "Outcome", "Output", "RankPlan"]
+__all__ = ["CallDone", "Display", "EngineInfo", "Lost", "Outcome", "Output", "RankPlan", "Training"]
 
 
 @dataclass
@@ -88,6 +88,23 @@ class CallDone:
     rank: int
     call: int
     failed: bool
+
+
+@dataclass
+class Training:
+    """A rank entered Trainer.train() (running=True) or left it (nbkit.live.stopping).
+
+    Attributes:
+        rank: the rank.
+        running: whether train() runs now.
+        step: Trainer's global step at that moment.
+        stopped: train() ended because an interrupt asked it to stop, at `step`, the same on every rank.
+    """
+
+    rank: int
+    running: bool
+    step: int
+    stopped: bool = False
 
 
 @dataclass(frozen=True)

@@ -146,6 +146,7 @@ def setup(plan: RankPlan) -> str:
     from nbkit import integration
 
     integration.prepare_rank()
+    integration.install("live")  # an interrupt stops Trainer at a step every rank agrees on (nbkit.live.stopping)
     _namespace = {"__name__": "__main__", "__builtins__": builtins}
     return device
 

@@ -15,6 +15,12 @@ output, the dashboard, and what happens when things go wrong:
   with its names;
 - an interrupt (the notebook's stop button) interrupts the call on every rank; when a rank does not
   respond within 2 s (it waits in a collective, where Python never sees the signal) the set is ended;
+- an interrupt while every rank runs Trainer.train() stops training instead, at an optimizer step
+  that every rank agrees on (nbkit.live.stopping), so that no rank is left in a collective: train()
+  returns, the cell ends, the set and its names stay. A second interrupt while that stop is pending
+  interrupts as above;
+- a call on some ranks only (%%ddp --rank 0) that waits in a collective waits for ranks that never
+  join it: the message of an interrupt or a timeout that finds it so says that this is the likely cause;
 - a rank that dies (killed, segfault, OOM) ends the set within a second, naming the rank and its
   signal or exit code; a call that passes its timeout ends it too (a process group with a rank stuck
   in a collective cannot be trusted);
@@ -48,7 +54,7 @@ from typing import Any
 from nbkit import cells, channel, config, distributed
 from nbkit.errors import LiveError, RankError
 from nbkit.live import rank as rank_side
-from nbkit.live.messages import CallDone, Display, EngineInfo, Lost, Outcome, Output, RankPlan
+from nbkit.live.messages import CallDone, Display, EngineInfo, Lost, Outcome, Output, RankPlan, Training
 from nbkit.live.relay import Relay
 from nbkit.rankoutput import Prefixed
 
@@ -58,6 +64,7 @@ __all__ = ["LiveRanks", "LiveStatus", "RankStatus", "connect", "current", "ended
 # (they may still be finishing on their own), and after an interrupt, before the set is ended.
 _FAILURE_GRACE_S = 1.0
 _INTERRUPT_GRACE_S = 2.0
+_SECOND_SIGNAL_S = 0.3  # after a peer failed: when ranks in Trainer.train() get the signal that interrupts them
 _POLL_S = 0.1  # how often the monitor looks at the engine processes
 # Notebook names never sent to the ranks: IPython's own.
 _NOT_SENT = {"In", "Out", "get_ipython", "exit", "quit", "open"}
@@ -303,6 +310,7 @@ class LiveRanks:
         self._sent: dict[int, dict[str, Any]] = {}
         self._processes: list[subprocess.Popen] = []  # engines nbkit started, from the moment each starts
         self._done: dict[int, CallDone] = {}
+        self._training: dict[int, Training] = {}  # each rank's last Trainer.train() state in this call
         self._shown: set[int] = set()
         self._streams: dict[tuple[int, str], Any] = {}
         self._board: Any = None
@@ -644,6 +652,7 @@ class LiveRanks:
         call = self._call
         shown = {targets[0]} if show is None else show
         self._done, self._shown, self._streams, self._board = {}, shown, {}, None
+        self._training = {}
         ar = self._apply_each(fn, call, args, targets, shown)
         success = False
         try:
@@ -684,6 +693,7 @@ class LiveRanks:
         deadline = time.monotonic() + timeout if timeout else None
         failed_at: float | None = None
         interrupted_at: float | None = None
+        hard_again = False  # ranks in Trainer.train() got the second signal that interrupts them at once
         ready_at: float | None = None
         try:
             while True:
@@ -704,6 +714,12 @@ class LiveRanks:
                 if failed_at is not None and interrupted_at is None and now - failed_at > _FAILURE_GRACE_S:
                     self._interrupt(unfinished)
                     interrupted_at = now
+                if interrupted_at is not None and not hard_again and now - interrupted_at > _SECOND_SIGNAL_S:
+                    # A peer failed, so no step will be agreed: where the first signal became a stop
+                    # request (nbkit.live.stopping), a second one interrupts. Sent apart, since two
+                    # signals that arrive before Python runs the handler count as one.
+                    hard_again = True
+                    self._interrupt([r for r in unfinished if r in self._training and self._training[r].running])
                 if interrupted_at is not None and now - interrupted_at > _INTERRUPT_GRACE_S:
                     failed = sorted(r for r, d in self._done.items() if d.failed)
                     self._end(
@@ -713,42 +729,129 @@ class LiveRanks:
                     )
                     raise self._call_error(ar.finished_errors(), ended=True)
                 if deadline is not None and now > deadline:
-                    self._end(
-                        f"the call did not finish within its timeout ({timeout:g} s); rank(s) {_join(unfinished)} "
-                        "were still running. A rank waiting in a collective (all-reduce, barrier) for a peer that "
-                        "never arrives hangs like this: check that every rank runs the same steps on the same "
-                        "number of batches."
-                    )
-                    raise LiveError(self._ended_text(), ended=True, timed_out=True)
+                    self._end_at_timeout(timeout, unfinished, targets)
         except KeyboardInterrupt:
-            self._on_interrupt(ar, targets)
+            self._on_interrupt(ar, targets, deadline, timeout)
             raise
         return ar.get(targets)
 
-    def _on_interrupt(self, ar: _Gathered, targets: list[int]) -> None:
-        """The notebook was interrupted during a call: interrupt it on every rank, or end the set."""
+    def _end_at_timeout(self, timeout: float | None, unfinished: list[int], targets: list[int]) -> None:
+        """End the set because the call passed its timeout; raises the LiveError that says so."""
+        self._end(
+            f"the call did not finish within its timeout ({timeout:g} s); rank(s) {_join(unfinished)} were still "
+            "running. A rank waiting in a collective (all-reduce, barrier) for a peer that never arrives hangs "
+            "like this: "
+            + (
+                self._some_ranks_hint(targets)
+                or "check that every rank runs the same steps on the same number of batches."
+            )
+        )
+        raise LiveError(self._ended_text(), ended=True, timed_out=True)
+
+    def _some_ranks_hint(self, targets: list[int]) -> str:
+        """For a call on some ranks only: the likely cause of a rank that waits ("" for a call on every rank)."""
+        if len(targets) == self.world_size:
+            return ""
+        return (
+            f"a cell run on rank(s) {_join(targets)} only called a collective (evaluate(), barrier, all_reduce) that "
+            "the other ranks never join: run it on every rank (%%ddp without --rank)."
+        )
+
+    def _on_interrupt(self, ar: _Gathered, targets: list[int], deadline: float | None, timeout: float | None) -> None:
+        """The notebook was interrupted during a call: stop training at an agreed step where every rank
+        runs Trainer.train(), else interrupt the call on every rank; end the set where a rank does not
+        answer (see the module doc). Returns when every rank has finished the call; raises LiveError
+        when the set was ended.
+        """
         unfinished = [r for r in targets if r not in self._done]
         self._interrupt(unfinished)
-        deadline = time.monotonic() + _INTERRUPT_GRACE_S
-        while time.monotonic() < deadline and self._ended is None:
+        hard = False  # a second press during a pending stop: interrupt as for any other code
+        said_stopping = False
+        grace_until = time.monotonic() + _INTERRUPT_GRACE_S
+        while self._ended is None:
             try:
                 self._pump(0.01)
                 if all(r in self._done for r in targets) and ar.ready():
-                    print(
-                        f"nbkit: interrupted the cell on rank(s) {_join(unfinished)}; every rank is alive with "
-                        "its names.",
-                        file=sys.stderr,
-                    )
+                    if self._failed_otherwise(ar):  # a rank's own error says more than the interrupt
+                        raise self._call_error(ar.finished_errors(), ended=False)
+                    print(self._interrupted_text(targets, unfinished), file=sys.stderr)
                     return
+                now = time.monotonic()
+                still = [r for r in targets if r not in self._done]
+                if said_stopping and not hard and self._failed_otherwise(ar):
+                    # A rank failed on its own while the stop was pending: no step will be agreed, so
+                    # the ranks still training get the signal that interrupts them.
+                    hard = True
+                    self._interrupt(still)
+                    grace_until = now + _INTERRUPT_GRACE_S
+                # A rank in train() answers at the next agreed step end, however long a step takes; a
+                # rank that says so only after the signal (train() just began) still counts.
+                if not hard and self._all_training(ar, targets, still):
+                    grace_until = now + _INTERRUPT_GRACE_S
+                    if not said_stopping:
+                        said_stopping = True
+                        print(
+                            "nbkit: stopping training at the next step that every rank agrees on (the model keeps "
+                            "its weights); interrupt again to stop at once, which may end the live set.",
+                            file=sys.stderr,
+                        )
+                if deadline is not None and now > deadline:
+                    self._end_at_timeout(timeout, still, targets)
+                if now > grace_until:
+                    failed = self._failed_otherwise(ar)
+                    if failed:
+                        self._end(
+                            f"rank(s) {_join(failed)} failed, and rank(s) {_join(still)} neither finished nor answered "
+                            f"an interrupt within {_INTERRUPT_GRACE_S:.0f} s (most likely waiting in a collective for "
+                            "the rank that failed)."
+                        )
+                        raise self._call_error(ar.finished_errors(), ended=True)
+                    hint = self._some_ranks_hint(targets)
+                    self._end(
+                        f"rank(s) {_join(still)} did not answer the interrupt within {_INTERRUPT_GRACE_S:.0f} s "
+                        + (
+                            f"(waiting in a collective, where Python never sees the signal): {hint}"
+                            if hint
+                            else "(most likely waiting in a collective, where Python never sees the signal)."
+                        )
+                    )
             except KeyboardInterrupt:
-                continue  # a second press while the ranks are being interrupted
-        if self._ended is None:
-            still = [r for r in targets if r not in self._done]
-            self._end(
-                f"rank(s) {_join(still)} did not answer the interrupt within {_INTERRUPT_GRACE_S:.0f} s "
-                "(most likely waiting in a collective, where Python never sees the signal)."
-            )
+                if said_stopping and not hard:  # the stop is pending: the second press interrupts at once
+                    hard = True
+                    self._interrupt([r for r in targets if r not in self._done])
+                    grace_until = time.monotonic() + _INTERRUPT_GRACE_S
+                # else: a further press while the ranks are being interrupted
         raise LiveError(self._ended_text(), ended=True)
+
+    def _all_training(self, ar: _Gathered, targets: list[int], unfinished: list[int]) -> bool:
+        """Whether a call on every rank has each unfinished rank inside Trainer.train() now, and no
+        rank failed otherwise than by the agreed stop.
+        """
+        return (
+            len(targets) == self.world_size
+            and bool(unfinished)
+            and all(r in self._training and self._training[r].running for r in unfinished)
+            and not self._failed_otherwise(ar)
+        )
+
+    def _failed_otherwise(self, ar: _Gathered) -> list[int]:
+        """The ranks that finished this call with an error of their own: not an interrupt, nor the agreed
+        stop of their training (both KeyboardInterrupts).
+        """
+        if not any(done.failed for done in self._done.values()):
+            return []
+        return sorted(r for r, error in ar.finished_errors().items() if not error.secondary)
+
+    def _interrupted_text(self, targets: list[int], unfinished: list[int]) -> str:
+        stops = {self._training[r].step if r in self._training and self._training[r].stopped else -1 for r in targets}
+        if len(stops) == 1 and -1 not in stops:
+            step = stops.pop()
+            return (
+                f"nbkit: interrupted: training stopped at step {step} on every rank; the live set and its names are "
+                f"kept, and the model has the weights of step {step}. trainer.train(resume_from_checkpoint=True) "
+                "goes on from the last saved checkpoint."
+            )
+        return f"nbkit: interrupted the cell on rank(s) {_join(unfinished)}; every rank is alive with its names."
 
     def _interrupt(self, ranks: list[int]) -> None:
         if self._owned:
@@ -825,6 +928,8 @@ class LiveRanks:
         elif isinstance(body, CallDone):
             if body.call == self._call:
                 self._done[body.rank] = body
+        elif isinstance(body, Training):
+            self._training[body.rank] = body
         elif isinstance(body, channel.Report):
             if self._board is None:
                 from nbkit.dashboard import Dashboard
