@@ -354,9 +354,9 @@ def main(argv: list[str] | None = None) -> int:
 
     import nbkit
 
+    # On the CPU nbkit.launch sets ACCELERATE_USE_CPU in the ranks (their Trainer: gloo DDP); this
+    # process keeps its environment (the CPU test runs main() inside pytest).
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cpu":
-        os.environ["ACCELERATE_USE_CPU"] = "true"  # the ranks' Trainer: gloo on the CPU
     model = a.model or ("random:qwen3-vl-2b" if device == "cuda" else "tiny:qwen3-vl")
     shape = trainer_bench._shape(a.shape or ("1024x4" if device == "cuda" else "128x4"))
     launch = trainer_bench.Launch(
