@@ -10,6 +10,7 @@ waits in a collective is named as the likely cause.
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 from test_live import MARGIN_S, Kernel, _all_gone, _ended_the_set
@@ -18,6 +19,8 @@ pytestmark = pytest.mark.slow
 
 # A Trainer that would run for minutes, and a callback whose line tells the test that training runs.
 _TRAINER = """%%ddp
+import sys
+sys.path.insert(0, repo)  # the ranks import the tests' shared set-up from the checkout
 import tests.tiny_training as tiny
 from transformers import TrainerCallback
 
@@ -37,7 +40,8 @@ model = trainer.model
 def kernel(kernel_name, tmp_path_factory, tiny_text_path):
     k = Kernel(kernel_name, str(tmp_path_factory.mktemp("live-stop")))
     out = tmp_path_factory.mktemp("live-stop-out")
-    setup = k.run(f"%load_ext nbkit\nimport nbkit, time\npath, out = {tiny_text_path!r}, {str(out)!r}")
+    repo = str(Path(__file__).resolve().parents[2])
+    setup = k.run(f"%load_ext nbkit\nimport nbkit, time\npath, out, repo = {tiny_text_path!r}, {str(out)!r}, {repo!r}")
     assert setup["error"] is None, setup
     yield k
     k.close()
