@@ -131,11 +131,17 @@ def install(*groups: str) -> list[str]:
     return [target for name in names if _declare(GROUPS[name]) for target in patching.apply(name)]
 
 
-def prepare_rank() -> None:
+def prepare_rank(*, owns_exit: bool = True) -> None:
     """What every rank nbkit starts applies before the user's code runs ("every rank nbkit starts"
     in GROUPS: forked and spawned ranks of nbkit.launch and one-shot %%ddp, live ranks, and ranks of
     an outside launcher running an exported script): the default groups, the dashboard's reporting,
-    complete-checkpoint markers, the fixes for older transformers/trl, and teardown.
+    complete-checkpoint markers, the fixes for older transformers/trl, and, where nbkit ends the
+    process itself (`owns_exit`, with os._exit), teardown.
+
+    teardown keeps destroyed process groups until the process ends; a rank of an outside launcher
+    (torchrun) ends through the interpreter's own shutdown, which then destroys them late: an
+    exported script under torchrun ended once with "terminate called without an active exception"
+    (SIGABRT, CI, oldest set), so that rank does not get it.
 
     Idempotent; imports none of the patched libraries. Call it only in a training process.
     """
@@ -145,7 +151,8 @@ def prepare_rank() -> None:
     reporting.setup_rank()
     checkpoints.enable()
     compat.enable()
-    teardown.enable()
+    if owns_exit:
+        teardown.enable()
 
 
 def uninstall(group: str | None = None) -> None:

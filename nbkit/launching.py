@@ -981,10 +981,11 @@ class _Child:
 
 def _prepare_rank(*, quiet: bool, rank: int, descriptors: bool) -> rankoutput.RankOutput | None:
     """Per-rank set-up shared by forked ranks and ranks of an outside launcher (`descriptors`
-    False: that launcher owns them); returns the rank's routed output, if it has one to drain.
+    False: that launcher owns them, and the process's exit); returns the rank's routed output, if it
+    has one to drain.
     """
     output = rankoutput.route_launched(rank, quiet, sys.stdout, sys.stderr, descriptors=descriptors)
-    integration.prepare_rank()
+    integration.prepare_rank(owns_exit=descriptors)
     return output
 
 

@@ -17,8 +17,9 @@ model is freed at `return`, before nbkit can send rank 0's value, so no supervis
 function can rescue the value.
 
 nbkit therefore keeps every process group that `destroy_process_group` removes referenced from
-Python until the rank ends (the "teardown" patch group, applied in every rank nbkit.launch starts,
-every live rank, and ranks of an outside launcher that call nbkit.launch). The group is still shut
+Python until the rank ends (the "teardown" patch group, applied in every rank nbkit.launch starts
+and every live rank; not in ranks of an outside launcher, which end through the interpreter's
+shutdown: see nbkit.integration.prepare_rank). The group is still shut
 down and unregistered as before (a new init_process_group works); only its C++ object is never
 destroyed by a reducer. A rank of nbkit.launch ends with os._exit (multiprocessing's fork
 start), which runs no C++ destructor, so what is kept costs nothing there; a live rank started by
