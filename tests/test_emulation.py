@@ -110,3 +110,30 @@ def test_emulate_in_the_notebook_reaches_every_rank():
     nbkit.emulate("T4")
     r = nbkit.launch(_in_rank, gpus=2)
     assert r["env"] == "T4" and r["patched"] == ["torch.cuda:is_bf16_supported"] and not r["flash"]
+
+
+def _t4_on_a_gpu() -> dict[str, Any]:
+    fits = torch.empty(14 * 2**30, dtype=torch.uint8, device="cuda")  # a T4 has 15 GiB
+    del fits
+    try:
+        torch.empty(16 * 2**30, dtype=torch.uint8, device="cuda")
+        refused = False
+    except torch.cuda.OutOfMemoryError:
+        refused = True
+    return {
+        **_flags(),
+        "precision": nbkit.precision(),
+        "refused_16_gib": refused,
+        "total_gib": torch.cuda.get_device_properties(0).total_memory / 2**30,
+    }
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_larger_gpu_a_rank_gets_15_gib_fp16_and_no_bf16():
+    nbkit.emulate("T4")
+    r = nbkit.launch(_t4_on_a_gpu, gpus=1)
+    assert r["total_gib"] > 16 or pytest.skip("the GPU is not larger than a T4")
+    assert r["refused_16_gib"] and r["precision"] == "fp16" and r["bf16"] is False
+    assert not (r["flash"] or r["tf32"])
+    assert not torch.cuda.is_initialized()  # the notebook process stays without a CUDA context
