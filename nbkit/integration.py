@@ -104,6 +104,12 @@ GROUPS: dict[str, Group] = {
             "even under fp16, which the fp16 GradScaler cannot unscale",
         ),
         Group(
+            "attention",
+            "nbkit.attention",
+            "in every rank nbkit starts: grouped-query attention where flash attention cannot run (T4) uses the "
+            "memory-efficient kernel instead of seq x seq math attention",
+        ),
+        Group(
             "emulate",
             "nbkit.emulation",
             "by `nbkit.emulate(profile)`, and in every rank nbkit starts while NBKIT_EMULATE names a profile "
@@ -148,8 +154,8 @@ def prepare_rank(*, owns_exit: bool = True) -> None:
     in GROUPS: forked and spawned ranks of nbkit.launch and one-shot %%ddp, live ranks, and ranks of
     an outside launcher running an exported script): the GPU profile NBKIT_EMULATE names (nbkit.emulate),
     the default groups, the dashboard's reporting, complete-checkpoint markers, the fixes for older
-    transformers/trl, fp16-ready dtypes under TRL's SFTTrainer, and, where nbkit ends the process
-    itself (`owns_exit`, with os._exit), teardown.
+    transformers/trl, fp16-ready dtypes under TRL's SFTTrainer, grouped-query attention without flash
+    attention, and, where nbkit ends the process itself (`owns_exit`, with os._exit), teardown.
 
     teardown keeps destroyed process groups until the process ends; a rank of an outside launcher
     (torchrun) ends through the interpreter's own shutdown, which then destroys them late: an
@@ -164,7 +170,7 @@ def prepare_rank(*, owns_exit: bool = True) -> None:
     from nbkit import checkpoints, compat, emulation, reporting, teardown
 
     emulation.apply_from_env()  # first: a library imported later must see the profile (bf16, memory)
-    install(*DEFAULT_GROUPS, "mixed_precision")
+    install(*DEFAULT_GROUPS, "mixed_precision", "attention")
     reporting.setup_rank()
     checkpoints.enable()
     compat.enable()
