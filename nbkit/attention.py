@@ -14,6 +14,7 @@ defined as that repetition.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -46,6 +47,8 @@ def flash_attention_can_run(query: torch.Tensor) -> bool:
     group="attention",
 )
 def _gqa_without_flash(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    # torch's docstring stays: unsloth reads it ("enable_gqa" in its text) to decide how to call the function
+    @functools.wraps(original)
     def scaled_dot_product_attention(
         query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any, **kwargs: Any
     ) -> torch.Tensor:
