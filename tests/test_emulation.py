@@ -112,6 +112,16 @@ def test_emulate_in_the_notebook_reaches_every_rank():
     assert r["env"] == "T4" and r["patched"] == ["torch.cuda:is_bf16_supported"] and not r["flash"]
 
 
+def _one() -> int:
+    return 1
+
+
+def test_a_launch_under_an_unknown_profile_fails_naming_the_known_ones(monkeypatch):
+    monkeypatch.setenv("NBKIT_EMULATE", "K80")  # e.g. a typo in %ddp start --emulate
+    with pytest.raises(nbkit.LaunchError, match=r"EmulationError: nbkit has no GPU profile 'K80'.*profiles are T4"):
+        nbkit.launch(_one, gpus=2)
+
+
 def _t4_on_a_gpu() -> dict[str, Any]:
     fits = torch.empty(14 * 2**30, dtype=torch.uint8, device="cuda")  # a T4 has 15 GiB
     del fits
