@@ -4,7 +4,8 @@
 #   bash benchmarks/gpu_suite.sh env model planner    # versions, build random:qwen3-vl-2b, planner accuracy
 #   bash benchmarks/gpu_suite.sh tests                # gpu-marked tests
 #   bash benchmarks/gpu_suite.sh matrix               # the 1K/16K launcher/backend matrix (issue 7)
-#   bash benchmarks/gpu_suite.sh savers t4            # memory savers 8K-64K (issue 4), T4 stand-in
+#   bash benchmarks/gpu_suite.sh savers               # memory savers 8K-64K (issue 4)
+#   bash benchmarks/gpu_suite.sh t4                   # T4 profile, one GPU: longest sequence per path, notebooks
 #   bash benchmarks/gpu_suite.sh scaling              # unsloth 1 -> 2 GPUs: checkpointing paths x DDP knobs, profiled
 #   bash benchmarks/gpu_suite.sh launchers            # the same function via nbkit.launch, notebook_launcher, accelerate
 #   bash benchmarks/gpu_suite.sh scaling4             # unsloth on 1 and 4 GPUs (needs 4)
@@ -17,7 +18,6 @@
 #   bash benchmarks/gpu_suite.sh trainer              # SFTTrainer, 1 -> 2 GPUs, three launchers, unsloth / transformers / Liger (issue 16)
 #   bash benchmarks/gpu_suite.sh trainer_repeats      # SFTTrainer, unsloth 1 -> 2 GPUs at 1K x 4 and 16K x 1, repeated (median of 3 where time allows)
 #   bash benchmarks/gpu_suite.sh trainer1             # SFTTrainer on 1 GPU: unsloth vs transformers+savers vs +Liger
-#   bash benchmarks/gpu_suite.sh t4trainer t4trainer4 # T4 stand-in: longest sequence, unsloth / transformers, 16-bit / 4-bit
 #   bash benchmarks/gpu_suite.sh hostcost             # 1K x 4 on 2 GPUs: syncs and collectives per Trainer step, SFTTrainer vs Trainer timed (issue 16)
 #   bash benchmarks/gpu_suite.sh trainermem           # unsloth at 16K: peak memory by hand vs under SFTTrainer, largest allocations (issue 16)
 #
@@ -71,8 +71,23 @@ for what in "$@"; do
       part savers 330 python3 benchmarks/savers.py --seq-lens 8k,16k,32k,64k --time-budget 300 \
         --out "$OUT/savers.json" --md "$OUT/savers.md" ;;
     t4)
-      part t4 240 python3 benchmarks/bench.py --t4 --configs nbkit:2 --time-limit 200 \
-        --out "$OUT/t4.json" --md "$OUT/t4.md" ;;
+      # The T4 profile (nbkit.emulate("T4"): 15 GiB per process, fp16, no bf16 / flash SDPA / TF32) on one GPU.
+      # 1. The longest sequence (batch 1, one image per sample, SFTTrainer, Qwen3-VL-2B shapes) each shipped path
+      #    trains, and its tokens/s: unsloth (nbkit's chunked loss in place of unsloth's, which keeps full fp32
+      #    logits under SFTTrainer), transformers+peft+nbkit.savers, the same with Liger's kernels; 16-bit and
+      #    4-bit weights. 64K first (the target), then longer, or bisected down to where it trains.
+      # 2. The notebooks, one GPU, under NBKIT_EMULATE=T4 (inherited by the kernel and its ranks), short runs.
+      # Sequentially ~30 min on an H100: give each step its own call with T4_CONFIGS / T4_QUANTS / T4_NOTEBOOKS.
+      for quant in ${T4_QUANTS:-16bit 4bit}; do
+        part "t4_$quant" "${T4_LIMIT:-560}" python3 benchmarks/trainer_bench.py --longest --emulate T4 \
+          --configs "${T4_CONFIGS:-unsloth:1,transformers:1,liger:1}" --quant "$quant" --unsloth-loss nbkit \
+          --shapes "${T4_SHAPES:-64k,96k,128k}" --steps 1 --warmup 1 --time-limit "$(( ${T4_LIMIT:-560} - 120 ))" \
+          --launch-timeout 400 --out "$OUT/t4_$quant.json" --md "$OUT/t4_$quant.md"
+      done
+      for nb in ${T4_NOTEBOOKS:-qwen3_vl_2xT4 qwen3_vl_2xT4_oneshot text_llm_ddp}; do
+        NBKIT_EMULATE=T4 part "t4_nb_$nb" 420 python3 notebooks/run.py "$nb" --out "$OUT/t4_notebooks" \
+          -p gpus=1 -p gpu_memory_cap_gib=15 -p max_steps=10 -p num_samples=80
+      done ;;
     scaling)
       # unsloth on one GPU (notebook_launcher runs one process in place: unsloth's single-GPU
       # path) and on 2 under nbkit.launch: with nbkit's default (unsloth's single-GPU checkpointing
@@ -145,15 +160,6 @@ for what in "$@"; do
       part trainer1 420 python3 benchmarks/trainer_bench.py --configs unsloth:1@notebook,liger:1@notebook,transformers:1@notebook \
         --shapes 1024x4,16384x1 --steps 10 --warmup 2 --time-limit 300 --launch-timeout 180 \
         --out "$OUT/trainer1.json" --md "$OUT/trainer1.md" ;;
-    t4trainer|t4trainer4)
-      # T4 stand-in: fp16, 15 GiB per process, batch 1, one process (what fits per GPU; DDP adds ~0.1 GiB
-      # of gradient buckets for LoRA r=16): the longest sequence that trains for unsloth and
-      # transformers+peft+nbkit.savers; t4trainer with 16-bit weights, t4trainer4 with 4-bit (QLoRA).
-      quant=16bit; [ "$what" = t4trainer4 ] && quant=4bit
-      part "$what" 560 python3 benchmarks/trainer_bench.py --longest --configs unsloth:1,transformers:1 \
-        --quant $quant --precision fp16 --memory-cap-gib 15 --shapes 16k,32k,48k,64k,96k,128k \
-        --steps 1 --warmup 1 --time-limit 380 --launch-timeout 270 \
-        --out "$OUT/$what.json" --md "$OUT/$what.md" ;;
     hostcost)
       # What a Trainer step at 1K x 4 on 2 GPUs spends outside GPU work (issue 16; CPU counts in RESULTS.md).
       # host_cost.py: per optimizer step, collectives, host reads of tensor values and CUDA syncs, each with

@@ -90,6 +90,9 @@ class Launch:
     memory_cap_gib: float | None = None
     longest: bool = False
     launched_at: float = 0.0  # time.time() when the launcher was called (script launchers: the command)
+    emulate: str | None = None  # a GPU profile (nbkit.emulate) every rank applies, e.g. "T4"
+    # unsloth's loss: "unsloth" (its own fused loss) or "nbkit" (nbkit's chunked loss takes over)
+    unsloth_loss: str = "unsloth"
     trainer_options: dict[str, Any] = field(default_factory=dict)  # TrainingArguments / SFTConfig overrides
 
     @property
@@ -128,7 +131,12 @@ def build_model(launch: Launch, device: torch.device) -> torch.nn.Module:
             launch.model_path, dtype=dtype, load_in_4bit=four_bit, max_seq_length=max_len, device_map=str(device)
         )
         extra: dict[str, Any] = {"finetune_vision_layers": False} if vision else {"target_modules": TEXT_LORA}
-        return loader.get_peft_model(model, r=16, lora_alpha=16, random_state=0, **extra)
+        model = loader.get_peft_model(model, r=16, lora_alpha=16, random_state=0, **extra)
+        if launch.unsloth_loss == "nbkit":  # unsloth's own checkpointing and MLP stay; only the loss changes
+            import nbkit
+
+            nbkit.savers.apply(model, checkpointing=None, tiled_mlp=False)
+        return model
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, BitsAndBytesConfig
 
@@ -327,6 +335,10 @@ def run(launch: Launch) -> None:
     if not cuda:
         torch.set_num_threads(1)  # forked CPU ranks: see landscape.md (fork after torch's thread pool started)
     device = torch.device("cuda", local) if cuda else torch.device("cpu")
+    if launch.emulate:  # nbkit.launch's ranks already did (prepare_rank); the other launchers' did not
+        from nbkit import emulation
+
+        emulation.apply_from_env()
     if cuda:
         torch.cuda.set_device(device)
         if launch.memory_cap_gib:
@@ -381,6 +393,8 @@ def _row(launch: Launch, row: dict, ranks: list[dict], load_s: float, first: boo
         "trainer_options": launch.trainer_options,
         "image": launch.image,
         "memory_cap_gib": launch.memory_cap_gib,
+        "emulate": launch.emulate,
+        "unsloth_loss": launch.unsloth_loss,
         "repeat": launch.repeat,
         "seq_len": row["seq_len"],
         "batch": row["batch"],
@@ -438,7 +452,9 @@ def _command(launch: Launch, path: Path) -> list[str]:
 
 def run_launch(launch: Launch, workdir: Path, timeout: float) -> list[dict]:
     """Run one launch in a fresh process group; one row per shape, failures and timeouts included."""
-    slug = f"{launch.config}-{launch.precision}-{launch.quant}-r{launch.repeat}".replace(":", "-").replace("@", "-")
+    slug = f"{launch.config}-{launch.precision}-{launch.quant}-{launch.unsloth_loss}-r{launch.repeat}".replace(
+        ":", "-"
+    ).replace("@", "-")
     path = workdir / f"{slug}.json"
     launch.results_path = str(workdir / f"{slug}.jsonl")
     launch.launched_at = time.time()
@@ -484,6 +500,8 @@ def _identity(launch: Launch) -> dict:
         "trainer_options",
         "image",
         "memory_cap_gib",
+        "emulate",
+        "unsloth_loss",
         "repeat",
     )
     return {"config": launch.config, **{k: getattr(launch, k) for k in keys}}
@@ -621,6 +639,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--memory-cap-gib", type=float, default=None)
+    p.add_argument(
+        "--emulate",
+        default=None,
+        help="a GPU profile every rank applies (nbkit.emulate), e.g. T4: its memory cap and precision "
+        "(fp16 unless --precision says otherwise)",
+    )
+    p.add_argument(
+        "--unsloth-loss",
+        choices=("unsloth", "nbkit"),
+        default="unsloth",
+        help="unsloth's loss: its own fused loss, or nbkit's chunked loss (nbkit.savers.apply(model, "
+        "checkpointing=None, tiled_mlp=False))",
+    )
     p.add_argument("--longest", action="store_true", help="search the longest sequence that trains (batch 1)")
     p.add_argument("--launch-timeout", type=float, default=400)
     p.add_argument("--time-limit", type=float, default=None, help="start no launch after this many seconds")
@@ -646,7 +677,8 @@ def main(argv: list[str] | None = None) -> int:
     shapes = [_shape(s) for s in a.shapes.split(",") if s]
     if a.longest:
         shapes = sorted((s, 1) for s, _ in shapes)
-    precision = a.precision or ("bf16" if a.device == "cuda" else "fp32")
+    profile = nbkit.emulate(a.emulate) if a.emulate else None  # NBKIT_EMULATE: every launched process inherits it
+    precision = a.precision or (profile.precision if profile else "bf16" if a.device == "cuda" else "fp32")
     quants = [q for q in a.quant.split(",") if q]
     if any(q not in QUANTS for q in quants):
         p.error(f"--quant takes {QUANTS}")
@@ -680,6 +712,8 @@ def main(argv: list[str] | None = None) -> int:
                     a.memory_cap_gib,
                     a.longest,
                     trainer_options=trainer_options,
+                    emulate=profile.name if profile else None,
+                    unsloth_loss=a.unsloth_loss,
                 )
                 skip = None
                 if a.time_limit is not None and time.monotonic() - started > a.time_limit:

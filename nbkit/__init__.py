@@ -39,6 +39,7 @@ _EXPORTS: dict[str, str] = {
     "BringAlongError": "nbkit.errors",
     "CellSyntaxError": "nbkit.errors",
     "ExportError": "nbkit.errors",
+    "EmulationError": "nbkit.errors",
     "CheckpointError": "nbkit.errors",
     # where this process stands
     "rank": "nbkit.distributed",
@@ -49,6 +50,8 @@ _EXPORTS: dict[str, str] = {
     "device": "nbkit.distributed",
     "precision": "nbkit.distributed",
     "visible_gpus": "nbkit.distributed",
+    # a smaller GPU's limits on a larger one (nbkit.emulate("T4"))
+    "emulate": "nbkit.emulation",
     # settings and patches
     "configure": "nbkit.config",
     "install": "nbkit.integration",

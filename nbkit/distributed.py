@@ -163,12 +163,21 @@ def precision() -> str:
 
     "bf16" only where the GPU has native bf16 (compute capability >= 8.0); "fp16" on older GPUs such
     as Kaggle's T4 (where torch.cuda.is_bf16_supported() says True because it counts emulation);
-    "fp32" on CPU. Safe to call in the notebook process before launching: it does not create a
-    CUDA context there.
+    "fp32" on CPU. Under a GPU profile (nbkit.emulate("T4"), NBKIT_EMULATE) the profile's precision
+    wherever a GPU is visible. Safe to call in the notebook process before launching: it does not
+    create a CUDA context there.
+
+    Raises:
+        nbkit.errors.EmulationError: NBKIT_EMULATE names no profile.
     """
+    from nbkit import emulation
+
     gpus = visible_gpus()
     if not gpus:
         return "fp32"
+    profile = emulation.active()
+    if profile is not None:
+        return profile.precision
     gpu = gpus[min(local_rank(), len(gpus) - 1)]
     if gpu.capability == (0, 0):  # details unknown: only a live context can tell
         import torch

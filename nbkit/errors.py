@@ -21,6 +21,7 @@ __all__ = [
     "CellSyntaxError",
     "CheckpointError",
     "DeviceMapError",
+    "EmulationError",
     "ExportError",
     "KernelsError",
     "LaunchError",
@@ -143,6 +144,12 @@ class BringAlongError(NbkitError, ValueError):
             "mode shares every name)."
         )
         self.name = name
+
+
+class EmulationError(NbkitError, ValueError):
+    """A GPU profile to emulate (`nbkit.emulate(name)`, NBKIT_EMULATE) that nbkit does not have; the
+    message names the profiles it has.
+    """
 
 
 class ExportError(NbkitError, ValueError):

@@ -98,6 +98,24 @@ GROUPS: dict[str, Group] = {
             "agrees on",
         ),
         Group(
+            "mixed_precision",
+            "nbkit.mixed_precision",
+            "in every rank nbkit starts: TRL's SFTTrainer leaves a quantised model's trainable weights in bf16 "
+            "even under fp16, which the fp16 GradScaler cannot unscale",
+        ),
+        Group(
+            "attention",
+            "nbkit.attention",
+            "in every rank nbkit starts: grouped-query attention where flash attention cannot run (T4) uses the "
+            "memory-efficient kernel instead of seq x seq math attention",
+        ),
+        Group(
+            "emulate",
+            "nbkit.emulation",
+            "by `nbkit.emulate(profile)`, and in every rank nbkit starts while NBKIT_EMULATE names a profile "
+            "without bf16 (a T4)",
+        ),
+        Group(
             "offline",
             "nbkit.offline",
             "when nbkit.offline builds a Qwen3-VL processor on a machine without torchvision",
@@ -134,9 +152,10 @@ def install(*groups: str) -> list[str]:
 def prepare_rank(*, owns_exit: bool = True) -> None:
     """What every rank nbkit starts applies before the user's code runs ("every rank nbkit starts"
     in GROUPS: forked and spawned ranks of nbkit.launch and one-shot %%ddp, live ranks, and ranks of
-    an outside launcher running an exported script): the default groups, the dashboard's reporting,
-    complete-checkpoint markers, the fixes for older transformers/trl, and, where nbkit ends the
-    process itself (`owns_exit`, with os._exit), teardown.
+    an outside launcher running an exported script): the GPU profile NBKIT_EMULATE names (nbkit.emulate),
+    the default groups, the dashboard's reporting, complete-checkpoint markers, the fixes for older
+    transformers/trl, fp16-ready dtypes under TRL's SFTTrainer, grouped-query attention without flash
+    attention, and, where nbkit ends the process itself (`owns_exit`, with os._exit), teardown.
 
     teardown keeps destroyed process groups until the process ends; a rank of an outside launcher
     (torchrun) ends through the interpreter's own shutdown, which then destroys them late: an
@@ -144,10 +163,14 @@ def prepare_rank(*, owns_exit: bool = True) -> None:
     (SIGABRT, CI, oldest set), so that rank does not get it.
 
     Idempotent; imports none of the patched libraries. Call it only in a training process.
-    """
-    from nbkit import checkpoints, compat, reporting, teardown
 
-    install()
+    Raises:
+        nbkit.errors.EmulationError: NBKIT_EMULATE names no profile.
+    """
+    from nbkit import checkpoints, compat, emulation, reporting, teardown
+
+    emulation.apply_from_env()  # first: a library imported later must see the profile (bf16, memory)
+    install(*DEFAULT_GROUPS, "mixed_precision", "attention")
     reporting.setup_rank()
     checkpoints.enable()
     compat.enable()

@@ -49,7 +49,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from nbkit import distributed
+from nbkit import distributed, emulation
 from nbkit.offline import load_config
 
 __all__ = ["LORA_TARGET_MODULES", "STRATEGIES", "BatchSettings", "Plan", "plan"]
@@ -357,7 +357,8 @@ def plan(
 
     Takes a model name (hub id, local path, "tiny:"/"random:" name) or a PretrainedConfig; the
     config only is read and the model is built on the meta device. gpus / gpu_memory_gib default to
-    this machine's visible GPUs (the smallest one's memory); give both to plan for another machine
+    this machine's visible GPUs (the smallest one's memory), or under a GPU profile (nbkit.emulate("T4"))
+    the emulated GPU's memory and model; give both to plan for another machine
     (e.g. gpus=2, gpu_memory_gib=15 for Kaggle's 2x T4). seq_len x batch_size are the tokens per GPU
     per step. gpu names the GPU model ("T4", "L4", "A100", "H100", "H200") for the batch
     recommendation; by default, the name of this machine's first visible GPU where at least `gpus`
@@ -395,6 +396,9 @@ def _machine(gpus: int | None, gpu_memory_gib: float | None) -> tuple[int, float
         or gpu_memory_gib <= 0
     ):
         raise ValueError(f"gpu_memory_gib must be a finite number of GiB above 0, not {gpu_memory_gib!r}.")
+    profile = emulation.active()
+    if gpu_memory_gib is None and profile is not None:  # nbkit.emulate("T4"): plan for the emulated GPU
+        gpu_memory_gib = profile.memory_gib
     if gpus is not None and gpu_memory_gib is not None:
         return gpus, float(gpu_memory_gib)
     visible = distributed.visible_gpus()
@@ -747,7 +751,12 @@ def _shorter(seq_len: int) -> list[int]:
 
 
 def _local_gpu_name(planned: Plan) -> str | None:
-    """This machine's GPU model when the plan is for this machine (its GPUs are visible), else None."""
+    """This machine's GPU model when the plan is for this machine (its GPUs are visible), else None;
+    under a GPU profile (nbkit.emulate), the emulated GPU.
+    """
+    profile = emulation.active()
+    if profile is not None:
+        return profile.gpu
     visible = distributed.visible_gpus()
     if not visible or len(visible) < planned.gpus:
         return None

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+from gpu_marks import two_gpus
 from test_planner import llama_70b
 
 import nbkit
@@ -147,6 +148,7 @@ def _load_huge(config_dir: str) -> list[str] | None:
 
 
 @pytest.mark.gpu
+@two_gpus
 def test_ddp_load_of_a_model_no_gpu_holds_fails_before_loading(tmp_path):
     """On 2 GPUs: a 70B config (no weights on disk at all) is refused by the fit check, not by a missing file."""
     llama_70b().save_pretrained(tmp_path)
@@ -166,5 +168,6 @@ def _load_tiny_auto(tiny_path: str) -> list[str]:
 
 
 @pytest.mark.gpu
+@two_gpus
 def test_on_two_gpus_auto_puts_each_rank_on_its_own_gpu(tiny_text_path):
     assert nbkit.launch(_load_tiny_auto, tiny_text_path, gpus=2) == ["cuda:0", "cuda:1"]
