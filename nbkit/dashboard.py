@@ -35,7 +35,6 @@ import contextlib
 import html
 import io
 import logging
-import os
 import sys
 import threading
 import time
@@ -43,6 +42,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeGuard
 
+from nbkit import platform
 from nbkit.config import setting
 from nbkit.shell import current as _shell
 
@@ -87,12 +87,6 @@ _SHOWN_KEYS = frozenset(
         "time",
     }
 )
-
-# Programs that execute notebooks without a person watching: their kernels have no live frontend.
-_HEADLESS_RUNNERS = ("papermill", "nbclient", "nbconvert", "jupyter-execute", "nbmake", "pytest", "testbook")
-
-# Command-line marks of a Jupyter server process (jupyter lab / notebook / server, as exec'd).
-_JUPYTER_SERVERS = ("jupyter-lab", "jupyter-notebook", "jupyter-server", "jupyter lab", "jupyter notebook")
 
 _latest: Dashboard | None = None
 _relay: Any = None
@@ -187,27 +181,12 @@ def display_mode() -> str:
 
 
 def notebook_frontend() -> bool:
-    """Whether this process is a Jupyter kernel whose output a person watches live in a notebook.
-
-    Papermill, nbclient, nbconvert and nbmake run kernels with nobody watching (a live panel would
-    only leave the log silent). A person is taken to be watching only on positive evidence: Colab;
-    a Kaggle interactive session (KAGGLE_KERNEL_RUN_TYPE=Interactive, not Batch, which is "Save &
-    Run All"); a kernel started by a Jupyter server for a notebook (JPY_SESSION_NAME, set by
-    jupyter_server 2+); or a request that names its cell (JupyterLab, Notebook 7 and VS Code send a
-    cellId with every execution; nbclient sends none). Kernels under known headless runners (seen
-    in the parent processes' command lines) never count.
+    """Whether this process is a Jupyter kernel whose output a person watches live in a notebook
+    (`nbkit.platform.current().watched`: Kaggle's interactive sessions, Colab, VS Code, JupyterLab
+    and Notebook; never a kernel under papermill, nbclient, nbconvert or nbmake, where a live panel
+    would only leave the log silent).
     """
-    shell = _shell()
-    if shell is None or not hasattr(shell, "kernel"):
-        return False
-    run_type = os.environ.get("KAGGLE_KERNEL_RUN_TYPE")
-    if run_type is not None:
-        return run_type.lower() != "batch"
-    if os.environ.get("COLAB_RELEASE_TAG"):
-        return True
-    if any(runner in cmdline for cmdline in _ancestor_cmdlines() for runner in _HEADLESS_RUNNERS):
-        return False
-    return bool(os.environ.get("JPY_SESSION_NAME")) or _request_names_cell(shell)
+    return platform.current().watched
 
 
 def widget_frontend() -> bool:
@@ -219,36 +198,6 @@ def widget_frontend() -> bool:
     except ImportError:
         return False
     return True
-
-
-def _request_names_cell(shell: Any) -> bool:
-    try:
-        request = shell.kernel.get_parent()
-    except Exception:  # older ipykernel signatures: no evidence
-        return False
-    return isinstance(request, dict) and "cellId" in (request.get("metadata") or {})
-
-
-def _ancestor_cmdlines(depth: int = 4) -> list[str]:
-    """Command lines of this process's parents, up to the first Jupyter server (Linux /proc; []
-    where unavailable). Whatever started the server (a terminal, a test, a service) says nothing
-    about who watches the notebooks a person opens in it.
-    """
-    lines, pid = [], os.getppid()
-    for _ in range(depth):
-        if pid <= 1:
-            break
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace").lower()
-            if any(server in cmdline for server in _JUPYTER_SERVERS):
-                break
-            lines.append(cmdline)
-            with open(f"/proc/{pid}/stat") as f:
-                pid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            break
-    return lines
 
 
 class OutputCell:
