@@ -16,7 +16,6 @@ cell on a live set answers about as fast as one in the kernel itself.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -26,6 +25,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:  # run as a script: the benchmarks package lives in ROOT
     sys.path.insert(0, ROOT)
 
+from benchmarks import host  # noqa: E402
 from benchmarks.measures import step_stats  # noqa: E402
 
 
@@ -79,11 +79,7 @@ def main() -> None:
     finally:
         ranks.stop()
     figures["target_ddp_cell_median_ms"] = 50
-    text = json.dumps(figures, indent=2)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    host.publish(figures, args.out)
 
 
 if __name__ == "__main__":

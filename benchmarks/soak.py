@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import signal
 import sys
@@ -42,6 +41,7 @@ if str(ROOT) not in sys.path:  # run as a script: the benchmarks package lives i
     sys.path.insert(0, str(ROOT))
 
 import nbkit  # noqa: E402
+from benchmarks import host  # noqa: E402
 from benchmarks.leftovers import Snapshot  # noqa: E402
 from benchmarks.measures import percentile, step_stats  # noqa: E402
 
@@ -226,8 +226,6 @@ def soak(n: int, gpus: int, warmup: int, kind: str = "launch") -> dict[str, Any]
         "after_gc": after_gc,
         "growth": {k: round(last[k] - first[k], 1) for k in first},
         "wrong_outcomes": problems,
-        "python": sys.version.split()[0],
-        "torch": __import__("torch").__version__,
     }
 
 
@@ -239,11 +237,7 @@ def main() -> None:
     parser.add_argument("--kind", choices=sorted(ITERATIONS), default="launch")
     parser.add_argument("--out", help="also write the JSON here")
     args = parser.parse_args()
-    report = soak(args.n, args.gpus, min(args.warmup, args.n), args.kind)
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    host.publish(soak(args.n, args.gpus, min(args.warmup, args.n), args.kind), args.out)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ the run's gloo group (once per train()).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -27,6 +26,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:  # run as a script: the benchmarks package lives in ROOT (the forked ranks inherit it)
     sys.path.insert(0, ROOT)
 
+from benchmarks import host  # noqa: E402
 from benchmarks.measures import step_stats  # noqa: E402
 
 
@@ -95,12 +95,7 @@ def main() -> None:
     args = parser.parse_args()
     import nbkit
 
-    result = nbkit.launch(measure, args.steps, args.elements, gpus=args.gpus, dashboard=False)
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    host.publish(nbkit.launch(measure, args.steps, args.elements, gpus=args.gpus, dashboard=False), args.out)
 
 
 if __name__ == "__main__":
