@@ -47,14 +47,14 @@ _JUPYTER_SERVERS = ("jupyter-lab", "jupyter-notebook", "jupyter-server", "jupyte
 
 _VSCODE_CELL = "vscode-notebook-cell"
 
-# The frontend's words in the doctor's "local (...)" line.
+# The frontend's words in the doctor's platform line, after "local (...)".
 _FRONTEND_TEXT = {
-    "script": "script",
-    "ipython": "IPython",
-    "jupyter": "JupyterLab/Notebook",
-    "vscode": "VS Code",
-    "headless": "Jupyter kernel, run headless (papermill/nbclient)",
-    "kernel": "Jupyter kernel",
+    "script": "(script)",
+    "ipython": "(IPython)",
+    "jupyter": "(Jupyter kernel), shown in JupyterLab/Notebook",
+    "vscode": "(Jupyter kernel), shown in VS Code",
+    "headless": "(Jupyter kernel), run headless (papermill, nbclient or the like)",
+    "kernel": "(Jupyter kernel)",
 }
 
 
@@ -80,12 +80,14 @@ class Platform:
 
     @property
     def description(self) -> str:
-        """One phrase for people: 'Kaggle (interactive session)', 'Colab', 'local (VS Code)', ..."""
+        """One phrase for people: 'Kaggle (interactive session)', 'Colab', 'local (Jupyter kernel),
+        shown in VS Code', ...
+        """
         if self.host == "kaggle":
             return f"Kaggle ({'batch run: Save & Run All' if self.batch else 'interactive session'})"
         if self.host == "colab":
             return "Colab"
-        return f"local ({_FRONTEND_TEXT[self.frontend]})"
+        return f"local {_FRONTEND_TEXT[self.frontend]}"
 
 
 def current() -> Platform:

@@ -49,8 +49,12 @@ class _KernelShell:
         ({"KAGGLE_URL_BASE": "https://www.kaggle.com"}, Platform("kaggle", "kaggle"), "Kaggle (interactive session)"),
         ({"COLAB_RELEASE_TAG": "release-colab_20261120"}, Platform("colab", "colab"), "Colab"),
         ({"COLAB_GPU": "1"}, Platform("colab", "colab"), "Colab"),
-        ({"VSCODE_PID": "4242"}, Platform("local", "vscode"), "local (VS Code)"),
-        ({"JPY_SESSION_NAME": "/home/me/train.ipynb"}, Platform("local", "jupyter"), "local (JupyterLab/Notebook)"),
+        ({"VSCODE_PID": "4242"}, Platform("local", "vscode"), "local (Jupyter kernel), shown in VS Code"),
+        (
+            {"JPY_SESSION_NAME": "/home/me/train.ipynb"},
+            Platform("local", "jupyter"),
+            "local (Jupyter kernel), shown in JupyterLab/Notebook",
+        ),
         # A Jupyter server started from VS Code's terminal: the kernel is the server's, not VS Code's.
         ({"JPY_SESSION_NAME": "train.ipynb", "VSCODE_PID": "4242"}, Platform("local", "jupyter"), None),
         ({}, Platform("local", "kernel"), "local (Jupyter kernel)"),
