@@ -7,15 +7,20 @@ Scripts, run as `python benchmarks/NAME.py ...` (see README.md):
 - savers.py: nbkit's memory savers at long sequences, one configuration after another.
 - planner_accuracy.py: nbkit.plan's estimates against measured peaks.
 - fork_probe.py: which import creates a CUDA context in a notebook-like process.
+- the CPU and live-set studies: soak.py, stop_agreement.py, live_overhead.py, live_first_step.py,
+  live_names.py, host_cost.py, trainer_memory.py (their medians and percentiles from measures).
 
-Parts (also imported by tests/test_bench_cpu.py and tests/test_gpu_ddp.py):
+Parts (also imported by tests/test_bench_cpu.py, tests/test_gpu_ddp.py and tests/faults):
 
 - cases: what one launch runs (LaunchSpec, Case, DDP options) and the identity of a result row.
 - ranks: a rank's set-up and teardown, and the agreements between ranks.
 - models: LoRA models built the way each backend's users build them.
 - batches: synthetic batches (text, or text with one small image) and their shards.
 - stepping: DDP wrapping and timed training steps.
-- measures: step-time statistics, garbage-collection pauses, peak memory.
+- measures: statistics of repeated timings (median, percentiles, spread), garbage-collection
+  pauses, peak memory.
+- leftovers: what of a process a launch could leave behind (children, descriptors, threads, ports,
+  temporary files, /dev/shm, memory); soak.py and the fault tests (tests/faults) share it.
 - profiling: a torch.profiler summary of a few steps.
 - host: the machine and library versions a result was measured with.
 - runner: one launch on one rank (every case of a spec; the same function under every launcher).

@@ -44,7 +44,7 @@ LAUNCHERS = ("nbkit", "notebook", "accelerate", "torchrun")
 
 # In priority order: with --time-limit the later launches are the ones skipped.
 MATRICES: dict[str, list[str]] = {
-    # The issue-7 comparison: unsloth on 1 GPU (reference) and under nbkit.launch, transformers+peft
+    # The comparison nbkit is built to win: unsloth on 1 GPU (reference) and under nbkit.launch, transformers+peft
     # with nbkit's savers, plain transformers+peft under notebook_launcher (the anchor), the same
     # function as a script (accelerate launch), then 4-GPU scaling and the remaining anchors.
     "default": [

@@ -1,9 +1,12 @@
-"""DOC machine"""
+"""The machine and library versions a result was measured with, and the one way the studies
+publish a result (printed as JSON, with them, and written to --out).
+"""
 
 from __future__ import annotations
 
 import contextlib
 import importlib.metadata
+import json
 import os
 import platform
 import shutil
@@ -11,6 +14,7 @@ import socket
 import subprocess
 import sys
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -71,3 +75,14 @@ def environment() -> dict[str, Any]:
         },
         "argv": sys.argv,
     }
+
+
+def publish(result: dict[str, Any], out: str | os.PathLike[str] | None = None) -> None:
+    """Add the machine and versions (`environment()`) to `result` under "environment", print it as
+    JSON and, when `out` is given, write the same text there.
+    """
+    result["environment"] = environment()
+    text = json.dumps(result, indent=2, default=str)
+    print(text, flush=True)
+    if out:
+        Path(out).write_text(text + "\n")

@@ -1,5 +1,5 @@
 """Live set vs one-shot launch on GPUs: seconds from a training cell's start to its first step, and
-steady tokens/s per GPU (issue 12's numbers).
+steady tokens/s per GPU: what a live set must save over a fresh launch to be worth keeping.
 
     python benchmarks/live_first_step.py --out live_first_step.json            # 2 GPUs, the lead's run
     python benchmarks/live_first_step.py --gpus 2 --model tiny:qwen3-vl --seq-len 128 --batch 2 \
@@ -15,8 +15,9 @@ What runs (each rank: the same code, the benchmarks package's model building and
 - one-shot: nbkit.launch(fn) where fn imports, builds the model and trains the same way, as one
   %%ddp cell does today: seconds from the launch call to the first step, and tokens/s.
 
-Each phase is recorded even when another fails (its error text in the JSON). Target (issue 12):
-the second live train cell reaches its first step within 5 s; tokens/s within 3% of one-shot.
+Each phase is recorded even when another fails (its error text in the JSON). Target, what makes a
+live set worth keeping: the second live train cell reaches its first step within 5 s; tokens/s
+within 3% of one-shot.
 Timestamps are time.time() on one host, so ranks and the driver compare directly.
 """
 
@@ -26,7 +27,6 @@ import argparse
 import itertools
 import json
 import os
-import statistics
 import sys
 import time
 import traceback
@@ -79,6 +79,8 @@ def train(settings: dict, cell_start: float) -> dict:
     import torch
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
+    from benchmarks.measures import step_stats  # importable: load() put the checkout on sys.path
+
     state = sys.modules["_nbkit_bench_state"]
     step_ends: list[float] = []
 
@@ -110,7 +112,7 @@ def train(settings: dict, cell_start: float) -> dict:
     )
     trainer.train()
     gaps = [b - a for a, b in itertools.pairwise(step_ends)][1:]  # after the first 2 steps
-    step_s = statistics.median(gaps) if gaps else None
+    step_s = step_stats(gaps)["median"] if gaps else None
     tokens = settings["batch"] * settings["seq_len"]
     return {
         "first_step_s": step_ends[0] - cell_start if step_ends else None,

@@ -15,9 +15,16 @@ Prints seconds per cell, the size of the data pickled, and the seconds the data 
 from __future__ import annotations
 
 import argparse
-import json
+import os
 import pickle
+import sys
 import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:  # run as a script: the benchmarks package lives in ROOT
+    sys.path.insert(0, ROOT)
+
+from benchmarks import host  # noqa: E402
 
 
 def main() -> None:
@@ -71,11 +78,7 @@ def main() -> None:
         figures["len_cell_after_that_s"] = cell("%%ddp\nlen(train_data)")
     finally:
         ranks.stop()
-    text = json.dumps(figures, indent=2)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    host.publish(figures, args.out)
 
 
 if __name__ == "__main__":

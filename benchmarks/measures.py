@@ -1,4 +1,7 @@
-"""What the benchmarks measure around their steps: step-time statistics, garbage-collection pauses, peak memory."""
+"""What the benchmarks measure around their steps: statistics of repeated timings (every script's
+medians and percentiles come from here, so that one figure means the same in every result),
+garbage-collection pauses, peak memory.
+"""
 
 from __future__ import annotations
 
@@ -7,10 +10,11 @@ import gc
 import math
 import statistics
 import time
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # imported where memory is read: a script that only times (soak.py) need not load torch
+    import torch
 
 
 @contextlib.contextmanager
@@ -38,24 +42,33 @@ def gc_pauses() -> Iterator[dict[str, Any]]:
         gc.callbacks.remove(on_collect)
 
 
-def step_stats(times: list[float]) -> dict[str, float]:
-    """Median, p10, p90, min, max, stdev (seconds) and spread = (p90 - p10) / median in percent."""
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q quantile (0 <= q <= 1) of values, interpolated linearly between the two nearest
+    (numpy's default method). Raises ValueError for no values.
+    """
+    if not values:
+        raise ValueError("percentile of no values")
+    ordered = sorted(values)
+    pos = q * (len(ordered) - 1)
+    low, high = math.floor(pos), math.ceil(pos)
+    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
+
+
+def step_stats(times: Sequence[float]) -> dict[str, float]:
+    """Median, p10, p90, min, max, stdev and spread = (p90 - p10) / median in percent, in the
+    unit of `times` (seconds for step times).
+    """
     ordered = sorted(times)
-
-    def pct(q: float) -> float:
-        pos = q * (len(ordered) - 1)
-        low, high = math.floor(pos), math.ceil(pos)
-        return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
-
     median = statistics.median(ordered)
+    p10, p90 = percentile(ordered, 0.1), percentile(ordered, 0.9)
     return {
         "median": median,
-        "p10": pct(0.1),
-        "p90": pct(0.9),
+        "p10": p10,
+        "p90": p90,
         "min": ordered[0],
         "max": ordered[-1],
         "stdev": statistics.stdev(ordered) if len(ordered) > 1 else 0.0,
-        "spread_pct": 100.0 * (pct(0.9) - pct(0.1)) / median if median > 0 else 0.0,
+        "spread_pct": 100.0 * (p90 - p10) / median if median > 0 else 0.0,
     }
 
 
@@ -63,6 +76,8 @@ def peak_memory_gib(device: torch.device) -> dict[str, float] | None:
     """Peak allocated and reserved GiB on `device` since the last reset; None on CPU."""
     if device.type != "cuda":
         return None
+    import torch
+
     return {
         "allocated": torch.cuda.max_memory_allocated(device) / 2**30,
         "reserved": torch.cuda.max_memory_reserved(device) / 2**30,
@@ -70,7 +85,10 @@ def peak_memory_gib(device: torch.device) -> dict[str, float] | None:
 
 
 def reset_memory(device: torch.device) -> None:
+    """Collect garbage and, on CUDA, empty the cache and reset the peak counters."""
     gc.collect()
     if device.type == "cuda":
+        import torch
+
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)

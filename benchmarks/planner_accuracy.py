@@ -23,7 +23,6 @@ import argparse
 import gc
 import json
 import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -37,6 +36,7 @@ sys.path[:0] = [str(HERE.parent), str(HERE)]
 import torch  # noqa: E402
 
 import nbkit  # noqa: E402
+from benchmarks import host  # noqa: E402
 from nbkit.planner import LORA_TARGET_MODULES  # noqa: E402
 
 TARGET = 0.20
@@ -123,8 +123,7 @@ def main() -> int:
         "lora_rank": args.lora_rank,
         "lora_modules": list(LORA_TARGET_MODULES),
         "checkpointing": checkpointing,
-        "torch": torch.__version__,
-        "python": platform.python_version(),
+        "environment": host.environment(),
         "target": f"+-{TARGET:.0%}",
         "rows": [],
     }

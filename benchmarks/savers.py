@@ -29,7 +29,7 @@ model and the ranks agree on its outcome before DDP (benchmarks/runner.py), so a
 and the run goes on; longer lengths of a configuration that ran out of memory are not tried. A case
 whose predicted time no longer fits in --time-budget is recorded as skipped, and the command that
 measures what was skipped is printed. Results: --out (JSON, rewritten as cases finish) and a
-markdown table (--md, default --out with .md), also printed, with the issue's targets at 16K.
+markdown table (--md, default --out with .md), also printed, with the savers' targets at 16K.
 """
 
 from __future__ import annotations
@@ -309,7 +309,7 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def targets(rows: list[dict], length: int = TARGET_LEN) -> list[dict]:
-    """The issue's performance targets at `length` tokens: what was measured and whether it holds."""
+    """The savers' performance targets at `length` tokens: what was measured and whether it holds."""
 
     def target(name: str, value: float | None, limit: float, shown: str) -> dict:
         verdict = "n/a" if value is None else ("PASS" if value <= limit else "FAIL")
@@ -381,7 +381,7 @@ def markdown(report: dict) -> str:
         )
     lines += [
         "",
-        f"## Targets at {TARGET_LEN} tokens (issue 4)",
+        f"## Targets at {TARGET_LEN} tokens",
         "",
         "| target | measured | verdict |",
         "|---|---:|---|",

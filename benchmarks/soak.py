@@ -28,18 +28,22 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import signal
-import statistics
 import sys
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import nbkit
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script: the benchmarks package lives in ROOT
+    sys.path.insert(0, str(ROOT))
+
+import nbkit  # noqa: E402
+from benchmarks import host  # noqa: E402
+from benchmarks.leftovers import Snapshot  # noqa: E402
+from benchmarks.measures import percentile, step_stats  # noqa: E402
 
 
 def _group() -> Any:
@@ -167,34 +171,18 @@ ITERATIONS = {"launch": launch_iteration, "live": live_iteration}
 
 
 def sample() -> dict[str, float]:
-    """What a leak would grow: descriptors, threads, children, /dev/shm entries, RSS (MiB)."""
-    me = os.getpid()
-    children = 0
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            if int(stat.read_text().rsplit(") ", 1)[1].split()[1]) == me:
-                children += 1
-        except (OSError, IndexError, ValueError):
-            pass
-    status = Path("/proc/self/status").read_text().splitlines()
-    rss_kib = next(int(line.split()[1]) for line in status if line.startswith("VmRSS:"))
-    return {
-        "fds": len(os.listdir("/proc/self/fd")),
-        "threads": threading.active_count(),
-        "os_threads": len(os.listdir("/proc/self/task")),
-        "children": children,
-        "dev_shm": len(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else 0,
-        "rss_mib": round(rss_kib / 1024, 1),
-    }
+    """What a leak would grow: descriptors, threads, children, /dev/shm entries, ..., RSS (MiB):
+    the counts of the snapshot the fault tests compare before and after each case.
+    """
+    return Snapshot.take().counts()
 
 
 def _stats(values: list[float]) -> dict[str, float]:
-    ordered = sorted(values)
     return {
-        "n": len(ordered),
-        "median_s": round(statistics.median(ordered), 3),
-        "p95_s": round(ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))], 3),
-        "max_s": round(ordered[-1], 3),
+        "n": len(values),
+        "median_s": round(step_stats(values)["median"], 3),
+        "p95_s": round(percentile(values, 0.95), 3),
+        "max_s": round(max(values), 3),
     }
 
 
@@ -238,8 +226,6 @@ def soak(n: int, gpus: int, warmup: int, kind: str = "launch") -> dict[str, Any]
         "after_gc": after_gc,
         "growth": {k: round(last[k] - first[k], 1) for k in first},
         "wrong_outcomes": problems,
-        "python": sys.version.split()[0],
-        "torch": __import__("torch").__version__,
     }
 
 
@@ -251,11 +237,7 @@ def main() -> None:
     parser.add_argument("--kind", choices=sorted(ITERATIONS), default="launch")
     parser.add_argument("--out", help="also write the JSON here")
     args = parser.parse_args()
-    report = soak(args.n, args.gpus, min(args.warmup, args.n), args.kind)
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    host.publish(soak(args.n, args.gpus, min(args.warmup, args.n), args.kind), args.out)
 
 
 if __name__ == "__main__":

@@ -16,17 +16,18 @@ the run's gloo group (once per train()).
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import statistics
+import sys
 import time
 from types import SimpleNamespace
 from typing import Any
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:  # run as a script: the benchmarks package lives in ROOT (the forked ranks inherit it)
+    sys.path.insert(0, ROOT)
 
-def _percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+from benchmarks import host  # noqa: E402
+from benchmarks.measures import step_stats  # noqa: E402
 
 
 def measure(steps: int, elements: int) -> dict[str, Any]:
@@ -71,22 +72,16 @@ def measure(steps: int, elements: int) -> dict[str, Any]:
             run = stopping._Run()
     run.end(failed=False)
     assert not control.should_training_stop
+    inside_us, waited_us = step_stats(inside), step_stats(waited)
     return {
         "ranks": dist.get_world_size(),
         "gradient_all_reduce": "nccl" if cuda else "gloo",
         "elements": elements,
         "steps_each": len(inside),
-        "step_end_us": {
-            "median": round(statistics.median(inside), 1),
-            "p90": round(_percentile(inside, 0.9), 1),
-            "max": round(max(inside), 1),
-        },
-        "of_which_waiting_us": {
-            "median": round(statistics.median(waited), 1),
-            "p90": round(_percentile(waited, 0.9), 1),
-        },
-        "step_ms_with_agreement_median": round(statistics.median(with_agreement), 3),
-        "step_ms_without_median": round(statistics.median(without), 3),
+        "step_end_us": {key: round(inside_us[key], 1) for key in ("median", "p90", "max")},
+        "of_which_waiting_us": {key: round(waited_us[key], 1) for key in ("median", "p90")},
+        "step_ms_with_agreement_median": round(step_stats(with_agreement)["median"], 3),
+        "step_ms_without_median": round(step_stats(without)["median"], 3),
         "new_group_ms_first": round(group_ms, 1),
     }
 
@@ -100,12 +95,7 @@ def main() -> None:
     args = parser.parse_args()
     import nbkit
 
-    result = nbkit.launch(measure, args.steps, args.elements, gpus=args.gpus, dashboard=False)
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    host.publish(nbkit.launch(measure, args.steps, args.elements, gpus=args.gpus, dashboard=False), args.out)
 
 
 if __name__ == "__main__":

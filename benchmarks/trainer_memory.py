@@ -2,7 +2,7 @@ r"""Where a step's peak memory goes under SFTTrainer, against the same model ste
 
     python3 benchmarks/trainer_memory.py [--backend unsloth] [--shape 16384x1] [--out $OUT/trainer_memory.json]
 
-Issue 16: trainer_bench.py measured unsloth's peak at 16K tokens under TRL's SFTTrainer at 18.4 GiB, against
+Why: trainer_bench.py measured unsloth's peak at 16K tokens under TRL's SFTTrainer at 18.4 GiB, against
 13.8 GiB for bench.py's plain loop on the same GPU type. This script takes the model of trainer_bench.py
 (same loader, LoRA, collator, one small image per sample) and measures, in one process, the peak allocated
 memory of one forward + backward:

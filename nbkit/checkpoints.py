@@ -57,7 +57,7 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from nbkit import callbacks, distributed, patching
+from nbkit import callbacks, distributed, patching, platform
 from nbkit.errors import CheckpointError
 
 __all__ = [  # noqa: F822 (names built on first use, see __getattr__)
@@ -76,7 +76,6 @@ _STEP = re.compile(rf"^{_PREFIX}-(\d+)$")
 # Copies and downloads in progress, in output_dir: a name that neither nbkit nor transformers
 # (which globs "checkpoint-*") takes for a checkpoint.
 _PARTIAL = ".nbkit-partial-"
-_KAGGLE_INPUT = Path("/kaggle/input")  # where Kaggle attaches datasets and saved notebook outputs
 _HUB_FOLDER = "last-checkpoint"  # where Trainer's hub_strategy="checkpoint" pushes the newest checkpoint
 
 
@@ -140,7 +139,7 @@ def resume_point(
 
     Looks in `output_dir`, then in the previous runs' outputs: `previous` (a path or glob, or
     several; each a run's output folder holding checkpoint-N folders, or a checkpoint-N folder
-    itself; read-only is fine) and, on Kaggle (KAGGLE_KERNEL_RUN_TYPE is set and /kaggle/input
+    itself; read-only is fine) and, on Kaggle (as nbkit.platform tells it, where /kaggle/input
     exists), the attached inputs: /kaggle/input/*/REL and /kaggle/input/*/*/REL, where REL is
     output_dir relative to the working directory (outputs/run for /kaggle/working/outputs/run),
     and checkpoint-N folders directly in /kaggle/input/*. The newest complete checkpoint of all
@@ -218,11 +217,12 @@ def _newest_elsewhere(
         places.append(os.fspath(previous))
     elif previous is not None:
         places.extend(os.fspath(p) for p in previous)
-    if os.environ.get("KAGGLE_KERNEL_RUN_TYPE") and _KAGGLE_INPUT.is_dir():
+    kaggle = platform.kaggle_input()
+    if kaggle is not None:
         # Two levels at most: a third would list every folder of a large dataset's top folders.
         relative = _relative(output_dir)
-        places += [str(_KAGGLE_INPUT / "*" / relative), str(_KAGGLE_INPUT / "*" / "*" / relative)]
-        places.append(str(_KAGGLE_INPUT / "*"))
+        places += [str(kaggle / "*" / relative), str(kaggle / "*" / "*" / relative)]
+        places.append(str(kaggle / "*"))
     best: tuple[int, Path] | None = None
     for place in places:
         for match in sorted(glob.glob(os.path.expanduser(place), recursive=True)) or [place]:

@@ -22,8 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nbkit import distributed, patching
-from nbkit import shell as nbkit_shell
+from nbkit import distributed, patching, platform
 
 __all__ = ["Problem", "Report", "doctor"]
 
@@ -159,12 +158,13 @@ def doctor() -> Report:
     """
     from nbkit import dashboard, forksafety
 
+    here = platform.current()
     versions = {name: _version(name) for name in LIBRARIES}
     gpus = distributed.visible_gpus()
     cuda_initialized = "torch" in sys.modules and sys.modules["torch"].cuda.is_initialized()
     blocker = forksafety.fork_blocker()
     report = Report(
-        platform=_platform(),
+        platform=here.description,
         gpus=gpus,
         cuda_initialized=cuda_initialized,
         fork_blocker=blocker.summary if blocker is not None else None,
@@ -178,9 +178,9 @@ def doctor() -> Report:
         secrets=_secrets(),
         patches_applied=_by_group(patching.applied),
         patches_pending=_by_group(patching.pending),
-        platform_secrets=_platform_secrets(_platform()),
+        platform_secrets=_platform_secrets(here),
     )
-    report.problems += _gpu_problems(gpus, report.platform)
+    report.problems += _gpu_problems(gpus, here)
     if blocker is not None:
         report.problems.append(
             Problem(
@@ -212,17 +212,6 @@ def _version(name: str) -> str | None:
         return None
 
 
-def _platform() -> str:
-    run_type = os.environ.get("KAGGLE_KERNEL_RUN_TYPE")
-    if run_type is not None or os.environ.get("KAGGLE_URL_BASE"):
-        return f"Kaggle ({'batch run: Save & Run All' if run_type == 'Batch' else 'interactive session'})"
-    if os.environ.get("COLAB_RELEASE_TAG") or os.environ.get("COLAB_GPU") is not None:
-        return "Colab"
-    shell = nbkit_shell.current()
-    where = "Jupyter kernel" if hasattr(shell, "kernel") else ("IPython" if shell is not None else "script")
-    return f"local ({where})"
-
-
 def _dashboard_mode(dashboard: Any) -> str:
     try:
         mode = dashboard.display_mode()
@@ -243,16 +232,16 @@ def _secrets() -> dict[str, bool]:
     return found
 
 
-def _platform_secrets(platform: str) -> tuple[str, dict[str, str]] | None:
+def _platform_secrets(here: platform.Platform) -> tuple[str, dict[str, str]] | None:
     """Which of SECRET_NAMES the platform's secret store holds for this notebook; None off Kaggle/Colab.
 
     Each store only answers with a value, so a value is fetched and dropped at once: only "set",
     "not set" or why the store could not be asked leaves this function. The stores' modules exist
     only on their platform and are imported here, never at nbkit's import.
     """
-    if platform.startswith("Kaggle"):
+    if here.host == "kaggle":
         return "Kaggle secrets (Add-ons > Secrets)", _kaggle_secrets()
-    if platform == "Colab":
+    if here.host == "colab":
         return "Colab secrets (the key icon)", _colab_secrets()
     return None
 
@@ -293,7 +282,7 @@ def _colab_secrets() -> dict[str, str]:
     return states
 
 
-def _gpu_problems(gpus: list[distributed.GPU], platform: str) -> list[Problem]:
+def _gpu_problems(gpus: list[distributed.GPU], here: platform.Platform) -> list[Problem]:
     problems = []
     if not gpus:
         fix = (
@@ -312,7 +301,7 @@ def _gpu_problems(gpus: list[distributed.GPU], platform: str) -> list[Problem]:
                 "warning",
             )
         )
-    if platform.startswith("Kaggle") and len(gpus) == 1:
+    if here.host == "kaggle" and len(gpus) == 1:
         problems.append(
             Problem(
                 f"Only one GPU ({gpus[0].name}) is visible on Kaggle.",

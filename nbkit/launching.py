@@ -37,8 +37,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nbkit import channel, distributed, forksafety, integration, patching, rankoutput
+from nbkit import dashboard as dashboards
 from nbkit.config import environment
-from nbkit.dashboard import Dashboard
 from nbkit.errors import LaunchError, RankError
 
 __all__ = ["LaunchError", "launch"]
@@ -112,7 +112,7 @@ def launch(
     has_cuda = _has_cuda()
     nprocs = _count_processes(gpus, has_cuda)
     _check_can_fork()
-    board = Dashboard(nprocs) if dashboard else None
+    board = dashboards.create(nprocs, enabled=dashboard)
     run = _Run(nprocs, board.event if board is not None else None, timeout)
     child = _Child(fn, args, kwargs, run.pipes, quiet=quiet, use_cpu=not has_cuda)
     succeeded = False

@@ -219,8 +219,6 @@ class _LocalDashboard:
         self._hooked: set[int] = set()
 
     def event(self, rank: int, event: dict[str, Any]) -> None:
-        from nbkit.dashboard import Dashboard
-
         shell = nbkit_shell.current()
         cell = getattr(shell, "execution_count", None)
         with self._lock:
@@ -228,7 +226,7 @@ class _LocalDashboard:
                 self._board.close(success=True)
                 self._board = None
             if self._board is None:
-                self._board, self._cell = Dashboard(1), cell
+                self._board, self._cell = dashboard.create(1), cell
                 self._close_later(shell)
             board = self._board
         board.event(rank, event)

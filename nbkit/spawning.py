@@ -382,7 +382,7 @@ class _Coordinator:
 
     def _dashboard_message(self, message: dashboard.DashboardOpened | dashboard.DashboardEvent) -> None:
         if isinstance(message, dashboard.DashboardOpened):
-            self.board = dashboard.Dashboard(message.nprocs) if self.job.dashboard else None
+            self.board = dashboard.create(message.nprocs, enabled=self.job.dashboard)
         elif self.board is not None:
             try:
                 self.board.event(message.rank, message.metrics)

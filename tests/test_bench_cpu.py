@@ -21,7 +21,7 @@ sys.path.insert(0, str(BENCHMARKS.parent))
 
 from benchmarks.batches import shard_batch, synthetic_batch  # noqa: E402
 from benchmarks.cases import ddp_label, parse_ddp_options  # noqa: E402
-from benchmarks.measures import gc_pauses, step_stats  # noqa: E402
+from benchmarks.measures import gc_pauses, percentile, step_stats  # noqa: E402
 from benchmarks.stepping import Stepper  # noqa: E402
 
 
@@ -32,6 +32,11 @@ def test_step_stats_percentiles_and_spread():
     assert stats["p10"] == pytest.approx(1.4)  # linear interpolation between the sorted times
     assert stats["p90"] == pytest.approx(7.6)
     assert stats["spread_pct"] == pytest.approx(100 * (7.6 - 1.4) / 3.0)
+    # soak.py's p95 and the live studies' p10/p90 are the same interpolation
+    assert percentile([3.0, 1.0, 10.0, 2.0, 4.0], 0.95) == pytest.approx(8.8)
+    assert percentile([5.0], 0.5) == 5.0
+    with pytest.raises(ValueError, match="no values"):
+        percentile([], 0.5)
 
 
 def test_gc_pauses_are_counted_per_generation_inside_the_block_only():

@@ -16,6 +16,7 @@ from tiny_training import saving_trainer
 
 import nbkit
 from nbkit import checkpoints
+from nbkit import platform as nbkit_platform
 from nbkit.checkpoints import MARKER, hub_mirror, is_complete, resume_point
 
 
@@ -183,7 +184,7 @@ def test_on_kaggle_the_attached_inputs_are_searched_without_being_named(tmp_path
     # An unrelated dataset.
     (kaggle / "input" / "latex-ocr" / "train").mkdir(parents=True)
     (kaggle / "input" / "latex-ocr" / "train" / "0.png").write_bytes(b"png")
-    monkeypatch.setattr(checkpoints, "_KAGGLE_INPUT", kaggle / "input")
+    monkeypatch.setattr(nbkit_platform, "KAGGLE_INPUT", kaggle / "input")
     monkeypatch.chdir(kaggle / "working")
 
     monkeypatch.delenv("KAGGLE_KERNEL_RUN_TYPE", raising=False)

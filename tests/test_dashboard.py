@@ -1,46 +1,25 @@
-"""The dashboard in one process: aggregation over ranks, the text fallback, the widget panel, the
-static summary, and how the display mode is chosen."""
+"""The dashboard in one process: events reaching its board, the text fallback, the widget and HTML
+panels, the static summary, relaying, and how the display mode is chosen. The board's arithmetic
+is tested in test_dashboard_board.py, the renderings' words in test_dashboard_rendering.py."""
 
 from __future__ import annotations
 
 import io
-import time
 
 import pytest
+from dashboard_events import step_event
 from tiny_training import train_tiny_qwen3
 
 from nbkit import dashboard
 from nbkit.dashboard import Dashboard
 
 
-def _step(
-    step: int,
-    loss: float,
-    *,
-    rate: float = 100.0,
-    seen: int | None = None,
-    elapsed: float | None = None,
-    memory: float = 1.0,
-) -> dict:
-    return {
-        "step": step,
-        "total_steps": 10,
-        "loss": loss,
-        "learning_rate": 1e-4,
-        "tokens_per_second": rate,
-        "tokens_seen": seen if seen is not None else 100 * step,
-        "elapsed": elapsed if elapsed is not None else step,
-        "peak_memory_gib": memory,
-        "memory_device": "cpu",
-    }
-
-
 def test_snapshot_sums_rates_averages_losses_and_keeps_peaks():
     board = Dashboard(2, mode="off")
-    board.event(0, _step(1, 2.0, rate=100.0, memory=1.5))
-    board.event(1, _step(1, 4.0, rate=300.0, memory=2.5))
+    board.event(0, step_event(1, 2.0, rate=100.0, memory=1.5))
+    board.event(1, step_event(1, 4.0, rate=300.0, memory=2.5))
     # a later, lower reading keeps the peak; 200 tokens in the 1 s since step 1: 200 tokens/s
-    board.event(0, _step(2, 1.0, rate=200.0, seen=300, memory=1.0))
+    board.event(0, step_event(2, 1.0, rate=200.0, seen=300, memory=1.0))
     board.event(1, {"step": 2, "grad_norm": 0.5})
 
     snap = board.snapshot()
@@ -54,35 +33,13 @@ def test_snapshot_sums_rates_averages_losses_and_keeps_peaks():
     assert dashboard.latest() is board
 
 
-def test_eta_follows_the_pace_since_the_first_step():
-    board = Dashboard(1, mode="off")
-    board.event(0, _step(1, 1.0))
-    time.sleep(0.2)
-    board.event(0, _step(3, 1.0))
-    eta = board.snapshot().eta
-    # 2 steps took ~0.2 s, 7 steps are left
-    assert eta == pytest.approx(0.7, rel=0.5)
-
-
-def test_summary_rate_counts_from_the_first_token_report():
-    board = Dashboard(2, mode="off")
-    for rank in (0, 1):
-        board.event(rank, {"step": 0, "total_steps": 10, "elapsed": 40.0})  # 40 s of imports first
-        board.event(rank, _step(1, 2.0, seen=100, elapsed=41.0))
-        board.event(rank, _step(2, 1.0, seen=300, elapsed=42.0))
-    summary = board.summary(success=True)
-    assert summary["tokens_per_second"] == pytest.approx(2 * 200.0)  # (300 - 100) tokens / 1 s, per rank
-    assert summary["final_loss"] == pytest.approx(1.0)
-    assert summary["step"] == 2 and summary["total_steps"] == 10
-
-
 def test_text_fallback_prints_lines_at_most_every_interval_and_a_summary():
     out = io.StringIO()
     board = Dashboard(2, mode="text", interval=3600)
     board._stream = out
-    board.event(0, _step(1, 2.5, rate=1000.0))
-    board.event(1, _step(1, 2.5, rate=1000.0))
-    board.event(0, _step(2, 2.0, rate=1000.0))
+    board.event(0, step_event(1, 2.5, rate=1000.0))
+    board.event(1, step_event(1, 2.5, rate=1000.0))
+    board.event(0, step_event(2, 2.0, rate=1000.0))
     board.close(success=True)
     lines = out.getvalue().splitlines()
     assert lines[0].startswith("nbkit: step 1/10 (10%) | loss 2.5000 | lr 1.00e-04 | 1,000 tokens/s")
@@ -98,7 +55,7 @@ def test_interval_zero_prints_every_event_and_failure_says_so():
     board = Dashboard(1, mode="text", interval=0)
     board._stream = out
     for step in (1, 2, 3):
-        board.event(0, _step(step, 1.0 / step))
+        board.event(0, step_event(step, 1.0 / step))
     board.close(success=False)
     lines = out.getvalue().splitlines()
     assert [line.split(" | ")[0] for line in lines[:3]] == [
@@ -120,8 +77,8 @@ def test_a_launch_that_reports_nothing_shows_nothing():
 def test_widget_panel_is_created_on_the_first_event_and_ends_as_static_html(capsys):
     board = Dashboard(2, mode="widget")
     assert board._view is None
-    board.event(0, _step(1, 3.0))
-    board.event(1, _step(1, 1.0))
+    board.event(0, step_event(1, 3.0))
+    board.event(1, step_event(1, 1.0))
     panel = board._view
     assert panel is not None
     panel.refresh(force=True)
@@ -192,7 +149,8 @@ def test_html_panel_updates_one_output_in_place_and_its_last_frame_is_the_summar
     for step in range(1, 41):  # faster than the panel redraws: most frames are skipped
         for rank in (0, 1):
             board.event(
-                rank, _step(step, 3.0 - step / 20 + rank, seen=100 * step, elapsed=0.1 * step) | {"total_steps": 40}
+                rank,
+                step_event(step, 3.0 - step / 20 + rank, seen=100 * step, elapsed=0.1 * step) | {"total_steps": 40},
             )
     board.event(0, {"step": 40, "train_loss": 2.5, "train_runtime": 4.0})  # Trainer's last log
     board.close(success=True)
@@ -215,7 +173,7 @@ def test_html_without_an_ipython_shell_falls_back_to_text_lines():
     out = io.StringIO()
     board = Dashboard(1, mode="html", interval=0)
     board._stream = out
-    board.event(0, _step(1, 2.0))
+    board.event(0, step_event(1, 2.0))
     board.close(success=True)
     assert board.shown_as == "text" and out.getvalue().startswith("nbkit: step 1/10")
 
@@ -227,54 +185,10 @@ def test_widget_panel_shows_every_rank_and_hides_the_curve_until_there_is_one():
     panel.refresh(force=True)
     assert panel.curve.layout.display == "none" and bytes(panel.curve.value) == b""
     assert panel.table.value.count("<tr>") == 3 and "starting" in panel.table.value
-    board.event(0, _step(1, 2.0))
+    board.event(0, step_event(1, 2.0))
     panel.refresh(force=True)
     assert panel.curve.layout.display is None and bytes(panel.curve.value).startswith(b"\x89PNG")
     board.close(success=True)
-
-
-# --------------------------------------------------------------------------------------------
-# What the figures say
-# --------------------------------------------------------------------------------------------
-
-
-def test_tokens_per_second_is_smoothed_over_the_last_ten_seconds_of_each_rank():
-    board = Dashboard(2, mode="off")
-    seen = {0: 0, 1: 0}
-    shown, instant = [], []
-    # 0.1 s steps whose sizes alternate 85 / 299 tokens (850 / 2,990 tokens/s per step, the swing
-    # seen in the browser), on both ranks
-    for i in range(1, 201):
-        for rank in (0, 1):
-            tokens = 85 if i % 2 else 299
-            seen[rank] += tokens
-            board.event(
-                rank, {"step": i, "tokens_seen": seen[rank], "elapsed": 0.1 * i, "tokens_per_second": tokens * 10}
-            )
-        if i > 100:
-            shown.append(board.snapshot().tokens_per_second)
-            instant.append(2 * (85 if i % 2 else 299) * 10)
-    assert max(instant) / min(instant) > 3
-    assert max(shown) / min(shown) < 1.05
-    assert sum(shown) / len(shown) == pytest.approx(2 * (85 + 299) / 2 * 10, rel=0.03)
-    # the pace halves: within the next 10 s of reports the figure follows
-    for i in range(201, 311):
-        for rank in (0, 1):
-            seen[rank] += 96
-            board.event(rank, {"step": i, "tokens_seen": seen[rank], "elapsed": 0.1 * i})
-    assert board.snapshot().tokens_per_second == pytest.approx(2 * 960, rel=0.01)
-
-
-def test_peak_memory_names_each_rank():
-    assert dashboard.peak_memory_text({0: (0.51, "cpu"), 1: (0.5, "cpu")}) == (
-        "peak memory rank 0: 0.51 GiB, rank 1: 0.50 GiB"
-    )
-    eight = {rank: (1.0 + rank / 10, f"cuda:{rank}") for rank in range(8)}
-    assert dashboard.peak_memory_text(eight) == "peak memory 1.70 GiB (highest, rank 7 of 8)"
-    board = Dashboard(2, mode="off")
-    board.event(0, _step(1, 1.0, memory=0.51))
-    board.event(1, _step(1, 1.0, memory=0.5))
-    assert "| peak memory rank 0: 0.51 GiB, rank 1: 0.50 GiB |" in dashboard.text_line(board.snapshot())
 
 
 # --------------------------------------------------------------------------------------------

@@ -932,9 +932,9 @@ class LiveRanks:
             self._training[body.rank] = body
         elif isinstance(body, channel.Report):
             if self._board is None:
-                from nbkit.dashboard import Dashboard
+                from nbkit import dashboard
 
-                self._board = Dashboard(self.world_size)
+                self._board = dashboard.create(self.world_size)
             try:
                 self._board.event(message.rank, body.metrics)
             except Exception:  # a display problem must never fail the call

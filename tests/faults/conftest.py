@@ -4,7 +4,7 @@
 (zombies included), open descriptors, Python threads, listening TCP sockets, and nbkit's files in
 the temporary directory; after the case the same must hold. Automatic garbage collection is off
 during a case, so a launch must release its resources itself rather than through a later
-collection (issue 14: the rendezvous socket stayed until then).
+collection (a rendezvous socket once stayed open until then).
 
 A module opts in with `pytestmark = pytest.mark.usefixtures("leftovers")` (not autouse: modules of
 the matrix that drive kernels from other test code decide for themselves), and marks with

@@ -1,0 +1,53 @@
+"""Relaying: spawn mode's launcher process forwards its dashboard to the notebook's.
+
+The launcher process (nbkit.spawning) calls `relay_to(connection)`; every Dashboard it creates
+afterwards sends DashboardOpened once and a DashboardEvent per event over that connection instead
+of showing anything, and the notebook feeds them to its own dashboard.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["DashboardEvent", "DashboardOpened", "connection", "relay", "relay_to"]
+
+_connection: Any = None
+_lock = threading.Lock()
+
+
+@dataclass(frozen=True)
+class DashboardOpened:
+    """Relayed when the launcher process creates its dashboard: the notebook creates its own."""
+
+    nprocs: int
+
+
+@dataclass(frozen=True)
+class DashboardEvent:
+    """Relayed for every event a rank reports: the notebook passes it to its dashboard."""
+
+    rank: int
+    metrics: dict[str, Any]
+
+
+def relay_to(connection: Any) -> None:
+    """Make every Dashboard created afterwards in this process forward its events to `connection`.
+
+    Takes a multiprocessing Connection (None: show again instead of relaying). Used by
+    nbkit.spawning's launcher process, whose dashboard lives in the notebook.
+    """
+    global _connection
+    _connection = connection
+
+
+def connection() -> Any:
+    """The connection given to relay_to(), or None when this process's dashboards show themselves."""
+    return _connection
+
+
+def relay(message: Any) -> None:
+    """Send one message (a picklable object) over the connection given to relay_to(); thread-safe."""
+    with _lock:
+        _connection.send(message)
