@@ -18,7 +18,7 @@ import torch
 from faultkit import Snapshot, failed_within
 
 import nbkit
-from nbkit import launching
+from nbkit import launching, supervisor
 
 pytestmark = pytest.mark.usefixtures("leftovers")
 
@@ -124,5 +124,5 @@ def test_a_rank_that_returned_but_does_not_end_is_stopped_and_the_value_kept(
     err = capsys.readouterr().err
     assert "rank(s) 1 returned, but their processes were still running 2 s later" in err, err
     pids = [int(p.name) for p in tmp_path.iterdir()]
-    assert len(pids) == 2 and not any(launching._alive(pid) for pid in pids)
+    assert len(pids) == 2 and not any(supervisor.pid_alive(pid) for pid in pids)
     assert not Snapshot.take().grown_since(leftovers)
