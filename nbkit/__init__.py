@@ -27,6 +27,8 @@ __version__ = "0.2.0"
 _EXPORTS: dict[str, str] = {
     # launching
     "launch": "nbkit.launching",
+    # what a %%ddp cell does, for scripts too
+    "run_cell": "nbkit.cellrun",
     # live sets: processes that stay up across cells
     "start": "nbkit.live",
     "connect": "nbkit.live",
