@@ -42,6 +42,10 @@ from nbkit.supervisor import ExitStatus, exit_status, hang_hint, kill, pid_alive
 
 __all__ = ["LaunchError", "launch"]
 
+# Notices about a launch (an interrupt, ranks stopped after returning). With no logging set up, Python
+# writes warnings to stderr, which the notebook shows under the cell.
+_log = logging.getLogger("nbkit.launching")
+
 
 def launch(
     fn: Callable[..., Any],
@@ -116,12 +120,18 @@ def launch(
     use_cuda, nprocs = rankside.count_ranks(gpus, distributed.visible_gpus() if has_cuda else [], api="nbkit.launch")
     rank_env = rankside.rank_environment(use_cpu=not use_cuda, strategy=strategy, emulate=emulate, extra=env)
     _check_can_fork()
-    board = Dashboard(nprocs) if dashboard else None
-    run = _Run(nprocs, board.event if board is not None else None, timeout)
+    run = _Run(nprocs, None, timeout)
     child = _Child(fn, args, kwargs, run.pipes, quiet=quiet, use_cpu=not use_cuda)
+    return _run_ranks(run, child, env=rank_env, dashboard=dashboard)
+
+
+def _run_ranks(run: _Run, child: _Child, *, env: dict[str, str], dashboard: bool) -> Any:
+    """Run the launch `run` with its dashboard; rank 0's value (see launch)."""
+    board = Dashboard(run.nprocs) if dashboard else None
+    run.on_event = board.event if board is not None else None
     succeeded = False
     try:
-        run.execute(child, env=rank_env)
+        run.execute(child, env=env)
         value = run.result()
         succeeded = True
     finally:
@@ -297,15 +307,23 @@ class _Run:
             failure_text = f"{type(failure).__name__}: {failure}" if failure is not None else ""
             failure = None
             gc.collect()
+        self._conclude(launcher_failures, failure_text)
+
+    def _conclude(self, launcher_failures: dict[int, ExitStatus], failure_text: str) -> None:
+        """After every rank has ended: raise what the launch came to (KeyboardInterrupt, LaunchError),
+        from what the supervisor saw and what only torch elastic saw (`launcher_failures`, its error's
+        text `failure_text`); return for a launch whose every rank returned.
+        """
         if self.interrupted:
-            print(f"nbkit: interrupted; stopped ranks {', '.join(map(str, sorted(self.pids)))}.", file=sys.stderr)
+            _log.warning("nbkit: interrupted; stopped ranks %s.", ", ".join(map(str, sorted(self.pids))))
             raise KeyboardInterrupt
         if self.lingered:
-            print(
-                f"nbkit: rank(s) {', '.join(map(str, sorted(self.lingered)))} returned, but their processes were "
-                f"still running {_EXIT_GRACE_S:g} s later (a thread that does not end, or a hang at exit); nbkit "
-                "stopped them and kept rank 0's value. Join the threads a function starts before it returns.",
-                file=sys.stderr,
+            _log.warning(
+                "nbkit: rank(s) %s returned, but their processes were still running %g s later (a thread that does "
+                "not end, or a hang at exit); nbkit stopped them and kept rank 0's value. Join the threads a "
+                "function starts before it returns.",
+                ", ".join(map(str, sorted(self.lingered))),
+                _EXIT_GRACE_S,
             )
         for rank, status in launcher_failures.items():  # what only torch elastic saw
             if self.exits.get(rank, ExitStatus()) == ExitStatus():
@@ -377,7 +395,7 @@ class _Run:
             try:
                 self.on_event(rank, body.metrics)
             except Exception:  # a display problem must never take the training run down
-                logging.getLogger("nbkit").exception("nbkit: the event handler failed")
+                _log.exception("nbkit: the event handler failed")
 
     def _check_exits(self, *, drain: bool) -> None:
         """Record ranks that ended without returning; a rank's first-hand end is a failure."""

@@ -29,6 +29,7 @@ import codecs
 import collections
 import contextlib
 import linecache
+import logging
 import os
 import pickle
 import signal
@@ -49,6 +50,7 @@ from nbkit.notebook_names import BroughtAlong, bring_along
 
 __all__ = ["BringAlongError", "BroughtAlong", "bring_along", "check_syntax", "fork_blocker", "run_source"]
 
+_log = logging.getLogger("nbkit.spawning")
 # After SIGINT, how long the launcher process gets to stop its ranks (each SIGTERM, then SIGKILL after
 # 5 s) and report, before it is killed.
 _LAUNCHER_STOP_GRACE_S = 15.0
@@ -267,9 +269,7 @@ class _Coordinator:
             try:
                 self.board.event(message.rank, message.metrics)
             except Exception:  # a display problem must never take the run down
-                import logging
-
-                logging.getLogger("nbkit").exception("nbkit: the dashboard failed")
+                _log.exception("nbkit: the dashboard failed")
 
     def _finish(self, outcome: _Outcome | None, returncode: int | None) -> Any:
         self._close_board(isinstance(outcome, _Finished))
