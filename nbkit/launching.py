@@ -100,7 +100,7 @@ def launch(
             to do.
 
     Inside a distributed run already (torchrun, accelerate launch, several nodes), `fn` is called
-    directly on each rank and its value returned there.
+    directly on each rank and its value returned there (with NBKIT_STRATEGY / NBKIT_EMULATE set).
 
     There is no `max_restarts` (accelerate's notebook_launcher has one, tested by its
     `test_fault_tolerant`): a restart re-forks the same notebook state, so what fails on one
@@ -111,6 +111,7 @@ def launch(
     (every failed launch leaves nothing behind, so the next one starts at once).
     """
     if distributed.is_distributed():
+        os.environ.update(rankside.strategy_environment(strategy, emulate))
         _prepare_rank(quiet=False, rank=distributed.rank(), descriptors=False)
         return fn(*args, **kwargs)
 

@@ -40,6 +40,7 @@ __all__ = [
     "pickle_for_notebook",
     "rank_environment",
     "rank_traceback",
+    "strategy_environment",
 ]
 
 # How the ranks share the model: "ddp" (a full copy on every rank) or "fsdp" (sharded).
@@ -142,14 +143,23 @@ def rank_environment(
     `extra` (the user's env=) comes last and wins. Computed in the notebook process; fork mode sets
     it before forking, a live rank applies it to itself.
     """
-    values = {"NBKIT_LAUNCHED": "1", "NBKIT_STRATEGY": check_strategy(strategy)}
-    if emulate is not None:
-        values["NBKIT_EMULATE"] = emulate
+    values = {"NBKIT_LAUNCHED": "1", **strategy_environment(strategy, emulate)}
     if use_cpu:
         values["ACCELERATE_USE_CPU"] = "true"
         if loopback and sys.platform.startswith("linux"):
             values["GLOO_SOCKET_IFNAME"] = os.environ.get("GLOO_SOCKET_IFNAME", "lo")
     values.update(extra or {})
+    return values
+
+
+def strategy_environment(strategy: str = "ddp", emulate: str | None = None) -> dict[str, str]:
+    """NBKIT_STRATEGY and (when `emulate` is given) NBKIT_EMULATE: the part of rank_environment that
+    ranks of an outside launcher (torchrun running an exported script) get too, from nbkit.launch
+    in the rank. Raises ValueError for a strategy not in STRATEGIES.
+    """
+    values = {"NBKIT_STRATEGY": check_strategy(strategy)}
+    if emulate is not None:
+        values["NBKIT_EMULATE"] = emulate
     return values
 
 
