@@ -7,9 +7,12 @@ names the rank and carries its traceback, hung runs time out, interrupts stop ev
 left running, and the same call can run again at once.
 
 Environment handling (each rank): RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR,
-MASTER_PORT come from torch elastic; nbkit adds NBKIT_LAUNCHED=1 and, on machines without CUDA,
-ACCELERATE_USE_CPU=true (so accelerate, transformers' Trainer and TRL run real gloo DDP across the
-processes instead of N independent runs) and GLOO_SOCKET_IFNAME=lo.
+MASTER_PORT come from torch elastic; nbkit adds the rank environment of nbkit.rankside (NBKIT_LAUNCHED,
+NBKIT_STRATEGY, and on machines without CUDA ACCELERATE_USE_CPU and GLOO_SOCKET_IFNAME), set in this
+process for the fork and put back afterwards.
+
+Sides of the process boundary: `launch` and `_Run` (its supervisor thread) run in the notebook
+process, and word failures with nbkit.supervisor; `_Child` is the first code of every forked rank.
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ that has initialised CUDA (say, after inference in an earlier cell), imported bi
 created an accelerate state cannot be forked into working training processes. `run_source`
 then starts a fresh Python process (nothing inherited but the environment, the working directory
 and sys.path) that runs nbkit.launch itself, so the ranks are forked from a clean process; each
-rank gets the notebook names the cell needs and runs the cell:
+rank gets the notebook names the cell needs (chosen and pickled by nbkit.notebook_names, the rule a
+live set follows too) and runs the cell:
 
 - the values are pickled by value with cloudpickle, all in one go (tensors come along on the CPU):
   functions, classes, lambdas and closures defined in the notebook included, with the notebook
@@ -276,9 +277,12 @@ class _Coordinator:
         if outcome is None:
             tail = "".join(self.stderr_tail).strip()
             how = supervisor.ExitStatus.from_returncode(returncode)
+            # what a signal means is the same for any process nbkit watches; an exit code of nbkit's own
+            # launcher process means nothing a user did, so no advice comes with one
+            hint = f" {how.hint}" if how.signal is not None else ""
             raise LaunchError(
-                f"The launcher process (spawn mode) {how} before reporting a result; its ranks were stopped "
-                f"with it.{' Its last output:' + chr(10) + tail if tail else ''}"
+                f"The launcher process (spawn mode) {how.cause} before reporting a result; its ranks were stopped "
+                f"with it.{hint}{' Its last output:' + chr(10) + tail if tail else ''}"
             )
         if isinstance(outcome, _Finished):
             return rankside.load_value(outcome.payload)
