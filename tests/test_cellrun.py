@@ -13,8 +13,11 @@ from pathlib import Path
 
 SCRIPT = textwrap.dedent(
     """
+    import faulthandler
     import json
     import nbkit
+
+    faulthandler.dump_traceback_later(240, exit=True)  # a hang shows where it hangs, in the assertion below
 
     base = 40
     _private = 2
@@ -58,7 +61,7 @@ def test_a_script_runs_a_cell_as_ddp_does_forked_spawned_and_on_a_live_set(tmp_p
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
     done = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, timeout=400, cwd=tmp_path, check=False
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=tmp_path, check=False
     )
     assert done.returncode == 0, done.stdout + done.stderr
     said = json.loads(done.stdout.split("SAID ", 1)[1])
