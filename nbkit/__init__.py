@@ -13,6 +13,8 @@ The plain Python API lives here; `%load_ext nbkit` adds magics that are thin lay
     ranks = nbkit.start()                        # or: processes that stay up across cells (nbkit.live)
     ranks.exec("model = load()")                 # every rank; `model` stays there for later calls
 
+    value = nbkit.run_cell(source, globals(), gpus=2)   # what a %%ddp cell does, from a script too
+
 Names are imported lazily, so `import nbkit` stays cheap and never touches CUDA or IPython.
 """
 
@@ -27,6 +29,8 @@ __version__ = "0.2.0"
 _EXPORTS: dict[str, str] = {
     # launching
     "launch": "nbkit.launching",
+    # what a %%ddp cell does, for scripts too
+    "run_cell": "nbkit.cellrun",
     # live sets: processes that stay up across cells
     "start": "nbkit.live",
     "connect": "nbkit.live",

@@ -10,8 +10,12 @@ magic accepts is read the same way by both, and `import nbkit.export` never impo
 %%ddp (no live set) rejects it (nbkit.magics), since its processes end with the cell and a cell
 that runs on some of them only would leave the others waiting. `--resend [NAME ...]` sends notebook
 names to the live set's ranks again although they hold those objects already (a one-shot %%ddp
-always uses the current values, so there it changes nothing). `parse_start` reads the line of
-`%ddp start`.
+always uses the current values, so there it changes nothing). `--strategy {ddp,fsdp}` and
+`--emulate PROFILE` reach the ranks' environment (nbkit.rankside.rank_environment) of a one-shot run;
+on a running live set they are refused, as --gpus is. `parse_start` reads the line of `%ddp start`.
+
+`-h` anywhere raises HelpShown with the option list (one line per option), which the magics print;
+`usage()` and `start_usage()` give the same text for their docstrings (`%%ddp?`, `%ddp?`).
 """
 
 from __future__ import annotations
@@ -25,13 +29,34 @@ from dataclasses import dataclass, field
 
 from nbkit.errors import NbkitError
 
-__all__ = ["DdpOptions", "OptionsError", "StartOptions", "parse", "parse_env", "parse_start"]
+__all__ = [
+    "DdpOptions",
+    "HelpShown",
+    "OptionParser",
+    "OptionsError",
+    "StartOptions",
+    "parse",
+    "parse_env",
+    "parse_start",
+    "start_usage",
+    "usage",
+]
 
 PROG = "%%ddp"
 
 
 class OptionsError(NbkitError, ValueError):
-    """A %%ddp line that cannot be read; the message names the option and what it takes."""
+    """A %%ddp line that cannot be read, or an option that does not fit (a --rank the live set does
+    not have); the message names the option and what it takes.
+    """
+
+
+class HelpShown(Exception):
+    """-h was given: `text` is the option list to show, and nothing runs."""
+
+    def __init__(self, text: str):
+        super().__init__(text)
+        self.text = text
 
 
 @dataclass
@@ -48,6 +73,8 @@ class DdpOptions:
         ranks: run on these ranks of the live set only (None: every rank).
         resend: notebook names to send to the live set's ranks even though they hold that object
             already (after a change made in place); [] for every name the cell reads; None: none.
+        strategy: "ddp" or "fsdp" for the processes a one-shot run starts (None: not given).
+        emulate: a GPU profile name for those processes to emulate (None: not given).
     """
 
     gpus: int | None = None
@@ -58,6 +85,8 @@ class DdpOptions:
     spawn: bool = False
     ranks: list[int] | None = None
     resend: list[str] | None = None
+    strategy: str | None = None
+    emulate: str | None = None
 
 
 @dataclass
@@ -67,21 +96,43 @@ class StartOptions:
     gpus: int | None = None
     timeout: float | None = None
     env: dict[str, str] = field(default_factory=dict)
+    strategy: str = "ddp"
+    emulate: str | None = None
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse that raises OptionsError instead of printing and exiting."""
+class _OneLinePerOption(argparse.HelpFormatter):
+    """Each option and its help on one line (the widest, --env KEY=VALUE [KEY=VALUE ...], fits)."""
+
+    def __init__(self, prog: str):
+        super().__init__(prog, max_help_position=40, width=160)
+
+
+class OptionParser(argparse.ArgumentParser):
+    """argparse for a magic's line: raises OptionsError instead of printing and exiting, and HelpShown
+    (with the option list, one line per option) for -h.
+    """
+
+    def __init__(self, prog: str):
+        super().__init__(prog=prog, add_help=True, formatter_class=_OneLinePerOption)
 
     def error(self, message: str) -> None:  # type: ignore[override]
+        """A line that cannot be read: OptionsError naming the option."""
         raise OptionsError(f"{self.prog}: {message}")
 
+    def exit(self, status: int = 0, message: str | None = None) -> None:  # type: ignore[override]
+        """Only -h ends parsing early here: HelpShown with the option list."""
+        raise HelpShown(self.format_help())
 
-def _parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog=PROG, add_help=False)
-    parser.add_argument("--gpus", type=int, default=None, help="processes to run (default: one per visible GPU)")
-    parser.add_argument("--out", default=None, metavar="NAME", help="store rank 0's value in the notebook under NAME")
+    def print_help(self, file: object = None) -> None:
+        """-h prints nothing itself: exit() raises HelpShown with the text, for the caller to show."""
+
+
+def _process_options(parser: argparse.ArgumentParser) -> None:
+    """The options that set up processes, shared by %%ddp (one-shot) and %ddp start."""
+    parser.add_argument(
+        "--gpus", type=int, default=None, metavar="N", help="processes to run (default: one per visible GPU)"
+    )
     parser.add_argument("--timeout", type=float, default=None, metavar="S", help="stop every rank after S seconds")
-    parser.add_argument("--all-ranks", action="store_true", help="show the output of every rank, not only rank 0")
     parser.add_argument(
         "--env",
         nargs="+",
@@ -90,6 +141,17 @@ def _parser() -> argparse.ArgumentParser:
         metavar="KEY=VALUE",
         help="environment variables for the processes",
     )
+    parser.add_argument(
+        "--strategy", choices=("ddp", "fsdp"), default=None, help="how the ranks share the model (default: ddp)"
+    )
+    parser.add_argument("--emulate", default=None, metavar="PROFILE", help="GPU profile for the ranks to emulate")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = OptionParser(PROG)
+    _process_options(parser)
+    parser.add_argument("--out", default=None, metavar="NAME", help="store rank 0's value in the notebook under NAME")
+    parser.add_argument("--all-ranks", action="store_true", help="show the output of every rank, not only rank 0")
     parser.add_argument("--spawn", action="store_true", help="start fresh processes even where forking would work")
     parser.add_argument(
         "--rank", type=int, nargs="+", default=None, metavar="N", help="run on these ranks of the live set only"
@@ -104,9 +166,20 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _start_parser() -> argparse.ArgumentParser:
+    parser = OptionParser("%ddp start")
+    _process_options(parser)
+    return parser
+
+
 def usage() -> str:
-    """The option summary, for help texts."""
+    """The %%ddp option list, one line per option, for help texts."""
     return _parser().format_help()
+
+
+def start_usage() -> str:
+    """The `%ddp start` option list, one line per option, for help texts."""
+    return _start_parser().format_help()
 
 
 def parse(line: str) -> DdpOptions:
@@ -115,7 +188,8 @@ def parse(line: str) -> DdpOptions:
     Takes the line as the user typed it (after IPython has expanded `$name` and `{expr}`).
     Returns a DdpOptions. Raises OptionsError naming the option for anything it cannot read: an
     unknown option, a value of the wrong type, an --out that is not a Python name, an --env item
-    without "=", a timeout that is not a positive number, or a --gpus below 1.
+    without "=", a timeout that is not a positive number, a --gpus below 1, or a --strategy other
+    than ddp and fsdp; HelpShown for -h.
     """
     try:
         words = shlex.split(line)
@@ -139,25 +213,29 @@ def parse(line: str) -> DdpOptions:
         spawn=ns.spawn,
         ranks=sorted(set(ns.rank)) if ns.rank is not None else None,
         resend=ns.resend,
+        strategy=ns.strategy,
+        emulate=ns.emulate,
     )
 
 
 def parse_start(line: str) -> StartOptions:
-    """The options of a `%ddp start` line: --gpus N, --timeout S, --env KEY=VALUE ...
+    """The options of a `%ddp start` line: --gpus N, --timeout S, --env KEY=VALUE ..., --strategy, --emulate.
 
-    Raises OptionsError as parse() does.
+    Raises OptionsError and HelpShown as parse() does.
     """
     try:
         words = shlex.split(line)
     except ValueError as exc:
         raise OptionsError(f"%ddp start: cannot read the line ({exc}).") from None
-    parser = _Parser(prog="%ddp start", add_help=False)
-    parser.add_argument("--gpus", type=int, default=None)
-    parser.add_argument("--timeout", type=float, default=None)
-    parser.add_argument("--env", nargs="+", action="append", default=[], metavar="KEY=VALUE")
-    ns = parser.parse_args(words)
+    ns = _start_parser().parse_args(words)
     _check_common(ns)
-    return StartOptions(gpus=ns.gpus, timeout=ns.timeout, env=parse_env(item for group in ns.env for item in group))
+    return StartOptions(
+        gpus=ns.gpus,
+        timeout=ns.timeout,
+        env=parse_env(item for group in ns.env for item in group),
+        strategy=ns.strategy or "ddp",
+        emulate=ns.emulate,
+    )
 
 
 def _check_common(ns: argparse.Namespace) -> None:

@@ -116,7 +116,12 @@ def export_script(notebook_path: str | os.PathLike[str], cell: str | int, out: s
     if start_line is not None:
         start = _start_options(start_line, statements, where)
         options = dataclasses.replace(
-            options, gpus=start.gpus, env={**start.env, **options.env}, timeout=options.timeout or start.timeout
+            options,
+            gpus=start.gpus,
+            env={**start.env, **options.env},
+            timeout=options.timeout or start.timeout,
+            strategy=start.strategy,
+            emulate=start.emulate,
         )
     exported = {f"cell {part.cell} (%%ddp)" for part in parts}
     skipped = [item for item in skipped if item not in exported]
@@ -527,6 +532,10 @@ def _render(
         call.append(f"timeout={options.timeout!r}")
     if not options.all_ranks:
         call.append("quiet=True")
+    if options.strategy not in (None, "ddp"):
+        call.append(f"strategy={options.strategy!r}")
+    if options.emulate is not None:
+        call.append(f"emulate={options.emulate!r}")
     result = options.out or "result"
     out += [
         'if __name__ == "__main__":',

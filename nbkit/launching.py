@@ -7,9 +7,12 @@ names the rank and carries its traceback, hung runs time out, interrupts stop ev
 left running, and the same call can run again at once.
 
 Environment handling (each rank): RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR,
-MASTER_PORT come from torch elastic; nbkit adds NBKIT_LAUNCHED=1 and, on machines without CUDA,
-ACCELERATE_USE_CPU=true (so accelerate, transformers' Trainer and TRL run real gloo DDP across the
-processes instead of N independent runs) and GLOO_SOCKET_IFNAME=lo.
+MASTER_PORT come from torch elastic; nbkit adds the rank environment of nbkit.rankside (NBKIT_LAUNCHED,
+NBKIT_STRATEGY, and on machines without CUDA ACCELERATE_USE_CPU and GLOO_SOCKET_IFNAME), set in this
+process for the fork and put back afterwards.
+
+Sides of the process boundary: `launch` and `_Run` (its supervisor thread) run in the notebook
+process, and word failures with nbkit.supervisor; `_Child` is the first code of every forked rank.
 """
 
 from __future__ import annotations
@@ -25,23 +28,26 @@ import math
 import multiprocessing
 import numbers
 import os
-import pickle
 import signal
 import socket
 import sys
 import threading
 import time
-import traceback
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from nbkit import channel, distributed, forksafety, integration, patching, rankoutput
+from nbkit import channel, distributed, forksafety, integration, patching, rankoutput, rankside
 from nbkit import dashboard as dashboards
 from nbkit.config import environment
 from nbkit.errors import LaunchError, RankError
+from nbkit.supervisor import ExitStatus, exit_status, hang_hint, kill, pid_alive, render_failures
 
 __all__ = ["LaunchError", "launch"]
+
+# Notices about a launch (an interrupt, ranks stopped after returning). With no logging set up, Python
+# writes warnings to stderr, which the notebook shows under the cell.
+_log = logging.getLogger("nbkit.launching")
 
 
 def launch(
@@ -52,6 +58,8 @@ def launch(
     quiet: bool = True,
     env: Mapping[str, str] | None = None,
     dashboard: bool = True,
+    strategy: str = "ddp",
+    emulate: str | None = None,
     **kwargs: Any,
 ) -> Any:
     """Run `fn(*args, **kwargs)` in one process per GPU and return rank 0's return value.
@@ -63,7 +71,7 @@ def launch(
         *args: positional arguments for `fn`.
         gpus: how many processes. None: one per visible GPU. On a machine without CUDA, `gpus=N`
             runs N CPU processes that train with real gloo DDP (for tests and CI), N at most
-            `cpu_rank_limit()`.
+            `nbkit.rankside.cpu_rank_limit()`.
         timeout: seconds (a finite number > 0) after which a run whose function has not returned
             on every rank is stopped (LaunchError); None waits as long as the ranks run.
         quiet: show rank 0's output only (the default, as in %%ddp); False shows the other ranks' too,
@@ -71,6 +79,8 @@ def launch(
         env: extra environment variables for the launched processes.
         dashboard: show the ranks' reports (nbkit.report, the Trainer callback that nbkit adds to
             every Trainer in the ranks) as one live panel, or text lines without a widget frontend.
+        strategy: how the ranks share the model, "ddp" or "fsdp"; the ranks find it in NBKIT_STRATEGY.
+        emulate: the name of a GPU profile the ranks emulate (NBKIT_EMULATE), or None.
         **kwargs: passed to `fn`. (Names above are taken by launch itself; pass such arguments
             to fn through `args` or functools.partial.)
 
@@ -93,7 +103,7 @@ def launch(
             to do.
 
     Inside a distributed run already (torchrun, accelerate launch, several nodes), `fn` is called
-    directly on each rank and its value returned there.
+    directly on each rank and its value returned there (with NBKIT_STRATEGY / NBKIT_EMULATE set).
 
     There is no `max_restarts` (accelerate's notebook_launcher has one, tested by its
     `test_fault_tolerant`): a restart re-forks the same notebook state, so what fails on one
@@ -104,20 +114,28 @@ def launch(
     (every failed launch leaves nothing behind, so the next one starts at once).
     """
     if distributed.is_distributed():
+        os.environ.update(rankside.strategy_environment(strategy, emulate))
         _prepare_rank(quiet=False, rank=distributed.rank(), descriptors=False)
         return fn(*args, **kwargs)
 
     _check_function(fn)
     timeout = check_timeout(timeout)
     has_cuda = _has_cuda()
-    nprocs = _count_processes(gpus, has_cuda)
+    use_cuda, nprocs = rankside.count_ranks(gpus, distributed.visible_gpus() if has_cuda else [], api="nbkit.launch")
+    rank_env = rankside.rank_environment(use_cpu=not use_cuda, strategy=strategy, emulate=emulate, extra=env)
     _check_can_fork()
-    board = dashboards.create(nprocs, enabled=dashboard)
-    run = _Run(nprocs, board.event if board is not None else None, timeout)
-    child = _Child(fn, args, kwargs, run.pipes, quiet=quiet, use_cpu=not has_cuda)
+    run = _Run(nprocs, None, timeout)
+    child = _Child(fn, args, kwargs, run.pipes, quiet=quiet, use_cpu=not use_cuda)
+    return _run_ranks(run, child, env=rank_env, dashboard=dashboard)
+
+
+def _run_ranks(run: _Run, child: _Child, *, env: dict[str, str], dashboard: bool) -> Any:
+    """Run the launch `run` with its dashboard; rank 0's value (see launch)."""
+    board = dashboards.create(run.nprocs, enabled=dashboard)
+    run.on_event = board.event if board is not None else None
     succeeded = False
     try:
-        run.execute(child, env=dict(env or {}))
+        run.execute(child, env=env)
         value = run.result()
         succeeded = True
     finally:
@@ -172,54 +190,6 @@ def check_timeout(timeout: Any) -> float | None:
     return float(timeout)
 
 
-def cpu_rank_limit() -> int:
-    """The most CPU ranks launch starts on a machine without CUDA: the CPU count, at least 8.
-
-    CPU ranks exist to try training code on gloo before the GPUs (tests, CI); more ranks than
-    cores only make every collective wait for a core. The floor of 8 keeps 4- and 8-rank tests
-    possible on small CI machines. Without a limit a typo such as gpus=1000 forked 1000 processes
-    (52 s and 14 GiB measured, issue 14).
-    """
-    return max(8, os.cpu_count() or 1)
-
-
-def check_gpus(gpus: Any) -> int | None:
-    """`gpus` as an int, or None; raises ValueError for anything but a whole number >= 1 or None."""
-    if gpus is None:
-        return None
-    if not isinstance(gpus, numbers.Integral) or isinstance(gpus, bool) or gpus < 1:
-        raise ValueError(f"gpus must be a positive whole number or None (all visible GPUs); got {gpus!r}.")
-    return int(gpus)
-
-
-def _count_processes(gpus: int | None, has_cuda: bool) -> int:
-    gpus = check_gpus(gpus)
-    if not has_cuda:
-        if gpus is None:
-            raise RuntimeError(
-                "No GPU is visible to this notebook, so nbkit.launch(gpus=None) has nothing to run on. "
-                "On Kaggle, choose Settings > Accelerator > GPU T4 x2; on Colab, Runtime > Change runtime type. "
-                "To try the code on the CPU, pass gpus=N: N CPU processes then train together over gloo."
-            )
-        if gpus > cpu_rank_limit():
-            raise ValueError(
-                f"gpus={gpus} would start {gpus} CPU processes (no GPU is visible), more than this machine's "
-                f"limit of {cpu_rank_limit()} (its CPU count, at least 8). Use a smaller gpus=N to try the code "
-                "on the CPU, or run on a machine with GPUs."
-            )
-        return gpus
-    visible = distributed.visible_gpus()
-    if gpus is None:
-        return len(visible)
-    if gpus > len(visible):
-        names = ", ".join(f"{g.index}: {g.name}" for g in visible)
-        raise ValueError(
-            f"Asked for {gpus} GPUs but this machine shows {len(visible)} ({names}). Use gpus={len(visible)} "
-            "or gpus=None for all of them; CUDA_VISIBLE_DEVICES limits which ones are visible."
-        )
-    return gpus
-
-
 def _check_can_fork() -> None:
     blocker = forksafety.fork_blocker()
     if blocker is not None:
@@ -229,27 +199,6 @@ def _check_can_fork() -> None:
 # --------------------------------------------------------------------------------------------
 # The notebook side of one launch.
 # --------------------------------------------------------------------------------------------
-
-# (text in a rank's error, what it means and what to do): added to the LaunchError of such a run.
-_FAILURE_HINTS = (
-    (
-        "Cannot re-initialize CUDA in forked subprocess",
-        "The notebook process touched the CUDA driver before launching (torch.cuda.is_available() "
-        "or device_count() before `import nbkit`, or a library that queries the GPU on import), so "
-        "forked ranks cannot use CUDA. Import nbkit first in the notebook, or restart the kernel and "
-        "keep GPU work inside the launched function; %%ddp can start fresh processes instead.",
-    ),
-    (
-        "Expected to have finished reduction in the prior iteration",
-        "DDP found trainable weights that got no gradient in a step. A common cause is a VLM's "
-        "LoRA'd vision tower on a batch without images; others are experts a step does not route to, "
-        "or outputs the loss does not use. Train only what every batch uses (unsloth: "
-        "get_peft_model(..., finetune_vision_layers=False) for text-only data), or give every batch an "
-        "image. With unsloth vision models nbkit keeps unsloth's faster single-GPU checkpointing, which "
-        "needs this; nbkit.configure(unsloth_vlm_ddp_checkpointing='unsloth') before loading the model "
-        "trains such data with unsloth's slower DDP checkpointing instead.",
-    ),
-)
 
 # How often the supervisor looks at the ranks: a rank that ends is named within this (plus the
 # time to stop the others), far inside the 2 s that issue 14 asks for.
@@ -268,67 +217,6 @@ _EXIT_GRACE_S = 30.0
 # process: _thread.interrupt_main(signum) only runs that handler in the main thread. SIGUSR2 because
 # nothing in a notebook process handles it; the handler is installed for the launch only.
 _ABANDON_SIGNAL = signal.SIGUSR2
-
-
-_CRASH_SIGNALS = {getattr(signal, name) for name in ("SIGSEGV", "SIGBUS", "SIGABRT", "SIGILL", "SIGFPE")}
-
-
-@dataclass(frozen=True)
-class ExitStatus:
-    """How a rank process ended: an exit code, a signal, or unknown (its status was collected by
-    the launcher before nbkit looked; filled in from the launcher's report when it has one).
-    """
-
-    code: int | None = None
-    signal: int | None = None
-
-    def __str__(self) -> str:
-        if self.signal is not None:
-            try:
-                name = signal.Signals(self.signal).name
-            except ValueError:
-                name = str(self.signal)
-            return f"died from signal {name}"
-        if self.code is not None:
-            return f"exited with code {self.code} without returning from the function"
-        return "ended without returning from the function"
-
-    @property
-    def hint(self) -> str:
-        """What this way of ending usually means, and what to do."""
-        if self.signal == signal.SIGKILL:
-            return (
-                "SIGKILL usually means the machine ran out of CPU memory (the OOM killer): "
-                "use a smaller batch or fewer dataloader workers."
-            )
-        if self.signal in _CRASH_SIGNALS:
-            return (
-                "A crash in native code (a C/C++/CUDA extension, or a library built for another CPU or "
-                "driver); the rank's own output above shows where, when Python's fault handler got to print."
-            )
-        if self.signal is not None:
-            return "The signal came from outside the function: another program, or the machine, stopped the rank."
-        return (
-            "The process ended without returning or raising: something called os._exit() or exited the "
-            "process from native code. Return from the function instead."
-        )
-
-
-def exit_status(pid: int) -> ExitStatus | None:
-    """How child process `pid` ended, or None while it runs. Never reaps it: torch elastic, which
-    started it, still collects its status (os.waitid with WNOWAIT reads it and leaves it there).
-    """
-    if not hasattr(os, "waitid"):  # macOS: alive or not, nothing more
-        return None if _alive(pid) else ExitStatus()
-    try:
-        info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-    except ChildProcessError:  # collected already (or not ours): it has ended, the status is gone
-        return ExitStatus()
-    if info is None or info.si_pid == 0:
-        return None
-    if info.si_code == os.CLD_EXITED:
-        return ExitStatus(code=info.si_status)
-    return ExitStatus(signal=info.si_status)
 
 
 class _LauncherAbandoned(Exception):
@@ -386,7 +274,7 @@ class _Run:
         watcher.start()
         try:
             with (
-                _launch_environment(child.use_cpu, env),
+                environment(env),
                 _loopback_rendezvous() as port,
                 _elastic_quiet(),
                 _kernel_signals_kept(),
@@ -423,15 +311,23 @@ class _Run:
             failure_text = f"{type(failure).__name__}: {failure}" if failure is not None else ""
             failure = None
             gc.collect()
+        self._conclude(launcher_failures, failure_text)
+
+    def _conclude(self, launcher_failures: dict[int, ExitStatus], failure_text: str) -> None:
+        """After every rank has ended: raise what the launch came to (KeyboardInterrupt, LaunchError),
+        from what the supervisor saw and what only torch elastic saw (`launcher_failures`, its error's
+        text `failure_text`); return for a launch whose every rank returned.
+        """
         if self.interrupted:
-            print(f"nbkit: interrupted; stopped ranks {', '.join(map(str, sorted(self.pids)))}.", file=sys.stderr)
+            _log.warning("nbkit: interrupted; stopped ranks %s.", ", ".join(map(str, sorted(self.pids))))
             raise KeyboardInterrupt
         if self.lingered:
-            print(
-                f"nbkit: rank(s) {', '.join(map(str, sorted(self.lingered)))} returned, but their processes were "
-                f"still running {_EXIT_GRACE_S:g} s later (a thread that does not end, or a hang at exit); nbkit "
-                "stopped them and kept rank 0's value. Join the threads a function starts before it returns.",
-                file=sys.stderr,
+            _log.warning(
+                "nbkit: rank(s) %s returned, but their processes were still running %g s later (a thread that does "
+                "not end, or a hang at exit); nbkit stopped them and kept rank 0's value. Join the threads a "
+                "function starts before it returns.",
+                ", ".join(map(str, sorted(self.lingered))),
+                _EXIT_GRACE_S,
             )
         for rank, status in launcher_failures.items():  # what only torch elastic saw
             if self.exits.get(rank, ExitStatus()) == ExitStatus():
@@ -460,7 +356,7 @@ class _Run:
         """Rank 0's return value (after a successful execute)."""
         if self.payload is None:
             raise LaunchError("Rank 0 finished without its return value reaching the notebook.")
-        return pickle.loads(self.payload)
+        return rankside.load_value(self.payload)
 
     # -- the supervisor thread --------------------------------------------------------------
     def _watch(self, deadline: float | None) -> None:
@@ -486,7 +382,7 @@ class _Run:
             self.pids[rank] = body.pid
             if self.stopped_at is not None:  # started after the run was stopped
                 self.killed.add(rank)
-                _kill(body.pid, signal.SIGKILL)
+                kill(body.pid, signal.SIGKILL)
         elif isinstance(body, channel.Returned):
             self.returned.add(rank)
         elif isinstance(body, channel.Result):
@@ -503,7 +399,7 @@ class _Run:
             try:
                 self.on_event(rank, body.metrics)
             except Exception:  # a display problem must never take the training run down
-                logging.getLogger("nbkit").exception("nbkit: the event handler failed")
+                _log.exception("nbkit: the event handler failed")
 
     def _check_exits(self, *, drain: bool) -> None:
         """Record ranks that ended without returning; a rank's first-hand end is a failure."""
@@ -568,7 +464,7 @@ class _Run:
                 continue
             if exit_status(pid) is None:
                 self.killed.add(rank)
-                _kill(pid, signal.SIGKILL)
+                kill(pid, signal.SIGKILL)
 
     def _stop_lingering(self) -> None:
         """Every rank returned: stop those whose processes have not ended within _EXIT_GRACE_S.
@@ -612,28 +508,24 @@ class _Run:
     # -- stopping ---------------------------------------------------------------------------
     def _stop_leftovers(self) -> None:
         """Make sure no rank outlives the launch: SIGTERM, a short grace, then SIGKILL."""
-        alive = [pid for pid in self.pids.values() if _alive(pid)]
+        alive = [pid for pid in self.pids.values() if pid_alive(pid)]
         for pid in alive:
-            _kill(pid, signal.SIGTERM)
+            kill(pid, signal.SIGTERM)
         deadline = time.monotonic() + 5
         while alive and time.monotonic() < deadline:
-            alive = [pid for pid in alive if _alive(pid)]
+            alive = [pid for pid in alive if pid_alive(pid)]
             time.sleep(0.05)
         for pid in alive:
-            _kill(pid, signal.SIGKILL)
+            kill(pid, signal.SIGKILL)
         for pid in self.pids.values():
             with contextlib.suppress(ChildProcessError, OSError):
                 os.waitpid(pid, 0 if pid in alive else os.WNOHANG)
 
     # -- messages ---------------------------------------------------------------------------
     def _timeout_message(self) -> str:
-        hint = (
-            "A rank that waits in a collective (all-reduce, barrier) for a peer that never arrives hangs "
-            "like this: check that every rank runs the same steps on the same number of batches."
-        )
         return (
             f"The launch did not finish within the timeout ({self.timeout:g} s); all {self.nprocs} ranks "
-            f"were stopped. {hint}"
+            f"were stopped. {hang_hint()}"
         )
 
     def _failure_error(self) -> LaunchError:
@@ -648,16 +540,9 @@ class _Run:
             "1 process launched" if self.nprocs == 1 else f"{self.nprocs} processes launched; the others were stopped"
         )
         lines = [f"{', then '.join(heads)} ({launched})."]
-        for marker, hint in _FAILURE_HINTS:
-            if any(marker in e.message for e in self.errors.values()):
-                lines.append(hint)
-        for rank, why in failures.items():
-            lines.append(f"\n[rank {rank}] {why}")
-            err = self.errors.get(rank)
-            if err is not None:
-                lines.append(err.traceback.rstrip())
-            else:
-                lines.append(self.exits.get(rank, ExitStatus()).hint)
+        lines += render_failures(
+            {r: self.errors.get(r) or self.exits.get(r, ExitStatus()) for r in failures}, self.errors.values()
+        )
         after = [e for r, e in sorted(self.errors.items()) if r not in failures and e.secondary]
         for err in after:
             first = err.message.strip().splitlines()[0] if err.message.strip() else ""
@@ -680,25 +565,6 @@ def _is_interrupt(exc: BaseException) -> bool:
     """Torch elastic turns SIGINT into SignalException while its handlers are installed."""
     sigval = getattr(exc, "sigval", None)
     return sigval is not None and sigval in (signal.SIGINT, signal.SIGTERM)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ", 1)[1][0] != "Z"
-    except (FileNotFoundError, IndexError):
-        return False
-    except OSError:  # no /proc (macOS): fall back to a signal probe
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        return True
-
-
-def _kill(pid: int, sig: signal.Signals) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.kill(pid, sig)
 
 
 @contextlib.contextmanager
@@ -772,17 +638,6 @@ def _loopback_rendezvous() -> Iterator[int]:
         yield port
     finally:
         del store
-
-
-@contextlib.contextmanager
-def _launch_environment(use_cpu: bool, extra: dict[str, str]) -> Iterator[None]:
-    values = {"NBKIT_LAUNCHED": "1", **extra}
-    if use_cpu:
-        values["ACCELERATE_USE_CPU"] = "true"
-        if sys.platform.startswith("linux"):
-            values.setdefault("GLOO_SOCKET_IFNAME", os.environ.get("GLOO_SOCKET_IFNAME", "lo"))
-    with environment(values):
-        yield
 
 
 @contextlib.contextmanager
@@ -945,7 +800,7 @@ class _Child:
             output = _prepare_rank(quiet=self.quiet, rank=rank, descriptors=True)
             value = self.fn(*self.args, **self.kwargs)
             if rank == 0:
-                channel.send(channel.Result(pickle_for_notebook(value)))
+                channel.send(channel.Result(rankside.pickle_for_notebook(value)))
             channel.send(channel.Returned())
         except BaseException as exc:
             channel.send(
@@ -954,10 +809,7 @@ class _Child:
                         rank=rank,
                         type=type(exc).__qualname__,
                         message=str(exc),
-                        # tb_next: start the traceback in the user's function, not in this wrapper
-                        traceback="".join(
-                            traceback.format_exception(type(exc), exc, exc.__traceback__ and exc.__traceback__.tb_next)
-                        ),
+                        traceback=rankside.rank_traceback(exc),
                         time=time.time(),
                     )
                 )
@@ -987,37 +839,6 @@ def _prepare_rank(*, quiet: bool, rank: int, descriptors: bool) -> rankoutput.Ra
     output = rankoutput.route_launched(rank, quiet, sys.stdout, sys.stderr, descriptors=descriptors)
     integration.prepare_rank(owns_exit=descriptors)
     return output
-
-
-def pickle_for_notebook(value: Any) -> bytes:
-    """Pickle rank 0's return value with every tensor moved to the CPU."""
-    buf = io.BytesIO()
-    try:
-        CpuPickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(value)
-    except Exception as exc:
-        raise TypeError(
-            f"Rank 0's return value ({type(value).__name__}) cannot be sent back to the notebook: {exc}. "
-            "Return plain data (numbers, strings, dicts, lists, CPU tensors) or save large objects to disk "
-            "and return the path."
-        ) from exc
-    return buf.getvalue()
-
-
-class CpuPickler(pickle.Pickler):
-    """Pickles tensors from any device as CPU tensors, so unpickling never initialises CUDA."""
-
-    def reducer_override(self, obj: Any) -> Any:
-        return cpu_reduction(obj)
-
-
-def cpu_reduction(obj: Any) -> Any:
-    """For a tensor on an accelerator, the pickle reduction of its CPU copy; NotImplemented for
-    anything else (a pickler's reducer_override then pickles it as usual).
-    """
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(obj, torch.Tensor) and obj.device.type not in ("cpu", "meta"):
-        return obj.detach().cpu().__reduce_ex__(pickle.HIGHEST_PROTOCOL)
-    return NotImplemented
 
 
 def die_with_parent() -> None:

@@ -1,6 +1,10 @@
 """IPython magics: `%load_ext nbkit` adds %ddp, %%ddp and %nbkit. Thin layers over the Python API.
 
-%ddp start [--gpus N] [--timeout S] [--env KEY=VALUE ...]
+Each magic parses its line (nbkit.ddp_options), calls the API (a %%ddp cell: nbkit.run_cell, which
+holds the routing between live set, fork and spawn) and stores --out; `-h` after any of them, and
+`%%ddp?`, `%ddp?`, `%nbkit?`, list the options, one line each. Runs in the notebook process only.
+
+%ddp start [--gpus N] [--timeout S] [--env KEY=VALUE ...] [--strategy {ddp,fsdp}] [--emulate PROFILE]
     nbkit.start(...): a live set of training processes, one per GPU (N gloo processes on a CPU),
     that stay up across cells until %ddp stop. While it runs, every %%ddp cell runs on it.
 %ddp stop                           ranks.stop(); after a set that a failure ended, makes %%ddp one-shot again
@@ -21,7 +25,7 @@
     it sent until it stops (`del data` frees it then). Notebook functions and classes travel every
     time, with the notebook values they read then. A rank's exception fails the cell (LiveError)
     and every rank stays up with its names. --timeout S ends the set when the cell takes longer.
-    --gpus, --env and --spawn belong to starting processes and are refused here (%ddp stop, then
+    --gpus, --env, --spawn, --strategy and --emulate belong to starting processes and are refused here (%ddp stop, then
     %ddp start with them); a --rank the set does not have, and a cell that does not parse
     (CellSyntaxError, its line and Python's reason), fail before anything runs. The stop button
     during trainer.train() stops training at a step every rank agrees on and keeps the set
@@ -30,6 +34,7 @@
     --timeout ends the set.
 
 %%ddp [--gpus N] [--out NAME] [--timeout S] [--all-ranks] [--env KEY=VALUE ...] [--spawn]
+      [--strategy {ddp,fsdp}] [--emulate PROFILE]
     (no live set) Runs the cell body on N processes (nbkit.launch) and shows rank 0's value of the last
     expression; --out NAME also stores it in the notebook. Ranks other than 0 are silent unless
     --all-ranks. A failure shows one rank-labelled traceback and raises nbkit.LaunchError (the
@@ -62,19 +67,17 @@
 from __future__ import annotations
 
 import argparse
-import os
-import re
 import shlex
+from collections.abc import Callable
 from typing import Any
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 
 from nbkit import ddp_options
+from nbkit.ddp_options import HelpShown, OptionParser, OptionsError
 
 __all__ = ["NbkitMagics", "register", "unregister"]
-
-_NBKIT_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
 def register(ipython: Any) -> None:
@@ -91,258 +94,203 @@ def unregister(ipython: Any) -> None:
     manager.registry.pop(NbkitMagics.__name__, None)
 
 
+def _plan_parser() -> argparse.ArgumentParser:
+    parser = OptionParser("%nbkit plan")
+    parser.add_argument("model", help="hub id, local path, or nbkit name (tiny:..., random:...)")
+    parser.add_argument("--seq-len", type=int, dest="seq_len", metavar="N", help="tokens per sample")
+    parser.add_argument("--batch-size", type=int, dest="batch_size", metavar="N", help="samples per GPU and step")
+    parser.add_argument("--4bit", action="store_true", dest="load_in_4bit", help="load the model in 4 bits")
+    parser.add_argument("--gpus", type=int, metavar="N", help="GPUs to plan for")
+    parser.add_argument("--gpu-memory", type=float, dest="gpu_memory_gib", metavar="GIB", help="memory per GPU")
+    parser.add_argument("--lora-rank", type=int, dest="lora_rank", metavar="R", help="LoRA rank")
+    parser.add_argument("--gpu-model", dest="gpu", metavar="NAME", help='the GPU model, e.g. "Tesla T4"; or cpu')
+    parser.add_argument(
+        "--effective-batch", type=int, dest="effective_batch", metavar="N", help="also the Trainer batch keeping N"
+    )
+    return parser
+
+
+def _export_parser() -> argparse.ArgumentParser:
+    parser = OptionParser("%nbkit export")
+    parser.add_argument("notebook", help="the saved .ipynb file")
+    parser.add_argument("cell", help="the cell: a tag, a cell id, or its index (0 = first cell)")
+    parser.add_argument("-o", "--out", required=True, help="the script to write, e.g. train.py")
+    return parser
+
+
+def _with_options(*usages: Callable[[], str]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Append the option lists to a magic's docstring, which `%%ddp?` / `%ddp?` / `%nbkit?` show."""
+
+    def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
+        fn.__doc__ = (fn.__doc__ or "") + "\n\n" + "\n".join(usage() for usage in usages)
+        return fn
+
+    return decorate
+
+
+def _parsed(parse: Callable[[Any], Any], line: Any) -> Any:
+    """`parse(line)`, with OptionsError as IPython's one-line UsageError; None after -h (shown)."""
+    try:
+        return parse(line)
+    except OptionsError as exc:
+        raise UsageError(str(exc)) from None
+    except HelpShown as shown:
+        print(shown.text)
+        return None
+
+
 @magics_class
 class NbkitMagics(Magics):
     """The %ddp line magic, the %%ddp cell magic and the %nbkit line magic."""
 
     # (the ignore: IPython's stubs type the decorator that takes a name as accepting nothing)
     @line_magic("ddp")  # type: ignore[arg-type]
+    @_with_options(ddp_options.start_usage)
     def ddp_line(self, line: str) -> None:
-        """%ddp start [--gpus N] [--timeout S] [--env K=V ...] | stop | status (see nbkit.magics)."""
+        """%ddp start [options] | stop | status: start, stop or show the live set (see nbkit.magics)."""
         from nbkit import live
 
         command, _, rest = line.strip().partition(" ")
-        ranks = live.current()
         if command == "start":
-            try:
-                opts = ddp_options.parse_start(rest)
-            except ddp_options.OptionsError as exc:
-                raise UsageError(str(exc)) from None
-            ranks = live.start(gpus=opts.gpus, timeout=opts.timeout, env=opts.env)
-            devices = ", ".join(sorted({r.device for r in ranks.status().ranks}))
-            print(f"nbkit: live set of {ranks.world_size} rank(s) on {devices}; %%ddp cells now run on it.")
-        elif command == "stop":
-            gone = live.ended()
-            if ranks is None and gone is not None:
-                live.forget_ended()
-                print(f"nbkit: the live set had ended: {gone.status().ended} %%ddp cells are one-shot again.")
-                return
-            if ranks is None:
-                print("nbkit: no live set is running.")
-                return
-            ranks.stop()
-            print(f"nbkit: stopped the live set ({ranks.world_size} rank(s)).")
-        elif command == "status":
-            gone = live.ended()
-            if ranks is not None:
-                print(ranks.status())
-            elif gone is not None:  # says that it ended, why, and what to do
-                print(gone.status())
-            else:
-                print("nbkit: no live set is running (%ddp start starts one).")
+            opts = _parsed(ddp_options.parse_start, rest)
+            if opts is not None:
+                ranks = live.start(
+                    gpus=opts.gpus, timeout=opts.timeout, env=opts.env, strategy=opts.strategy, emulate=opts.emulate
+                )
+                devices = ", ".join(sorted({r.device for r in ranks.status().ranks}))
+                print(f"nbkit: live set of {ranks.world_size} rank(s) on {devices}; %%ddp cells now run on it.")
+        elif command in ("stop", "status"):
+            print(_stop() if command == "stop" else _status())
+        elif command in ("-h", "--help"):
+            print(ddp_options.start_usage())
         else:
-            raise UsageError("%ddp takes one of: start [--gpus N] [--timeout S] [--env KEY=VALUE ...] | stop | status")
+            raise UsageError(
+                "%ddp takes one of: start [--gpus N] [--timeout S] [--env KEY=VALUE ...] [--strategy {ddp,fsdp}] "
+                "[--emulate PROFILE] | stop | status"
+            )
 
     @cell_magic
+    @_with_options(ddp_options.usage)
     def ddp(self, line: str, cell: str) -> Any:
-        """Run this cell on every GPU: on the live set if one runs, else one-shot (see nbkit.magics).
+        """Run this cell on every GPU: on the live set if one runs, else one-shot (nbkit.run_cell).
 
         On a live set, notebook names the cell reads are sent once per object: a later cell that reads
         the same object sends nothing; rebinding the name in the notebook sends it again. A change made
         in place to an object already sent (`data.append(x)`) does not reach the ranks: rebind the name
         or use --resend NAME (--resend alone: every name the cell reads). Names the ranks' cells defined
-        are never replaced by notebook objects.
+        are never replaced by notebook objects. See nbkit.magics for the rest.
         """
-        from nbkit import cells, live, spawning
-        from nbkit.errors import LaunchError, LiveError
-        from nbkit.launching import launch
+        from nbkit.cellrun import run_cell
 
-        try:
-            args = ddp_options.parse(line)
-        except ddp_options.OptionsError as exc:
-            raise UsageError(str(exc)) from None
+        args = _parsed(ddp_options.parse, line)
+        if args is None:
+            return None
         shell = self.shell
         assert shell is not None
-        ranks = live.current()
-        if ranks is not None:
-            return self._live_cell(ranks, args, cell)
-        gone = live.ended()
-        if gone is not None:
-            # Its cells expect the names that lived on the ranks: a one-shot run would fail oddly.
-            raise LiveError(
-                f"The live set has ended: {gone.status().ended} Its names are gone. %ddp start starts a new one "
-                "(then run the cells that load the model again); %ddp stop makes %%ddp cells one-shot again.",
-                ended=True,
-            )
-        if args.ranks is not None:
-            raise UsageError(
-                "%%ddp --rank runs a cell on some ranks of a live set, and none is running. Start one with "
-                "%ddp start (its processes stay up across cells), or leave --rank out: a one-shot %%ddp runs "
-                "on every rank."
-            )
         source = shell.transform_cell(cell)
         # Registered in linecache, so tracebacks of the ranks show the cell's lines.
         filename = shell.compile.cache(source, shell.execution_count)
-        cells.parse(source, filename)  # a cell that does not parse fails here, before any process starts
-        blocker = None if args.spawn else spawning.fork_blocker()
         try:
-            if args.spawn or blocker is not None:
-                value = spawning.run_source(
-                    source,
-                    shell.user_ns,
-                    filename=filename,
-                    reason=blocker or "asked for with --spawn",
-                    gpus=args.gpus,
-                    timeout=args.timeout,
-                    quiet=not args.all_ranks,
-                    env=args.env,
-                )
-            else:
-                value = launch(
-                    _cell_runner(source, shell.user_ns, filename),
-                    gpus=args.gpus,
-                    timeout=args.timeout,
-                    quiet=not args.all_ranks,
-                    env=args.env,
-                )
-        except LaunchError as exc:
-            # The same error, without the frames of nbkit's own plumbing in the ranks' tracebacks.
-            error = LaunchError(
-                _PLUMBING.sub("", str(exc)), failures=exc.failures, errors=exc.errors, timed_out=exc.timed_out
+            value = run_cell(
+                source,
+                shell.user_ns,
+                gpus=args.gpus,
+                timeout=args.timeout,
+                all_ranks=args.all_ranks,
+                env=args.env,
+                spawn=args.spawn,
+                ranks=args.ranks,
+                resend=True if args.resend == [] else args.resend or False,
+                strategy=args.strategy,
+                emulate=args.emulate,
+                filename=filename,
             )
-            raise error from None
-        return self._finish(args, cell, value)
-
-    def _live_cell(self, ranks: Any, args: ddp_options.DdpOptions, cell: str) -> Any:
-        from nbkit import cells
-
-        shell = self.shell
-        assert shell is not None
-        refused = [
-            name for name, given in (("--gpus", args.gpus), ("--env", args.env), ("--spawn", args.spawn)) if given
-        ]
-        if refused:
-            raise UsageError(
-                f"{', '.join(refused)} set up processes, and a live set of {ranks.world_size} rank(s) is running: "
-                "its processes are already set up. Leave it out, or %ddp stop and %ddp start with it."
-            )
-        bad = [r for r in args.ranks or () if r >= ranks.world_size]
-        if bad:
-            raise UsageError(
-                f"--rank {' '.join(map(str, bad))}: the live set has {ranks.world_size} rank(s), numbered 0 to "
-                f"{ranks.world_size - 1}."
-            )
-        source = shell.transform_cell(cell)
-        filename = shell.compile.cache(source, shell.execution_count)
-        cells.parse(source, filename)  # a cell that does not parse fails here, before anything is sent
-        value = ranks.exec(
-            source,
-            ranks=args.ranks if args.ranks is not None else "all",
-            names=ranks.names_for(source, shell.user_ns),
-            timeout=args.timeout,
-            all_ranks=args.all_ranks,
-            filename=filename,
-            resend=True if args.resend == [] else args.resend or False,
-        )
-        return self._finish(args, cell, value)
-
-    def _finish(self, args: ddp_options.DdpOptions, cell: str, value: Any) -> Any:
+        except OptionsError as exc:
+            raise UsageError(str(exc)) from None
         if args.out is not None:
-            assert self.shell is not None
-            self.shell.user_ns[args.out] = value
+            shell.user_ns[args.out] = value
         if cell.rstrip().endswith(";"):  # IPython's "no output" convention
             return None
         return value
 
     @line_magic
+    @_with_options(
+        lambda: OptionParser("%nbkit doctor").format_help(), _plan_parser().format_help, _export_parser().format_help
+    )
     def nbkit(self, line: str) -> None:
-        """%nbkit doctor | plan MODEL ... | export NOTEBOOK CELL_OR_TAG -o OUT (see nbkit.magics)."""
+        """%nbkit doctor | plan MODEL [options] | export NOTEBOOK CELL_OR_TAG -o OUT (see nbkit.magics)."""
         words = shlex.split(line)
         command, rest = (words[0], words[1:]) if words else ("", [])
-        handlers = {"doctor": self._doctor, "plan": self._plan, "export": self._export}
+        handlers = {"doctor": _doctor, "plan": _plan, "export": _export}
         if command not in handlers:
             raise UsageError(
                 "%nbkit takes one of: doctor | plan MODEL [options] | "
                 "export NOTEBOOK CELL_OR_TAG -o OUT.py  (%nbkit plan -h for options)"
             )
-        try:
-            handlers[command](rest)
-        except _HelpShown:
-            pass
+        handlers[command](rest)
 
-    def _doctor(self, words: list[str]) -> None:
-        from nbkit.diagnostics import doctor
 
-        _parser("%nbkit doctor").parse_args(words)
+def _stop() -> str:
+    from nbkit import live
+
+    ranks, gone = live.current(), live.ended()
+    if ranks is None and gone is not None:
+        live.forget_ended()
+        return f"nbkit: the live set had ended: {gone.status().ended} %%ddp cells are one-shot again."
+    if ranks is None:
+        return "nbkit: no live set is running."
+    ranks.stop()
+    return f"nbkit: stopped the live set ({ranks.world_size} rank(s))."
+
+
+def _status() -> str:
+    from nbkit import live
+
+    ranks, gone = live.current(), live.ended()
+    if ranks is not None:
+        return str(ranks.status())
+    if gone is not None:  # says that it ended, why, and what to do
+        return str(gone.status())
+    return "nbkit: no live set is running (%ddp start starts one)."
+
+
+def _doctor(words: list[str]) -> None:
+    from nbkit.diagnostics import doctor
+
+    if _parsed(OptionParser("%nbkit doctor").parse_args, words) is not None:
         print(doctor())
 
-    def _plan(self, words: list[str]) -> None:
-        from nbkit.planner import plan
 
-        parser = _parser("%nbkit plan")
-        parser.add_argument("model", help="hub id, local path, or nbkit name (tiny:..., random:...)")
-        parser.add_argument("--seq-len", type=int, dest="seq_len")
-        parser.add_argument("--batch-size", type=int, dest="batch_size")
-        parser.add_argument("--4bit", action="store_true", dest="load_in_4bit")
-        parser.add_argument("--gpus", type=int)
-        parser.add_argument("--gpu-memory", type=float, dest="gpu_memory_gib", metavar="GIB")
-        parser.add_argument("--lora-rank", type=int, dest="lora_rank")
-        parser.add_argument("--gpu-model", dest="gpu", metavar="NAME", help='the GPU model, e.g. "Tesla T4"; or cpu')
-        parser.add_argument("--effective-batch", type=int, dest="effective_batch", metavar="N")
-        args = vars(parser.parse_args(words))
-        model, effective_batch = args.pop("model"), args.pop("effective_batch")
-        # Only what was given: the planner's own defaults apply to the rest. Compared by identity:
-        # `0 in (None, False)` is True, which dropped --gpu-memory 0 before plan could refuse it.
-        options = {k: v for k, v in args.items() if v is not None and v is not False}
-        try:
-            planned = plan(model, **options)
-            settings = None if effective_batch is None else planned.batch_settings(effective_batch)
-        except ValueError as exc:
-            raise UsageError(str(exc)) from None
-        print(planned if settings is None else f"{planned}\n{settings}")
+def _plan(words: list[str]) -> None:
+    from nbkit.planner import plan
 
-    def _export(self, words: list[str]) -> None:
-        from nbkit.export import export_script
-
-        parser = _parser("%nbkit export")
-        parser.add_argument("notebook", help="the saved .ipynb file")
-        parser.add_argument("cell", help="the cell: a tag, a cell id, or its index (0 = first cell)")
-        parser.add_argument("-o", "--out", required=True, help="the script to write, e.g. train.py")
-        args = parser.parse_args(words)
-        try:
-            path = export_script(args.notebook, args.cell, args.out)
-        except (ValueError, FileNotFoundError) as exc:
-            raise UsageError(str(exc)) from None
-        print(
-            f"nbkit: wrote {path}. Run it with: torchrun --nproc_per_node <GPUs> {path}  "
-            f"(or: accelerate launch {path}; or python {path}, which forks one process per GPU)"
-        )
+    parsed = _parsed(_plan_parser().parse_args, words)
+    if parsed is None:
+        return
+    args = vars(parsed)
+    model, effective_batch = args.pop("model"), args.pop("effective_batch")
+    # Only what was given: the planner's own defaults apply to the rest. Compared by identity:
+    # `0 in (None, False)` is True, which dropped --gpu-memory 0 before plan could refuse it.
+    options = {k: v for k, v in args.items() if v is not None and v is not False}
+    try:
+        planned = plan(model, **options)
+        settings = None if effective_batch is None else planned.batch_settings(effective_batch)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    print(planned if settings is None else f"{planned}\n{settings}")
 
 
-def _cell_runner(source: str, namespace: dict[str, Any], filename: str) -> Any:
-    from nbkit.cells import run_cell
+def _export(words: list[str]) -> None:
+    from nbkit.export import export_script
 
-    def run_ddp_cell() -> Any:
-        # In a forked rank `namespace` is the rank's own copy of the notebook's names: the cell
-        # sees them all, and what it assigns stays in the rank.
-        return run_cell(source, namespace, filename)
-
-    return run_ddp_cell
-
-
-# A frame of nbkit's own cell plumbing in a rank's traceback: its "File" line and the source and
-# caret lines under it.
-_PLUMBING = re.compile(
-    r'^  File "' + re.escape(_NBKIT_DIR) + r'/(cells|spawning|magics)\.py", line \d+, in \w+\n(    .*\n)*',
-    re.MULTILINE,
-)
-
-
-class _HelpShown(Exception):
-    pass
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse for a magic: errors become UsageError (shown in one line), -h does not exit."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        raise UsageError(f"{self.prog}: {message}")
-
-    def exit(self, status: int = 0, message: str | None = None) -> None:  # type: ignore[override]
-        if message:
-            print(message)
-        raise _HelpShown
-
-
-def _parser(prog: str) -> argparse.ArgumentParser:
-    return _Parser(prog=prog, add_help=True)
+    args = _parsed(_export_parser().parse_args, words)
+    if args is None:
+        return
+    try:
+        path = export_script(args.notebook, args.cell, args.out)
+    except (ValueError, FileNotFoundError) as exc:
+        raise UsageError(str(exc)) from None
+    print(
+        f"nbkit: wrote {path}. Run it with: torchrun --nproc_per_node <GPUs> {path}  "
+        f"(or: accelerate launch {path}; or python {path}, which forks one process per GPU)"
+    )

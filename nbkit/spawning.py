@@ -5,7 +5,8 @@ that has initialised CUDA (say, after inference in an earlier cell), imported bi
 created an accelerate state cannot be forked into working training processes. `run_source`
 then starts a fresh Python process (nothing inherited but the environment, the working directory
 and sys.path) that runs nbkit.launch itself, so the ranks are forked from a clean process; each
-rank gets the notebook names the cell needs and runs the cell:
+rank gets the notebook names the cell needs (chosen and pickled by nbkit.notebook_names, the rule a
+live set follows too) and runs the cell:
 
 - the values are pickled by value with cloudpickle, all in one go (tensors come along on the CPU):
   functions, classes, lambdas and closures defined in the notebook included, with the notebook
@@ -28,11 +29,10 @@ import builtins
 import codecs
 import collections
 import contextlib
-import io
 import linecache
+import logging
 import os
 import pickle
-import re
 import signal
 import subprocess
 import sys
@@ -40,21 +40,21 @@ import threading
 import time
 import types
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from multiprocessing import Pipe
 from multiprocessing.connection import Connection
 from typing import Any
 
-import cloudpickle
-
-from nbkit import cells, dashboard, distributed, forksafety, launching
+from nbkit import cells, dashboard, distributed, forksafety, launching, rankside, supervisor
 from nbkit.errors import BringAlongError, LaunchError, RankError
+from nbkit.notebook_names import BroughtAlong, bring_along
 
 __all__ = ["BringAlongError", "BroughtAlong", "bring_along", "check_syntax", "fork_blocker", "run_source"]
 
-# IPython's own names in a notebook namespace (history, output cache, helpers): never brought along.
-_IPYTHON_NAME = re.compile(r"^(In|Out|get_ipython|exit|quit|_(i+|\d+|i\d+|oh|ih|dh)?|__+|__\w+__)$")
-_INTERRUPT_GRACE_S = 15.0
+_log = logging.getLogger("nbkit.spawning")
+# After SIGINT, how long the launcher process gets to stop its ranks (each SIGTERM, then SIGKILL after
+# 5 s) and report, before it is killed.
+_LAUNCHER_STOP_GRACE_S = 15.0
 # The launcher process enforces `timeout` itself; the notebook side stops it only if it hangs past
 # this much more (its start, importing torch, takes seconds on a loaded machine).
 _LAUNCHER_SLACK_S = 60.0
@@ -78,12 +78,14 @@ def run_source(
     dashboard: bool = True,
     filename: str = "<ddp cell>",
     reason: str | forksafety.ForkBlocker | None = None,
+    strategy: str = "ddp",
+    emulate: str | None = None,
 ) -> Any:
     """Run `source` (plain Python, as a notebook cell) on `gpus` fresh processes; return rank 0's
     value of its last expression (None if it ends with a statement).
 
     Takes the names of earlier cells from `namespace` (see the module doc for what is brought
-    along); gpus/timeout/quiet/env/dashboard as in nbkit.launch. Prints one line saying that
+    along); gpus/timeout/quiet/env/dashboard/strategy/emulate as in nbkit.launch. Prints one line saying that
     spawn mode runs, why (`reason`), and what is brought along.
 
     Raises CellSyntaxError (the source does not parse), BringAlongError (a needed name cannot be
@@ -93,7 +95,8 @@ def run_source(
     when it cannot start (for instance more GPUs than exist).
     """
     timeout = launching.check_timeout(timeout)
-    gpus = launching.check_gpus(gpus)
+    gpus = rankside.check_gpus(gpus)
+    strategy = rankside.check_strategy(strategy)
     check_syntax(source, filename)
     brought = bring_along(source, namespace)
     why = f" Why: {str(reason).rstrip('.')}." if reason else ""
@@ -109,6 +112,8 @@ def run_source(
         quiet=quiet,
         env=dict(env or {}),
         dashboard=dashboard,
+        strategy=strategy,
+        emulate=emulate,
     )
     return _Coordinator(job).run()
 
@@ -116,130 +121,6 @@ def run_source(
 def check_syntax(source: str, filename: str) -> None:
     """Raise CellSyntaxError, pointing at the line, if `source` does not parse."""
     cells.parse(source, filename)
-
-
-# --------------------------------------------------------------------------------------------
-# What to bring along
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class BroughtAlong:
-    """The notebook names a cell needs, pickled together (so shared objects stay shared).
-
-    Attributes:
-        names: the names bound in each rank's namespace: those the cell reads, and the notebook
-            functions and classes that their values reach (so that rank 0's return value, pickled
-            by reference to them, comes back).
-        reached: every notebook name that comes along, including the globals that notebook
-            functions read (what the user is told).
-        payload: cloudpickle's bytes of {name: value}; load them with `load_into(namespace)`.
-        sources: linecache entries of the notebook cells those functions were defined in, so
-            the ranks' tracebacks show their lines.
-    """
-
-    names: tuple[str, ...]
-    reached: tuple[str, ...]
-    payload: bytes
-    sources: dict[str, list[str]] = field(default_factory=dict)
-
-    def load_into(self, namespace: dict[str, Any]) -> None:
-        """Unpickle the values into `namespace`, which becomes the notebook functions' globals."""
-        for filename, lines in self.sources.items():
-            linecache.cache.setdefault(filename, (sum(map(len, lines)), None, lines, filename))
-        namespace.update(_RankUnpickler(io.BytesIO(self.payload), namespace).load())
-
-
-def bring_along(source: str, namespace: Mapping[str, Any]) -> BroughtAlong:
-    """The notebook names `source` needs, pickled by value with cloudpickle.
-
-    Raises BringAlongError naming the first needed name whose value cannot be pickled.
-    """
-    names = sorted(n for n in cells.free_names(source) if n in namespace and not _IPYTHON_NAME.match(n))
-    pickler = _pickle(names, namespace)
-    # Notebook functions and classes the values reach, still bound under their name here.
-    reached = sorted(n for n, obj in pickler.defined.items() if n not in names and namespace.get(n) is obj)
-    if reached:
-        names = sorted(names + reached)
-        pickler = _pickle(names, namespace)
-    globals_read = sorted(pickler.globals_read - set(names))
-    return BroughtAlong(
-        names=tuple(names),
-        reached=tuple(names + globals_read),
-        payload=pickler.buffer.getvalue(),
-        sources={f: list(linecache.getlines(f)) for f in sorted(pickler.filenames) if linecache.getlines(f)},
-    )
-
-
-# Stands for the notebook's namespace in the pickle: cloudpickle pickles the globals of a notebook
-# function as a dict of the names it reads, which the rank then merges into its own namespace.
-_NOTEBOOK_GLOBALS = "nbkit:notebook-globals"
-
-
-class _NotebookPickler(cloudpickle.Pickler):
-    """cloudpickle (notebook functions and classes by value; tensors to the CPU) that notes what
-    of the notebook it reaches, and makes notebook functions share the rank's namespace.
-    """
-
-    def __init__(self, namespace: Mapping[str, Any]):
-        self.buffer = io.BytesIO()
-        super().__init__(self.buffer, protocol=pickle.HIGHEST_PROTOCOL)
-        self.namespace = namespace
-        self.defined: dict[str, Any] = {}
-        self.globals_read: set[str] = set()
-        self.filenames: set[str] = set()
-        # cloudpickle.Pickler.globals_ref maps id(a function's __globals__) to the dict that
-        # stands for it in the pickle (documented in cloudpickle's _function_getnewargs); ours
-        # is pickled as a persistent id that the rank resolves to its own namespace.
-        self._globals_stand_in: dict[str, Any] = {}
-        self.globals_ref[id(namespace)] = self._globals_stand_in
-
-    def persistent_id(self, obj: Any) -> str | None:
-        return _NOTEBOOK_GLOBALS if obj is self._globals_stand_in else None
-
-    def reducer_override(self, obj: Any) -> Any:
-        if isinstance(obj, (type, types.FunctionType)) and getattr(obj, "__module__", None) == "__main__":
-            self.defined.setdefault(obj.__qualname__.split(".")[0], obj)
-            if isinstance(obj, types.FunctionType):
-                self.globals_read |= _names_read(obj.__code__) & self.namespace.keys()
-                self.filenames.add(obj.__code__.co_filename)
-        reduction = launching.cpu_reduction(obj)
-        return reduction if reduction is not NotImplemented else super().reducer_override(obj)
-
-
-class _RankUnpickler(pickle.Unpickler):
-    def __init__(self, file: io.BytesIO, namespace: dict[str, Any]):
-        super().__init__(file)
-        self.namespace = namespace
-
-    def persistent_load(self, pid: Any) -> Any:
-        if pid == _NOTEBOOK_GLOBALS:
-            return self.namespace
-        raise pickle.UnpicklingError(f"unknown persistent id {pid!r}")
-
-
-def _names_read(code: types.CodeType) -> set[str]:
-    """Global (and attribute) names a code object and the code nested in it refer to."""
-    names = set(code.co_names)
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):
-            names |= _names_read(const)
-    return names
-
-
-def _pickle(names: list[str], namespace: Mapping[str, Any]) -> _NotebookPickler:
-    pickler = _NotebookPickler(namespace)
-    try:
-        pickler.dump({name: namespace[name] for name in names})
-    except Exception as exc:
-        for name in names:  # which one: the first that fails alone
-            with contextlib.suppress(Exception):
-                _NotebookPickler(namespace).dump(namespace[name])
-                continue
-            value = namespace[name]
-            raise BringAlongError(name, f"its value ({type(value).__name__}) cannot be pickled ({exc})") from exc
-        raise BringAlongError(", ".join(names), f"they cannot be pickled together ({exc})") from exc
-    return pickler
 
 
 # --------------------------------------------------------------------------------------------
@@ -260,6 +141,8 @@ class _Job:
     quiet: bool
     env: dict[str, str]
     dashboard: bool
+    strategy: str
+    emulate: str | None
 
 
 @dataclass(frozen=True)
@@ -374,7 +257,7 @@ class _Coordinator:
                 self._stop(proc)
                 return _Failed(
                     f"The launch did not finish within the timeout ({timeout:g} s) and the launcher process did "
-                    "not stop it; all processes were stopped.",
+                    f"not stop it; all processes were stopped. {supervisor.hang_hint()}",
                     {},
                     {},
                     True,
@@ -387,31 +270,22 @@ class _Coordinator:
             try:
                 self.board.event(message.rank, message.metrics)
             except Exception:  # a display problem must never take the run down
-                import logging
-
-                logging.getLogger("nbkit").exception("nbkit: the dashboard failed")
+                _log.exception("nbkit: the dashboard failed")
 
     def _finish(self, outcome: _Outcome | None, returncode: int | None) -> Any:
         self._close_board(isinstance(outcome, _Finished))
         if outcome is None:
             tail = "".join(self.stderr_tail).strip()
-            how = (
-                launching.ExitStatus(signal=-returncode)
-                if returncode is not None and returncode < 0
-                else launching.ExitStatus(code=returncode)
-            )
+            how = supervisor.ExitStatus.from_returncode(returncode)
+            # what a signal means is the same for any process nbkit watches; an exit code of nbkit's own
+            # launcher process means nothing a user did, so no advice comes with one
+            hint = f" {how.hint}" if how.signal is not None else ""
             raise LaunchError(
-                f"The launcher process (spawn mode) {how} before reporting a result; its ranks were stopped "
-                f"with it.{' Its last output:' + chr(10) + tail if tail else ''}"
+                f"The launcher process (spawn mode) {how.cause} before reporting a result; its ranks were stopped "
+                f"with it.{hint}{' Its last output:' + chr(10) + tail if tail else ''}"
             )
         if isinstance(outcome, _Finished):
-            try:
-                return pickle.loads(outcome.payload)
-            except Exception as exc:
-                raise LaunchError(
-                    f"Rank 0's value came back but cannot be rebuilt in the notebook ({exc}). "
-                    "Return plain data (numbers, strings, dicts, lists, tensors)."
-                ) from exc
+            return rankside.load_value(outcome.payload)
         if isinstance(outcome, _Failed):
             raise LaunchError(
                 outcome.message, failures=outcome.failures, errors=outcome.errors, timed_out=outcome.timed_out
@@ -450,7 +324,7 @@ class _Coordinator:
         with contextlib.suppress(ProcessLookupError):
             proc.send_signal(signal.SIGINT)
         try:
-            proc.wait(timeout=_INTERRUPT_GRACE_S)
+            proc.wait(timeout=_LAUNCHER_STOP_GRACE_S)
         except subprocess.TimeoutExpired:
             proc.kill()
 
@@ -490,6 +364,8 @@ def _coordinate() -> None:
             quiet=job.quiet,
             env=job.env,
             dashboard=job.dashboard,
+            strategy=job.strategy,
+            emulate=job.emulate,
         )
         outcome = _Finished(value)
     except LaunchError as exc:
@@ -511,4 +387,4 @@ def _run_rank(job: _Job) -> bytes | None:
     value = cells.run_cell(job.source, main.__dict__, job.filename)
     # Pickled here, unpickled in the notebook, where the notebook's own classes exist (the
     # launcher process in between has none of them).
-    return launching.pickle_for_notebook(value) if distributed.rank() == 0 else None
+    return rankside.pickle_for_notebook(value) if distributed.rank() == 0 else None

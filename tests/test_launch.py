@@ -15,11 +15,11 @@ import pytest
 import torch
 
 import nbkit
-from nbkit import launching
+from nbkit import supervisor
 
 
 def _alive(pid: int) -> bool:
-    return launching._alive(pid)
+    return supervisor.pid_alive(pid)
 
 
 def _allreduce_rank_sum(scale: float, *, offset: float = 0.0) -> dict:

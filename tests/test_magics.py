@@ -43,6 +43,8 @@ CELLS = {
         "import threading\nlock = threading.Lock()\nfrom accelerate import PartialState\nstate = PartialState()"
     ),
     "unbringable": "%%ddp --gpus 2\nlock",
+    "help": "%%ddp -h\nraise SystemExit('the body of a -h cell must not run')",
+    "start_help": "%ddp start -h",
     "spawned": (
         "%%ddp --gpus 2 --out spawned\nimport nbkit, math\nnbkit.report(step=1, loss=0.25, total_steps=1)\n"
         "[helper(nbkit.rank()), box.v, math.floor(2.5), type(box).__name__]"
@@ -185,6 +187,44 @@ def test_after_cuda_is_initialised_in_the_kernel_ddp_spawns_and_uses_every_gpu(t
     assert "spawn mode" in train["stdout"] and "CUDA is already initialised" in train["stdout"]
     # every GPU took part; x came along on the CPU
     assert train["result"] == repr((float(gpus * (gpus + 1) // 2), 3.0, "cpu"))
+
+
+_DDP_OPTIONS = ("--gpus N", "--out NAME", "--timeout S", "--all-ranks", "--env KEY=VALUE", "--spawn", "--rank N")
+_NEW_OPTIONS = ("--strategy {ddp,fsdp}", "--emulate PROFILE")
+
+
+def _one_line_each(text: str, options: tuple[str, ...]) -> None:
+    for option in options:
+        lines = [line for line in text.splitlines() if line.strip().startswith(option)]
+        assert len(lines) == 1 and len(lines[0].split(None, 2)) >= 2, (option, text)
+        assert len(lines[0].strip()) > len(option) + 5, (option, lines)  # its help is on the same line
+
+
+def test_dash_h_lists_every_option_one_line_each_and_runs_nothing(outputs):
+    shown = outputs["help"]
+    assert shown["error"] is None, shown
+    _one_line_each(shown["stdout"], (*_DDP_OPTIONS, *_NEW_OPTIONS, "--resend"))
+    start = outputs["start_help"]
+    assert start["error"] is None and "%ddp start" in start["stdout"], start
+    _one_line_each(start["stdout"], ("--gpus N", "--timeout S", "--env KEY=VALUE", *_NEW_OPTIONS))
+
+
+def test_question_mark_shows_the_options_of_each_magic(kernel_name, tmp_path):
+    from jupyter_client.manager import start_new_kernel
+
+    manager, client = start_new_kernel(kernel_name=kernel_name, cwd=str(tmp_path))
+    try:
+        client.execute_interactive("%load_ext nbkit", timeout=60)
+        pages = {}
+        for query in ("%%ddp?", "%ddp?", "%nbkit?"):
+            reply = client.execute_interactive(query, timeout=60)
+            pages[query] = "\n".join(p["data"]["text/plain"] for p in reply["content"]["payload"])
+    finally:
+        client.stop_channels()
+        manager.shutdown_kernel(now=True)
+    _one_line_each(pages["%%ddp?"], (*_DDP_OPTIONS, *_NEW_OPTIONS))
+    _one_line_each(pages["%ddp?"], ("--gpus N", "--timeout S", *_NEW_OPTIONS))
+    _one_line_each(pages["%nbkit?"], ("--seq-len N", "--gpu-memory GIB", "--effective-batch N", "-o OUT"))
 
 
 def test_cell_analysis_finds_the_names_a_cell_reads_before_binding_them():

@@ -43,7 +43,7 @@ class RankPlan:
         use_cuda: put rank on cuda:local_rank and use nccl (else gloo on the CPU).
         owned: nbkit started the engine (nbkit.start, not connect): it ends on SIGTERM without
             running destructors.
-        env: extra environment variables (nbkit.start(env=...)).
+        env: the rank's nbkit environment (nbkit.rankside.rank_environment, with nbkit.start(env=...)).
     """
 
     rank: int

@@ -28,24 +28,19 @@ import linecache
 import os
 import signal
 import socket
-import sys
 import threading
 import time
-import traceback
 from collections.abc import Callable
 from multiprocessing import connection
 from typing import Any
 
-from nbkit import channel, rankoutput
+from nbkit import channel, rankoutput, rankside
 from nbkit.config import setting
 from nbkit.errors import RankError
 from nbkit.live.messages import CallDone, Display, EngineInfo, Outcome, Output, RankPlan
 
 __all__ = ["free_port", "identify", "pull", "run_code", "run_function", "setup", "teardown"]
 
-_NBKIT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# nbkit's own frames at the top of a rank's traceback: the user's code starts below them.
-_PLUMBING = (os.path.join(_NBKIT_DIR, "live", "rank.py"), os.path.join(_NBKIT_DIR, "cells.py"))
 
 _rank = -1
 _shown = False
@@ -81,9 +76,9 @@ def setup(plan: RankPlan) -> str:
     """Make this engine rank `plan.rank`: returns its device ("cuda:1", "cpu").
 
     Sets the torchrun environment (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK,
-    GROUP_WORLD_SIZE, MASTER_ADDR, MASTER_PORT; NODE_RANK too) and NBKIT_LAUNCHED, plus
-    ACCELERATE_USE_CPU on the CPU (so Trainer and accelerate train with gloo DDP rather than
-    alone); joins the process group (nccl on cuda:local_rank, or gloo); connects to the notebook's
+    GROUP_WORLD_SIZE, MASTER_ADDR, MASTER_PORT; NODE_RANK too) and `plan.env`, nbkit's rank
+    environment (nbkit.rankside.rank_environment: NBKIT_LAUNCHED, ACCELERATE_USE_CPU on the CPU, ...);
+    joins the process group (nccl on cuda:local_rank, or gloo); connects to the notebook's
     relay; installs nbkit's patches, the Trainer dashboard callback and checkpoint handling (what
     nbkit.launch does in its ranks).
     Blocks until every rank of the set has joined (the rendezvous).
@@ -101,14 +96,9 @@ def setup(plan: RankPlan) -> str:
             "NODE_RANK": str(plan.node_rank),
             "MASTER_ADDR": plan.master_addr,
             "MASTER_PORT": str(plan.master_port),
-            "NBKIT_LAUNCHED": "1",
         }
     )
-    if not plan.use_cuda:
-        os.environ["ACCELERATE_USE_CPU"] = "true"
-        if plan.master_addr in ("127.0.0.1", "localhost") and sys.platform.startswith("linux"):
-            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    os.environ.update(plan.env)
+    os.environ.update(plan.env)  # nbkit's rank environment, made by the notebook (rankside.rank_environment)
     import torch
     import torch.distributed as dist
 
@@ -267,13 +257,11 @@ def pull(call: int, name: str, show: bool, want_value: bool) -> Outcome:
 
 def _call(call: int, show: bool, want_value: bool, body: Callable[[], Any]) -> Outcome:
     global _shown
-    from nbkit.launching import pickle_for_notebook
-
     _shown = show
     failed = False
     try:
         value = body()
-        outcome = Outcome(_rank, value=pickle_for_notebook(value) if want_value else None)
+        outcome = Outcome(_rank, value=rankside.pickle_for_notebook(value) if want_value else None)
     except BaseException as exc:  # KeyboardInterrupt included: the rank stays alive
         failed = True
         outcome = Outcome(_rank, error=_rank_error(exc))
@@ -287,14 +275,11 @@ def _call(call: int, show: bool, want_value: bool, body: Callable[[], Any]) -> O
 
 
 def _rank_error(exc: BaseException) -> RankError:
-    tb = exc.__traceback__
-    while tb is not None and tb.tb_frame.f_code.co_filename in _PLUMBING:
-        tb = tb.tb_next
     return RankError(
         rank=_rank,
         type=type(exc).__qualname__,
         message=str(exc),
-        traceback="".join(traceback.format_exception(type(exc), exc, tb or exc.__traceback__)),
+        traceback=rankside.rank_traceback(exc),
         time=time.time(),
         secondary=isinstance(exc, KeyboardInterrupt),
     )

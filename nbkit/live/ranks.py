@@ -37,7 +37,6 @@ import atexit
 import contextlib
 import logging
 import os
-import pickle
 import queue
 import shutil
 import signal
@@ -46,12 +45,11 @@ import sys
 import tempfile
 import threading
 import time
-import types
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from nbkit import cells, channel, config, distributed
+from nbkit import cells, channel, config, distributed, notebook_names, rankside, supervisor
 from nbkit.errors import LiveError, RankError
 from nbkit.live import rank as rank_side
 from nbkit.live.messages import CallDone, Display, EngineInfo, Lost, Outcome, Output, RankPlan, Training
@@ -66,8 +64,6 @@ _FAILURE_GRACE_S = 1.0
 _INTERRUPT_GRACE_S = 2.0
 _SECOND_SIGNAL_S = 0.3  # after a peer failed: when ranks in Trainer.train() get the signal that interrupts them
 _POLL_S = 0.1  # how often the monitor looks at the engine processes
-# Notebook names never sent to the ranks: IPython's own.
-_NOT_SENT = {"In", "Out", "get_ipython", "exit", "quit", "open"}
 
 _current: LiveRanks | None = None
 _ended: LiveRanks | None = None  # the last set that a failure ended, until start() or forget_ended()
@@ -148,6 +144,8 @@ def start(
     env: Mapping[str, str] | None = None,
     *,
     startup_timeout: float = 180.0,
+    strategy: str = "ddp",
+    emulate: str | None = None,
 ) -> LiveRanks:
     """Start a live set on this machine: one process per GPU that stays up until stopped.
 
@@ -158,6 +156,8 @@ def start(
             a call that passes it ends the set. None: no limit.
         env: extra environment variables for the ranks.
         startup_timeout: seconds to wait for the processes to start and join the process group.
+        strategy: as for nbkit.launch ("ddp" or "fsdp"; NBKIT_STRATEGY in the ranks).
+        emulate: as for nbkit.launch (NBKIT_EMULATE in the ranks).
 
     Returns:
         The LiveRanks (also `nbkit.live.current()`). On a machine with one GPU it says, in one line,
@@ -166,19 +166,21 @@ def start(
     Raises:
         LiveError: a live set is already running in this process, or the processes failed to start
             (the message holds what they printed); nothing is left running.
-        ValueError: gpus is not a positive whole number, or more GPUs are asked for than exist.
+        ValueError: gpus is not a positive whole number, more GPUs are asked for than exist, more CPU
+            ranks than rankside.cpu_rank_limit(), or strategy is not "ddp" or "fsdp".
         RuntimeError: gpus=None on a machine without a GPU.
     """
     _check_none_live()
-    forget_ended()
     visible = distributed.visible_gpus()
-    use_cuda, count = _count_ranks(gpus, len(visible))
+    use_cuda, count = rankside.count_ranks(gpus, visible, api="nbkit.start")
+    rankside.check_strategy(strategy)
+    forget_ended()
     if len(visible) == 1:  # Colab
         print(
             f"nbkit: one GPU is visible ({visible[0].name}), so the live set has one rank, on cuda:0 (no DDP).",
             file=sys.stderr,
         )
-    ranks = LiveRanks(timeout=timeout)
+    ranks = LiveRanks(timeout=timeout, strategy=strategy, emulate=emulate)
     try:
         ranks._start_local(count, use_cuda, dict(env or {}), startup_timeout)
     except BaseException:  # an interrupt (Ctrl-C) too: every process started so far ends
@@ -196,6 +198,8 @@ def connect(
     env: Mapping[str, str] | None = None,
     notebook_address: str = "127.0.0.1",
     startup_timeout: float = 180.0,
+    strategy: str = "ddp",
+    emulate: str | None = None,
 ) -> LiveRanks:
     """Make a live set of ipyparallel engines started outside nbkit (several machines).
 
@@ -211,6 +215,8 @@ def connect(
         timeout: as for start().
         env: as for start().
         startup_timeout: as for start().
+        strategy: as for start().
+        emulate: as for start().
         notebook_address: the address of this machine that the engines can reach (the ranks
             send their output and dashboard events there). 127.0.0.1 when all engines run here.
 
@@ -225,6 +231,7 @@ def connect(
     timeout) and is better restarted (the message says which ranks).
     """
     _check_none_live()
+    rankside.check_strategy(strategy)
     forget_ended()
     import ipyparallel as ipp
 
@@ -232,7 +239,7 @@ def connect(
         client = ipp.Client(client)
     elif isinstance(client, ipp.Cluster):
         client = client.connect_client_sync()
-    ranks = LiveRanks(timeout=timeout)
+    ranks = LiveRanks(timeout=timeout, strategy=strategy, emulate=emulate)
     try:
         ranks._connect(
             client, list(engines) if engines is not None else None, dict(env or {}), notebook_address, startup_timeout
@@ -251,23 +258,6 @@ def _check_none_live() -> None:
             "has one. Use it (%%ddp cells, ranks.exec/run), or stop it first (%ddp stop, or "
             "nbkit.live.current().stop())."
         )
-
-
-def _count_ranks(gpus: int | None, visible: int) -> tuple[bool, int]:
-    """(whether the ranks use CUDA, how many ranks) for nbkit.start(gpus) with `visible` GPUs."""
-    if gpus is not None and (not isinstance(gpus, int) or isinstance(gpus, bool) or gpus < 1):
-        raise ValueError(f"gpus must be a positive whole number or None (all visible GPUs); got {gpus!r}.")
-    if not visible:
-        if gpus is None:
-            raise RuntimeError(
-                "No GPU is visible to this notebook, so nbkit.start(gpus=None) has nothing to run on. On Kaggle, "
-                "choose Settings > Accelerator > GPU T4 x2; on Colab, Runtime > Change runtime type. To try it "
-                "on the CPU, pass gpus=N: N CPU processes then train together over gloo."
-            )
-        return False, gpus
-    if gpus is not None and gpus > visible:
-        raise ValueError(f"Asked for {gpus} GPUs but this machine shows {visible}. Use gpus={visible} or gpus=None.")
-    return True, gpus or visible
 
 
 @dataclass
@@ -289,8 +279,9 @@ class LiveRanks:
     the value of one rank (rank 0, or the lowest rank it ran on).
     """
 
-    def __init__(self, *, timeout: float | None = None):
+    def __init__(self, *, timeout: float | None = None, strategy: str = "ddp", emulate: str | None = None):
         self.timeout = timeout
+        self._strategy, self._emulate = strategy, emulate
         self.world_size = 0
         self.nnodes = 0
         self._ranks: list[_Rank] = []
@@ -406,7 +397,7 @@ class LiveRanks:
     def _holds(self, rank: int, name: str, value: Any) -> bool:
         """Whether `rank` holds `value` under `name` from an earlier call (so it need not travel again)."""
         sent = self._sent.get(rank, {})
-        return name in sent and sent[name] is value and not _sent_each_time(value)
+        return name in sent and sent[name] is value and not notebook_names.sent_each_time(value)
 
     def names_for(self, code: str, namespace: Mapping[str, Any]) -> dict[str, Any]:
         """The names of `namespace` (the notebook's) that `code` reads and that must be sent along.
@@ -416,8 +407,7 @@ class LiveRanks:
         and the notebook has are picked with their current notebook value (exec() then sends only
         those a rank does not hold already). Raises CellSyntaxError when the code does not parse.
         """
-        wanted = cells.free_names(cells.parse(code, "<live cell>").body) - self._defined - _NOT_SENT
-        return {n: namespace[n] for n in sorted(wanted) if n in namespace and not n.startswith("_")}
+        return {n: namespace[n] for n in notebook_names.needed(code, namespace, kept=self._defined)}
 
     def pull(self, name: str, rank: int = 0) -> Any:
         """The value of `name` on `rank` (default rank 0), brought to the notebook (tensors on the CPU)."""
@@ -559,10 +549,8 @@ class LiveRanks:
         while len(self._client.ids) < count:
             for i, proc in enumerate(processes):
                 if proc.poll() is not None:
-                    raise LiveError(
-                        f"Rank {i}'s process ended while starting ({_exit_text(proc.returncode)}).\n"
-                        + self._log_tail(i)
-                    )
+                    status = supervisor.ExitStatus.from_returncode(proc.returncode)
+                    raise LiveError(f"Rank {i}'s process ended while starting ({status.cause}).\n" + self._log_tail(i))
             if time.monotonic() > deadline:
                 raise LiveError(f"The ranks' processes did not start within {timeout:.0f} s.\n" + self._log_tail(0))
             time.sleep(0.05)
@@ -594,7 +582,13 @@ class LiveRanks:
                 authkey=self._relay.authkey,
                 use_cuda=use_cuda,
                 owned=self._owned,
-                env=env,
+                env=rankside.rank_environment(
+                    use_cpu=not use_cuda,
+                    strategy=self._strategy,
+                    emulate=self._emulate,
+                    extra=env,
+                    loopback=master_addr in ("127.0.0.1", "localhost"),
+                ),
             )
             results.append(self._client[r.engine].apply_async(rank_side.setup, plan))
         deadline = time.monotonic() + startup_timeout
@@ -739,12 +733,7 @@ class LiveRanks:
         """End the set because the call passed its timeout; raises the LiveError that says so."""
         self._end(
             f"the call did not finish within its timeout ({timeout:g} s); rank(s) {_join(unfinished)} were still "
-            "running. A rank waiting in a collective (all-reduce, barrier) for a peer that never arrives hangs "
-            "like this: "
-            + (
-                self._some_ranks_hint(targets)
-                or "check that every rank runs the same steps on the same number of batches."
-            )
+            f"running. {supervisor.hang_hint(self._some_ranks_hint(targets))}"
         )
         raise LiveError(self._ended_text(), ended=True, timed_out=True)
 
@@ -871,14 +860,7 @@ class LiveRanks:
         value = outcomes[0].value
         if value is None:
             return None
-        try:
-            return pickle.loads(value)
-        except Exception as exc:
-            raise LiveError(
-                f"Rank {targets[0]}'s value arrived but cannot be rebuilt in the notebook ({type(exc).__name__}: "
-                f"{exc}); a class defined in a %%ddp cell exists on the ranks only. Return plain data (numbers, "
-                "strings, lists, dicts, tensors), or keep the object on the ranks and use it in %%ddp cells."
-            ) from None
+        return rankside.load_value(value, targets[0], error=LiveError)
 
     def _call_error(self, errors: dict[int, RankError], *, ended: bool) -> LiveError:
         primary = {r: e for r, e in errors.items() if not e.secondary} or errors
@@ -887,10 +869,7 @@ class LiveRanks:
             head = f"rank(s) {ranks} failed, and the live set was ended: {self._ended}"
         else:
             head = f"rank(s) {ranks} failed; the live set is still running, every rank with its names."
-        lines = [head]
-        for r, err in sorted(primary.items()):
-            lines.append(f"\n[rank {r}] {err.type}: {err.message}")
-            lines.append(err.traceback.rstrip())
+        lines = [head, *supervisor.render_failures(dict(sorted(primary.items())), errors.values())]
         return LiveError(
             "\n".join(lines),
             failures={r: f"{e.type}: {e.message}" for r, e in primary.items()},
@@ -1001,27 +980,18 @@ class LiveRanks:
                 if r.process is not None and r.process.poll() is not None:
                     self._end(self._death_text(r))
                     return
-            if controller is not None and controller.pid > 0 and not _pid_alive(controller.pid):
+            if controller is not None and controller.pid > 0 and not supervisor.pid_alive(controller.pid):
                 self._end("the ipyparallel controller process ended.")
                 return
             time.sleep(_POLL_S)
 
     def _death_text(self, r: _Rank) -> str:
         assert r.process is not None
-        code = r.process.returncode
-        why = _exit_text(code)
-        hint = ""
-        if code == -signal.SIGKILL:
-            hint = (
-                " SIGKILL without a kill by hand usually means the machine ran out of CPU memory (the OOM "
-                "killer): use a smaller batch or fewer dataloader workers."
-            )
-        elif code == -signal.SIGSEGV:
-            hint = " A segmentation fault is a crash in native code (a CUDA kernel, a C extension)."
+        status = supervisor.ExitStatus.from_returncode(r.process.returncode)
         # What the process wrote outside Python's streams (a native crash, a CUDA or NCCL abort),
         # shown after the message (the set's files are removed when it ends).
         self._ended_log = self._log_tail(r.rank, lines=10)
-        return f"rank {r.rank} (pid {r.info.pid}) {why}.{hint}"
+        return f"rank {r.rank} (pid {r.info.pid}) {status.cause}. {status.hint}"
 
     def _ended_text(self) -> str:
         log = f"\n{self._ended_log}" if self._ended_log else ""
@@ -1093,7 +1063,7 @@ class LiveRanks:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGTERM)
                 deadline = time.monotonic() + 3
-                while _pid_alive(pid) and time.monotonic() < deadline:
+                while supervisor.pid_alive(pid) and time.monotonic() < deadline:
                     time.sleep(0.02)
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
@@ -1161,52 +1131,18 @@ class _Gathered:
         return {o.rank: o.error for o in outcomes if o.error is not None}
 
 
-def _sent_each_time(value: Any) -> bool:
-    """A function or class defined in the notebook: cloudpickle sends it by value with the notebook
-    values it reads at that moment, so it travels every time (see LiveRanks.exec).
-    """
-    return isinstance(value, (types.FunctionType, type)) and getattr(value, "__module__", None) == "__main__"
-
-
 def _send_names(names: Mapping[str, Any]) -> dict[str, bytes]:
     """{name: cloudpickled value}; each value pickled once, so that one that cannot be is named."""
-    import cloudpickle
-
     pickled = {}
     for name, value in names.items():
         try:
-            pickled[name] = cloudpickle.dumps(value)
+            pickled[name] = notebook_names.pickle_value(value)
         except Exception as exc:
             raise LiveError(
                 f"The notebook's {name!r} ({type(value).__name__}) cannot be sent to the ranks: {exc}. Create it "
                 "in a %%ddp cell instead (it then lives on the ranks), or send what it is made from."
             ) from None
     return pickled
-
-
-def _exit_text(code: int | None) -> str:
-    if code is None:
-        return "is still running"
-    if code < 0:
-        try:
-            return f"died from signal {signal.Signals(-code).name}"
-        except ValueError:
-            return f"died from signal {-code}"
-    return f"exited with code {code}"
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ", 1)[1][0] != "Z"
-    except (FileNotFoundError, IndexError):
-        return False
-    except OSError:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        return True
 
 
 def _join(ranks: Iterable[int]) -> str:

@@ -12,7 +12,7 @@ import pytest
 from faultkit import assert_reruns
 
 import nbkit
-from nbkit import ddp_options, launching, spawning
+from nbkit import ddp_options, rankside, spawning
 from nbkit.errors import BringAlongError, CellSyntaxError
 from nbkit.planner import plan
 
@@ -54,15 +54,22 @@ def test_gpus_must_be_a_whole_number_of_at_least_one(gpus):
         spawning.run_source("1", {}, gpus=gpus)
 
 
-def test_cpu_ranks_are_capped_instead_of_forking_a_thousand():
-    limit = launching.cpu_rank_limit()
+@pytest.mark.parametrize(
+    "start_ranks",
+    [lambda: nbkit.launch(print, gpus=1000), lambda: nbkit.start(gpus=1000)],
+    ids=["launch", "live-start"],
+)
+def test_cpu_ranks_are_capped_instead_of_forking_a_thousand(start_ranks):
+    limit = rankside.cpu_rank_limit()
     assert limit >= 8
     start = time.monotonic()
     with pytest.raises(ValueError) as caught:
-        nbkit.launch(print, gpus=1000)
+        start_ranks()
     assert time.monotonic() - start < 5
     message = str(caught.value)
     assert "gpus=1000 would start 1000 CPU processes" in message and f"limit of {limit}" in message
+    # refused before anything started (the leftovers fixture checks that no process did)
+    assert nbkit.live.current() is None
     assert_reruns(2)
 
 

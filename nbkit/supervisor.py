@@ -1,0 +1,178 @@
+"""How nbkit tells what happened to ranks it watches: one story for fork, spawn and live sets.
+
+Runs in the process that watches the ranks (the notebook, or spawn mode's launcher process), never
+in a rank. One cause gets the same words and the same advice whichever way the rank was started:
+
+- how a process ended (`ExitStatus`: an exit code or a signal; its `cause` line and its `hint`),
+  read without reaping (`exit_status`) or from a Popen return code (`ExitStatus.from_returncode`);
+- errors whose text nbkit recognises (`FAILURE_HINTS`), added to any message that shows them;
+- the text for a run that hangs in a collective (`hang_hint`);
+- a list of rank failures rendered for a LaunchError / LiveError (`render_failures`);
+- probing and signalling processes by pid (`pid_alive`, `kill`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from nbkit.errors import RankError
+
+__all__ = ["FAILURE_HINTS", "ExitStatus", "exit_status", "hang_hint", "kill", "pid_alive", "render_failures"]
+
+# (text in a rank's error, what it means and what to do): added to the message of such a failure.
+FAILURE_HINTS = (
+    (
+        "Cannot re-initialize CUDA in forked subprocess",
+        "The notebook process touched the CUDA driver before launching (torch.cuda.is_available() "
+        "or device_count() before `import nbkit`, or a library that queries the GPU on import), so "
+        "forked ranks cannot use CUDA. Import nbkit first in the notebook, or restart the kernel and "
+        "keep GPU work inside the launched function; %%ddp can start fresh processes instead.",
+    ),
+    (
+        "Expected to have finished reduction in the prior iteration",
+        "DDP found trainable weights that got no gradient in a step. A common cause is a VLM's "
+        "LoRA'd vision tower on a batch without images; others are experts a step does not route to, "
+        "or outputs the loss does not use. Train only what every batch uses (unsloth: "
+        "get_peft_model(..., finetune_vision_layers=False) for text-only data), or give every batch an "
+        "image. With unsloth vision models nbkit keeps unsloth's faster single-GPU checkpointing, which "
+        "needs this; nbkit.configure(unsloth_vlm_ddp_checkpointing='unsloth') before loading the model "
+        "trains such data with unsloth's slower DDP checkpointing instead.",
+    ),
+)
+
+_CRASH_SIGNALS = {getattr(signal, name) for name in ("SIGSEGV", "SIGBUS", "SIGABRT", "SIGILL", "SIGFPE")}
+
+
+@dataclass(frozen=True)
+class ExitStatus:
+    """How a rank process ended: an exit code, a signal, or unknown (its status was collected by
+    someone else before nbkit looked, e.g. torch elastic).
+
+    str() is the one-shot wording ("died from signal SIGKILL", "exited with code 3 without returning
+    from the function"); `cause` the same without the function ("exited with code 3"); `hint` what
+    it usually means and what to do. All three are the same for fork, spawn and live sets.
+    """
+
+    code: int | None = None
+    signal: int | None = None
+
+    @classmethod
+    def from_returncode(cls, returncode: int | None) -> ExitStatus:
+        """The status of a subprocess.Popen return code (negative: the signal that ended it)."""
+        if returncode is not None and returncode < 0:
+            return cls(signal=-returncode)
+        return cls(code=returncode)
+
+    @property
+    def cause(self) -> str:
+        """How it ended, in a few words: "died from signal SIGKILL", "exited with code 3", "ended"."""
+        if self.signal is not None:
+            try:
+                name = signal.Signals(self.signal).name
+            except ValueError:
+                name = str(self.signal)
+            return f"died from signal {name}"
+        if self.code is not None:
+            return f"exited with code {self.code}"
+        return "ended"
+
+    def __str__(self) -> str:
+        if self.signal is not None:
+            return self.cause
+        if self.code is not None:
+            return f"{self.cause} without returning from the function"
+        return "ended without returning from the function"
+
+    @property
+    def hint(self) -> str:
+        """What this way of ending usually means, and what to do."""
+        if self.signal == signal.SIGKILL:
+            return (
+                "SIGKILL, unless someone killed the process by hand, usually means the machine ran out of CPU "
+                "memory (the OOM killer): use a smaller batch or fewer dataloader workers."
+            )
+        if self.signal in _CRASH_SIGNALS:
+            return (
+                "A crash in native code (a C/C++/CUDA extension, or a library built for another CPU or "
+                "driver); the rank's own output shows where, when Python's fault handler got to print."
+            )
+        if self.signal is not None:
+            return "The signal came from outside the rank's code: another program, or the machine, stopped the rank."
+        return (
+            "The process ended without returning or raising: something called os._exit() or exited the "
+            "process from native code. Return from the function (or raise) instead."
+        )
+
+
+def exit_status(pid: int) -> ExitStatus | None:
+    """How child process `pid` ended, or None while it runs. Never reaps it: whoever started it (torch
+    elastic) still collects its status (os.waitid with WNOWAIT reads it and leaves it there).
+    """
+    if not hasattr(os, "waitid"):  # macOS: alive or not, nothing more
+        return None if pid_alive(pid) else ExitStatus()
+    try:
+        info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:  # collected already (or not ours): it has ended, the status is gone
+        return ExitStatus()
+    if info is None or info.si_pid == 0:
+        return None
+    if info.si_code == os.CLD_EXITED:
+        return ExitStatus(code=info.si_status)
+    return ExitStatus(signal=info.si_status)
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie does not), for any process, child or not."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
+    except OSError:  # no /proc (macOS): fall back to a signal probe
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+
+def kill(pid: int, sig: signal.Signals) -> None:
+    """Send `sig` to `pid`; a process that is gone already is no error."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.kill(pid, sig)
+
+
+def hang_hint(cause: str = "") -> str:
+    """The sentence for a run stopped while a rank still ran: `cause` when the caller knows a likelier
+    one (a call on some ranks only), else the usual one.
+    """
+    return "A rank that waits in a collective (all-reduce, barrier) for a peer that never arrives hangs like this: " + (
+        cause or "check that every rank runs the same steps on the same number of batches."
+    )
+
+
+def failure_hints(errors: Iterable[RankError]) -> list[str]:
+    """The FAILURE_HINTS whose text appears in any of `errors`, in FAILURE_HINTS' order."""
+    messages = [e.message for e in errors]
+    return [hint for marker, hint in FAILURE_HINTS if any(marker in m for m in messages)]
+
+
+def render_failures(failures: Mapping[int, RankError | ExitStatus], errors: Iterable[RankError] = ()) -> list[str]:
+    """The lines under a failure message's head: the hints for known errors (of `failures` and of
+    `errors`, the other ranks' errors), then one section per failed rank, in `failures`' order:
+    "[rank N] Type: message" and its traceback, or "[rank N] how it ended" and what that means.
+    """
+    raised = [f for f in failures.values() if isinstance(f, RankError)]
+    lines = failure_hints([*raised, *errors])
+    for rank, failure in failures.items():
+        if isinstance(failure, RankError):
+            lines.append(f"\n[rank {rank}] {failure.type}: {failure.message}")
+            lines.append(failure.traceback.rstrip())
+        else:
+            lines.append(f"\n[rank {rank}] {failure}")
+            lines.append(failure.hint)
+    return lines
