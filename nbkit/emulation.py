@@ -36,7 +36,7 @@ from typing import Any
 from nbkit import patching
 from nbkit.errors import EmulationError
 
-__all__ = ["ENV", "PROFILES", "Profile", "active", "apply_from_env", "emulate"]
+__all__ = ["ENV", "PROFILES", "Profile", "active", "apply_from_env", "emulate", "lookup"]
 
 ENV = "NBKIT_EMULATE"
 
@@ -95,7 +95,7 @@ def active() -> Profile | None:
         EmulationError: NBKIT_EMULATE names no profile.
     """
     name = os.environ.get(ENV, "").strip()
-    return _lookup(name) if name else None
+    return lookup(name) if name else None
 
 
 def emulate(profile: str | None) -> Profile | None:
@@ -118,7 +118,7 @@ def emulate(profile: str | None) -> Profile | None:
         _undo()
         os.environ.pop(ENV, None)
         return None
-    chosen = _lookup(profile)
+    chosen = lookup(profile)
     _undo()
     os.environ[ENV] = chosen.name
     _apply(chosen)
@@ -141,7 +141,8 @@ def apply_from_env() -> Profile | None:
     return chosen
 
 
-def _lookup(name: str) -> Profile:
+def lookup(name: str) -> Profile:
+    """The profile called `name` (case-insensitive); EmulationError naming the known ones otherwise."""
     for key, value in PROFILES.items():
         if key.lower() == str(name).strip().lower():
             return value

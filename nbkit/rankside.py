@@ -155,11 +155,15 @@ def rank_environment(
 def strategy_environment(strategy: str = "ddp", emulate: str | None = None) -> dict[str, str]:
     """NBKIT_STRATEGY and (when `emulate` is given) NBKIT_EMULATE: the part of rank_environment that
     ranks of an outside launcher (torchrun running an exported script) get too, from nbkit.launch
-    in the rank. Raises ValueError for a strategy not in STRATEGIES.
+    in the rank. Raises ValueError for a strategy not in STRATEGIES, EmulationError (a ValueError) for
+    a profile nbkit.emulation does not have.
     """
     values = {"NBKIT_STRATEGY": check_strategy(strategy)}
     if emulate is not None:
-        values["NBKIT_EMULATE"] = emulate
+        # Checked here, before any process starts, so a misspelt profile fails in the notebook.
+        from nbkit.emulation import lookup
+
+        values["NBKIT_EMULATE"] = lookup(emulate).name
     return values
 
 

@@ -13,6 +13,7 @@ import torch
 import nbkit
 from nbkit import distributed, emulation, patching
 from nbkit.distributed import GPU
+from nbkit.errors import EmulationError
 
 H100 = GPU(0, "NVIDIA H100 80GB HBM3", 79.6, (9, 0))
 
@@ -120,6 +121,13 @@ def test_a_launch_under_an_unknown_profile_fails_naming_the_known_ones(monkeypat
     monkeypatch.setenv("NBKIT_EMULATE", "K80")  # e.g. a typo in %ddp start --emulate
     with pytest.raises(nbkit.LaunchError, match=r"EmulationError: nbkit has no GPU profile 'K80'.*profiles are T4"):
         nbkit.launch(_one, gpus=2)
+
+
+def test_launch_and_start_refuse_an_unknown_profile_before_starting_anything():
+    # the emulate= argument (and %ddp start --emulate, %%ddp --emulate) is checked in the notebook
+    for call in (lambda: nbkit.launch(_one, gpus=2, emulate="K80"), lambda: nbkit.start(gpus=2, emulate="K80")):
+        with pytest.raises(EmulationError, match=r"no GPU profile 'K80'.*profiles are T4"):
+            call()
 
 
 def _t4_on_a_gpu() -> dict[str, Any]:
