@@ -98,6 +98,12 @@ GROUPS: dict[str, Group] = {
             "agrees on",
         ),
         Group(
+            "fsdp",
+            "nbkit.fsdp",
+            "in ranks of the fsdp strategy (NBKIT_STRATEGY=fsdp): peft's adapter keys under FSDP2's activation "
+            "checkpointing, and accelerate's FSDP state on ranks without CUDA",
+        ),
+        Group(
             "offline",
             "nbkit.offline",
             "when nbkit.offline builds a Qwen3-VL processor on a machine without torchvision",
@@ -135,7 +141,8 @@ def prepare_rank(*, owns_exit: bool = True) -> None:
     """What every rank nbkit starts applies before the user's code runs ("every rank nbkit starts"
     in GROUPS: forked and spawned ranks of nbkit.launch and one-shot %%ddp, live ranks, and ranks of
     an outside launcher running an exported script): the default groups, the dashboard's reporting,
-    complete-checkpoint markers, the fixes for older transformers/trl, and, where nbkit ends the
+    complete-checkpoint markers, the fixes for older transformers/trl, the FSDP set-up where the
+    rank's environment asks for the fsdp strategy (nbkit.fsdp.setup_rank), and, where nbkit ends the
     process itself (`owns_exit`, with os._exit), teardown.
 
     teardown keeps destroyed process groups until the process ends; a rank of an outside launcher
@@ -145,9 +152,11 @@ def prepare_rank(*, owns_exit: bool = True) -> None:
 
     Idempotent; imports none of the patched libraries. Call it only in a training process.
     """
-    from nbkit import checkpoints, compat, reporting, teardown
+    from nbkit import checkpoints, compat, fsdp, reporting, teardown
 
     install()
+    if fsdp.requested():
+        fsdp.setup_rank()
     reporting.setup_rank()
     checkpoints.enable()
     compat.enable()
