@@ -345,6 +345,10 @@ def fit_error(estimate: planner.Plan, source: Any) -> str | None:
     if not estimate.load_in_4bit:
         lines.append("  * load in 4-bit (load_in_4bit=True / a BitsAndBytesConfig)")
     lines.append(
+        "  * FSDP: the model sharded over the GPUs, every GPU training (ranks started with the fsdp strategy, "
+        "NBKIT_STRATEGY=fsdp; transformers + peft)"
+    )
+    lines.append(
         "  * model parallel: one process with the model split over the GPUs: device_map='balanced' in "
         "the notebook itself, outside nbkit.launch"
     )
