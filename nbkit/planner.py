@@ -336,8 +336,8 @@ class Plan:
         if self.fsdp_gib is not None and self.gpus > 1:
             f = self.fsdp_breakdown
             lines.append(
-                f"With FSDP over the {self.gpus} GPUs each rank needs about {self.fsdp_gib:.1f} GiB: weights (its shard "
-                f"+ the gathered layers) {f['weights']:.2f}, LoRA + grads + AdamW {f['lora']:.2f}, activations "
+                f"With FSDP over the {self.gpus} GPUs each rank needs about {self.fsdp_gib:.1f} GiB: weights (its "
+                f"shard + the gathered layers) {f['weights']:.2f}, LoRA + grads + AdamW {f['lora']:.2f}, activations "
                 f"{f['activations']:.2f}, logits/loss {f['logits']:.2f}, CUDA overhead {f['overhead']:.2f}."
             )
         if self.strategy == "ddp":
