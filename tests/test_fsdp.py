@@ -201,3 +201,18 @@ def test_guard_in_an_fsdp_rank_loads_for_sharding_and_refuses_unsloth(monkeypatc
 def test_unsloth_error_names_the_transformers_way():
     message = str(fsdp.unsloth_error())
     assert "no FSDP" in message and "qlora_config()" in message and "ddp strategy" in message
+
+
+@pytest.mark.parametrize(
+    ("capability", "expected"), [((7, 5), torch.float16), ((8, 0), torch.bfloat16), (None, torch.bfloat16)]
+)
+def test_qlora_settings_store_4bit_weights_in_the_compute_dtype_fp16_on_t4s(monkeypatch, capability, expected):
+    from nbkit import distributed
+
+    gpus = [] if capability is None else [distributed.GPU(0, "GPU", 15.0, capability)]
+    monkeypatch.setattr(distributed, "visible_gpus", lambda: gpus)
+    assert fsdp.compute_dtype() == expected
+    config = fsdp.qlora_config()
+    assert config.load_in_4bit and config.bnb_4bit_quant_type == "nf4"
+    # FSDP shards floating-point storage only, and one unit's parameters must share a dtype.
+    assert config.bnb_4bit_quant_storage == config.bnb_4bit_compute_dtype == expected
