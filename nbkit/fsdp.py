@@ -206,7 +206,97 @@ def shard(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
     # accelerate refuses a model without an optimizer under FSDP2; plain SGD keeps no state.
     placeholder = optimizer or torch.optim.SGD(list(model.parameters()), lr=0.0)
     sharded, _ = accelerator.prepare(model, placeholder)
+    # FSDP2 makes root the first FSDP unit whose forward runs. generate() looks up the input embeddings
+    # before calling the model, and accelerate shards them in a group with the output embedding: that group
+    # then becomes root and FSDP refuses a root of two modules. Initialising now makes the model itself
+    # root, as a training step's forward would (torch has no public call for this).
+    sharded._get_fsdp_state()._lazy_init()
     return sharded
+
+
+def generate(model: torch.nn.Module, *, every_rank_timeout: float = 30.0, **inputs: Any) -> Any:
+    """`model.generate(**inputs)` on a sharded model: call it on every rank, with the same inputs.
+
+    Every forward of a sharded model gathers each layer's weights from all ranks, so a generate that
+    runs on some ranks only (a `%%ddp --rank 0` cell) would wait for the others forever. This first
+    checks, through the process group's store, that every rank has called it, and raises within
+    `every_rank_timeout` seconds where one has not (the ranks stay usable). The model's own top-level
+    units (embeddings, final norm, output layer) stay gathered for the whole generation: peft's generate
+    calls the inner model's forward, which bypasses the root unit's gathering; each decoder layer is
+    gathered and freed per step as in training.
+
+    Args:
+        model: a model sharded by Trainer or shard() (peft or plain transformers).
+        every_rank_timeout: seconds to wait for the other ranks before raising.
+        **inputs: generate()'s arguments (input_ids, pixel_values, max_new_tokens, ...).
+
+    Returns:
+        What model.generate returns, on every rank (the same tokens: same weights, same inputs).
+
+    Raises:
+        StrategyError: some rank did not call it within every_rank_timeout (the message says to run the
+            cell on every rank).
+    """
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule
+
+    missing = _ranks_missing(every_rank_timeout) if dist.is_initialized() and dist.get_world_size() > 1 else []
+    if missing:
+        raise StrategyError(
+            f"generate on a sharded (FSDP) model must run on every rank, but rank(s) {missing} did not call it "
+            f"within {every_rank_timeout:g} s. Each rank holds only its shard of the weights, so generation needs "
+            "all of them: run the cell on every rank (%%ddp without --rank), with the same inputs everywhere, and "
+            "use rank 0's answer."
+        )
+    layers = _layer_units(model)
+    units = [m for m in model.modules() if isinstance(m, FSDPModule) and id(m) not in layers]
+    for unit in units:
+        unit.unshard()
+    try:
+        with torch.no_grad():
+            return model.generate(**inputs)  # type: ignore[operator]
+    finally:
+        for unit in units:
+            unit.reshard()
+
+
+def _layer_units(model: torch.nn.Module) -> set[int]:
+    """Ids of the FSDP units that are one decoder layer (a class the model lists in _no_split_modules,
+    the classes accelerate's transformer-layer policy wraps), checkpoint-wrapped or not.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    layers = {name for m in model.modules() for name in (getattr(m, "_no_split_modules", None) or ())}
+    return {
+        id(m)
+        for m in model.modules()
+        if isinstance(m, FSDPModule)
+        and type(getattr(m, "_checkpoint_wrapped_module", m)).__name__.removeprefix("FSDP") in layers
+    }
+
+
+def _ranks_missing(timeout: float) -> list[int]:
+    """Count this call on this rank in the process group's store and wait until every rank has counted as
+    many; returns the ranks that had not within `timeout` seconds (and then takes this rank's count back,
+    so that the next call on every rank lines up again). The store, not a collective: a collective that
+    times out leaves its group unusable, and this check exists for exactly that case.
+    """
+    import time
+
+    import torch.distributed as dist
+
+    store = dist.distributed_c10d._get_default_store()  # the rendezvous store every rank shares
+    me, world = dist.get_rank(), dist.get_world_size()
+    calls = store.add(f"nbkit/fsdp/generate/{me}", 1)
+    deadline = time.monotonic() + timeout
+    while True:
+        missing = [r for r in range(world) if r != me and store.add(f"nbkit/fsdp/generate/{r}", 0) < calls]
+        if not missing:
+            return []
+        if time.monotonic() > deadline:
+            store.add(f"nbkit/fsdp/generate/{me}", -1)
+            return missing
+        time.sleep(0.05)
 
 
 def _full_state_dict(model: torch.nn.Module) -> dict[str, Any]:

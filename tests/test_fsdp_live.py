@@ -65,6 +65,14 @@ def test_load_shard_train_and_save_in_separate_cells(tmp_path):
         assert len(losses) == 4 and losses[-1] < losses[0], losses  # the optimizer kept its sharded state
         more = live.exec(TRAIN, names={"steps": 2})
         assert more[0] < losses[0]  # the next cell trains the same sharded model on
+        # generate on rank 0 alone would wait for rank 1's shards forever: it is refused, and the set stays up.
+        ask = "fsdp.generate(model, input_ids=batch[:1, :4], max_new_tokens=3, do_sample=False, every_rank_timeout=5)"
+        started = time.monotonic()
+        with pytest.raises(LiveError, match="must run on every rank") as info:
+            live.exec(ask, ranks=0, timeout=120)
+        assert not info.value.ended and time.monotonic() - started < 60
+        answers = live.exec(f"{ask}.tolist()")
+        assert len(answers[0]) == 7, answers  # every rank generated: 4 prompt tokens and 3 new ones
         live.exec("fsdp.save_adapter(model, out)", names={"out": str(tmp_path)})
         assert (tmp_path / "adapter_model.safetensors").stat().st_size > 0
     finally:
