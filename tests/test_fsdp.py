@@ -216,3 +216,21 @@ def test_qlora_settings_store_4bit_weights_in_the_compute_dtype_fp16_on_t4s(monk
     assert config.load_in_4bit and config.bnb_4bit_quant_type == "nf4"
     # FSDP shards floating-point storage only, and one unit's parameters must share a dtype.
     assert config.bnb_4bit_quant_storage == config.bnb_4bit_compute_dtype == expected
+
+
+def test_fsdp_vs_balanced_script_runs_on_cpu_ranks(tmp_path):
+    """benchmarks/fsdp_vs_balanced.py's FSDP side on 2 gloo ranks: a row with the harness's median and a table."""
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from benchmarks import fsdp_vs_balanced
+
+    out, md = tmp_path / "rows.json", tmp_path / "rows.md"
+    argv = ["--model", "tiny:qwen3", "--gpus", "2", "--16bit", "--seq-len", "32", "--steps", "3", "--warmup", "1"]
+    assert fsdp_vs_balanced.main([*argv, "--modes", "fsdp", "--out", str(out), "--md", str(md)]) == 0
+    (row,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert row["status"] == "ok" and row["mode"] == "fsdp" and row["tokens_per_s"] > 0
+    assert row["step_stats"]["median"] == row["median_step_s"] and row["planned_gib"] > 0
+    assert "| fsdp | tiny:qwen3 | 2 |" in md.read_text()
