@@ -164,6 +164,23 @@ def device_map(quantized: bool) -> Any:
     return {"": distributed.device()} if quantized else None
 
 
+def without_training_cache(model: Any) -> None:
+    """Turn off a loaded model's KV cache for its training forwards (`config.use_cache = False`).
+
+    accelerate's FSDP2 activation checkpointing recomputes each layer in the backward; a forward that
+    builds a KV cache appends to it again during that recomputation, and the recomputed attention then
+    has twice the keys ("Recomputed values ... have different metadata": seen with Trainer on
+    transformers 4.57, whose training forwards keep use_cache on; transformers 5 turns it off itself).
+    generate() asks for the cache explicitly, so generation keeps it.
+    """
+    config = getattr(model, "config", None)
+    if getattr(config, "use_cache", None):
+        config.use_cache = False
+    text = config.get_text_config() if config is not None and hasattr(config, "get_text_config") else None
+    if text is not None and text is not config and getattr(text, "use_cache", None):
+        text.use_cache = False
+
+
 def unsloth_error() -> StrategyError:
     """The error for an unsloth load in an fsdp rank."""
     return StrategyError(
@@ -254,7 +271,7 @@ def generate(model: torch.nn.Module, *, every_rank_timeout: float = 30.0, **inpu
         unit.unshard()
     try:
         with torch.no_grad():
-            return model.generate(**inputs)  # type: ignore[operator]
+            return model.generate(**{"use_cache": True, **inputs})  # type: ignore[operator]
     finally:
         for unit in units:
             unit.reshard()

@@ -295,7 +295,9 @@ def _fsdp_load(
         bound.arguments["device_map"] = resolved
     elif var_keyword is not None:
         bound.arguments.setdefault(var_keyword, {})["device_map"] = resolved
-    return original(*bound.args, **bound.kwargs)
+    model = original(*bound.args, **bound.kwargs)
+    fsdp.without_training_cache(model)
+    return model
 
 
 def _check_fits_one_gpu(values: dict[str, Any], loader: _Loader, quantized: bool) -> None:

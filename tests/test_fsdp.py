@@ -9,6 +9,7 @@ FSDP, Trainer under FSDP, and the adapter saved from the sharded model loading i
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import pytest
@@ -19,6 +20,14 @@ import nbkit
 from nbkit import fsdp
 
 FSDP_ENV = {fsdp.STRATEGY_VARIABLE: "fsdp"}
+
+
+def transformers_major() -> int:
+    import transformers
+
+    return int(transformers.__version__.split(".")[0])
+
+
 # Sequence lengths of each rank's batch: the ranks differ in shape and token count.
 LENGTHS = {0: [24, 17], 1: [30], 2: [20], 3: [16, 12]}
 
@@ -206,16 +215,24 @@ def test_unsloth_error_names_the_transformers_way():
 @pytest.mark.parametrize(
     ("capability", "expected"), [((7, 5), torch.float16), ((8, 0), torch.bfloat16), (None, torch.bfloat16)]
 )
-def test_qlora_settings_store_4bit_weights_in_the_compute_dtype_fp16_on_t4s(monkeypatch, capability, expected):
+def test_fsdp_computes_in_fp16_on_t4s_and_bf16_elsewhere(monkeypatch, capability, expected):
     from nbkit import distributed
 
     gpus = [] if capability is None else [distributed.GPU(0, "GPU", 15.0, capability)]
     monkeypatch.setattr(distributed, "visible_gpus", lambda: gpus)
     assert fsdp.compute_dtype() == expected
-    config = fsdp.qlora_config()
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("bitsandbytes") is None and transformers_major() < 5,
+    reason="transformers 4.x's BitsAndBytesConfig needs bitsandbytes installed",
+)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_qlora_settings_store_4bit_weights_in_the_compute_dtype(dtype):
+    config = fsdp.qlora_config(dtype)
     assert config.load_in_4bit and config.bnb_4bit_quant_type == "nf4"
     # FSDP shards floating-point storage only, and one unit's parameters must share a dtype.
-    assert config.bnb_4bit_quant_storage == config.bnb_4bit_compute_dtype == expected
+    assert config.bnb_4bit_quant_storage == config.bnb_4bit_compute_dtype == dtype
 
 
 def test_fsdp_vs_balanced_script_runs_on_cpu_ranks(tmp_path):
