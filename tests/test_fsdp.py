@@ -120,11 +120,18 @@ def test_each_rank_holds_its_share_and_gradients_equal_one_process(world):
     _check_against_reference(result, world)
 
 
-def test_savers_under_fsdp_give_the_reference_gradients():
-    """Offloaded checkpointing and the chunked loss under FSDP (accelerate's own checkpointing off:
-    nbkit's checkpointing takes its place)."""
-    savers = dict(checkpointing="offload", tiled_mlp=False, chunked_loss=True)
-    env = {**FSDP_ENV, "FSDP_ACTIVATION_CHECKPOINTING": "false"}
+@pytest.mark.parametrize(
+    ("savers", "accelerate_checkpointing"),
+    [
+        # nbkit's offloaded checkpointing in place of accelerate's (which is turned off)
+        (dict(checkpointing="offload", tiled_mlp=3, chunked_loss=True), "false"),
+        # accelerate's checkpointing (nbkit's default fsdp set-up) with the tiled MLP and the chunked loss
+        (dict(checkpointing=None, tiled_mlp=3, chunked_loss=True), "true"),
+    ],
+    ids=["offload", "fsdp-checkpointing"],
+)
+def test_savers_under_fsdp_give_the_reference_gradients(savers, accelerate_checkpointing):
+    env = {**FSDP_ENV, "FSDP_ACTIVATION_CHECKPOINTING": accelerate_checkpointing}
     result = nbkit.launch(_sharded_step, None, savers, gpus=2, env=env, timeout=300)
     _check_against_reference(result, 2)
 
