@@ -60,25 +60,31 @@ def _full_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     }
 
 
-def _sharded_step(adapter_dir: str | None, savers: dict | None) -> dict:
-    """In each rank: load, shard, one forward/backward on this rank's batch; gathered to every rank."""
+def _sharded_step(adapter_dir: str | None, savers: dict | None, device_type: str = "cpu") -> dict:
+    """In each rank: load, shard, one forward/backward on this rank's batch; gathered to every rank.
+    device_type "cuda": NCCL, the rank's GPU, fp32 without TF32 (tests/test_fsdp_gpu.py)."""
     import torch.distributed as dist
 
     from nbkit import savers as nbkit_savers
 
+    device = torch.device(device_type, int(os.environ.get("LOCAL_RANK", "0")) if device_type == "cuda" else None)
+    if device_type == "cuda":
+        torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     if not dist.is_initialized():
-        dist.init_process_group("gloo")
+        dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    model = tiny_model("qwen3")
+    model = tiny_model("qwen3").to(device)
     if savers is not None:
         nbkit_savers.apply(model, **savers)
     batches, items = _batches(model, world)
+    batch = {k: v.to(device) for k, v in batches[rank].items()}
     model = fsdp.shard(model)
     held, full = _frozen_numel(model)
-    loss = model(**batches[rank], num_items_in_batch=items, use_cache=False).loss
+    loss = model(**batch, num_items_in_batch=items, use_cache=False).loss
     (loss * world).backward()  # FSDP averages the gradients over the ranks, as DDP does
     mine = {"held": held, "full": full, "loss": loss.item(), "class": type(model).__name__}
-    grads = _full_grads(model)
+    grads = {name: g.cpu() for name, g in _full_grads(model).items()}
     if adapter_dir is not None:
         fsdp.save_adapter(model, adapter_dir)
         model.zero_grad(set_to_none=True)
@@ -100,18 +106,18 @@ def _reference(world: int) -> tuple[list[float], dict[str, torch.Tensor]]:
     return losses, trainable_grads(model)
 
 
-def _check_against_reference(result: dict, world: int) -> None:
+def _check_against_reference(result: dict, world: int, tolerance: float = TOLERANCE) -> None:
     losses, reference = _reference(world)
     for rank, info in enumerate(result["ranks"]):
         assert info["class"].startswith("FSDP"), info["class"]
         # Each rank holds its 1/N of every base weight (dim-0 shards: at most one row more than an equal split).
         assert info["full"] / world * 0.95 <= info["held"] <= info["full"] / world * 1.1, (rank, info)
-        assert info["loss"] == pytest.approx(losses[rank], rel=TOLERANCE)
+        assert info["loss"] == pytest.approx(losses[rank], rel=tolerance)
     assert sum(info["held"] for info in result["ranks"]) == result["ranks"][0]["full"]
     grads = {name.replace("_checkpoint_wrapped_module.", ""): g for name, g in result["grads"].items()}
     assert grads.keys() == reference.keys()
     for name, grad in grads.items():
-        assert relative_error(grad, reference[name]) < TOLERANCE, name
+        assert relative_error(grad, reference[name]) < tolerance, name
 
 
 @pytest.mark.parametrize("world", [2, 4])

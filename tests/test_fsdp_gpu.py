@@ -5,15 +5,19 @@ Trainer under the fsdp strategy with the tiny Qwen3 in 4-bit (nbkit.fsdp.qlora_c
 fp16) and fp16 mixed precision, as on a T4 (the T4 profile, NBKIT_EMULATE=T4, where this checkout has
 it): training must not hit the fp16-scaler-on-bf16 error that transformers + peft in 4-bit meet on T4s,
 the 4-bit weights must be sharded by FSDP (not left out as uint8), and the saved adapter must load in
-a plain process.
+a plain process. Also: Liger's kernels under FSDP give the reference gradients.
 
 Run on a machine with a GPU: `python -m pytest -m gpu tests/test_fsdp_gpu.py`.
 """
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
+from test_fsdp import FSDP_ENV, _check_against_reference, _sharded_step
+from test_savers import GPU_TOLERANCE
 
 import nbkit
 from nbkit import fsdp
@@ -69,3 +73,12 @@ def test_qlora_in_fp16_trains_sharded_and_saves_a_loadable_adapter(tiny_text_pat
     base = AutoModelForCausalLM.from_pretrained(tiny_text_path)
     loaded = PeftModel.from_pretrained(base, str(tmp_path))
     assert any("lora_A" in name for name, _ in loaded.named_parameters())
+
+
+@pytest.mark.skipif(importlib.util.find_spec("liger_kernel") is None, reason="liger-kernel is not installed")
+def test_liger_kernels_and_savers_under_fsdp_give_the_reference_gradients():
+    """Liger's fused kernels (with its fused linear cross-entropy as the chunked loss) and the tiled MLP, under
+    FSDP with accelerate's checkpointing, world size 1 on a GPU: loss and LoRA gradients equal one plain process."""
+    savers = dict(checkpointing=None, tiled_mlp=3, chunked_loss=True, kernels="liger")
+    result = nbkit.launch(_sharded_step, None, savers, "cuda", gpus=1, env=FSDP_ENV, timeout=600)
+    _check_against_reference(result, 1, tolerance=GPU_TOLERANCE)
