@@ -7,8 +7,12 @@ accelerate's FullyShardedDataParallelPlugin reads): FSDP version 2, transformer-
 reads the weights, the other ranks get theirs by broadcast when the model is sharded), activation
 checkpointing, and a full state dict gathered to rank 0 for saving. transformers' Trainer builds
 its Accelerator from that environment, so `Trainer(...).train()` trains sharded with no change to
-the user's code; `shard(model)` does the same for a loop of one's own (accelerate's prepare_model).
-A setting the user exported in the rank's environment wins over nbkit's.
+the user's code; `shard(model)` does the same for a loop of one's own (accelerate's prepare). A
+setting the user exported in the rank's environment wins over nbkit's.
+
+What a sharded model needs besides: generation on every rank (`generate`, which refuses within
+seconds a call made on some ranks only, where the weights' other shards would never come), and the
+adapter gathered to rank 0 to be saved once (`save_adapter`; `save_merged` says why it is not offered).
 
 Where accelerate needs CUDA: `AcceleratorState` turns ACCELERATE_USE_FSDP into
 DistributedType.FSDP only for accelerator back ends (MULTI_GPU, XPU, NPU, ...); a gloo rank on CPU
@@ -41,6 +45,8 @@ __all__ = [
     "STRATEGY_VARIABLE",
     "FsdpSettings",
     "compute_dtype",
+    "device_map",
+    "generate",
     "qlora_config",
     "requested",
     "save_adapter",
@@ -48,6 +54,7 @@ __all__ = [
     "setup_rank",
     "shard",
     "unsloth_error",
+    "without_training_cache",
 ]
 
 # The variable nbkit.launch / nbkit.start / the magics put into the ranks' environment.
