@@ -181,11 +181,12 @@ def without_training_cache(model: Any) -> None:
     generate() asks for the cache explicitly, so generation keeps it.
     """
     config = getattr(model, "config", None)
-    if getattr(config, "use_cache", None):
-        config.use_cache = False
-    text = config.get_text_config() if config is not None and hasattr(config, "get_text_config") else None
-    if text is not None and text is not config and getattr(text, "use_cache", None):
-        text.use_cache = False
+    if config is None:
+        return
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for each in {id(config): config, id(text): text}.values():  # a VL model's text config holds its own flag
+        if getattr(each, "use_cache", None):
+            each.use_cache = False
 
 
 def unsloth_error() -> StrategyError:
