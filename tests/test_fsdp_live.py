@@ -97,7 +97,7 @@ def test_a_rank_that_dies_mid_step_ends_the_set_and_leaves_nothing():
             live.exec(dying, names={"steps": 1}, timeout=120)
         assert time.monotonic() - started < 60
         message = str(info.value)
-        assert info.value.ended and "rank 1" in message, message
+        assert info.value.ended and "rank 1" in message and "exited with code 3" in message, message
     finally:
         live.stop()
     deadline = time.monotonic() + 15
