@@ -28,6 +28,7 @@ fsdp rank raises StrategyError, naming the transformers + peft way.
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import os
 from collections.abc import Callable
@@ -42,6 +43,7 @@ from nbkit.errors import StrategyError
 from nbkit.patching import patch
 
 __all__ = [
+    "EVERY_RANK_TIMEOUT_S",
     "STRATEGY_VARIABLE",
     "FsdpSettings",
     "compute_dtype",
@@ -59,6 +61,8 @@ __all__ = [
 
 # The variable nbkit.launch / nbkit.start / the magics put into the ranks' environment.
 STRATEGY_VARIABLE = "NBKIT_STRATEGY"
+# Seconds a generation on a sharded model waits for every rank to call it before it is refused.
+EVERY_RANK_TIMEOUT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -239,50 +243,66 @@ def shard(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
     return sharded
 
 
-def generate(model: torch.nn.Module, *, every_rank_timeout: float = 30.0, **inputs: Any) -> Any:
+def generate(model: torch.nn.Module, *, every_rank_timeout: float | None = None, **inputs: Any) -> Any:
     """`model.generate(**inputs)` on a sharded model: call it on every rank, with the same inputs.
 
     Every forward of a sharded model gathers each layer's weights from all ranks, so a generate that
     runs on some ranks only (a `%%ddp --rank 0` cell) would wait for the others forever. This first
     checks, through the process group's store, that every rank has called it, and raises within
-    `every_rank_timeout` seconds where one has not (the ranks stay usable). The model's own top-level
-    units (embeddings, final norm, output layer) stay gathered for the whole generation: peft's generate
-    calls the inner model's forward, which bypasses the root unit's gathering; each decoder layer is
-    gathered and freed per step as in training.
+    `every_rank_timeout` seconds where one has not (the ranks stay usable; in fsdp ranks a plain
+    `model.generate` on a sharded model is checked the same way, by the "fsdp" patch group). The
+    model's own top-level units (embeddings, final norm, output layer) stay gathered for the whole
+    generation: peft's generate calls the inner model's forward, which bypasses the root unit's
+    gathering; each decoder layer is gathered and freed per step as in training.
 
     Args:
         model: a model sharded by Trainer or shard() (peft or plain transformers).
-        every_rank_timeout: seconds to wait for the other ranks before raising.
+        every_rank_timeout: seconds to wait for the other ranks before raising (None: EVERY_RANK_TIMEOUT_S).
         **inputs: generate()'s arguments (input_ids, pixel_values, max_new_tokens, ...).
 
     Returns:
         What model.generate returns, on every rank (the same tokens: same weights, same inputs).
 
     Raises:
-        StrategyError: some rank did not call it within every_rank_timeout (the message says to run the
-            cell on every rank).
+        StrategyError: some rank did not call it within the timeout (the message says to run the cell on
+            every rank).
     """
-    import torch.distributed as dist
     from torch.distributed.fsdp import FSDPModule
 
-    missing = _ranks_missing(every_rank_timeout) if dist.is_initialized() and dist.get_world_size() > 1 else []
-    if missing:
-        raise StrategyError(
-            f"generate on a sharded (FSDP) model must run on every rank, but rank(s) {missing} did not call it "
-            f"within {every_rank_timeout:g} s. Each rank holds only its shard of the weights, so generation needs "
-            "all of them: run the cell on every rank (%%ddp without --rank), with the same inputs everywhere, and "
-            "use rank 0's answer."
-        )
+    _check_every_rank(every_rank_timeout)
     layers = _layer_units(model)
     units = [m for m in model.modules() if isinstance(m, FSDPModule) and id(m) not in layers]
     for unit in units:
         unit.unshard()
+    token = _CHECKED.set(True)
     try:
         with torch.no_grad():
             return model.generate(**{"use_cache": True, **inputs})  # type: ignore[operator]
     finally:
+        _CHECKED.reset(token)
         for unit in units:
             unit.reshard()
+
+
+# Set while generate() runs: the generate it calls was checked already.
+_CHECKED: contextvars.ContextVar[bool] = contextvars.ContextVar("nbkit_fsdp_checked", default=False)
+
+
+def _check_every_rank(timeout: float | None) -> None:
+    """Raise StrategyError unless every rank of the process group reaches this call within `timeout` s."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return
+    timeout = EVERY_RANK_TIMEOUT_S if timeout is None else timeout
+    missing = _ranks_missing(timeout)
+    if missing:
+        raise StrategyError(
+            f"generate on a sharded (FSDP) model must run on every rank, but rank(s) {missing} did not call it "
+            f"within {timeout:g} s. Each rank holds only its shard of the weights, so generation needs "
+            "all of them: run the cell on every rank (%%ddp without --rank), with the same inputs everywhere, "
+            "use nbkit.fsdp.generate(model, ...), and keep rank 0's answer."
+        )
 
 
 def _layer_units(model: torch.nn.Module) -> set[int]:
@@ -434,3 +454,30 @@ patch(
     upstream="none filed yet: peft/tuners/tuners_utils.py strips FSDP1's '_fsdp_wrapped_module.' prefix only",
     group="fsdp",
 )(_unwrapped_prefixes)
+
+
+def _checked_generate(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Patch factory: generate on a sharded model first checks that every rank called it (see generate())."""
+
+    @functools.wraps(original)
+    def generate(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if not _CHECKED.get() and _is_sharded(self):
+            _check_every_rank(None)
+        return original(self, *args, **kwargs)
+
+    return generate
+
+
+def _is_sharded(model: torch.nn.Module) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+patch(
+    "transformers.generation.utils:GenerationMixin.generate",
+    reason="a sharded model's forward on some ranks only (a %%ddp --rank 0 cell) waits for the other ranks' shards "
+    "until the process group's timeout (minutes); this refuses it within seconds, with what to do",
+    upstream="none: FSDP's collectives cannot tell a rank that never comes from a slow one",
+    group="fsdp",
+)(_checked_generate)

@@ -67,10 +67,14 @@ def test_load_shard_train_and_save_in_separate_cells(tmp_path):
         assert more[0] < losses[0]  # the next cell trains the same sharded model on
         # generate on rank 0 alone would wait for rank 1's shards forever: it is refused, and the set stays up.
         ask = "fsdp.generate(model, input_ids=batch[:1, :4], max_new_tokens=3, do_sample=False, every_rank_timeout=5)"
-        started = time.monotonic()
-        with pytest.raises(LiveError, match="must run on every rank") as info:
-            live.exec(ask, ranks=0, timeout=120)
-        assert not info.value.ended and time.monotonic() - started < 60
+        live.exec("fsdp.EVERY_RANK_TIMEOUT_S = 5")
+        plain = "model.generate(input_ids=batch[:1, :4], max_new_tokens=3, do_sample=False)"  # the flagship's way
+        for wrong in (ask, plain):
+            started = time.monotonic()
+            with pytest.raises(LiveError, match="must run on every rank") as info:
+                live.exec(wrong, ranks=0, timeout=120)
+            assert not info.value.ended and time.monotonic() - started < 60
+            assert "rank(s) [1] did not call it" in str(info.value)
         answers = live.exec(f"{ask}.tolist()")
         assert len(answers[0]) == 7, answers  # every rank generated: 4 prompt tokens and 3 new ones
         live.exec("fsdp.save_adapter(model, out)", names={"out": str(tmp_path)})
