@@ -20,6 +20,7 @@
 #   bash benchmarks/gpu_suite.sh trainer1             # SFTTrainer on 1 GPU: unsloth vs transformers+savers vs +Liger
 #   bash benchmarks/gpu_suite.sh hostcost             # 1K x 4 on 2 GPUs: syncs and collectives per Trainer step, SFTTrainer vs Trainer timed (issue 16)
 #   bash benchmarks/gpu_suite.sh trainermem           # unsloth at 16K: peak memory by hand vs under SFTTrainer, largest allocations (issue 16)
+#   bash benchmarks/gpu_suite.sh fsdp                 # FSDP-QLoRA vs device_map="balanced", T4 profile (1 GPU: the dry run)
 #
 # Two sets of parts can share a 4-GPU machine, one GPU pair each (a separate TMPDIR keeps unsloth's
 # compile caches apart):
@@ -183,6 +184,21 @@ for what in "$@"; do
       # peak, logits shape, UNSLOTH_RETURN_LOGITS and the largest allocations with their Python frames.
       part trainermem 240 python3 benchmarks/trainer_memory.py --backend unsloth --shape 16384x1 \
         --out "$OUT/trainer_memory.json" ;;
+    fsdp)
+      # FSDP-QLoRA against device_map="balanced" in one process, T4 profile (fp16, 15 GiB per GPU). On one GPU the
+      # dry run (world size 1), which also compares the planner's per-rank estimate with the measured peak; on
+      # several, Qwen3-14B and -32B shapes in 4-bit over all of them (their random checkpoints are built first:
+      # 29.5 and 65.5 GB on disk).
+      gpus=$(nvidia-smi -L | wc -l)
+      if [ "$gpus" -lt 2 ]; then
+        part fsdp 540 python3 benchmarks/fsdp_vs_balanced.py --model random:qwen3-1.7b --gpus 1 --t4 \
+          --seq-len 1024 --batch 2 --out "$OUT/fsdp_vs_balanced.json" --md "$OUT/fsdp_vs_balanced.md"
+      else
+        for model in random:qwen3-14b random:qwen3-32b; do
+          part "fsdp-${model#random:}" 570 python3 benchmarks/fsdp_vs_balanced.py --model "$model" --gpus "$gpus" \
+            --t4 --seq-len 1024 --batch 1 --out "$OUT/fsdp_vs_balanced.json" --md "$OUT/fsdp_vs_balanced-${model#random:}.md"
+        done
+      fi ;;
     liger)
       part liger 240 python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests/test_liger_gpu.py ;;
     *) echo "unknown part: $what" >&2 ;;

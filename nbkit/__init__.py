@@ -45,6 +45,7 @@ _EXPORTS: dict[str, str] = {
     "ExportError": "nbkit.errors",
     "EmulationError": "nbkit.errors",
     "CheckpointError": "nbkit.errors",
+    "StrategyError": "nbkit.errors",
     # where this process stands
     "rank": "nbkit.distributed",
     "local_rank": "nbkit.distributed",
@@ -78,12 +79,13 @@ _EXPORTS: dict[str, str] = {
 
 # submodules used as namespaces, imported on first use: nbkit.savers.apply(...),
 # nbkit.checkpoints.resume_point(...), nbkit.dashboard.latest(), nbkit.export.export_script(...),
-# nbkit.live.LiveRanks
+# nbkit.live.LiveRanks, nbkit.fsdp.qlora_config()
 _SUBMODULES = (
     "checkpoints",
     "config",
     "dashboard",
     "export",
+    "fsdp",
     "integration",
     "live",
     "offline",

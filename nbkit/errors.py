@@ -28,6 +28,7 @@ __all__ = [
     "LiveError",
     "NbkitError",
     "RankError",
+    "StrategyError",
 ]
 
 
@@ -192,3 +193,9 @@ class CellSyntaxError(NbkitError, ValueError):
 
 class CheckpointError(NbkitError, OSError):
     """A checkpoint to resume from that could not be brought into output_dir; the message says why."""
+
+
+class StrategyError(NbkitError, ValueError):
+    """What was asked cannot work with the ranks' training strategy (fsdp): unsloth under FSDP, merging a
+    sharded model, sharding outside an fsdp rank. The message says what to do instead.
+    """

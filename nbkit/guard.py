@@ -7,6 +7,10 @@ train "on a different device than the one you're training on". `resolve_device_m
 request into "this rank's own device" (or raises, under the "error" policy), and the patches at
 the bottom apply it to the loaders users call (transformers and unsloth `from_pretrained`).
 `nbkit.install()` activates the patches; outside a distributed run they change nothing.
+
+Under the fsdp strategy (nbkit.fsdp) a rank holds a shard, not a copy: the loaders then get the
+device map FSDP needs (CPU for 16-bit weights, which accelerate shards onto the GPUs; the rank's own
+GPU for 4-bit ones), and unsloth, which has no FSDP, is refused.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from nbkit import distributed
+from nbkit import distributed, fsdp
 from nbkit.config import setting
 from nbkit.errors import DeviceMapError
 from nbkit.patching import patch
@@ -235,13 +239,17 @@ def _guarded(loader: _Loader) -> Callable[[Callable[..., Any]], Callable[..., An
 
         @functools.wraps(original)
         def from_pretrained(*args: Any, **kwargs: Any) -> Any:
-            if not distributed.is_distributed() or ("device_map" not in params and var_keyword is None):
+            # An fsdp rank is handled even alone (world size 1: a dry run of the strategy on one GPU).
+            in_run = distributed.is_distributed() or fsdp.requested()
+            if not in_run or ("device_map" not in params and var_keyword is None):
                 return original(*args, **kwargs)
             try:
                 bound = signature.bind_partial(*args, **kwargs)
             except TypeError:
                 return original(*args, **kwargs)  # the original reports the bad call in its own words
             passed = arguments(bound)
+            if fsdp.requested():
+                return _fsdp_load(loader, original, bound, params, var_keyword, passed)
             if _placement_managed_elsewhere(passed):
                 return original(*args, **kwargs)
             # What the load will do includes the loader's defaults (unsloth loads 4-bit unless told
@@ -266,6 +274,30 @@ def _guarded(loader: _Loader) -> Callable[[Callable[..., Any]], Callable[..., An
         return from_pretrained
 
     return factory
+
+
+def _fsdp_load(
+    loader: _Loader,
+    original: Callable[..., Any],
+    bound: inspect.BoundArguments,
+    params: Any,
+    var_keyword: str | None,
+    passed: dict[str, Any],
+) -> Any:
+    """A load in an fsdp rank: unsloth refused (StrategyError), otherwise the device map FSDP needs
+    (nbkit.fsdp.device_map) in place of whatever was asked, so no rank loads a full 16-bit copy onto
+    its GPU and no rank splits the model over the others' GPUs.
+    """
+    if loader is _UNSLOTH:
+        raise fsdp.unsloth_error()
+    resolved = fsdp.device_map(loader.quantized(passed))
+    if "device_map" in params:
+        bound.arguments["device_map"] = resolved
+    elif var_keyword is not None:
+        bound.arguments.setdefault(var_keyword, {})["device_map"] = resolved
+    model = original(*bound.args, **bound.kwargs)
+    fsdp.without_training_cache(model)
+    return model
 
 
 def _check_fits_one_gpu(values: dict[str, Any], loader: _Loader, quantized: bool) -> None:
@@ -314,6 +346,10 @@ def fit_error(estimate: planner.Plan, source: Any) -> str | None:
     ]
     if not estimate.load_in_4bit:
         lines.append("  * load in 4-bit (load_in_4bit=True / a BitsAndBytesConfig)")
+    lines.append(
+        "  * FSDP: the model sharded over the GPUs, every GPU training (ranks started with the fsdp strategy, "
+        "NBKIT_STRATEGY=fsdp; transformers + peft)"
+    )
     lines.append(
         "  * model parallel: one process with the model split over the GPUs: device_map='balanced' in "
         "the notebook itself, outside nbkit.launch"

@@ -116,6 +116,13 @@ GROUPS: dict[str, Group] = {
             "without bf16 (a T4)",
         ),
         Group(
+            "fsdp",
+            "nbkit.fsdp",
+            "in ranks of the fsdp strategy (NBKIT_STRATEGY=fsdp): peft's adapter keys under FSDP2's activation "
+            "checkpointing, generation on a sharded model refused on some ranks only, and accelerate's FSDP state "
+            "on ranks without CUDA",
+        ),
+        Group(
             "offline",
             "nbkit.offline",
             "when nbkit.offline builds a Qwen3-VL processor on a machine without torchvision",
@@ -155,7 +162,9 @@ def prepare_rank(*, owns_exit: bool = True) -> None:
     an outside launcher running an exported script): the GPU profile NBKIT_EMULATE names (nbkit.emulate),
     the default groups, the dashboard's reporting, complete-checkpoint markers, the fixes for older
     transformers/trl, fp16-ready dtypes under TRL's SFTTrainer, grouped-query attention without flash
-    attention, and, where nbkit ends the process itself (`owns_exit`, with os._exit), teardown.
+    attention, the FSDP set-up where the rank's environment asks for the fsdp strategy
+    (nbkit.fsdp.setup_rank), and, where nbkit ends the process itself (`owns_exit`, with os._exit),
+    teardown.
 
     teardown keeps destroyed process groups until the process ends; a rank of an outside launcher
     (torchrun) ends through the interpreter's own shutdown, which then destroys them late: an
@@ -167,10 +176,12 @@ def prepare_rank(*, owns_exit: bool = True) -> None:
     Raises:
         nbkit.errors.EmulationError: NBKIT_EMULATE names no profile.
     """
-    from nbkit import checkpoints, compat, emulation, reporting, teardown
+    from nbkit import checkpoints, compat, emulation, fsdp, reporting, teardown
 
     emulation.apply_from_env()  # first: a library imported later must see the profile (bf16, memory)
     install(*DEFAULT_GROUPS, "mixed_precision", "attention")
+    if fsdp.requested():
+        fsdp.setup_rank()
     reporting.setup_rank()
     checkpoints.enable()
     compat.enable()

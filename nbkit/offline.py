@@ -7,9 +7,9 @@
 Names (see MODELS):
 - `tiny:qwen3`, `tiny:qwen3-vl`: the real transformers classes under 1 MB, random weights; they
   train on CPU in seconds (tests, CI, notebooks on laptops).
-- `random:qwen3-1.7b`, `random:qwen3-vl-2b`, `random:qwen3-vl-4b`: the published shapes of
-  Qwen/Qwen3-1.7B, Qwen/Qwen3-VL-2B-Instruct and Qwen/Qwen3-VL-4B-Instruct with random bf16 weights
-  (speed and memory work on GPUs without a download).
+- `random:qwen3-1.7b`, `random:qwen3-14b`, `random:qwen3-32b`, `random:qwen3-vl-2b`,
+  `random:qwen3-vl-4b`: the published shapes of Qwen/Qwen3-1.7B, -14B, -32B, Qwen/Qwen3-VL-2B-Instruct
+  and Qwen/Qwen3-VL-4B-Instruct with random bf16 weights (speed and memory work on GPUs without a download).
 - anything else is returned unchanged (a hub id or a local path).
 
 Every checkpoint shares one byte-level BPE tokenizer trained here on the synthetic datasets'
@@ -157,6 +157,17 @@ _QWEN3_1_7B_TEXT = dict(
     tie_word_embeddings=True,
     rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
 )
+# Qwen/Qwen3-14B and Qwen/Qwen3-32B: Qwen3-1.7B's layout at 5120 wide, untied output embeddings (the
+# dense models nbkit's FSDP benchmark trains where one T4 holds neither, even in 4-bit for 32B).
+_QWEN3_14B_TEXT = dict(
+    _QWEN3_1_7B_TEXT,
+    hidden_size=5120,
+    intermediate_size=17408,
+    num_hidden_layers=40,
+    num_attention_heads=40,
+    tie_word_embeddings=False,
+)
+_QWEN3_32B_TEXT = dict(_QWEN3_14B_TEXT, intermediate_size=25600, num_hidden_layers=64, num_attention_heads=64)
 _VL_ROPE = dict(rope_type="default", rope_theta=5000000.0, mrope_section=[24, 20, 20], mrope_interleaved=True)
 # Qwen3-VL-2B's language model has Qwen3-1.7B's shapes, with a longer context and multimodal RoPE.
 _QWEN3_VL_2B_TEXT = dict(_QWEN3_1_7B_TEXT, max_position_embeddings=262144, rope_parameters=_VL_ROPE)
@@ -213,6 +224,18 @@ _SPECS: dict[str, _Spec] = {
         "Qwen/Qwen3-1.7B shapes (1.72B parameters), random bf16 weights (3.4 GB on disk)",
         vision=None,
         text=_QWEN3_1_7B_TEXT,
+        dtype="bfloat16",
+    ),
+    "random:qwen3-14b": _Spec(
+        "Qwen/Qwen3-14B shapes (14.8B parameters), random bf16 weights (29.5 GB on disk)",
+        vision=None,
+        text=_QWEN3_14B_TEXT,
+        dtype="bfloat16",
+    ),
+    "random:qwen3-32b": _Spec(
+        "Qwen/Qwen3-32B shapes (32.8B parameters), random bf16 weights (65.5 GB on disk)",
+        vision=None,
+        text=_QWEN3_32B_TEXT,
         dtype="bfloat16",
     ),
     "random:qwen3-vl-2b": _Spec(

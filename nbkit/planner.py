@@ -3,8 +3,9 @@
 `plan(model, gpus=2, gpu_memory_gib=15)` reads the model's config only (the model is built on the
 meta device, so no weights are downloaded or allocated), counts its parameters exactly, estimates
 the peak GPU memory of LoRA training with nbkit's default memory savers, and picks a strategy:
-"ddp" (a full copy per GPU), "model_parallel" (one process, the model split over the GPUs) or
-"does_not_fit". `str(plan)` says why, with the numbers and what to change.
+"ddp" (a full copy per GPU), "fsdp" (the model sharded over the GPUs, every GPU training its own
+batches: nbkit.fsdp), "model_parallel" (one process, the model split over the GPUs, which take
+turns) or "does_not_fit". `str(plan)` says why, with the numbers and what to change.
 
 What the estimate assumes (the setup of benchmarks/planner_accuracy.py, which measures it):
 - weights in 16-bit (2 bytes; modules transformers keeps in fp32 at 4), or 4-bit NF4 for every
@@ -16,6 +17,11 @@ What the estimate assumes (the setup of benchmarks/planner_accuracy.py, which me
 - nbkit.savers' defaults: per-layer checkpointing ("offload": layer inputs in host memory;
   "recompute": layer inputs on the GPU; None: no checkpointing), the tiled MLP, and the chunked
   loss (no full logits).
+Under FSDP (nbkit.fsdp's set-up: accelerate's FSDP2, full sharding, activation checkpointing) a rank
+holds 1/N of the weights and of the LoRA weights, gradients and AdamW states, plus the gathered full
+weights of FSDP_GATHERED_LAYERS layers and the output embedding (kept gathered from the end of the
+forward to the start of the backward); its activations are those of its own batch, with layer inputs
+kept on the GPU ("recompute"; None: no checkpointing).
 The per-token byte counts below come from recording every tensor autograd saves (saved_tensors_hooks,
 unique storages) on CPU in decoder layers with peft LoRA under bf16 autocast: for Qwen3-VL-2B's
 shapes, 112 KiB per token per layer without the tiled MLP (tests/test_planner.py checks the formula
@@ -54,7 +60,7 @@ from nbkit.offline import load_config
 
 __all__ = ["LORA_TARGET_MODULES", "STRATEGIES", "BatchSettings", "Plan", "plan"]
 
-STRATEGIES = ("ddp", "model_parallel", "does_not_fit")
+STRATEGIES = ("ddp", "fsdp", "model_parallel", "does_not_fit")
 LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 GIB = 2**30
@@ -85,6 +91,9 @@ ALLOCATOR_SLACK = 0.08
 SAFETY_MARGIN = 0.05
 # A "balanced" device map is uneven (embeddings and lm_head on the end GPUs, whole layers only).
 MODEL_PARALLEL_IMBALANCE = 1.15
+# FSDP gathers one transformer layer's full weights for its forward/backward and prefetches the next:
+# two layers' worth on top of the rank's shard (torch's FSDP2 default prefetch depth is one unit).
+FSDP_GATHERED_LAYERS = 2
 # The per-step cost measured on an H200 host (benchmarks/RESULTS.md, "1K x 4 taken apart": unsloth,
 # Qwen3-VL-2B shapes, LoRA r=16, bf16; 1K x 4 in 0.145-0.156 s, 1K x 16 in 0.394 s): a fixed host
 # part per step, about proportional to the decoder layers (kernel launches), and GPU work per token,
@@ -151,13 +160,17 @@ class BatchSettings:
 class Plan:
     """The planner's answer for one model on one machine.
 
-    strategy: "ddp" | "model_parallel" | "does_not_fit".
+    strategy: "ddp" | "fsdp" | "model_parallel" | "does_not_fit" (in that order of preference: the first
+        that fits).
     per_gpu_gib: peak memory per GPU with DDP (a full copy on each), CUDA overhead included.
     breakdown: GiB per GPU with DDP: "weights", "lora" (LoRA weights + grads + AdamW states, and
         DDP's gradient buckets), "activations" (checkpoints kept on the GPU plus one layer's
         recomputation and backward), "logits" (what the chunked loss adds on top of that peak),
         "overhead" (CUDA context and allocator slack). The entries sum to per_gpu_gib.
     model_parallel_gib: peak per GPU with the model split over `gpus` GPUs in one process.
+    fsdp_gib, fsdp_breakdown: peak per GPU (per rank) with the model sharded over `gpus` ranks by FSDP,
+        and its parts, keyed as `breakdown` ("weights" is the rank's shard plus the gathered layers);
+        for gpus=1, FSDP in one process (nothing sharded, the same gathering).
     usable_gib: the memory a plan may use per GPU (gpu_memory_gib minus a safety margin).
     recommended_batch_size: the per-GPU batch (Trainer's per_device_train_batch_size) of seq_len
         sequences that keeps the GPU, not the host, the bound of each step and fits in memory;
@@ -193,6 +206,8 @@ class Plan:
     gpu: str | None = None
     host_seconds_per_step: float | None = None
     gpu_seconds_per_token: float | None = None
+    fsdp_gib: float | None = None
+    fsdp_breakdown: dict[str, float] = field(default_factory=dict)
 
     @property
     def peak_allocated_gib(self) -> float:
@@ -318,10 +333,24 @@ class Plan:
             f"CUDA overhead {b['overhead']:.2f}.",
             f"Each of the {self.gpus} GPU(s) has {self.gpu_memory_gib:.1f} GiB ({self.usable_gib:.1f} usable).",
         ]
+        if self.fsdp_gib is not None and self.gpus > 1:
+            f = self.fsdp_breakdown
+            lines.append(
+                f"With FSDP over the {self.gpus} GPUs each rank needs about {self.fsdp_gib:.1f} GiB: weights (its "
+                f"shard + the gathered layers) {f['weights']:.2f}, LoRA + grads + AdamW {f['lora']:.2f}, activations "
+                f"{f['activations']:.2f}, logits/loss {f['logits']:.2f}, CUDA overhead {f['overhead']:.2f}."
+            )
         if self.strategy == "ddp":
             lines.append(
                 "Strategy: ddp. A full copy fits on one GPU, so DDP (a live set, %%ddp or nbkit.launch) trains one "
                 f"copy per GPU ({self.gpus} x the batches per step); load with device_map=None."
+            )
+        elif self.strategy == "fsdp":
+            lines.append(
+                f"Strategy: fsdp. A full copy does not fit on one GPU, but sharded over the {self.gpus} GPUs it does, "
+                "and every GPU trains its own batches: start the ranks with the fsdp strategy (a live set or "
+                "nbkit.launch with NBKIT_STRATEGY=fsdp), load without a device_map (4-bit: "
+                "quantization_config=nbkit.fsdp.qlora_config()), transformers + peft (unsloth has no FSDP)."
             )
         elif self.strategy == "model_parallel":
             lines.append(
@@ -600,8 +629,11 @@ def _estimate(
     lora_rank: int,
     checkpointing: str | None,
     split: int = 1,
+    fsdp_shards: int = 0,
 ) -> _Estimate:
-    """Peak bytes for one GPU; split > 1 spreads the weights and checkpoints over that many GPUs."""
+    """Peak bytes for one GPU; split > 1 spreads the weights and checkpoints over that many GPUs;
+    fsdp_shards > 0 shards the weights and LoRA state over that many FSDP ranks (see the module docstring).
+    """
     s = _Shape.of(config)
     tokens = seq_len * batch_size
     from nbkit.savers.loss import rows_per_chunk
@@ -636,12 +668,27 @@ def _estimate(
     weights = float(counts.bytes_4bit if load_in_4bit else counts.bytes_16bit)
     ddp_buckets = DDP_BUCKET_BYTES_PER_PARAM if gpus > 1 and split == 1 else 0
     lora = float(counts.lora_parameters * (LORA_BYTES_PER_PARAM + ddp_buckets))
+    if fsdp_shards:
+        weights = weights / fsdp_shards + _fsdp_gathered(counts, s, config, weights)
+        lora = float(counts.lora_parameters * LORA_BYTES_PER_PARAM) / fsdp_shards
     if split > 1:
         share = MODEL_PARALLEL_IMBALANCE / split
         weights, lora, persistent = weights * share, lora * share, persistent * share
     return _Estimate(
         float(weights), float(lora), float(persistent), float(layer_phase), float(loss_phase), float(vision_phase)
     )
+
+
+def _fsdp_gathered(counts: _Counts, s: _Shape, config: Any, weights: float) -> float:
+    """Bytes of full weights an FSDP rank holds gathered at its peak: FSDP_GATHERED_LAYERS decoder layers
+    (the model's weights less its embeddings, spread evenly over the layers: a vision tower counts as part of
+    the layers, an overestimate) and the 16-bit output embedding.
+    """
+    embedding = 2 * s.vocab * s.hidden
+    tied = bool(getattr(config.get_text_config(), "tie_word_embeddings", False))
+    embeddings = embedding if tied else 2 * embedding
+    per_layer = max(0.0, weights - embeddings) / s.layers
+    return FSDP_GATHERED_LAYERS * per_layer + embedding
 
 
 def _plan(
@@ -673,8 +720,14 @@ def _plan(
         counts, config, gpus, seq_len, batch_size, load_in_4bit, lora_rank, checkpointing
     ).bytes_per_gpu()
     split_total = per_gpu(split=gpus) if gpus > 1 else total
+    fsdp_checkpointing = None if checkpointing is None else "recompute"  # accelerate's checkpointing keeps inputs
+    fsdp_breakdown, fsdp_total = _estimate(
+        counts, config, gpus, seq_len, batch_size, load_in_4bit, lora_rank, fsdp_checkpointing, fsdp_shards=gpus
+    ).bytes_per_gpu()
     if total <= usable:
         strategy = "ddp"
+    elif gpus > 1 and fsdp_total <= usable:
+        strategy = "fsdp"
     elif gpus > 1 and split_total <= usable:
         strategy = "model_parallel"
     else:
@@ -698,6 +751,8 @@ def _plan(
         model_parallel_gib=split_total,
         usable_gib=usable,
         advice=tuple(advice),
+        fsdp_gib=fsdp_total,
+        fsdp_breakdown=fsdp_breakdown,
     )
 
 
@@ -715,7 +770,10 @@ def _advice(
     if strategy == "ddp":
         return []
     lines = [
-        "To train with DDP (faster than model parallel) instead:" if strategy == "model_parallel" else "What would fit:"
+        {
+            "model_parallel": "To train with DDP (faster than model parallel) instead:",
+            "fsdp": "To train with DDP (no per-layer gathering) instead:",
+        }.get(strategy, "What would fit:")
     ]
     for change, value in (("load_in_4bit", True), ("checkpointing", "offload")):
         if {"load_in_4bit": load_in_4bit, "checkpointing": checkpointing}[change] != value:

@@ -34,7 +34,14 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-NOTEBOOKS = ("qwen3_vl_2xT4", "qwen3_vl_2xT4_oneshot", "text_llm_ddp", "model_parallel", "long_context")
+NOTEBOOKS = (
+    "qwen3_vl_2xT4",
+    "qwen3_vl_2xT4_oneshot",
+    "text_llm_ddp",
+    "model_parallel",
+    "long_context",
+    "big_model_fsdp",
+)
 
 # Per notebook: (model without a GPU, model on GPUs without the hub, CPU-sized parameters).
 # The vision notebooks keep 4 examples per optimizer step on CPU as 1 per process x 2 accumulation steps x 2
@@ -55,6 +62,8 @@ _QWEN3_VL = (
 _OFFLINE: dict[str, tuple[str, str, dict[str, Any]]] = {
     "qwen3_vl_2xT4": _QWEN3_VL,  # the live set, cell by cell
     "qwen3_vl_2xT4_oneshot": _QWEN3_VL,  # the same run in one %%ddp cell
+    # sharded over the live set (FSDP); on GPUs without the hub, the largest random: shapes nbkit has
+    "big_model_fsdp": ("tiny:qwen3-vl", "random:qwen3-vl-4b", _QWEN3_VL[2]),
     "text_llm_ddp": (
         "tiny:qwen3",
         "random:qwen3-1.7b",

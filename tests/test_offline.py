@@ -28,6 +28,8 @@ def test_other_names_pass_through_and_typos_are_errors(tmp_path: Path) -> None:
         "tiny:qwen3",
         "tiny:qwen3-vl",
         "random:qwen3-1.7b",
+        "random:qwen3-14b",
+        "random:qwen3-32b",
         "random:qwen3-vl-2b",
         "random:qwen3-vl-4b",
     }
@@ -309,6 +311,24 @@ _PUBLISHED = {
         **_HEADS,
         params=(1.6e9, 1.8e9),
     ),
+    "random:qwen3-14b": dict(
+        hidden_size=5120,
+        intermediate_size=17408,
+        num_hidden_layers=40,
+        num_attention_heads=40,
+        **_HEADS,
+        tie_word_embeddings=False,
+        params=(14.5e9, 15.0e9),
+    ),
+    "random:qwen3-32b": dict(
+        hidden_size=5120,
+        intermediate_size=25600,
+        num_hidden_layers=64,
+        num_attention_heads=64,
+        **_HEADS,
+        tie_word_embeddings=False,
+        params=(32.5e9, 33.0e9),
+    ),
     "random:qwen3-vl-2b": dict(
         hidden_size=2048,
         intermediate_size=6144,
@@ -338,7 +358,7 @@ def test_random_configs_have_the_published_shapes(name: str, tmp_path: Path, mon
     config = load_config(name)
     text = config.get_text_config()
     assert {key: getattr(text, key) for key in expected} == expected
-    assert text.vocab_size == 151936 and text.tie_word_embeddings
+    assert text.vocab_size == 151936 and text.tie_word_embeddings == expected.get("tie_word_embeddings", True)
     if "vl" in name:
         vision = config.vision_config
         assert (vision.depth, vision.hidden_size, vision.num_heads, vision.patch_size) == (24, 1024, 16, 16)

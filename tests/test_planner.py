@@ -218,11 +218,19 @@ def test_qwen3_vl_2b_on_two_t4s_is_ddp_and_memory_grows_with_tokens():
 
 def test_too_large_models_are_split_or_refused_and_the_explanation_says_what_to_change():
     eight_b = nbkit.plan(qwen3_8b(), **T4)
-    assert eight_b.strategy == "model_parallel"
-    assert eight_b.per_gpu_gib > eight_b.usable_gib >= eight_b.model_parallel_gib
+    assert eight_b.strategy == "fsdp"
+    assert eight_b.per_gpu_gib > eight_b.usable_gib >= eight_b.fsdp_gib
     text = str(eight_b)
+    assert "Strategy: fsdp" in text and "every GPU trains" in text and "qlora_config()" in text
+    assert f"{eight_b.per_gpu_gib:.1f} GiB" in text and f"each rank needs about {eight_b.fsdp_gib:.1f} GiB" in text
+    # At 8K tokens each FSDP rank's own activations no longer fit; the GPUs taking turns do.
+    long = nbkit.plan(qwen3_8b(), **T4, seq_len=8192)
+    assert long.strategy == "model_parallel"
+    assert long.fsdp_gib > long.usable_gib >= long.model_parallel_gib
+    text = str(long)
     assert "model_parallel" in text and "device_map='balanced'" in text and "not nbkit.launch" in text
-    assert f"{eight_b.per_gpu_gib:.1f} GiB" in text and f"{eight_b.model_parallel_gib:.1f} GiB" in text
+    assert f"{long.model_parallel_gib:.1f} GiB" in text
+    text = str(eight_b)
     four_bit = nbkit.plan(qwen3_8b(), **T4, load_in_4bit=True)
     assert four_bit.strategy == "ddp"
     assert f"load_in_4bit=True: about {four_bit.per_gpu_gib:.1f} GiB per GPU (fits)" in text
@@ -418,7 +426,7 @@ def test_processes_on_cpu_cores_keep_the_asked_batch():
 
 
 def test_model_parallel_trains_in_one_process_and_a_plan_that_does_not_fit_says_so():
-    split = nbkit.plan(qwen3_8b(), **T4, seq_len=1024, batch_size=2, gpu="T4")
+    split = nbkit.plan(qwen3_8b(), **T4, seq_len=4096, batch_size=2, gpu="T4")
     assert split.strategy == "model_parallel"
     settings = split.batch_settings(8)
     assert settings.processes == 1 and settings.trainer_args["gradient_accumulation_steps"] == 4
@@ -434,3 +442,20 @@ def test_batch_settings_are_trainer_arguments(tmp_path):
     settings = nbkit.plan(qwen3_vl_2b(), **H200, seq_len=1024, batch_size=4).batch_settings(64)
     config = SFTConfig(output_dir=str(tmp_path), **settings.trainer_args, bf16=False, report_to=[])
     assert (config.per_device_train_batch_size, config.gradient_accumulation_steps) == (16, 2)
+
+
+def test_fsdp_shards_weights_and_lora_state_per_rank_and_keeps_each_ranks_activations():
+    """The fsdp verdict: chosen before model_parallel when the shards fit; its per-rank breakdown adds up."""
+    plans = {gpus: nbkit.plan(qwen3_8b(), gpus=gpus, gpu_memory_gib=15) for gpus in (1, 2, 4)}
+    for p in plans.values():
+        assert p.fsdp_gib == pytest.approx(sum(p.fsdp_breakdown.values()))
+    one, two, four = (plans[n].fsdp_breakdown for n in (1, 2, 4))
+    # Each rank's shard halves with twice the ranks; what stays is the gathered layers and output embedding.
+    gathered = 2 * two["weights"] - one["weights"]
+    assert four["weights"] == pytest.approx(one["weights"] / 4 + gathered * 3 / 4, rel=1e-6)
+    assert two["lora"] == pytest.approx(one["lora"] / 2) and four["lora"] == pytest.approx(one["lora"] / 4)
+    assert one["activations"] == two["activations"] == four["activations"]  # each rank trains its own batch
+    assert plans[1].strategy == "does_not_fit" and plans[2].strategy == plans[4].strategy == "fsdp"
+    assert "fsdp" in nbkit.planner.STRATEGIES
+    seventy_b = nbkit.plan(llama_70b(), gpus=4, gpu_memory_gib=24, load_in_4bit=True)
+    assert seventy_b.strategy == "fsdp" and seventy_b.fsdp_gib <= seventy_b.usable_gib < seventy_b.per_gpu_gib

@@ -1,0 +1,483 @@
+"""FSDP (and FSDP-QLoRA) ranks: what a rank does when its environment holds NBKIT_STRATEGY=fsdp.
+
+nbkit does no sharding of its own. A rank started with the fsdp strategy gets the environment that
+`accelerate launch --use_fsdp` would give it (ACCELERATE_USE_FSDP and the FSDP_* variables that
+accelerate's FullyShardedDataParallelPlugin reads): FSDP version 2, transformer-layer auto-wrap
+(the model's `_no_split_modules`), full sharding (reshard after forward), efficient loading (rank 0
+reads the weights, the other ranks get theirs by broadcast when the model is sharded), activation
+checkpointing, and a full state dict gathered to rank 0 for saving. transformers' Trainer builds
+its Accelerator from that environment, so `Trainer(...).train()` trains sharded with no change to
+the user's code; `shard(model)` does the same for a loop of one's own (accelerate's prepare). A
+setting the user exported in the rank's environment wins over nbkit's.
+
+What a sharded model needs besides: generation on every rank (`generate`, which refuses within
+seconds a call made on some ranks only, where the weights' other shards would never come), and the
+adapter gathered to rank 0 to be saved once (`save_adapter`; `save_merged` says why it is not offered).
+
+Where accelerate needs CUDA: `AcceleratorState` turns ACCELERATE_USE_FSDP into
+DistributedType.FSDP only for accelerator back ends (MULTI_GPU, XPU, NPU, ...); a gloo rank on CPU
+stays MULTI_CPU and Trainer would wrap it in DDP instead. FSDP2 itself (`fully_shard`, DTensor,
+gloo collectives) runs on CPU under torch 2.13, and so does the rest of accelerate's FSDP2 path
+(fsdp2_prepare_model, rank-0 loading, state dicts), so in a rank without CUDA the "fsdp" patch group
+below makes the state FSDP as well: CPU ranks (CI, a laptop) run the same code path the GPU ranks do.
+bitsandbytes' 4-bit weights need CUDA: `qlora_config()` is only useful on a GPU.
+
+unsloth has no FSDP (its models are patched for one process or DDP): loading through unsloth in an
+fsdp rank raises StrategyError, naming the transformers + peft way.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from nbkit import distributed
+from nbkit.errors import StrategyError
+from nbkit.patching import patch
+
+__all__ = [
+    "EVERY_RANK_TIMEOUT_S",
+    "STRATEGY_VARIABLE",
+    "FsdpSettings",
+    "compute_dtype",
+    "device_map",
+    "generate",
+    "qlora_config",
+    "requested",
+    "save_adapter",
+    "save_merged",
+    "setup_rank",
+    "shard",
+    "unsloth_error",
+    "without_training_cache",
+]
+
+# The variable nbkit.launch / nbkit.start / the magics put into the ranks' environment.
+STRATEGY_VARIABLE = "NBKIT_STRATEGY"
+# Seconds a generation on a sharded model waits for every rank to call it before it is refused.
+EVERY_RANK_TIMEOUT_S = 30.0
+
+
+@dataclass(frozen=True)
+class FsdpSettings:
+    """The FSDP set-up nbkit gives a rank, as accelerate's plugin reads it from the environment.
+
+    Attributes:
+        activation_checkpointing: recompute each transformer layer in the backward (accelerate's
+            checkpoint wrapper, non-reentrant). Do not also pass gradient_checkpointing=True to
+            TrainingArguments: transformers refuses the two together.
+        cpu_ram_efficient_loading: only rank 0 reads the checkpoint; the others build the model
+            empty and receive their shards by broadcast when it is sharded (4-bit models excepted:
+            accelerate loads those on every rank, since bitsandbytes' parameters cannot move to meta).
+        reshard_after_forward: free each layer's gathered weights after its forward (full sharding,
+            ZeRO-3); False keeps them until the backward (ZeRO-2: more memory, less communication).
+        state_dict_type: FULL_STATE_DICT gathers the weights to rank 0 for saving (the adapter is
+            small; Trainer's checkpoints then hold ordinary files peft loads).
+    """
+
+    activation_checkpointing: bool = True
+    cpu_ram_efficient_loading: bool = True
+    reshard_after_forward: bool = True
+    state_dict_type: str = "FULL_STATE_DICT"
+
+    def environment(self) -> dict[str, str]:
+        """The variables accelerate's FullyShardedDataParallelPlugin and transformers read.
+
+        Returns:
+            {name: value}, ACCELERATE_USE_FSDP and the FSDP_* settings.
+        """
+        flag = {True: "true", False: "false"}
+        return {
+            "ACCELERATE_USE_FSDP": "true",
+            "FSDP_VERSION": "2",
+            "FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP",
+            "FSDP_RESHARD_AFTER_FORWARD": flag[self.reshard_after_forward],
+            "FSDP_CPU_RAM_EFFICIENT_LOADING": flag[self.cpu_ram_efficient_loading],
+            "FSDP_ACTIVATION_CHECKPOINTING": flag[self.activation_checkpointing],
+            "FSDP_STATE_DICT_TYPE": self.state_dict_type,
+        }
+
+
+def requested() -> bool:
+    """Whether this process is a rank of the fsdp strategy (NBKIT_STRATEGY=fsdp in its environment)."""
+    return os.environ.get(STRATEGY_VARIABLE, "").strip().lower() == "fsdp"
+
+
+def setup_rank(settings: FsdpSettings | None = None) -> None:
+    """Make this rank an FSDP rank for accelerate and Trainer: export `settings.environment()` where
+    the variable is not set yet, and apply the "fsdp" patch group (accelerate's FSDP state on a rank
+    without CUDA; peft's adapter keys under activation checkpointing).
+
+    Called by nbkit.integration.prepare_rank() in every rank whose environment asks for the fsdp
+    strategy; idempotent. Call it before the first Accelerator or Trainer of the process: accelerate
+    keeps its state for the process's life.
+
+    Args:
+        settings: the set-up; None: FsdpSettings().
+    """
+    for name, value in (settings or FsdpSettings()).environment().items():
+        os.environ.setdefault(name, value)
+    from nbkit import patching
+
+    patching.apply("fsdp")
+
+
+def compute_dtype() -> torch.dtype:
+    """The 16-bit dtype an FSDP rank computes (and stores 4-bit weights) in: float16 on GPUs without
+    native bf16 (Kaggle's T4, compute capability 7.5), bfloat16 on newer GPUs and on CPU (where fp16
+    matmuls are slow or missing and bf16 is what FSDP's mixed precision is tested with).
+    """
+    return torch.float16 if distributed.precision() == "fp16" else torch.bfloat16
+
+
+def qlora_config(dtype: torch.dtype | None = None) -> Any:
+    """A BitsAndBytesConfig for QLoRA under FSDP: NF4 with double quantisation, computing in `dtype`
+    and storing the packed 4-bit weights in `dtype` too (`bnb_4bit_quant_storage`).
+
+    FSDP2 shards floating-point parameters only, and every parameter of one FSDP unit must share a
+    dtype: bitsandbytes' default uint8 storage is left unsharded on every rank by accelerate (a full
+    4-bit copy per GPU), while a 16-bit storage dtype equal to the model's torch_dtype is sharded like
+    the 16-bit weights. Load with `torch_dtype=dtype` as well.
+
+    Args:
+        dtype: None: compute_dtype() (fp16 on T4s, bf16 elsewhere).
+
+    Returns:
+        transformers.BitsAndBytesConfig.
+    """
+    from transformers import BitsAndBytesConfig
+
+    dtype = dtype or compute_dtype()
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=dtype,
+        bnb_4bit_quant_storage=dtype,
+    )
+
+
+def device_map(quantized: bool) -> Any:
+    """The device map an fsdp rank loads with, whatever the user asked for (the guard calls this).
+
+    16-bit: None: the model loads on CPU (only rank 0 reads the weights under efficient loading) and
+    accelerate moves each rank's shards to its GPU while sharding, so no GPU holds a full copy.
+    4-bit: {"": this rank's device}: bitsandbytes quantises on the GPU while loading, so each rank
+    loads the 4-bit model there (a quarter of the 16-bit size) before it is sharded.
+    """
+    return {"": distributed.device()} if quantized else None
+
+
+def without_training_cache(model: Any) -> None:
+    """Turn off a loaded model's KV cache for its training forwards (`config.use_cache = False`).
+
+    accelerate's FSDP2 activation checkpointing recomputes each layer in the backward; a forward that
+    builds a KV cache appends to it again during that recomputation, and the recomputed attention then
+    has twice the keys ("Recomputed values ... have different metadata": seen with Trainer on
+    transformers 4.57, whose training forwards keep use_cache on; transformers 5 turns it off itself).
+    generate() asks for the cache explicitly, so generation keeps it.
+    """
+    config = getattr(model, "config", None)
+    if config is None:
+        return
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for each in {id(config): config, id(text): text}.values():  # a VL model's text config holds its own flag
+        if getattr(each, "use_cache", None):
+            each.use_cache = False
+
+
+def unsloth_error() -> StrategyError:
+    """The error for an unsloth load in an fsdp rank."""
+    return StrategyError(
+        "unsloth cannot train with the fsdp strategy: it has no FSDP support (its models are patched for "
+        "one process or DDP). Load the model with transformers + peft instead: "
+        "AutoModelForCausalLM / AutoModelForImageTextToText.from_pretrained(..., "
+        "quantization_config=nbkit.fsdp.qlora_config(), torch_dtype=nbkit.fsdp.compute_dtype()) for QLoRA, then "
+        "peft.get_peft_model(model, LoraConfig(...)); or keep unsloth and start the ranks with the ddp strategy "
+        "(a full copy of the model per GPU)."
+    )
+
+
+def shard(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> torch.nn.Module:
+    """Shard `model` over this process group the way Trainer does under FSDP: accelerate's
+    Accelerator.prepare with the plugin read from the environment (under FSDP2 Trainer passes the
+    model as it is, LoRA or not: transformer layers are the units, LoRA weights shard with their layer).
+
+    For a loop of one's own or an inference cell; Trainer shards by itself. Collective: call it on
+    every rank, with the same model. The model is changed in place (FSDP2 swaps its class).
+
+    Args:
+        model: the model every rank built or loaded the same way.
+        optimizer: an optimizer over the model's parameters, switched in place to the sharded ones
+            (accelerate's FSDP2 preparation takes the two together). None: the model alone.
+
+    Returns:
+        The sharded model (each parameter a DTensor holding this rank's shard).
+
+    Raises:
+        StrategyError: this process is not an fsdp rank (no ACCELERATE_USE_FSDP in its environment).
+    """
+    if os.environ.get("ACCELERATE_USE_FSDP", "").lower() != "true":
+        raise StrategyError(
+            "nbkit.fsdp.shard() needs an fsdp rank: start the ranks with the fsdp strategy "
+            f"({STRATEGY_VARIABLE}=fsdp in their environment), or call nbkit.fsdp.setup_rank() first."
+        )
+    from accelerate import Accelerator
+
+    accelerator = Accelerator()
+    # accelerate refuses a model without an optimizer under FSDP2; plain SGD keeps no state.
+    placeholder = optimizer or torch.optim.SGD(list(model.parameters()), lr=0.0)
+    sharded, _ = accelerator.prepare(model, placeholder)
+    # FSDP2 makes root the first FSDP unit whose forward runs. generate() looks up the input embeddings
+    # before calling the model, and accelerate shards them in a group with the output embedding: that group
+    # then becomes root and FSDP refuses a root of two modules. Initialising now makes the model itself
+    # root, as a training step's forward would (torch has no public call for this).
+    sharded._get_fsdp_state()._lazy_init()
+    return sharded
+
+
+def generate(model: torch.nn.Module, *, every_rank_timeout: float | None = None, **inputs: Any) -> Any:
+    """`model.generate(**inputs)` on a sharded model: call it on every rank, with the same inputs.
+
+    Every forward of a sharded model gathers each layer's weights from all ranks, so a generate that
+    runs on some ranks only (a `%%ddp --rank 0` cell) would wait for the others forever. This first
+    checks, through the process group's store, that every rank has called it, and raises within
+    `every_rank_timeout` seconds where one has not (the ranks stay usable; in fsdp ranks a plain
+    `model.generate` on a sharded model is checked the same way, by the "fsdp" patch group). The
+    model's own top-level units (embeddings, final norm, output layer) stay gathered for the whole
+    generation: peft's generate calls the inner model's forward, which bypasses the root unit's
+    gathering; each decoder layer is gathered and freed per step as in training.
+
+    Args:
+        model: a model sharded by Trainer or shard() (peft or plain transformers).
+        every_rank_timeout: seconds to wait for the other ranks before raising (None: EVERY_RANK_TIMEOUT_S).
+        **inputs: generate()'s arguments (input_ids, pixel_values, max_new_tokens, ...).
+
+    Returns:
+        What model.generate returns, on every rank (the same tokens: same weights, same inputs).
+
+    Raises:
+        StrategyError: some rank did not call it within the timeout (the message says to run the cell on
+            every rank).
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    _check_every_rank(every_rank_timeout)
+    layers = _layer_units(model)
+    units = [m for m in model.modules() if isinstance(m, FSDPModule) and id(m) not in layers]
+    for unit in units:
+        unit.unshard()
+    token = _CHECKED.set(True)
+    try:
+        with torch.no_grad():
+            return model.generate(**{"use_cache": True, **inputs})  # type: ignore[operator]
+    finally:
+        _CHECKED.reset(token)
+        for unit in units:
+            unit.reshard()
+
+
+# Set while generate() runs: the generate it calls was checked already.
+_CHECKED: contextvars.ContextVar[bool] = contextvars.ContextVar("nbkit_fsdp_checked", default=False)
+
+
+def _check_every_rank(timeout: float | None) -> None:
+    """Raise StrategyError unless every rank of the process group reaches this call within `timeout` s."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return
+    timeout = EVERY_RANK_TIMEOUT_S if timeout is None else timeout
+    missing = _ranks_missing(timeout)
+    if missing:
+        raise StrategyError(
+            f"generate on a sharded (FSDP) model must run on every rank, but rank(s) {missing} did not call it "
+            f"within {timeout:g} s. Each rank holds only its shard of the weights, so generation needs "
+            "all of them: run the cell on every rank (%%ddp without --rank), with the same inputs everywhere, "
+            "use nbkit.fsdp.generate(model, ...), and keep rank 0's answer."
+        )
+
+
+def _layer_units(model: torch.nn.Module) -> set[int]:
+    """Ids of the FSDP units that are one decoder layer (a class the model lists in _no_split_modules,
+    the classes accelerate's transformer-layer policy wraps), checkpoint-wrapped or not.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    layers = {name for m in model.modules() for name in (getattr(m, "_no_split_modules", None) or ())}
+    return {
+        id(m)
+        for m in model.modules()
+        if isinstance(m, FSDPModule)
+        and type(getattr(m, "_checkpoint_wrapped_module", m)).__name__.removeprefix("FSDP") in layers
+    }
+
+
+def _ranks_missing(timeout: float) -> list[int]:
+    """Count this call on this rank in the process group's store and wait until every rank has counted as
+    many; returns the ranks that had not within `timeout` seconds (and then takes this rank's count back,
+    so that the next call on every rank lines up again). The store, not a collective: a collective that
+    times out leaves its group unusable, and this check exists for exactly that case.
+    """
+    import time
+
+    import torch.distributed as dist
+
+    store = dist.distributed_c10d._get_default_store()  # the rendezvous store every rank shares
+    me, world = dist.get_rank(), dist.get_world_size()
+    calls = store.add(f"nbkit/fsdp/generate/{me}", 1)
+    deadline = time.monotonic() + timeout
+    while True:
+        missing = [r for r in range(world) if r != me and store.add(f"nbkit/fsdp/generate/{r}", 0) < calls]
+        if not missing:
+            return []
+        if time.monotonic() > deadline:
+            store.add(f"nbkit/fsdp/generate/{me}", -1)
+            return missing
+        time.sleep(0.05)
+
+
+def _full_state_dict(model: torch.nn.Module) -> dict[str, Any]:
+    """Every parameter of a sharded model, gathered to rank 0's CPU memory (an empty dict elsewhere).
+    Collective: every rank must call it.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_model_state_dict(model, options=options)
+
+
+def save_adapter(model: torch.nn.Module, path: str | os.PathLike[str]) -> Path | None:
+    """Save a sharded peft model's adapter: its weights gathered to rank 0 and written there once, in
+    peft's format (adapter_config.json + adapter_model.safetensors); a plain single process loads it with
+    PeftModel.from_pretrained.
+
+    Collective: call it on every rank (each sends its shards). torch gathers the whole state dict
+    (base weights included) into rank 0's CPU memory, never onto a GPU; peft then keeps the adapter's
+    keys only. For a 4-bit base that is its packed size.
+
+    Args:
+        model: a peft model sharded by Trainer or shard().
+        path: the directory to write.
+
+    Returns:
+        The directory on rank 0, None on the other ranks.
+    """
+    state = _full_state_dict(model)
+    if distributed.rank() != 0:
+        return None
+    target = Path(path)
+    model.save_pretrained(target, state_dict=state)  # type: ignore[operator]  # peft filters the adapter keys
+    return target
+
+
+def save_merged(model: torch.nn.Module, path: str | os.PathLike[str]) -> None:
+    """Not available under FSDP; raises StrategyError saying what to do.
+
+    Merging LoRA into the base weights needs every full weight in 16-bit on one device: for a model
+    sharded because it does not fit one GPU, that is exactly the copy FSDP avoids (and a 4-bit base
+    must first be dequantised). Save the adapter (save_adapter / Trainer.save_model), then merge in a
+    single process with the weights on CPU.
+    """
+    raise StrategyError(
+        "save_merged is not available under FSDP: merging LoRA into the base needs a full 16-bit copy of the "
+        "model on one device, which is what sharding avoids. Save the adapter on every rank with "
+        "nbkit.fsdp.save_adapter(model, path) (or trainer.save_model(path)); then, in one process with enough "
+        "CPU memory: base = AutoModelForCausalLM.from_pretrained(name, torch_dtype=torch.bfloat16, device_map='cpu'); "
+        "PeftModel.from_pretrained(base, path).merge_and_unload().save_pretrained(out)."
+    )
+
+
+def _cpu_fsdp_state(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Patch factory: AcceleratorState on a rank without CUDA becomes FSDP where accelerate's own code
+    would leave it MULTI_CPU (see the module docstring).
+    """
+
+    @functools.wraps(original)
+    def __init__(self: Any, *args: Any, fsdp_plugin: Any = None, **kwargs: Any) -> None:
+        original(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)
+        from accelerate.state import PartialState
+        from accelerate.utils import DistributedType
+
+        if fsdp_plugin is None or self.distributed_type != DistributedType.MULTI_CPU:
+            return
+        self.distributed_type = DistributedType.FSDP
+        if self._mixed_precision != "no":
+            fsdp_plugin.set_mixed_precision(self._mixed_precision)
+        self.fsdp_plugin = fsdp_plugin
+        PartialState._shared_state["distributed_type"] = self.distributed_type
+
+    return __init__
+
+
+patch(
+    "accelerate.state:AcceleratorState.__init__",
+    reason="accelerate makes ACCELERATE_USE_FSDP an FSDP run only on accelerator back ends; a gloo rank on CPU "
+    "would train with DDP instead, although FSDP2 and accelerate's FSDP2 path run there (fsdp ranks without CUDA)",
+    upstream="none filed yet: accelerate/state.py sets DistributedType.FSDP only in its MULTI_GPU/XPU/NPU/... branch",
+    group="fsdp",
+    when=lambda: not torch.cuda.is_available(),
+)(_cpu_fsdp_state)
+
+
+def _unwrapped_prefixes(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Patch factory: peft's adapter key prefixes without the activation-checkpoint wrapper's name.
+
+    peft finds the adapter's entries of a state dict by walking the model's modules. accelerate's
+    FSDP2 activation checkpointing puts each decoder layer inside a CheckpointWrapper, whose module
+    names hold "_checkpoint_wrapped_module." while state dict keys do not (the wrapper's state-dict
+    hook drops it): every prefix then misses, and save_pretrained (Trainer.save_model too) writes an
+    adapter file with no tensors in it (seen here: peft 0.21, accelerate 1.15, torch 2.13).
+    """
+
+    @functools.wraps(original)
+    def prefixes(*args: Any, **kwargs: Any) -> set[str]:
+        return {prefix.replace(_CHECKPOINT_WRAPPER, "") for prefix in original(*args, **kwargs)}
+
+    return prefixes
+
+
+# torch.distributed.algorithms._checkpoint.checkpoint_wrapper's name for the wrapped module.
+_CHECKPOINT_WRAPPER = "_checkpoint_wrapped_module."
+
+patch(
+    "peft.tuners.tuners_utils:_get_tuner_state_dict_key_prefixes",
+    reason="under accelerate's FSDP2 activation checkpointing, peft's structural adapter-key lookup sees the "
+    "checkpoint wrapper's module names and saves an empty adapter (Trainer.save_model and save_pretrained alike)",
+    upstream="none filed yet: peft/tuners/tuners_utils.py strips FSDP1's '_fsdp_wrapped_module.' prefix only",
+    group="fsdp",
+)(_unwrapped_prefixes)
+
+
+def _checked_generate(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Patch factory: generate on a sharded model first checks that every rank called it (see generate())."""
+
+    @functools.wraps(original)
+    def generate(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if not _CHECKED.get() and _is_sharded(self):
+            _check_every_rank(None)
+        return original(self, *args, **kwargs)
+
+    return generate
+
+
+def _is_sharded(model: torch.nn.Module) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+patch(
+    "transformers.generation.utils:GenerationMixin.generate",
+    reason="a sharded model's forward on some ranks only (a %%ddp --rank 0 cell) waits for the other ranks' shards "
+    "until the process group's timeout (minutes); this refuses it within seconds, with what to do",
+    upstream="none: FSDP's collectives cannot tell a rank that never comes from a slow one",
+    group="fsdp",
+)(_checked_generate)

@@ -1,0 +1,266 @@
+"""The fsdp strategy on CPU: real gloo ranks (nbkit.launch with NBKIT_STRATEGY=fsdp), FSDP2 through
+accelerate, the tiny Qwen3 in fp32 with LoRA.
+
+In each launch every rank checks that it holds 1/N of the base weights, computes one step's loss and
+LoRA gradients on its own sequences (normalised over the global batch as Trainer does across ranks),
+and the parent compares them with a single process over the whole batch. Also: nbkit's savers under
+FSDP, Trainer under FSDP, and the adapter saved from the sharded model loading in a plain process.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+from test_savers import TOLERANCE, make_batch, relative_error, tiny_model, trainable_grads
+
+import nbkit
+from nbkit import fsdp
+
+FSDP_ENV = {fsdp.STRATEGY_VARIABLE: "fsdp"}
+
+
+def transformers_major() -> int:
+    import transformers
+
+    return int(transformers.__version__.split(".")[0])
+
+
+# Sequence lengths of each rank's batch: the ranks differ in shape and token count.
+LENGTHS = {0: [24, 17], 1: [30], 2: [20], 3: [16, 12]}
+
+
+def _batches(model: torch.nn.Module, world: int) -> tuple[list[dict[str, torch.Tensor]], int]:
+    batches = [make_batch(model, LENGTHS[rank], seed=rank) for rank in range(world)]
+    # transformers' causal-LM loss predicts labels[1:] from positions [:-1].
+    items = sum(int((b["labels"][:, 1:] != -100).sum()) for b in batches)
+    return batches, items
+
+
+def _frozen_numel(model: torch.nn.Module) -> tuple[int, int]:
+    """(elements this rank holds, elements of the full model) over the frozen base weights."""
+    from torch.distributed.tensor import DTensor
+
+    local = full = 0
+    for p in model.parameters():
+        if not p.requires_grad:
+            local += p.to_local().numel() if isinstance(p, DTensor) else p.numel()
+            full += p.numel()
+    return local, full
+
+
+def _full_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    from torch.distributed.tensor import DTensor
+
+    return {
+        name: (g.full_tensor() if isinstance(g, DTensor) else g).detach().clone()
+        for name, g in ((n, p.grad) for n, p in model.named_parameters() if p.requires_grad)
+    }
+
+
+def _sharded_step(adapter_dir: str | None, savers: dict | None, device_type: str = "cpu") -> dict:
+    """In each rank: load, shard, one forward/backward on this rank's batch; gathered to every rank.
+    device_type "cuda": NCCL, the rank's GPU, fp32 without TF32 (tests/test_fsdp_gpu.py)."""
+    import torch.distributed as dist
+
+    from nbkit import savers as nbkit_savers
+
+    device = torch.device(device_type, int(os.environ.get("LOCAL_RANK", "0")) if device_type == "cuda" else None)
+    if device_type == "cuda":
+        torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = tiny_model("qwen3").to(device)
+    if savers is not None:
+        nbkit_savers.apply(model, **savers)
+    batches, items = _batches(model, world)
+    batch = {k: v.to(device) for k, v in batches[rank].items()}
+    model = fsdp.shard(model)
+    held, full = _frozen_numel(model)
+    loss = model(**batch, num_items_in_batch=items, use_cache=False).loss
+    (loss * world).backward()  # FSDP averages the gradients over the ranks, as DDP does
+    mine = {"held": held, "full": full, "loss": loss.item(), "class": type(model).__name__}
+    grads = {name: g.cpu() for name, g in _full_grads(model).items()}
+    if adapter_dir is not None:
+        fsdp.save_adapter(model, adapter_dir)
+        model.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            mine["logits"] = model(input_ids=batches[0]["input_ids"]).logits.detach()
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, mine)
+    return {"ranks": everyone, "grads": grads}
+
+
+def _reference(world: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+    model = tiny_model("qwen3")
+    batches, items = _batches(model, world)
+    losses = []
+    for batch in batches:
+        loss = model(**batch, num_items_in_batch=items).loss
+        loss.backward()
+        losses.append(loss.item())
+    return losses, trainable_grads(model)
+
+
+def _check_against_reference(result: dict, world: int, tolerance: float = TOLERANCE) -> None:
+    losses, reference = _reference(world)
+    for rank, info in enumerate(result["ranks"]):
+        assert info["class"].startswith("FSDP"), info["class"]
+        # Each rank holds its 1/N of every base weight (dim-0 shards: at most one row more than an equal split).
+        assert info["full"] / world * 0.95 <= info["held"] <= info["full"] / world * 1.1, (rank, info)
+        assert info["loss"] == pytest.approx(losses[rank], rel=tolerance)
+    assert sum(info["held"] for info in result["ranks"]) == result["ranks"][0]["full"]
+    grads = {name.replace("_checkpoint_wrapped_module.", ""): g for name, g in result["grads"].items()}
+    assert grads.keys() == reference.keys()
+    for name, grad in grads.items():
+        assert relative_error(grad, reference[name]) < tolerance, name
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_each_rank_holds_its_share_and_gradients_equal_one_process(world):
+    result = nbkit.launch(_sharded_step, None, None, gpus=world, env=FSDP_ENV, timeout=300)
+    _check_against_reference(result, world)
+
+
+@pytest.mark.parametrize(
+    ("savers", "accelerate_checkpointing"),
+    [
+        # nbkit's offloaded checkpointing in place of accelerate's (which is turned off)
+        (dict(checkpointing="offload", tiled_mlp=3, chunked_loss=True), "false"),
+        # accelerate's checkpointing (nbkit's default fsdp set-up) with the tiled MLP and the chunked loss
+        (dict(checkpointing=None, tiled_mlp=3, chunked_loss=True), "true"),
+    ],
+    ids=["offload", "fsdp-checkpointing"],
+)
+def test_savers_under_fsdp_give_the_reference_gradients(savers, accelerate_checkpointing):
+    env = {**FSDP_ENV, "FSDP_ACTIVATION_CHECKPOINTING": accelerate_checkpointing}
+    result = nbkit.launch(_sharded_step, None, savers, gpus=2, env=env, timeout=300)
+    _check_against_reference(result, 2)
+
+
+def test_adapter_saved_from_shards_loads_in_one_process_with_the_same_outputs(tmp_path):
+    from peft import PeftModel
+
+    result = nbkit.launch(_sharded_step, str(tmp_path), None, gpus=2, env=FSDP_ENV, timeout=300)
+    assert sorted(os.listdir(tmp_path)) == ["README.md", "adapter_config.json", "adapter_model.safetensors"]
+    base = tiny_model("qwen3", lora=False)
+    loaded = PeftModel.from_pretrained(base, str(tmp_path))
+    batch = make_batch(loaded, LENGTHS[0], seed=0)
+    with torch.no_grad():
+        logits = loaded(input_ids=batch["input_ids"]).logits
+    assert relative_error(logits, result["ranks"][0]["logits"]) < TOLERANCE
+
+
+def _trainer_run(path: str, out: str) -> dict:
+    from tiny_training import saving_trainer
+
+    trainer = saving_trainer(path, out, samples=8, max_steps=3, logging_steps=1, save_strategy="no")
+    trainer.train()
+    trainer.save_model(out)
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    return {"class": type(trainer.model_wrapped).__name__, "losses": losses, "fsdp": trainer.is_fsdp_enabled}
+
+
+def test_trainer_trains_sharded_and_saves_the_adapter(tiny_text_path, tmp_path):
+    result = nbkit.launch(_trainer_run, tiny_text_path, str(tmp_path), gpus=2, env=FSDP_ENV, timeout=300)
+    assert result["fsdp"] and result["class"].startswith("FSDP"), result
+    assert len(result["losses"]) == 3 and all(torch.isfinite(torch.tensor(result["losses"])))
+    from safetensors.torch import load_file
+
+    saved = load_file(tmp_path / "adapter_model.safetensors")
+    assert saved and all("lora_" in key and "_checkpoint_wrapped_module" not in key for key in saved), list(saved)
+
+
+def test_settings_are_accelerates_fsdp2_environment():
+    env = fsdp.FsdpSettings().environment()
+    assert env["ACCELERATE_USE_FSDP"] == "true" and env["FSDP_VERSION"] == "2"
+    assert env["FSDP_AUTO_WRAP_POLICY"] == "TRANSFORMER_BASED_WRAP"
+    assert env["FSDP_CPU_RAM_EFFICIENT_LOADING"] == "true"
+    assert fsdp.FsdpSettings(activation_checkpointing=False).environment()["FSDP_ACTIVATION_CHECKPOINTING"] == "false"
+
+
+def test_shard_outside_an_fsdp_rank_says_how_to_start_one(monkeypatch):
+    monkeypatch.delenv("ACCELERATE_USE_FSDP", raising=False)
+    with pytest.raises(nbkit.NbkitError, match="fsdp strategy"):
+        fsdp.shard(torch.nn.Linear(2, 2))
+
+
+def test_save_merged_says_why_not_and_what_to_do():
+    with pytest.raises(nbkit.NbkitError, match="merge_and_unload"):
+        fsdp.save_merged(torch.nn.Linear(2, 2), "out")
+
+
+def _recording_loader(calls: list) -> object:
+    def from_pretrained(model_name, device_map=None, load_in_4bit=True, **kwargs):
+        calls.append(device_map)
+        return "loaded"
+
+    return from_pretrained
+
+
+@pytest.mark.parametrize("loader", ["transformers", "unsloth"])
+def test_guard_in_an_fsdp_rank_loads_for_sharding_and_refuses_unsloth(monkeypatch, loader):
+    from nbkit import guard
+
+    monkeypatch.setenv(fsdp.STRATEGY_VARIABLE, "fsdp")
+    calls: list = []
+    wrapped = guard._guarded(guard._UNSLOTH if loader == "unsloth" else guard._TRANSFORMERS)(_recording_loader(calls))
+    if loader == "unsloth":
+        with pytest.raises(nbkit.errors.StrategyError, match="transformers \\+ peft") as caught:
+            wrapped("some/model", device_map="balanced")
+        assert isinstance(caught.value, nbkit.NbkitError) and calls == []
+        return
+    # 16-bit: on CPU whatever was asked (rank 0 reads, accelerate shards onto the GPUs); 4-bit: the rank's device.
+    assert wrapped("some/model", device_map="balanced", load_in_4bit=False) == "loaded"
+    assert wrapped("some/model", device_map="auto", quantization_config=object()) == "loaded"
+    assert calls == [None, {"": "cpu"}]
+
+
+def test_unsloth_error_names_the_transformers_way():
+    message = str(fsdp.unsloth_error())
+    assert "no FSDP" in message and "qlora_config()" in message and "ddp strategy" in message
+
+
+@pytest.mark.parametrize(
+    ("capability", "expected"), [((7, 5), torch.float16), ((8, 0), torch.bfloat16), (None, torch.bfloat16)]
+)
+def test_fsdp_computes_in_fp16_on_t4s_and_bf16_elsewhere(monkeypatch, capability, expected):
+    from nbkit import distributed
+
+    gpus = [] if capability is None else [distributed.GPU(0, "GPU", 15.0, capability)]
+    monkeypatch.setattr(distributed, "visible_gpus", lambda: gpus)
+    assert fsdp.compute_dtype() == expected
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("bitsandbytes") is None and transformers_major() < 5,
+    reason="transformers 4.x's BitsAndBytesConfig needs bitsandbytes installed",
+)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_qlora_settings_store_4bit_weights_in_the_compute_dtype(dtype):
+    config = fsdp.qlora_config(dtype)
+    assert config.load_in_4bit and config.bnb_4bit_quant_type == "nf4"
+    # FSDP shards floating-point storage only, and one unit's parameters must share a dtype.
+    assert config.bnb_4bit_quant_storage == config.bnb_4bit_compute_dtype == dtype
+
+
+def test_fsdp_vs_balanced_script_runs_on_cpu_ranks(tmp_path):
+    """benchmarks/fsdp_vs_balanced.py's FSDP side on 2 gloo ranks: a row with the harness's median and a table."""
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from benchmarks import fsdp_vs_balanced
+
+    out, md = tmp_path / "rows.json", tmp_path / "rows.md"
+    argv = ["--model", "tiny:qwen3", "--gpus", "2", "--16bit", "--seq-len", "32", "--steps", "3", "--warmup", "1"]
+    assert fsdp_vs_balanced.main([*argv, "--modes", "fsdp", "--out", str(out), "--md", str(md)]) == 0
+    (row,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert row["status"] == "ok" and row["mode"] == "fsdp" and row["tokens_per_s"] > 0
+    assert row["step_stats"]["median"] == row["median_step_s"] and row["planned_gib"] > 0
+    assert "| fsdp | tiny:qwen3 | 2 |" in md.read_text()

@@ -1,0 +1,84 @@
+"""FSDP-QLoRA on one GPU (world size 1): what the CPU tests cannot run, since bitsandbytes' 4-bit
+weights need CUDA.
+
+Trainer under the fsdp strategy with the tiny Qwen3 in 4-bit (nbkit.fsdp.qlora_config: NF4 stored as
+fp16) and fp16 mixed precision, as on a T4 (the T4 profile, NBKIT_EMULATE=T4, where this checkout has
+it): training must not hit the fp16-scaler-on-bf16 error that transformers + peft in 4-bit meet on T4s,
+the 4-bit weights must be sharded by FSDP (not left out as uint8), and the saved adapter must load in
+a plain process. Also: Liger's kernels under FSDP give the reference gradients.
+
+Run on a machine with a GPU: `python -m pytest -m gpu tests/test_fsdp_gpu.py`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+from test_fsdp import FSDP_ENV, _check_against_reference, _sharded_step
+from test_savers import GPU_TOLERANCE
+
+import nbkit
+from nbkit import fsdp
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+T4_FSDP = {fsdp.STRATEGY_VARIABLE: "fsdp", "NBKIT_EMULATE": "T4"}
+
+
+def _qlora_fp16(path: str, out: str) -> dict:
+    from peft import LoraConfig, get_peft_model
+    from torch.distributed.tensor import DTensor
+    from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+
+    torch.manual_seed(0)
+    dtype = torch.float16
+    model = AutoModelForCausalLM.from_pretrained(
+        path, quantization_config=fsdp.qlora_config(dtype), dtype=dtype, device_map="auto"
+    )
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    data = [{"input_ids": (ids := torch.randint(8, 1000, (32,))), "labels": ids} for _ in range(8)]
+    args = TrainingArguments(
+        output_dir=out,
+        max_steps=3,
+        per_device_train_batch_size=2,
+        learning_rate=1e-3,
+        fp16=True,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        disable_tqdm=True,
+    )
+    trainer = Trainer(model=model, args=args, train_dataset=data)
+    trainer.train()
+    trainer.save_model(out)
+    four_bit = [p for n, p in trainer.model_wrapped.named_parameters() if "base_layer" in n and "proj" in n]
+    return {
+        "losses": [e["loss"] for e in trainer.state.log_history if "loss" in e],
+        "sharded_4bit": all(isinstance(p, DTensor) for p in four_bit) and bool(four_bit),
+        "storage": str({p.dtype for p in four_bit}),
+        "fsdp": trainer.is_fsdp_enabled,
+    }
+
+
+def test_qlora_in_fp16_trains_sharded_and_saves_a_loadable_adapter(tiny_text_path, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    result = nbkit.launch(_qlora_fp16, tiny_text_path, str(tmp_path), gpus=1, env=T4_FSDP, timeout=600)
+    assert result["fsdp"] and result["sharded_4bit"], result
+    assert result["storage"] == str({torch.float16}), result
+    assert len(result["losses"]) == 3 and all(torch.isfinite(torch.tensor(result["losses"]))), result
+    base = AutoModelForCausalLM.from_pretrained(tiny_text_path)
+    loaded = PeftModel.from_pretrained(base, str(tmp_path))
+    assert any("lora_A" in name for name, _ in loaded.named_parameters())
+
+
+@pytest.mark.skipif(importlib.util.find_spec("liger_kernel") is None, reason="liger-kernel is not installed")
+def test_liger_kernels_and_savers_under_fsdp_give_the_reference_gradients():
+    """Liger's fused kernels (with its fused linear cross-entropy as the chunked loss) and the tiled MLP, under
+    FSDP with accelerate's checkpointing, world size 1 on a GPU: loss and LoRA gradients equal one plain process."""
+    savers = dict(checkpointing=None, tiled_mlp=3, chunked_loss=True, kernels="liger")
+    result = nbkit.launch(_sharded_step, None, savers, "cuda", gpus=1, env=FSDP_ENV, timeout=600)
+    _check_against_reference(result, 1, tolerance=GPU_TOLERANCE)

@@ -1,0 +1,111 @@
+"""FSDP on a live set (nbkit.start with NBKIT_STRATEGY=fsdp): 2 gloo CPU ranks, cell by cell.
+
+Load, shard, train and save are separate calls, as separate notebook cells are: the sharded model
+and its optimizer stay on the ranks between them. A rank that dies in the middle of a sharded step
+ends the set the way it does under DDP: a LiveError that names the rank, and no process left.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+import nbkit
+from nbkit import fsdp
+from nbkit.errors import LiveError
+
+pytestmark = pytest.mark.slow
+
+TESTS = str(Path(__file__).resolve().parent)
+
+LOAD = """
+import os
+import sys
+sys.path.insert(0, tests)
+import torch
+import nbkit
+from nbkit import fsdp
+from tiny_training import tiny_lora, token_sequences
+
+model = tiny_lora(path)
+strategy = os.environ.get("ACCELERATE_USE_FSDP")
+"""
+
+SHARD = """
+optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+model = fsdp.shard(model, optimizer)
+type(model).__name__
+"""
+
+TRAIN = """
+batch = torch.stack([s["input_ids"] for s in token_sequences(8, 16)])[nbkit.rank() * 4 : nbkit.rank() * 4 + 4]
+losses = []
+for _ in range(steps):
+    loss = model(input_ids=batch, labels=batch, use_cache=False).loss
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    losses.append(loss.item())
+losses
+"""
+
+
+def test_load_shard_train_and_save_in_separate_cells(tmp_path):
+    live = nbkit.start(gpus=2, env={fsdp.STRATEGY_VARIABLE: "fsdp"})
+    try:
+        path = nbkit.resolve_model("tiny:qwen3")
+        live.exec(LOAD, names={"tests": TESTS, "path": path})
+        assert live.pull("strategy") == "true" and live.pull("strategy", rank=1) == "true"
+        assert live.exec(SHARD).startswith("FSDP")
+        losses = live.exec(TRAIN, names={"steps": 4})
+        assert len(losses) == 4 and losses[-1] < losses[0], losses  # the optimizer kept its sharded state
+        more = live.exec(TRAIN, names={"steps": 2})
+        assert more[0] < losses[0]  # the next cell trains the same sharded model on
+        # generate on rank 0 alone would wait for rank 1's shards forever: it is refused, and the set stays up.
+        ask = "fsdp.generate(model, input_ids=batch[:1, :4], max_new_tokens=3, do_sample=False, every_rank_timeout=5)"
+        live.exec("fsdp.EVERY_RANK_TIMEOUT_S = 5")
+        plain = "model.generate(input_ids=batch[:1, :4], max_new_tokens=3, do_sample=False)"  # the flagship's way
+        for wrong in (ask, plain):
+            started = time.monotonic()
+            with pytest.raises(LiveError, match="must run on every rank") as info:
+                live.exec(wrong, ranks=0, timeout=120)
+            assert not info.value.ended and time.monotonic() - started < 60
+            assert "rank(s) [1] did not call it" in str(info.value)
+        answers = live.exec(f"{ask}.tolist()")
+        assert len(answers[0]) == 7, answers  # every rank generated: 4 prompt tokens and 3 new ones
+        live.exec("fsdp.save_adapter(model, out)", names={"out": str(tmp_path)})
+        assert (tmp_path / "adapter_model.safetensors").stat().st_size > 0
+    finally:
+        live.stop()
+
+
+def test_a_rank_that_dies_mid_step_ends_the_set_and_leaves_nothing():
+    live = nbkit.start(gpus=2, env={fsdp.STRATEGY_VARIABLE: "fsdp"})
+    pids = [row.pid for row in live.status().ranks]
+    try:
+        live.exec(LOAD, names={"tests": TESTS, "path": nbkit.resolve_model("tiny:qwen3")}, timeout=120)
+        live.exec(SHARD, timeout=120)
+        # Rank 1 ends in the middle of its forward, between two layers' all-gathers; rank 0 waits in one.
+        dying = TRAIN.replace(
+            "    loss = model(",
+            "    if nbkit.rank() == 1:\n"
+            "        model.base_model.model.model.layers[1].register_forward_pre_hook(lambda *a: os._exit(3))\n"
+            "    loss = model(",
+        )
+        started = time.monotonic()
+        with pytest.raises(LiveError) as info:
+            live.exec(dying, names={"steps": 1}, timeout=120)
+        assert time.monotonic() - started < 60
+        message = str(info.value)
+        assert info.value.ended and "rank 1" in message and "exited with code 3" in message, message
+    finally:
+        live.stop()
+    deadline = time.monotonic() + 15
+    while any(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE for pid in pids):
+        assert time.monotonic() < deadline, "ranks left running"
+        time.sleep(0.2)
+    assert os.environ.get(fsdp.STRATEGY_VARIABLE) is None  # the notebook process is no rank
