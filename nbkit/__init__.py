@@ -40,6 +40,7 @@ _EXPORTS: dict[str, str] = {
     "CellSyntaxError": "nbkit.errors",
     "ExportError": "nbkit.errors",
     "CheckpointError": "nbkit.errors",
+    "DatasetError": "nbkit.errors",
     # where this process stands
     "rank": "nbkit.distributed",
     "local_rank": "nbkit.distributed",
@@ -75,12 +76,14 @@ _EXPORTS: dict[str, str] = {
 _SUBMODULES = (
     "checkpoints",
     "config",
+    "data",
     "dashboard",
     "export",
     "integration",
     "live",
     "offline",
     "patching",
+    "run_summary",
     "savers",
     "synthetic",
 )

@@ -20,6 +20,7 @@ __all__ = [
     "BringAlongError",
     "CellSyntaxError",
     "CheckpointError",
+    "DatasetError",
     "DeviceMapError",
     "ExportError",
     "KernelsError",
@@ -185,3 +186,7 @@ class CellSyntaxError(NbkitError, ValueError):
 
 class CheckpointError(NbkitError, OSError):
     """A checkpoint to resume from that could not be brought into output_dir; the message says why."""
+
+
+class DatasetError(NbkitError, OSError):
+    """A dataset that could not be loaded (or lacks the columns asked for); the message names it and what to check."""
