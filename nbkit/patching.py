@@ -26,13 +26,14 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.abc
-import logging
 import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
+
+from nbkit import notices
 
 __all__ = ["Patch", "applied", "apply", "describe", "patch", "pending", "registered", "revert"]
 
@@ -165,7 +166,7 @@ def _inherited_raw(cls: type, attr: str) -> Any:
 
 
 _REGISTRY: list[Patch] = []
-_log = logging.getLogger("nbkit")
+_log = notices.logger(__name__)
 # Guards the registry's state across threads: an import in another thread can apply pending patches.
 _lock = threading.RLock()
 
