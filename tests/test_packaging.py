@@ -37,7 +37,19 @@ INSTALL_CELL = 2  # the first code cell of every notebook, after the title and "
 # Modules nbkit imports only where they are there, each behind a check, and so never requires:
 # unsloth is an optional backend (its extra), bitsandbytes comes with unsloth or the quant extra,
 # torchvision is optional for transformers, and the platforms' secret stores exist only on Kaggle/Colab.
-OPTIONAL_IMPORTS = {"unsloth", "unsloth_zoo", "bitsandbytes", "torchvision", "kaggle_secrets", "google", "liger_kernel"}
+# datasets comes with the peft and unsloth extras (nbkit.data needs it, the notebooks' data); tqdm with
+# huggingface_hub (the live ranks' text bars patch tqdm.auto, skipped where it does not import).
+OPTIONAL_IMPORTS = {
+    "unsloth",
+    "unsloth_zoo",
+    "bitsandbytes",
+    "torchvision",
+    "kaggle_secrets",
+    "google",
+    "liger_kernel",
+    "datasets",
+    "tqdm",
+}
 
 
 def _pins(path: Path) -> dict[str, str]:
