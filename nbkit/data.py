@@ -1,7 +1,8 @@
-"""The image-and-text datasets the vision notebooks train on: a hub dataset, or nbkit's synthetic set.
+"""The datasets the notebooks train on: a hub dataset, or nbkit's synthetic set.
 
     dataset = nbkit.data.image_text_dataset("unsloth/LaTeX_OCR", 1000)   # columns "image" and "text"
     dataset = nbkit.data.image_text_dataset("synthetic", 64)             # no hub: words drawn on images
+    chats = nbkit.data.chat_dataset("trl-lib/Capybara", 1000)            # [{"messages": [user, assistant]}]
 
 Only the name "synthetic" gives the synthetic set. A hub dataset that cannot be loaded is a DatasetError that
 names it and what to check, never a quiet switch to other data: a run that trained on the wrong data looks
@@ -15,7 +16,7 @@ from typing import Any
 
 from nbkit.errors import DatasetError
 
-__all__ = ["SYNTHETIC", "image_text_dataset"]
+__all__ = ["SYNTHETIC", "chat_dataset", "image_text_dataset"]
 
 SYNTHETIC = "synthetic"
 
@@ -56,10 +57,7 @@ def image_text_dataset(
         return datasets.Dataset.from_list(
             [{"image": row["images"][0], "text": row["messages"][1]["content"][0]["text"]} for row in rows]
         )
-    try:
-        loaded = datasets.load_dataset(name, split=f"{split}[:{n}]")
-    except Exception as error:  # the hub's, fsspec's and datasets' own errors: any of them means "not loaded"
-        raise DatasetError(_unreachable(name, error)) from error
+    loaded = _load(name, split, n)
     image, text = columns
     missing = [column for column in columns if column not in loaded.column_names]
     if missing:
@@ -70,6 +68,41 @@ def image_text_dataset(
     if (image, text) != ("image", "text"):
         loaded = loaded.select_columns([image, text]).rename_columns({image: "image", text: "text"})
     return loaded
+
+
+def chat_dataset(name: str, n: int, *, split: str = "train", seed: int = 0) -> list[dict[str, Any]]:
+    """The first `n` conversations of a chat dataset, each cut to its first user turn and answer.
+
+    Args:
+        name: a dataset on the hub (or a local path) with a "messages" column of chat turns, or "synthetic":
+            nbkit's offline instructions (nbkit.synthetic.text_dataset).
+        n: how many conversations.
+        split: the split of a hub dataset.
+        seed: which synthetic conversations.
+
+    Returns:
+        `[{"messages": [{"role": "user", ...}, {"role": "assistant", ...}]}, ...]`, in the calling process.
+
+    Raises:
+        DatasetError: as image_text_dataset, for a dataset that cannot be loaded or has no "messages" column.
+    """
+    if name == SYNTHETIC:
+        from nbkit.synthetic import text_dataset
+
+        return [{"messages": row["messages"][:2]} for row in text_dataset(n, seed=seed)]
+    loaded = _load(name, split, n)
+    if "messages" not in loaded.column_names:
+        raise DatasetError(f"The dataset {name!r} has no column 'messages' (it has {loaded.column_names}).")
+    return [{"messages": messages[:2]} for messages in loaded["messages"]]
+
+
+def _load(name: str, split: str, n: int) -> Any:
+    import datasets
+
+    try:
+        return datasets.load_dataset(name, split=f"{split}[:{n}]")
+    except Exception as error:  # the hub's, fsspec's and datasets' own errors: any of them means "not loaded"
+        raise DatasetError(_unreachable(name, error)) from error
 
 
 def _unreachable(name: str, error: BaseException) -> str:

@@ -72,3 +72,14 @@ def test_in_a_kernel_the_cell_fails_with_the_message_and_the_kernel_stays_usable
     )
     client.execute()
     assert f"{Path(nbkit.__file__)} still here" in "".join(o.get("text", "") for o in notebook.cells[2].outputs)
+
+
+def test_chat_dataset_gives_first_turns_or_the_synthetic_instructions(tmp_path, monkeypatch):
+    chats = nbkit.data.chat_dataset("synthetic", 3)
+    assert len(chats) == 3 and [m["role"] for m in chats[0]["messages"]] == ["user", "assistant"]
+    turns = [{"role": r, "content": c} for r, c in [("user", "q"), ("assistant", "a"), ("user", "more")]]
+    (tmp_path / "chats.jsonl").write_text(json.dumps({"messages": turns}) + "\n")
+    assert nbkit.data.chat_dataset(str(tmp_path), 1) == [{"messages": turns[:2]}]
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(DatasetError, match="'someone/no-chats'"):
+        nbkit.data.chat_dataset("someone/no-chats", 2)
