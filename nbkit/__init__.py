@@ -46,6 +46,7 @@ _EXPORTS: dict[str, str] = {
     "EmulationError": "nbkit.errors",
     "CheckpointError": "nbkit.errors",
     "StrategyError": "nbkit.errors",
+    "DatasetError": "nbkit.errors",
     # where this process stands
     "rank": "nbkit.distributed",
     "local_rank": "nbkit.distributed",
@@ -83,6 +84,7 @@ _EXPORTS: dict[str, str] = {
 _SUBMODULES = (
     "checkpoints",
     "config",
+    "data",
     "dashboard",
     "export",
     "fsdp",
@@ -90,6 +92,7 @@ _SUBMODULES = (
     "live",
     "offline",
     "patching",
+    "run_summary",
     "savers",
     "synthetic",
 )

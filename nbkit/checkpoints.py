@@ -57,7 +57,7 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from nbkit import callbacks, distributed, patching, platform
+from nbkit import callbacks, distributed, notices, patching, platform
 from nbkit.errors import CheckpointError
 
 __all__ = [  # noqa: F822 (names built on first use, see __getattr__)
@@ -184,7 +184,7 @@ def resume_point(
             "or one written without nbkit)."
         )
     if distributed.is_main():
-        print(line, flush=True)
+        notices.logger(__name__).info(line)
     return str(local[1]) if local is not None else None
 
 

@@ -20,6 +20,7 @@ __all__ = [
     "BringAlongError",
     "CellSyntaxError",
     "CheckpointError",
+    "DatasetError",
     "DeviceMapError",
     "EmulationError",
     "ExportError",
@@ -199,3 +200,7 @@ class StrategyError(NbkitError, ValueError):
     """What was asked cannot work with the ranks' training strategy (fsdp): unsloth under FSDP, merging a
     sharded model, sharding outside an fsdp rank. The message says what to do instead.
     """
+
+
+class DatasetError(NbkitError, OSError):
+    """A dataset that could not be loaded (or lacks the columns asked for); the message names it and what to check."""

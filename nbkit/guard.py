@@ -18,14 +18,13 @@ from __future__ import annotations
 import functools
 import inspect
 import os
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from nbkit import distributed, fsdp
+from nbkit import distributed, fsdp, notices
 from nbkit.config import setting
 from nbkit.errors import DeviceMapError
 from nbkit.patching import patch
@@ -84,7 +83,7 @@ def resolve_device_map(device_map: Any, *, quantized: bool = False) -> Any:
     if isinstance(device_map, str) and device_map in AUTOMATIC_DEVICE_MAPS:
         if not quantized and setting("device_map_policy") == "error":
             raise DeviceMapError(_strategy_error(device_map))
-        _print_notice(device_map, own, quantized)
+        _notice(device_map, own, quantized)
         return {"": own}
     foreign = _modules_on_other_ranks(device_map)
     if foreign:
@@ -123,7 +122,7 @@ def _modules_on_other_ranks(device_map: Any) -> dict[str, str]:
     }
 
 
-def _print_notice(asked: str, own: str, quantized: bool) -> None:
+def _notice(asked: str, own: str, quantized: bool) -> None:
     global _notice_printed
     if _notice_printed or distributed.rank() != 0:
         return
@@ -134,14 +133,12 @@ def _print_notice(asked: str, own: str, quantized: bool) -> None:
         else f"splitting the model inside every one of the {distributed.world_size()} DDP ranks would "
         "put all ranks on the same GPUs"
     )
-    print(
+    notices.logger(__name__).info(
         f"nbkit: device_map={asked!r} was asked for, but this is a data-parallel run: {why}. "
         f"Loading with device_map={{'': '{own}'}} on rank 0 (each rank on its own device) instead, "
         "so every GPU now holds a full copy of the model. To split one model over several GPUs, load "
         "it in the notebook without nbkit.launch; to get an error instead of this switch, "
-        "nbkit.configure(device_map_policy='error').",
-        file=sys.stdout,
-        flush=True,
+        "nbkit.configure(device_map_policy='error')."
     )
 
 

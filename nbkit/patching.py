@@ -26,13 +26,14 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.abc
-import logging
 import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
+
+from nbkit import notices
 
 __all__ = ["Patch", "applied", "apply", "describe", "patch", "pending", "registered", "revert"]
 
@@ -51,6 +52,8 @@ class Patch:
         upstream: the upstream issue or pull request that would make the patch unnecessary.
         group: patches are applied and reverted by group (nbkit.integration.GROUPS lists them).
         when: an optional predicate; the patch is skipped where it returns False (feature detection).
+        value: the attribute is a value, not a function (a class other code subclasses or calls): the
+            factory's result replaces it as it is, with no switch around it; revert() puts the original back.
     """
 
     target: str
@@ -59,6 +62,7 @@ class Patch:
     upstream: str
     group: str
     when: Callable[[], bool] | None = None
+    value: bool = False
     # Filled while applied: (owner, attr, value found in owner.__dict__ or _MISSING, replacement).
     _saved: tuple[Any, str, Any, Any] | None = field(default=None, repr=False)
     # The replacement dispatches to the original while this is False (see revert()).
@@ -111,8 +115,10 @@ class Patch:
         owner, attr = resolved
         own = vars(owner).get(attr, _MISSING) if isinstance(owner, type) else getattr(owner, attr)
         raw = own if own is not _MISSING else _inherited_raw(owner, attr)
-        if isinstance(raw, classmethod):
-            replacement: Any = classmethod(self._switchable(raw.__func__))
+        if self.value:
+            replacement: Any = self.factory(raw)
+        elif isinstance(raw, classmethod):
+            replacement = classmethod(self._switchable(raw.__func__))
         elif isinstance(raw, staticmethod):
             replacement = staticmethod(self._switchable(raw.__func__))
         else:
@@ -160,7 +166,7 @@ def _inherited_raw(cls: type, attr: str) -> Any:
 
 
 _REGISTRY: list[Patch] = []
-_log = logging.getLogger("nbkit")
+_log = notices.logger(__name__)
 # Guards the registry's state across threads: an import in another thread can apply pending patches.
 _lock = threading.RLock()
 
@@ -172,6 +178,7 @@ def patch(
     upstream: str,
     group: str,
     when: Callable[[], bool] | None = None,
+    value: bool = False,
 ) -> Callable[[Callable[[Callable[..., Any]], Callable[..., Any]]], Patch]:
     """Decorator that registers a patch factory (see the module docstring).
 
@@ -181,13 +188,14 @@ def patch(
         upstream: the upstream issue or pull request that would make the patch unnecessary.
         group: the group it is applied and reverted with (one of nbkit.integration.GROUPS).
         when: an optional predicate; the patch is skipped where it returns False.
+        value: replace a value (a class) as it is, not a function through a switch (see Patch).
 
     Returns:
         A decorator that takes the factory and returns the registered Patch.
     """
 
     def register(factory: Callable[[Callable[..., Any]], Callable[..., Any]]) -> Patch:
-        p = Patch(target, factory, reason, upstream, group, when)
+        p = Patch(target, factory, reason, upstream, group, when, value)
         _REGISTRY.append(p)
         return p
 

@@ -101,11 +101,34 @@ def setup_rank() -> None:
 def _library_output_in_rank() -> None:
     """In a rank forked from a notebook kernel, tqdm bars (transformers' "Loading weights",
     datasets' map) are notebook widgets whose messages ipykernel drops from a forked process, with a
-    warning in the kernel log for every update; and N ranks would draw N of them. The dashboard shows
-    the run's progress instead, so the hub's bars, which transformers uses, and datasets' own are off
-    (a saved notebook showed each of SFTTrainer's four dataset bars as "Loading widget..." when
-    reopened in JupyterLab). And transformers' log lines go where this rank's other output goes.
+    warning in the kernel log for every update; and N ranks would draw N of them. So every rank but
+    a live set's rank 0 turns the hub's bars, which transformers uses, and datasets' own off (a saved
+    notebook showed each of SFTTrainer's four dataset bars as "Loading widget..." when reopened in
+    JupyterLab). Rank 0 of a live set keeps them as text bars (see _text_bars): a download of
+    gigabytes shows its progress in the cell, once. Training progress is the dashboard's either way
+    (the Trainer patch below). And transformers' log lines go where this rank's other output goes.
     """
+    if not _text_bars_here():
+        _progress_bars_off()
+    # transformers reads the hub's switch once, at import: where the notebook imported it already,
+    # its own switch is the one that counts.
+    transformers_logging = sys.modules.get("transformers.utils.logging")
+    if transformers_logging is None:
+        return
+    if not _text_bars_here():
+        transformers_logging.disable_progress_bar()
+    # Its log handler kept the stream of the notebook, where transformers was imported, so
+    # every rank printed its notices there (the PAD/BOS/EOS one twice on 2 ranks, seen in
+    # JupyterLab): it writes to this rank's stderr (silenced or "[rank N]"-prefixed) instead.
+    # (Not setStream(): it flushes the old stream first, which may be closed by now.)
+    for handler in transformers_logging.get_logger().handlers:
+        if isinstance(handler, logging.StreamHandler):
+            with handler.lock or contextlib.nullcontext():
+                handler.stream = sys.stderr
+
+
+def _progress_bars_off() -> None:
+    """The hub's (and so transformers') and datasets' progress bars off in this process."""
     # datasets reads this at import (an explicit 0 from the user wins); where the notebook imported
     # datasets already, its switch is the one that counts.
     os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
@@ -117,19 +140,34 @@ def _library_output_in_rank() -> None:
     except ImportError:
         return
     disable_progress_bars()
-    # transformers reads the hub's switch once, at import: where the notebook imported it already,
-    # its own switch is the one that counts.
-    transformers_logging = sys.modules.get("transformers.utils.logging")
-    if transformers_logging is not None:
-        transformers_logging.disable_progress_bar()
-        # Its log handler kept the stream of the notebook, where transformers was imported, so
-        # every rank printed its notices there (the PAD/BOS/EOS one twice on 2 ranks, seen in
-        # JupyterLab): it writes to this rank's stderr (silenced or "[rank N]"-prefixed) instead.
-        # (Not setStream(): it flushes the old stream first, which may be closed by now.)
-        for handler in transformers_logging.get_logger().handlers:
-            if isinstance(handler, logging.StreamHandler):
-                with handler.lock or contextlib.nullcontext():
-                    handler.stream = sys.stderr
+
+
+def _text_bars_here() -> bool:
+    """Rank 0 of a rank whose Python streams are nbkit's line relay to the notebook (a live set).
+
+    Text lines redrawn with a carriage return reach the cell from there, and only one rank should draw them.
+    """
+    from nbkit import rankoutput
+
+    return channel.connected() and distributed.rank() == 0 and isinstance(sys.stderr, rankoutput.LineStream)
+
+
+@patching.patch(
+    "tqdm.auto:tqdm",
+    reason="a live rank runs in an ipyparallel engine, an ipykernel process, where tqdm.auto picks ipywidgets bars; "
+    "a widget's state lives in the rank, which has no frontend, so the cell would show 'Loading widget...': rank 0 "
+    "draws text bars instead (tqdm.auto's class outside a kernel), which its relay carries to the cell; the hub's, "
+    "transformers' and datasets' bars subclass or call tqdm.auto's class, in the rank",
+    upstream="none known: tqdm has no switch to force text bars inside an ipykernel process "
+    "(tqdm/autonotebook.py decides by 'ipykernel.zmqshell' in sys.modules)",
+    group="reporting",
+    when=_text_bars_here,
+    value=True,
+)
+def _text_bars(original: Any) -> Any:
+    from tqdm.asyncio import tqdm  # what tqdm.auto gives outside a kernel: text bars, async iteration too
+
+    return tqdm
 
 
 # --------------------------------------------------------------------------------------------

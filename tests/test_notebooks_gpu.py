@@ -1,7 +1,7 @@
 """The flagship notebook on 2 GPUs standing in for Kaggle's 2x T4 (pytest -m gpu; needs 2 GPUs and unsloth).
 
 Qwen3-VL-2B's shapes with random weights (random:qwen3-vl-2b, nothing downloaded), unsloth, fp16 (a T4
-has no bf16) and every process capped at 15 GiB of its GPU, a T4's usable memory. Records what the
+has no bf16) and every process emulating a T4 (`emulate="T4"`: 15 GiB of its GPU, a T4's usable memory). Records what the
 run measured (seconds per step, rank 0's peak memory, the loss) as JSON in $NBKIT_RESULTS_DIR (else
 the test's temporary directory) for benchmarks/RESULTS.md, and prints it.
 """
@@ -56,7 +56,7 @@ def test_flagship_trains_on_two_capped_gpus_with_unsloth_in_fp16(tmp_path: Path,
             dataset_name="synthetic",
             backend="unsloth",
             precision="fp16",
-            gpu_memory_cap_gib=T4_USABLE_GIB,
+            emulate="T4",
             gpus=2,
             max_steps=STEPS,
             save_steps=STEPS // 2,
@@ -104,3 +104,43 @@ def test_flagship_trains_on_two_capped_gpus_with_unsloth_in_fp16(tmp_path: Path,
     out.write_text(json.dumps(record, indent=1))
     print(json.dumps(record, indent=1))
     print(f"written to {out}")
+
+
+@pytest.mark.gpu
+def test_flagship_saves_merged_and_gguf_with_unsloth(tmp_path: Path) -> None:
+    """The flagship's saving cells as a user runs them with save_merged / save_gguf (unsloth's savers, rank 0).
+
+    GGUF needs what unsloth's save_pretrained_gguf fetches or builds (llama.cpp's converter); where the GPU
+    image lacks it, the cell's error says what is missing and this test fails with it.
+    """
+    if not nbkit.visible_gpus():
+        pytest.skip("needs a GPU")
+    if importlib.util.find_spec("unsloth") is None:
+        pytest.skip("needs unsloth")
+    runner = _load_runner()
+    nbkit.resolve_model("random:qwen3-vl-2b")
+    (executed,) = runner.run(
+        ["qwen3_vl_2xT4"],
+        tmp_path,
+        dict(
+            model_name="random:qwen3-vl-2b",
+            dataset_name="synthetic",
+            backend="unsloth",
+            gpus=1,
+            max_steps=2,
+            save_steps=2,
+            num_samples=16,
+            image_size=224,
+            max_seq_length=512,
+            save_merged=True,
+            save_gguf="q8_0",
+        ),
+        timeout=1200,
+    )
+    nb = nbformat.read(executed, as_version=4)
+    errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
+    assert not errors, errors
+    out = tmp_path / "qwen3_vl_2xT4"
+    merged = out / "merged_16bit"
+    assert (merged / "config.json").is_file() and list(merged.glob("*.safetensors")), sorted(out.iterdir())
+    assert list((out).rglob("*.gguf")), sorted(p.name for p in out.rglob("*"))

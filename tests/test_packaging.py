@@ -37,7 +37,19 @@ INSTALL_CELL = 2  # the first code cell of every notebook, after the title and "
 # Modules nbkit imports only where they are there, each behind a check, and so never requires:
 # unsloth is an optional backend (its extra), bitsandbytes comes with unsloth or the quant extra,
 # torchvision is optional for transformers, and the platforms' secret stores exist only on Kaggle/Colab.
-OPTIONAL_IMPORTS = {"unsloth", "unsloth_zoo", "bitsandbytes", "torchvision", "kaggle_secrets", "google", "liger_kernel"}
+# datasets comes with the peft and unsloth extras (nbkit.data needs it, the notebooks' data); tqdm with
+# huggingface_hub (the live ranks' text bars patch tqdm.auto, skipped where it does not import).
+OPTIONAL_IMPORTS = {
+    "unsloth",
+    "unsloth_zoo",
+    "bitsandbytes",
+    "torchvision",
+    "kaggle_secrets",
+    "google",
+    "liger_kernel",
+    "datasets",
+    "tqdm",
+}
 
 
 def _pins(path: Path) -> dict[str, str]:
@@ -74,9 +86,9 @@ def test_the_distribution_is_nbkit_ddp_with_an_spdx_license_and_the_package_vers
     assert any(r.startswith("setuptools>=77") for r in PYPROJECT["build-system"]["requires"])
     assert PYPROJECT["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "nbkit.__version__"}
     assert nbkit.__version__ == "0.2.0"
-    urls = project["urls"]
-    assert urls["Repository"] == "https://github.com/nbkit/nbkit-ddp"
-    assert all(url.startswith("https://github.com/nbkit/nbkit-ddp") for url in urls.values())
+    # No project URLs until the project has an address of its own: a URL under an account it does not
+    # control is a dead link at best and someone else's code at worst.
+    assert "urls" not in project
     assert project["name"] == diagnostics.DISTRIBUTION
 
 
@@ -116,13 +128,21 @@ def test_tested_versions_are_the_constraint_files_and_the_lower_bounds():
     assert diagnostics.TESTED_VERSIONS["trl"][1] == "1.15.0"
 
 
-def test_readme_links_work_on_the_package_page():
-    # PyPI renders README.md without the repository around it: links to files must be absolute.
+def test_readme_links_into_the_repository_are_relative_and_resolve():
     text = (REPO / "README.md").read_text()
     links = re.findall(r"\]\(([^)\s]+)\)", text)
-    assert links
-    relative = [link for link in links if not link.startswith(("https://", "http://", "#"))]
-    assert relative == []
+    relative = [link.split("#")[0] for link in links if not link.startswith(("https://", "http://", "#"))]
+    assert relative, "the README links to the notebooks and docs of this repository"
+    missing = [link for link in relative if not (REPO / link).exists()]
+    assert missing == []
+
+
+def test_no_install_line_or_link_names_an_address_the_project_does_not_control():
+    texts = {path: path.read_text() for path in [REPO / "README.md", REPO / "pyproject.toml", *NOTEBOOKS]}
+    texts.update({path: path.read_text() for path in (REPO / "tests").glob("*.py") if path != Path(__file__)})
+    for path, text in texts.items():
+        assert "github.com/nbkit" not in text, path
+        assert "@v0." not in text, path  # no git tag exists to pin
 
 
 def _install_cell(notebook: Path) -> str:
@@ -137,9 +157,13 @@ def test_every_notebook_has_the_same_install_cell_pinned_to_this_version():
     assert len(set(cells.values())) == 1, "the install cells differ: " + ", ".join(cells)
     cell = next(iter(cells.values()))
     assert f'NBKIT_VERSION = "{nbkit.__version__}"' in cell
-    assert "https://github.com/nbkit/nbkit-ddp@v{NBKIT_VERSION}" in cell
+    # unsloth's Kaggle recipe, and nbkit installed with what is there held (constraints), not replaced
+    assert '"transformers==4.57.1"' in cell and '"--no-deps", "trl==0.22.2"' in cell
+    assert 'pip("install", "-c", held.name, source + extra)' in cell
+    assert '"/kaggle/input"' in cell and "nbkit_ddp-*.whl" in cell
     readme = (REPO / "README.md").read_text()
-    assert f"nbkit-ddp[unsloth] @ git+https://github.com/nbkit/nbkit-ddp@v{nbkit.__version__}" in readme
+    assert 'pip install "nbkit-ddp[unsloth] @ git+<your clone\'s URL>"' in readme
+    assert "make dist" in readme and "/kaggle/input" in readme
 
 
 # --------------------------------------------------------------------------------------------
@@ -204,18 +228,27 @@ def test_the_wheel_has_the_metadata_users_and_the_package_index_read(dist: Path)
     }
     assert 'papermill>=2.6; extra == "notebooks"' in requires
     assert any(r.startswith("unsloth>=2026.10.9") and 'extra == "unsloth"' in r for r in requires)
-    assert "Repository, https://github.com/nbkit/nbkit-ddp" in metadata.get_all("Project-URL")
+    assert metadata.get_all("Project-URL") is None
     assert metadata["Description-Content-Type"] == "text/markdown"
 
 
 def _fresh_env(path: Path, *, borrow_site_packages: bool) -> Path:
     """A new virtual environment with pip. With borrow_site_packages, the libraries of the environment
-    running the tests are importable after its own (a .pth file: nothing is copied, nothing of theirs
-    is shadowed), so a wheel installed with --no-deps finds torch & co. without a download."""
+    running the tests are importable after its own (a .pth file naming a folder of links to them: nothing is
+    copied, nothing of theirs is shadowed), so a wheel installs without a download. nbkit itself is left out
+    (the test environment holds this checkout as an editable install), so the new one has no nbkit-ddp."""
     venv.create(path, with_pip=True, symlinks=True)
     if borrow_site_packages:
-        borrowed = dict.fromkeys([sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]])
-        (_site_packages(path) / "zz_borrowed.pth").write_text("\n".join(borrowed) + "\n")
+        borrowed = path / "borrowed"
+        borrowed.mkdir()
+        for root in dict.fromkeys([sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]]):
+            for entry in Path(root).iterdir():
+                name = entry.name.lower()
+                if not name.startswith(("nbkit", "__editable__")) and not (borrowed / entry.name).exists():
+                    (borrowed / entry.name).symlink_to(entry)
+        (_site_packages(path) / "zz_borrowed.pth").write_text(f"{borrowed}\n")
+        # the environment's own setuptools (what venv puts there) would shadow the newer one torch requires
+        subprocess.run([path / "bin" / "python", "-m", "pip", "uninstall", "-q", "-y", "setuptools"], check=False)
     return path
 
 
@@ -286,6 +319,55 @@ def _foreign_nbkit_wheel(out: Path) -> Path:
     return wheel
 
 
+def _kaggle_inputs(dist: Path, tmp_path: Path) -> Path:
+    """A stand-in for /kaggle/input with the wheel attached as a dataset (Kaggle mounts each at /kaggle/input/NAME)."""
+    inputs = tmp_path / "kaggle-input"
+    (inputs / "nbkit-wheel").mkdir(parents=True)
+    (inputs / "nbkit-wheel" / _wheel(dist).name).symlink_to(_wheel(dist))
+    return inputs
+
+
+@pytest.mark.slow
+def test_the_install_cell_installs_the_attached_wheel_and_load_ext_works(dist: Path, tmp_path: Path, monkeypatch):
+    import nbformat
+    from nbclient import NotebookClient
+
+    env = _fresh_env(tmp_path / "env", borrow_site_packages=True)
+    python = str(env / "bin" / "python")
+    kernels = tmp_path / "jupyter" / "kernels" / "fresh-env"
+    kernels.mkdir(parents=True)
+    spec = {"argv": [python, "-m", "ipykernel_launcher", "-f", "{connection_file}"], "display_name": "fresh"}
+    (kernels / "kernel.json").write_text(json.dumps(spec))
+    monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "jupyter"))
+    monkeypatch.delenv("PYTHONPATH", raising=False)
+    monkeypatch.setenv("NBKIT_INPUTS", str(_kaggle_inputs(dist, tmp_path)))
+    monkeypatch.setenv("PIP_NO_INDEX", "1")  # everything nbkit needs is there: pip must not need the index
+    held = {name: importlib.metadata.version(name) for name in ("torch", "transformers", "trl", "peft")}
+
+    notebook = nbformat.v4.new_notebook()
+    notebook.cells = [
+        nbformat.v4.new_code_cell(_install_cell(NOTEBOOKS[0])),
+        nbformat.v4.new_code_cell("%load_ext nbkit"),
+        nbformat.v4.new_code_cell(
+            "import importlib.metadata, nbkit\n"
+            "print(nbkit.__file__, *(importlib.metadata.version(n) for n in ('torch', 'transformers', 'trl', 'peft')))"
+        ),
+    ]
+    NotebookClient(
+        notebook,
+        kernel_name="fresh-env",
+        timeout=600,
+        resources={"metadata": {"path": str(tmp_path)}},
+        allow_errors=True,
+    ).execute()
+    shown = ["".join(o.get("text", "") or "".join(o.get("traceback", [])) for o in c.outputs) for c in notebook.cells]
+    assert (_site_packages(env) / f"nbkit_ddp-{nbkit.__version__}.dist-info").is_dir(), shown[0]
+    assert shown[1] == "", shown[1]
+    location, *versions = "".join(o.get("text", "") for o in notebook.cells[2].outputs).split()
+    assert Path(location).is_relative_to(env)
+    assert dict(zip(held, versions)) == held  # nothing the platform (or unsloth's recipe) installed was replaced
+
+
 @pytest.mark.slow
 def test_the_install_cell_names_a_foreign_nbkit_and_replaces_it(dist: Path, tmp_path: Path):
     # A fresh environment with IPython (to run the cell's %pip lines) and the foreign nbkit, nothing else:
@@ -298,8 +380,9 @@ def test_the_install_cell_names_a_foreign_nbkit_and_replaces_it(dist: Path, tmp_
 
     cell = tmp_path / "install_cell.ipy"
     cell.write_text(_install_cell(NOTEBOOKS[0]))
-    # pip pointed at the local wheel, without the index and without the extra's dependencies (unsloth).
-    run_env = _clean_env(NBKIT_SOURCE=f"{_wheel(dist)}[unsloth]", PIP_NO_INDEX="1", PIP_NO_DEPS="1")
+    inputs = _kaggle_inputs(dist, tmp_path)
+    # The wheel from the stand-in Kaggle inputs, without the index and without its dependencies (torch & co.).
+    run_env = _clean_env(NBKIT_INPUTS=str(inputs), PIP_NO_INDEX="1", PIP_NO_DEPS="1")
 
     def run_cell() -> str:
         done = subprocess.run(
@@ -318,5 +401,6 @@ def test_the_install_cell_names_a_foreign_nbkit_and_replaces_it(dist: Path, tmp_
     assert not (site / "nbkit-0.0.10.dist-info").exists() and not (site / "nbkit" / "core.py").exists()
     assert (site / f"nbkit_ddp-{nbkit.__version__}.dist-info").is_dir()
     assert "def load_ipython_extension" in (site / "nbkit" / "__init__.py").read_text()
+    assert f"installed nbkit-ddp {nbkit.__version__} from {inputs}/nbkit-wheel/" in first
     # Run again: the right version is there, so the cell does nothing.
     assert run_cell().strip() == ""

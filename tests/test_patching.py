@@ -61,6 +61,24 @@ def test_staticmethod_and_module_function(lib):
     assert vars(lib.Base)["helper"] is helper and lib.top is top
 
 
+def test_a_value_patch_replaces_a_class_as_it_is_so_it_can_be_subclassed(lib):
+    original = lib.Base
+
+    class Other:
+        pass
+
+    p = _make(f"{lib.__name__}:Base", lambda orig: Other, value=True)
+    assert p.apply()
+    assert lib.Base is Other
+
+    class Sub(lib.Base):  # what a library does with tqdm.auto's class at its import
+        pass
+
+    assert issubclass(Sub, Other)
+    p.revert()
+    assert lib.Base is original
+
+
 def test_skipped_when_library_missing_or_feature_present(lib):
     assert not _make("no_such_module_xyz:thing", lambda orig: orig).apply()
     assert not _make(f"{lib.__name__}:Base.no_such_attr", lambda orig: orig).apply()

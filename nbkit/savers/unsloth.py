@@ -39,7 +39,6 @@ import ast
 import functools
 import importlib.util
 import inspect
-import logging
 import sys
 import textwrap
 from collections.abc import Callable
@@ -49,7 +48,7 @@ from typing import Any, cast
 
 import torch
 
-from nbkit import compat, distributed
+from nbkit import compat, distributed, notices
 from nbkit.config import setting
 from nbkit.patching import patch
 from nbkit.savers._model import base_model
@@ -65,7 +64,7 @@ __all__ = [
     "unsloth_chooses_vlm_checkpointing",
 ]
 
-_log = logging.getLogger("nbkit")
+_log = notices.logger(__name__)
 
 _FUSED_LOSS_MODULE = "unsloth_zoo.fused_losses.cross_entropy_loss"
 _TILED_MLP_MODULE = "unsloth_zoo.tiled_mlp"
