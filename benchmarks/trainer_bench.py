@@ -14,7 +14,10 @@ optimizer, timed by a TrainerCallback. Side by side in one call:
   spread.
 
 A configuration is `backend:gpus@launcher` (`unsloth:2`, `liger:2@accelerate`, `transformers:1@notebook`);
-the launcher defaults to nbkit. One launch loads the model once and runs every shape, each with its
+the launcher defaults to nbkit. The transformers backends take speed options after a "+" (EXTRAS:
+`liger+compile+lean:1@notebook`). `--windows 3` splits each run's timed steps into 3 windows and reports
+the median and spread over the window medians (one launch, no repeat: unsloth's compilation costs
+minutes per launch). One launch loads the model once and runs every shape, each with its
 own Trainer. Per shape and rank: step times (wall time between the ends of successive steps, CUDA
 synchronised, so data loading, logging and the optimizer are included), the median of the second half
 of the steps, tokens/s per GPU (seq_len x batch / that median), peak allocated memory, and the time
