@@ -29,6 +29,7 @@ pytestmark = pytest.mark.skipif(
 EVERY_SAVER = dict(checkpointing="offload", tiled_mlp=3, chunked_loss=True)
 
 
+@pytest.mark.slow  # inductor generates and compiles C++ for each model: 40-90 s on 2 shared cores
 @pytest.mark.parametrize("kind", ["qwen3", "qwen3-vl"])
 def test_regional_compile_with_every_saver_matches_the_eager_model(kind):
     model = tiny_model(kind)
@@ -69,6 +70,7 @@ def test_a_compile_the_user_made_is_left_alone_and_bad_values_are_refused():
     assert not compiling.is_enabled(model)
 
 
+@pytest.mark.slow
 def test_ddp_with_regional_compile_matches_single_process(monkeypatch):
     # test_savers_ddp's matrix (gradient accumulation 2 with no_sync, other lengths on each rank):
     # the compiled layers under DDP, find_unused_parameters True and False. Traced by Dynamo and
