@@ -21,6 +21,9 @@
 #   bash benchmarks/gpu_suite.sh hostcost             # 1K x 4 on 2 GPUs: syncs and collectives per Trainer step, SFTTrainer vs Trainer timed (issue 16)
 #   bash benchmarks/gpu_suite.sh trainermem           # unsloth at 16K: peak memory by hand vs under SFTTrainer, largest allocations (issue 16)
 #   bash benchmarks/gpu_suite.sh fsdp                 # FSDP-QLoRA vs device_map="balanced", T4 profile (1 GPU: the dry run)
+#   bash benchmarks/gpu_suite.sh speed                # 1 GPU: unsloth vs transformers+savers+Liger+regional compile, bf16 and T4 profile (~9.8 min)
+#   bash benchmarks/gpu_suite.sh speed_bf16 / speed_t4  # the same, one precision per call (up to ~9 minutes each)
+#   SUITE_DRY_RUN=1 bash benchmarks/gpu_suite.sh speed  # the same parts on the CPU with tiny:qwen3-vl (no wheels needed)
 #
 # Two sets of parts can share a 4-GPU machine, one GPU pair each (a separate TMPDIR keeps unsloth's
 # compile caches apart):
@@ -33,7 +36,7 @@ set -uo pipefail
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
 # Once per machine: sets of parts running side by side must not install into /tmp/site at once.
-if [ ! -e /tmp/site/.nbkit-installed ]; then
+if [ -z "${SUITE_DRY_RUN:-}" ] && [ ! -e /tmp/site/.nbkit-installed ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
   touch /tmp/site/.nbkit-installed
 fi
@@ -199,6 +202,41 @@ for what in "$@"; do
             --t4 --seq-len 1024 --batch 1 --out "$OUT/fsdp_vs_balanced.json" --md "$OUT/fsdp_vs_balanced-${model#random:}.md"
         done
       fi ;;
+    speed|speed_bf16|speed_t4)
+      # One GPU, one process each (notebook_launcher in place), SFTTrainer, one image per sample: unsloth against
+      # transformers+peft+nbkit.savers with Liger's kernels, regional compilation of the decoder layers and vision
+      # blocks (+compile) and Trainer's per-micro-step NaN check off (+lean), and (bf16, if time is left, or as
+      # the fallback where +compile fails fast) without those two; at 1K x 4 and 16K x 1; bf16 (speed_bf16), then
+      # the T4 profile (speed_t4: fp16, 15 GiB per process). Each run: 2 warm-up steps and 3 windows of 3 timed
+      # steps per shape (median of the window medians, spread over windows). Estimated on one H100: building
+      # random:qwen3-vl-2b once ~30-60 s, unsloth ~100-150 s per launch (import and its compilation), Liger ~40 s,
+      # +compile ~110 s (inductor compiles each shape once). A launch that would start after the part's start
+      # limit is recorded as skipped; `speed` ends within ~9.8 minutes (limits below; SPEED_LIMITS overrides).
+      # The optimizer is Trainer's default, adamw_torch_fused (transformers with torch >= 2.8), everywhere.
+      configs=unsloth:1@notebook,liger+compile+lean:1@notebook,liger:1@notebook
+      run=(--shapes 1024x4,16384x1 --steps 9 --warmup 2 --windows 3 --launch-timeout 160)
+      # Seconds: model; bf16 part, its last launch start; T4 part, its last launch start. Both parts in one call
+      # fit in ~10 minutes only where unsloth's launches are at the fast end: the T4 part's +compile launch may be
+      # skipped there; one part per call has room for all of its launches.
+      limits="90 300 200 190 80"
+      [ "$what" = speed ] || limits="120 420 300 420 300"
+      read -r -a limits <<< "${SPEED_LIMITS:-$limits}"
+      t4=(--precision fp16 --memory-cap-gib 15)
+      model=random:qwen3-vl-2b
+      if [ -n "${SUITE_DRY_RUN:-}" ]; then  # Liger needs CUDA: the same options on the plain transformers path
+        configs=${configs//liger/transformers}
+        model=tiny:qwen3-vl
+        run=(--model $model --device cpu --shapes 128x2,192x1 --steps 3 --warmup 1 --windows 3
+          --compile-backend aot_eager --launch-timeout 240)
+        limits=(60 560 500 560 500)
+        t4=(--precision fp32)
+      fi
+      part speed_model "${limits[0]}" python3 -c "import nbkit; print(nbkit.resolve_model('$model'))"
+      [ "$what" != speed_t4 ] && part speed_bf16 "${limits[1]}" python3 benchmarks/trainer_bench.py \
+        --configs "$configs" "${run[@]}" --time-limit "${limits[2]}" --out "$OUT/speed_bf16.json" --md "$OUT/speed_bf16.md"
+      [ "$what" != speed_bf16 ] && part speed_t4 "${limits[3]}" python3 benchmarks/trainer_bench.py \
+        --configs "${configs%,*}" "${run[@]}" "${t4[@]}" --time-limit "${limits[4]}" \
+        --out "$OUT/speed_t4.json" --md "$OUT/speed_t4.md" ;;
     liger)
       part liger 240 python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests/test_liger_gpu.py ;;
     *) echo "unknown part: $what" >&2 ;;

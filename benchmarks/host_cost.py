@@ -216,8 +216,13 @@ def _counts(prof: Any, steps: int) -> dict[str, Any]:
     """
     kinds: collections.Counter[str] = collections.Counter()
     origins: collections.Counter[str] = collections.Counter()
+    ops = 0
     for event in prof.events():
         name = event.name
+        # Outermost aten ops: each one dispatched from Python or from compiled code, on a GPU about one
+        # kernel launch (or a few) of host work; regional compilation replaces most of a layer's with one call.
+        if name.startswith("aten::") and (event.cpu_parent is None or not event.cpu_parent.name.startswith("aten::")):
+            ops += 1
         if name.startswith(("gloo:", "nccl:")):
             kinds["collective " + name] += 1
             continue
@@ -239,6 +244,7 @@ def _counts(prof: Any, steps: int) -> dict[str, Any]:
         "collectives_per_step": sum(v for k, v in kinds.items() if k.startswith("collective")) / steps,
         "host_reads_per_step": kinds["host read"] / steps,
         "cuda_syncs_per_step": sum(v for k, v in kinds.items() if k.startswith("cuda sync")) / steps,
+        "aten_ops_per_step": ops / steps,
         "by_kind_per_step": {k: v / steps for k, v in sorted(kinds.items())},
         "by_origin_per_step": {k: v / steps for k, v in sorted(origins.items(), key=lambda kv: -kv[1])},
     }
@@ -312,18 +318,19 @@ def markdown(env: dict, command: str, launch: trainer_bench.Launch, rows: list[d
         f"Machine: {env['cpu_count']} CPUs, {env['gpu_count']} GPUs ({env['gpu']}); {versions}; "
         f"Python {env['python']}; {env['date']}.",
         f"Command: `{command}`",
-        f"{launch.gpus} ranks, {launch.backend}, {launch.model}, {launch.precision}, {seq}x{batch} per rank, "
+        f"{launch.gpus} ranks, {launch.config.partition(':')[0]}, {launch.model}, {launch.precision}, {seq}x{batch} per rank, "
         f"{'one image per sample' if launch.image else 'text only'}; rank 0; per optimizer step.",
         "",
-        "| variant | collectives | `_local_scalar_dense` | value calls (Python) | CUDA syncs | step ms | forward ms "
-        "| backward ms | outside ms |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| variant | collectives | `_local_scalar_dense` | value calls (Python) | CUDA syncs | aten ops | step ms "
+        "| forward ms | backward ms | outside ms |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         values = "" if r["value_reads_per_step"] is None else f"{r['value_reads_per_step']:g}"
         lines.append(
             f"| {r['variant']} | {r['collectives_per_step']:g} | {r['host_reads_per_step']:g} | {values} | "
-            f"{r['cuda_syncs_per_step']:g} | {r['step_ms']:.1f} | {r['forward_ms']:.1f} | {r['backward_ms']:.1f} | "
+            f"{r['cuda_syncs_per_step']:g} | {r['aten_ops_per_step']:g} | {r['step_ms']:.1f} | "
+            f"{r['forward_ms']:.1f} | {r['backward_ms']:.1f} | "
             f"{r['outside_ms']:.1f} |"
         )
     for r in rows:
@@ -338,7 +345,11 @@ def markdown(env: dict, command: str, launch: trainer_bench.Launch, rows: list[d
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--variants", default="hf,hf+noreport,hf+nanfilter_off,sft,sft+noreport")
-    p.add_argument("--backend", choices=trainer_bench.BACKENDS, default="transformers")
+    p.add_argument(
+        "--backend",
+        default="transformers",
+        help=f"one of {trainer_bench.BACKENDS}, a transformers one with +extras from {trainer_bench.EXTRAS}",
+    )
     p.add_argument("--model", default=None, help="default: tiny:qwen3-vl on CPUs, random:qwen3-vl-2b on GPUs")
     p.add_argument("--shape", default=None, help="seq_len x batch per rank (default: 128x4 on CPUs, 1024x4 on GPUs)")
     p.add_argument("--gpus", type=int, default=2)
@@ -351,6 +362,10 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     for v in a.variants.split(","):
         parse_variant(v)
+    try:
+        backend, extras = trainer_bench.split_backend(trainer_bench.parse_config(f"{a.backend}:1")[0])
+    except ValueError as exc:
+        p.error(str(exc))
 
     import nbkit
 
@@ -360,7 +375,8 @@ def main(argv: list[str] | None = None) -> int:
     model = a.model or ("random:qwen3-vl-2b" if device == "cuda" else "tiny:qwen3-vl")
     shape = trainer_bench._shape(a.shape or ("1024x4" if device == "cuda" else "128x4"))
     launch = trainer_bench.Launch(
-        backend=a.backend,
+        backend=backend,
+        extras=extras,
         gpus=a.gpus,
         launcher="nbkit",
         model=model,

@@ -14,7 +14,10 @@ optimizer, timed by a TrainerCallback. Side by side in one call:
   spread.
 
 A configuration is `backend:gpus@launcher` (`unsloth:2`, `liger:2@accelerate`, `transformers:1@notebook`);
-the launcher defaults to nbkit. One launch loads the model once and runs every shape, each with its
+the launcher defaults to nbkit. The transformers backends take speed options after a "+" (EXTRAS:
+`liger+compile+lean:1@notebook`). `--windows 3` splits each run's timed steps into 3 windows and reports
+the median and spread over the window medians (one launch, no repeat: unsloth's compilation costs
+minutes per launch). One launch loads the model once and runs every shape, each with its
 own Trainer. Per shape and rank: step times (wall time between the ends of successive steps, CUDA
 synchronised, so data loading, logging and the optimizer are included), the median of the second half
 of the steps, tokens/s per GPU (seq_len x batch / that median), peak allocated memory, and the time
@@ -62,6 +65,11 @@ import torch  # noqa: E402
 from benchmarks import batches, host, launching, measures  # noqa: E402
 
 BACKENDS = ("unsloth", "transformers", "liger")
+# Speed options a transformers / liger configuration can add (`liger+compile+lean:1`):
+# compile: nbkit.savers.apply(compile="regional"), torch.compile of each decoder layer and vision block;
+# lean: Trainer without its per-micro-step NaN/inf check of the loss (logging_nan_inf_filter=False),
+# two host reads of a GPU value (two syncs) fewer per micro-step (RESULTS.md, host cost).
+EXTRAS = ("compile", "lean")
 LAUNCHERS = ("nbkit", "notebook", "accelerate")
 QUANTS = ("16bit", "4bit")
 LANGUAGE_LORA = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
@@ -94,10 +102,13 @@ class Launch:
     # unsloth's loss: "unsloth" (its own fused loss) or "nbkit" (nbkit's chunked loss takes over)
     unsloth_loss: str = "unsloth"
     trainer_options: dict[str, Any] = field(default_factory=dict)  # TrainingArguments / SFTConfig overrides
+    extras: list[str] = field(default_factory=list)  # EXTRAS
+    windows: int = 1  # timed steps split into this many windows, each window's median reported
+    compile_backend: str = "inductor"  # torch.compile's backend for the compile extra
 
     @property
     def config(self) -> str:
-        return f"{self.backend}:{self.gpus}@{self.launcher}"
+        return f"{'+'.join([self.backend, *self.extras])}:{self.gpus}@{self.launcher}"
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -152,7 +163,12 @@ def build_model(launch: Launch, device: torch.device) -> torch.nn.Module:
     model = get_peft_model(
         model, LoraConfig(r=16, lora_alpha=16, target_modules=LANGUAGE_LORA if vision else TEXT_LORA)
     )
-    return nbkit.savers.apply(model, kernels="liger" if launch.backend == "liger" else None)
+    kernels = "liger" if launch.backend == "liger" else None
+    if "compile" in launch.extras and launch.compile_backend != "inductor":  # the dry run's aot_eager
+        nbkit.savers.apply(model, kernels=kernels)
+        nbkit.savers.compiling.enable(model, backend=launch.compile_backend)
+        return model
+    return nbkit.savers.apply(model, kernels=kernels, compile="regional" if "compile" in launch.extras else None)
 
 
 class _Collator:
@@ -238,6 +254,8 @@ def _trainer(launch: Launch, model: Any, seq_len: int, batch: int, steps: int, o
         dataloader_num_workers=0,
         disable_tqdm=True,
     )
+    if "lean" in launch.extras:
+        options["logging_nan_inf_filter"] = False
     options.update(launch.trainer_options)
     if launch.trainer == "sft":
         from trl import SFTConfig, SFTTrainer
@@ -391,6 +409,7 @@ def _row(launch: Launch, row: dict, ranks: list[dict], load_s: float, first: boo
         "quant": launch.quant,
         "trainer": launch.trainer,
         "trainer_options": launch.trainer_options,
+        "extras": launch.extras,
         "image": launch.image,
         "memory_cap_gib": launch.memory_cap_gib,
         "emulate": launch.emulate,
@@ -411,7 +430,20 @@ def _row(launch: Launch, row: dict, ranks: list[dict], load_s: float, first: boo
     }
     if first and row["first_step_end"] is not None and launch.launched_at:
         out["launch_to_first_step_s"] = row["first_step_end"] - launch.launched_at
+    if launch.windows > 1 and stats:
+        out["window_medians_s"] = window_medians(times[launch.warmup :], launch.windows)
     return out
+
+
+def window_medians(times: list[float], windows: int) -> list[float]:
+    """The median of each of `windows` consecutive, equal windows of `times` (a remainder at the end is left
+    out): a slow stretch (a compile, a GC pause, a clock change) shows as one window apart from the others.
+    Raises ValueError when there are fewer times than windows.
+    """
+    size = len(times) // windows
+    if size == 0:
+        raise ValueError(f"{len(times)} timed steps cannot make {windows} windows: raise --steps.")
+    return [statistics.median(times[i * size : (i + 1) * size]) for i in range(windows)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -498,6 +530,7 @@ def _identity(launch: Launch) -> dict:
         "quant",
         "trainer",
         "trainer_options",
+        "extras",
         "image",
         "memory_cap_gib",
         "emulate",
@@ -522,7 +555,8 @@ def summarise(rows: list[dict]) -> list[dict]:
     out = []
     for (config, precision, quant, seq_len, batch), runs in groups.items():
         ok = [r for r in runs if r["status"] == "ok"]
-        medians = [r["step_time_s"]["median"] for r in ok]
+        # Each run's median, or with --windows each of its windows' medians.
+        medians = [m for r in ok for m in (r.get("window_medians_s") or [r["step_time_s"]["median"]])]
         entry = {
             "config": config,
             "backend": runs[0]["backend"],
@@ -535,6 +569,7 @@ def summarise(rows: list[dict]) -> list[dict]:
             "runs": len(runs),
             "ok_runs": len(ok),
             "statuses": [r["status"] for r in runs],
+            "samples": len(medians),
         }
         if medians:
             median = statistics.median(medians)
@@ -563,7 +598,30 @@ def summarise(rows: list[dict]) -> list[dict]:
         )
         if base and entry.get("step_s") and entry["gpus"] > 1:
             entry["scaling"] = entry["gpus"] * base["step_s"] / entry["step_s"]
+        unsloth = next((e for e in out if e["backend"] == "unsloth" and e.get("step_s") and _same_case(e, entry)), None)
+        if unsloth and entry.get("step_s") and entry["backend"] != "unsloth":
+            entry["vs_unsloth"] = entry["step_s"] / unsloth["step_s"]
+            if entry.get("peak_gib") is not None and unsloth.get("peak_gib") is not None:
+                entry["peak_vs_unsloth"] = entry["peak_gib"] / unsloth["peak_gib"]
     return out
+
+
+def _same_case(a: dict, b: dict) -> bool:
+    return all(a[k] == b[k] for k in ("gpus", "precision", "quant", "seq_len", "batch"))
+
+
+def _against_unsloth(summary: list[dict]) -> list[str]:
+    """Markdown lines: each transformers configuration's step time and peak as a multiple of unsloth's."""
+    rows = [e for e in summary if "vs_unsloth" in e]
+    if not rows:
+        return []
+    lines = ["", "Against unsloth (same GPUs, precision, quantisation and shape; below 1 is faster):", ""]
+    lines += ["| config | case | step time / unsloth's | peak / unsloth's |", "|---|---|---:|---:|"]
+    for e in rows:
+        peak = f"{e['peak_vs_unsloth']:.2f}x" if "peak_vs_unsloth" in e else ""
+        case = f"{e['precision']} {e['quant']} {e['seq_len']}x{e['batch']}"
+        lines.append(f"| {e['config']} | {case} | {e['vs_unsloth']:.2f}x | {peak} |")
+    return lines
 
 
 def markdown(env: dict, command: str, summary: list[dict], rows: list[dict]) -> str:
@@ -590,6 +648,9 @@ def markdown(env: dict, command: str, summary: list[dict], rows: list[dict]) -> 
             f"| {e['config']} | {case} | {e['ok_runs']}/{e['runs']} | {e['tokens_per_s_per_gpu']:,.0f} | {scaling} | "
             f"{e['step_s']:.3f} | {e['spread_pct']:.1f}% | {peak} | {first} |"
         )
+    if any(e.get("samples", 0) > e.get("ok_runs", 0) for e in summary):
+        lines += ["", "Step s and spread: over every timed window of every run (--windows), not per run."]
+    lines += _against_unsloth(summary)
     failures = [r for r in rows if r["status"] != "ok"]
     if failures:
         lines += ["", "Failures:", ""]
@@ -608,13 +669,24 @@ def _shape(text: str) -> tuple[int, int]:
 
 
 def parse_config(text: str) -> tuple[str, int, str]:
-    """`backend:gpus[@launcher]` -> (backend, gpus, launcher). Raises ValueError for unknown parts."""
+    """`backend[+extra...]:gpus[@launcher]` -> (backend with its extras, gpus, launcher); split_backend()
+    separates the extras. Raises ValueError for unknown parts.
+    """
     head, _, launcher = text.partition("@")
-    backend, _, gpus = head.partition(":")
+    spec, _, gpus = head.partition(":")
     launcher = launcher or "nbkit"
+    backend, extras = split_backend(spec)
     if backend not in BACKENDS or launcher not in LAUNCHERS or not gpus.isdigit() or int(gpus) < 1:
         raise ValueError(f"{text!r}: use backend:gpus[@launcher], backend in {BACKENDS}, launcher in {LAUNCHERS}.")
-    return backend, int(gpus), launcher
+    if any(e not in EXTRAS for e in extras) or (extras and backend == "unsloth"):
+        raise ValueError(f"{text!r}: a transformers or liger backend takes +extras from {EXTRAS}; unsloth none.")
+    return spec, int(gpus), launcher
+
+
+def split_backend(spec: str) -> tuple[str, list[str]]:
+    """`liger+compile+lean` -> ("liger", ["compile", "lean"])."""
+    backend, *extras = spec.split("+")
+    return backend, extras
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -655,6 +727,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--longest", action="store_true", help="search the longest sequence that trains (batch 1)")
     p.add_argument("--launch-timeout", type=float, default=400)
     p.add_argument("--time-limit", type=float, default=None, help="start no launch after this many seconds")
+    p.add_argument(
+        "--windows", type=int, default=1, help="split each run's timed steps into this many windows (median of each)"
+    )
+    p.add_argument(
+        "--compile-backend",
+        default="inductor",
+        help="torch.compile backend of +compile (aot_eager: no code generation)",
+    )
     p.add_argument("--out", default=None)
     p.add_argument("--md", default=None)
     p.add_argument("--launch-mode", help=argparse.SUPPRESS)
@@ -668,6 +748,8 @@ def main(argv: list[str] | None = None) -> int:
     import nbkit
 
     configs = [parse_config(c) for c in a.configs.split(",") if c]
+    if a.windows < 1 or a.steps < a.windows:
+        p.error(f"--windows {a.windows} needs at least as many --steps ({a.steps})")
     trainer_options = {}
     for item in a.trainer_option:
         name, sep, value = item.partition("=")
@@ -691,7 +773,8 @@ def main(argv: list[str] | None = None) -> int:
             env["versions"][package] = importlib.metadata.version(package)
     command = " ".join(["python3", "benchmarks/trainer_bench.py", *(argv if argv is not None else sys.argv[1:])])
     for repeat in range(a.repeats):
-        for backend, gpus, launcher in configs:
+        for spec, gpus, launcher in configs:
+            backend, extras = split_backend(spec)
             for quant in quants:
                 launch = Launch(
                     backend,
@@ -714,6 +797,9 @@ def main(argv: list[str] | None = None) -> int:
                     trainer_options=trainer_options,
                     emulate=profile.name if profile else None,
                     unsloth_loss=a.unsloth_loss,
+                    extras=extras,
+                    windows=a.windows,
+                    compile_backend=a.compile_backend,
                 )
                 skip = None
                 if a.time_limit is not None and time.monotonic() - started > a.time_limit:

@@ -3,6 +3,7 @@
     model = nbkit.savers.apply(model)            # offloaded checkpointing + tiled MLP + chunked loss
     model = nbkit.savers.apply(model, checkpointing="recompute", tiled_mlp=8, chunked_loss=False)
     model = nbkit.savers.apply(model, kernels="liger")   # and Liger's fused kernels (Qwen3 / Qwen3-VL, CUDA)
+    model = nbkit.savers.apply(model, compile="regional") # and torch.compile of each decoder layer / vision block
     nbkit.savers.remove(model)                   # the model computes exactly as before
 
 - checkpointing (nbkit.savers.checkpointing): non-reentrant activation checkpointing per decoder
@@ -12,10 +13,13 @@
 - chunked_loss (nbkit.savers.loss): the causal-LM loss is computed in row chunks without full logits.
 - kernels="liger" (nbkit.savers.liger): Liger's fused RMSNorm, RoPE and SwiGLU kernels, and the
   chunked loss computed by Liger's fused linear cross-entropy.
+- compile="regional" (nbkit.savers.compiling): torch.compile of each decoder layer and vision block,
+  in place (fewer kernel launches where the step is bound by host work).
 
 All three keep every trainable parameter's gradient accumulated exactly once per backward, so they
 work under DDP (find_unused_parameters True or False, static_graph, no_sync) and with a model split
-over several GPUs. Only the language model is changed; a VLM's vision tower is left as it is.
+over several GPUs. Only the language model is changed; a VLM's vision tower is left as it is, but
+for compile="regional", which compiles its blocks too (same gradients, fewer kernel launches).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from nbkit.savers import checkpointing as _checkpointing
+from nbkit.savers import compiling as _compiling
 from nbkit.savers import liger as _liger
 from nbkit.savers import tiled_mlp as _tiled_mlp
 from nbkit.savers._model import base_model, decoder_layers
@@ -34,6 +39,10 @@ __all__ = ["CHECKPOINTING", "apply", "remove"]
 # The checkpointing modes apply() takes (nbkit.plan models the same ones).
 CHECKPOINTING = ("offload", "recompute", None)
 _KERNELS = ("liger", None)
+_COMPILE = ("regional", None)
+# apply()'s compile default: None until GPU timings show regional compilation wins at both the short
+# (host-bound) and the long shapes (benchmarks/RESULTS.md, "speed"); switching it is this one line.
+DEFAULT_COMPILE: str | None = None
 
 
 @dataclass(frozen=True)
@@ -42,6 +51,7 @@ class _Options:
     tiled_mlp: str | int | None  # "auto", a shard count, or None (off): True == 1 must not compare equal
     chunked_loss: bool
     kernels: str | None = None
+    compile: str | None = None
 
 
 def apply(
@@ -51,6 +61,7 @@ def apply(
     tiled_mlp: bool | int = True,
     chunked_loss: bool = True,
     kernels: str | None = None,
+    compile: str | None = DEFAULT_COMPILE,
 ) -> nn.Module:
     """Turn the memory savers on for `model` and return it (the same object).
 
@@ -65,6 +76,8 @@ def apply(
             cross-entropy, or with Liger's fused linear cross-entropy when kernels="liger".
         kernels: "liger" (Liger's fused RMSNorm, RoPE, SwiGLU and linear cross-entropy kernels; Qwen3
             and Qwen3-VL on CUDA GPUs, see nbkit.savers.liger) or None.
+        compile: "regional" (torch.compile, inductor, of each decoder layer and vision block in
+            place; each compiles on its first call, see nbkit.savers.compiling) or None.
 
     How the kernels compose with the savers: Liger's fused linear cross-entropy *is* a chunked loss
     (no logits, gradients in the forward), so with chunked_loss=True it computes the loss in place
@@ -86,8 +99,10 @@ def apply(
         raise ValueError(f"tiled_mlp={tiled_mlp!r} is not valid; use True, False or a shard count >= 1.")
     if kernels not in _KERNELS:
         raise ValueError(f"kernels={kernels!r} is not valid; use 'liger' or None.")
+    if compile not in _COMPILE:
+        raise ValueError(f"compile={compile!r} is not valid; use 'regional' or None.")
     tiled = None if tiled_mlp is False else "auto" if tiled_mlp is True else tiled_mlp
-    wanted = _Options(checkpointing, tiled, bool(chunked_loss), kernels)
+    wanted = _Options(checkpointing, tiled, bool(chunked_loss), kernels, compile)
     base = base_model(model)
     current = getattr(base, "_nbkit_savers", None)
     if current == wanted:
@@ -110,6 +125,8 @@ def apply(
 
             # given as is: it also hooks the peft wrapper (older peft skips the inner hooks)
             loss.apply(model, kernel=kernel)
+        if compile == "regional":  # last: the regions are traced with the other savers' classes in place
+            _compiling.enable(base)
     except Exception:
         _disable(base)
         raise
@@ -137,6 +154,7 @@ def remove(model: nn.Module) -> nn.Module:
 
 def _disable(base: nn.Module) -> None:
     """Take the module-level savers off, the last put on first (their mixins stack on the same MLPs)."""
+    _compiling.disable(base)
     if _liger.is_enabled(base):
         _liger.disable(base)
     _tiled_mlp.disable(base)

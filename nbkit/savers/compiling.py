@@ -1,0 +1,95 @@
+"""Regional compilation: `torch.compile` of each decoder layer (and each vision block), in place.
+
+A short-sequence LoRA step (1K tokens x 4 on one H100) is bound by host work: each decoder layer
+launches a few hundred small kernels, LoRA's extra matmuls and adds included. Compiling each repeated
+block as one region fuses its element-wise work and cuts the launches, and since the blocks of a list
+are the same code, the first one's compiled graph serves the others (guards on their class and
+attributes, parameters as inputs: torch's "regional compilation" recipe). Compiling the whole model
+instead would take minutes and break on the vision tower's and the loss's data-dependent code.
+
+The compilation is `nn.Module.compile()`, in place: the layer objects stay where they are, so peft's
+LoRA modules, nbkit's other savers (their mixins swap the layers' and MLPs' classes) and DDP see the
+same modules. accelerate's `compile_regions` returns `torch.compile` wrappers (OptimizedModule) in a
+copied model instead, which the savers' `remove()` could not find again; its FSDP2 variant
+(`compile_regions_fsdp2`) uses the same in-place call for the same reason, for FSDP's hooks.
+
+Composes with the other savers: checkpointing wraps the compiled call (non-reentrant checkpoint and
+the offloading saved-tensor hooks run outside the compiled region; the recompute in the backward
+calls the compiled forward again), the tiled MLP and Liger's kernels run inside it. Gradients are
+those of the eager model up to floating-point order (tests/test_savers_compile.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+from torch import nn
+
+from nbkit.savers._model import _ENCODER_NAMES, base_model, decoder_layers
+
+__all__ = ["disable", "enable", "is_enabled", "regions"]
+
+# Set on every module this saver compiled, so that disable() touches no compile the user made.
+_MARK = "_nbkit_compiled"
+
+
+def regions(model: nn.Module, *, vision: bool = True) -> list[nn.Module]:
+    """The blocks compiled one by one: the language model's decoder layers, then (vision=True) the
+    blocks of the vision encoder (its longest ModuleList of one block class), if there is one.
+
+    Raises ValueError when the decoder layers cannot be found (nbkit.savers._model.decoder_layers).
+    """
+    base = base_model(model)
+    blocks = list(decoder_layers(base))
+    if vision:
+        for name in _ENCODER_NAMES:
+            inner = getattr(base, "model", None)
+            encoder = getattr(inner, name, None) if isinstance(inner, nn.Module) else None
+            encoder = encoder if isinstance(encoder, nn.Module) else getattr(base, name, None)
+            if isinstance(encoder, nn.Module):
+                lists: list[nn.ModuleList] = [
+                    m
+                    for m in encoder.modules()
+                    if isinstance(m, nn.ModuleList) and len(m) > 0 and len({type(b) for b in m}) == 1
+                ]
+                if lists:
+                    longest = max(lists, key=len)
+                    blocks.extend(longest)
+                break
+    return blocks
+
+
+def enable(model: nn.Module, *, backend: str = "inductor", vision: bool = True, **options: Any) -> None:
+    """Compile every region of `model` (see regions()) in place with `torch.compile(backend=..., **options)`.
+
+    Compilation happens on each region's first call (the first training step: tens of seconds per
+    distinct shape on a GPU). Replaces a previous setting of this saver.
+
+    Args:
+        model: a transformers model, bare, peft- or DDP-wrapped.
+        backend: torch.compile's backend ("inductor"; "aot_eager" traces without generating code).
+        vision: also compile the vision encoder's blocks.
+        options: further torch.compile keyword arguments (mode, dynamic, ...).
+
+    Raises:
+        ValueError: when the model's decoder layers cannot be found.
+    """
+    disable(model)
+    for block in regions(model, vision=vision):
+        block.compile(backend=backend, **options)
+        setattr(block, _MARK, True)
+
+
+def disable(model: nn.Module) -> None:
+    """Undo enable(): each region runs eagerly again. A no-op where nothing was compiled by enable()."""
+    for block in regions(model):
+        if getattr(block, _MARK, False):
+            # nn.Module has compile() but no public way back; compile() only sets this attribute,
+            # which nn.Module.__call__ checks on every call.
+            cast(Any, block)._compiled_call_impl = None
+            delattr(block, _MARK)
+
+
+def is_enabled(model: nn.Module) -> bool:
+    """Whether enable() is in effect on `model`."""
+    return any(getattr(block, _MARK, False) for block in regions(model))

@@ -1,0 +1,86 @@
+"""nbkit.savers.apply(compile="regional"): torch.compile of each decoder layer and vision block, on the CPU.
+
+Inductor generates C++ here, so a C compiler is needed (the tests skip without one). What a user
+relies on: the compiled model's loss and LoRA gradients equal the eager model's, with every other
+saver on (offloaded checkpointing recomputes the compiled layers), in one process and under 2-rank
+gloo DDP; the layers stay the same objects (peft and the other savers find them); remove() makes
+the model eager again.
+"""
+
+from __future__ import annotations
+
+import functools
+import shutil
+
+import pytest
+import torch
+from test_savers import TOLERANCE, assert_grads_match, loss_and_grads, make_batch, relative_error, tiny_model
+from test_savers_ddp import SAVERS, _reference, _run_matrix, check_matrix
+
+import nbkit
+from nbkit import savers
+from nbkit.savers import compiling
+from nbkit.savers._model import decoder_layers
+
+pytestmark = pytest.mark.skipif(
+    not any(shutil.which(cc) for cc in ("cc", "gcc", "clang")), reason="inductor on the CPU needs a C compiler"
+)
+
+EVERY_SAVER = dict(checkpointing="offload", tiled_mlp=3, chunked_loss=True)
+
+
+@pytest.mark.slow  # inductor generates and compiles C++ for each model: 40-90 s on 2 shared cores
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3-vl"])
+def test_regional_compile_with_every_saver_matches_the_eager_model(kind):
+    model = tiny_model(kind)
+    layers = list(decoder_layers(model))
+    batch = make_batch(model, [24, 17], seed=3)
+    reference_loss, reference = loss_and_grads(model, batch)
+
+    savers.apply(model, **EVERY_SAVER, compile="regional")
+    regions = compiling.regions(model)
+    vision_blocks = len(savers._model.base_model(model).model.visual.blocks) if kind == "qwen3-vl" else 0
+    assert len(regions) == len(layers) + vision_blocks
+    assert list(decoder_layers(model)) == layers  # compiled in place: the same modules, peft's LoRA inside
+    assert all(r._compiled_call_impl is not None for r in regions)
+    for _ in range(2):  # the second step runs the compiled code without tracing again
+        loss, grads = loss_and_grads(model, batch)
+        assert relative_error(loss, reference_loss) < TOLERANCE
+        assert_grads_match(grads, reference)
+
+    savers.apply(model, **EVERY_SAVER, compile="regional")  # the same options again: nothing changes
+    assert all(r._compiled_call_impl is not None for r in regions)
+    savers.remove(model)
+    assert not compiling.is_enabled(model)
+    assert all(r._compiled_call_impl is None for r in regions)
+    loss, grads = loss_and_grads(model, batch)
+    assert torch.equal(loss, reference_loss)
+    assert all(torch.equal(grads[n], reference[n]) for n in reference)
+
+
+def test_a_compile_the_user_made_is_left_alone_and_bad_values_are_refused():
+    model = tiny_model("qwen3")
+    head = savers._model.base_model(model).lm_head
+    head.compile(backend="eager")  # the user's own
+    savers.apply(model, compile="regional")
+    savers.remove(model)
+    assert head._compiled_call_impl is not None
+    with pytest.raises(ValueError, match="compile='full' is not valid; use 'regional' or None"):
+        savers.apply(model, compile="full")
+    assert not compiling.is_enabled(model)
+
+
+@pytest.mark.slow
+def test_ddp_with_regional_compile_matches_single_process(monkeypatch):
+    # test_savers_ddp's matrix (gradient accumulation 2 with no_sync, other lengths on each rank):
+    # the compiled layers under DDP, find_unused_parameters True and False. Traced by Dynamo and
+    # AOTAutograd as with inductor, without its code generation: two ranks generating C++ on CI's 2
+    # shared cores took over 500 s; the tests above cover inductor's code.
+    monkeypatch.setattr(compiling, "enable", functools.partial(compiling.enable, backend="aot_eager"))
+    SAVERS["compiled"] = dict(EVERY_SAVER, compile="regional")  # the ranks fork from here and see both
+    cases = [("compiled", {"find_unused_parameters": unused}) for unused in (True, False)]
+    try:
+        results = nbkit.launch(_run_matrix, "qwen3-vl", "cpu", cases, gpus=2, timeout=300, dashboard=False)
+    finally:
+        del SAVERS["compiled"]
+    check_matrix(results, *_reference("qwen3-vl"), cases)
