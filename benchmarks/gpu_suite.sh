@@ -5,7 +5,7 @@
 #   bash benchmarks/gpu_suite.sh tests                # gpu-marked tests
 #   bash benchmarks/gpu_suite.sh matrix               # the 1K/16K launcher/backend matrix (issue 7)
 #   bash benchmarks/gpu_suite.sh savers               # memory savers 8K-64K (issue 4)
-#   bash benchmarks/gpu_suite.sh t4                   # T4 profile, one GPU: longest sequence per path, notebooks
+#   bash benchmarks/gpu_suite.sh t4 t4notebooks                   # T4 profile, one GPU: longest sequence per path, notebooks
 #   bash benchmarks/gpu_suite.sh scaling              # unsloth 1 -> 2 GPUs: checkpointing paths x DDP knobs, profiled
 #   bash benchmarks/gpu_suite.sh launchers            # the same function via nbkit.launch, notebook_launcher, accelerate
 #   bash benchmarks/gpu_suite.sh scaling4             # unsloth on 1 and 4 GPUs (needs 4)
@@ -80,17 +80,20 @@ for what in "$@"; do
       #    trains, and its tokens/s: unsloth (nbkit's chunked loss in place of unsloth's, which keeps full fp32
       #    logits under SFTTrainer), transformers+peft+nbkit.savers, the same with Liger's kernels; 16-bit and
       #    4-bit weights. 64K first (the target), then longer, or bisected down to where it trains.
-      # 2. The notebooks, one GPU, under NBKIT_EMULATE=T4 (inherited by the kernel and its ranks), short runs.
-      # Sequentially ~30 min on an H100: give each step its own call with T4_CONFIGS / T4_QUANTS / T4_NOTEBOOKS.
+      # Sequentially ~20 min on an H100: give each step its own call with T4_CONFIGS / T4_QUANTS.
       for quant in ${T4_QUANTS:-16bit 4bit}; do
         part "t4_$quant" "${T4_LIMIT:-560}" python3 benchmarks/trainer_bench.py --longest --emulate T4 \
           --configs "${T4_CONFIGS:-unsloth:1,transformers:1,liger:1}" --quant "$quant" --unsloth-loss nbkit \
           --shapes "${T4_SHAPES:-64k,96k,128k}" --steps 1 --warmup 1 --time-limit "$(( ${T4_LIMIT:-560} - 120 ))" \
           --launch-timeout 400 --out "$OUT/t4_$quant.json" --md "$OUT/t4_$quant.md"
-      done
+      done ;;
+    t4notebooks)
+      # The notebooks, one GPU, under the T4 profile (the emulate parameter), short runs; T4_NB_PARAMS adds
+      # parameters (e.g. "-p backend=transformers -p load_in_4bit=True"), T4_NB_LIMIT bounds each notebook.
       for nb in ${T4_NOTEBOOKS:-qwen3_vl_2xT4 qwen3_vl_2xT4_oneshot text_llm_ddp}; do
-        NBKIT_EMULATE=T4 part "t4_nb_$nb" 420 python3 notebooks/run.py "$nb" --out "$OUT/t4_notebooks" \
-          -p gpus=1 -p gpu_memory_cap_gib=15 -p max_steps=10 -p num_samples=80
+        # shellcheck disable=SC2086  # T4_NB_PARAMS holds several -p options
+        part "t4_nb_$nb" "${T4_NB_LIMIT:-420}" python3 notebooks/run.py "$nb" --out "$OUT/t4_notebooks" \
+          -p gpus=1 -p emulate=T4 -p max_steps=10 -p num_samples=80 ${T4_NB_PARAMS:-}
       done ;;
     scaling)
       # unsloth on one GPU (notebook_launcher runs one process in place: unsloth's single-GPU
@@ -194,7 +197,7 @@ for what in "$@"; do
       # 29.5 and 65.5 GB on disk).
       gpus=$(nvidia-smi -L | wc -l)
       if [ "$gpus" -lt 2 ]; then
-        part fsdp 540 python3 benchmarks/fsdp_vs_balanced.py --model random:qwen3-1.7b --gpus 1 --t4 \
+        part fsdp "${FSDP_LIMIT:-540}" python3 benchmarks/fsdp_vs_balanced.py --model random:qwen3-1.7b --gpus 1 --t4 \
           --seq-len 1024 --batch 2 --out "$OUT/fsdp_vs_balanced.json" --md "$OUT/fsdp_vs_balanced.md"
       else
         for model in random:qwen3-14b random:qwen3-32b; do
@@ -221,7 +224,7 @@ for what in "$@"; do
       limits="90 300 200 190 80"
       [ "$what" = speed ] || limits="120 420 300 420 300"
       read -r -a limits <<< "${SPEED_LIMITS:-$limits}"
-      t4=(--precision fp16 --memory-cap-gib 15)
+      t4=(--emulate T4)
       model=random:qwen3-vl-2b
       if [ -n "${SUITE_DRY_RUN:-}" ]; then  # Liger needs CUDA: the same options on the plain transformers path
         configs=${configs//liger/transformers}
