@@ -13,6 +13,8 @@ Run on a machine with a GPU: `python -m pytest -m gpu tests/test_fsdp_gpu.py`.
 from __future__ import annotations
 
 import importlib.util
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -63,16 +65,27 @@ def _qlora_fp16(path: str, out: str) -> dict:
 
 
 def test_qlora_in_fp16_trains_sharded_and_saves_a_loadable_adapter(tiny_text_path, tmp_path):
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
     result = nbkit.launch(_qlora_fp16, tiny_text_path, str(tmp_path), gpus=1, env=T4_FSDP, timeout=600)
     assert result["fsdp"] and result["sharded_4bit"], result
     assert result["storage"] == str({torch.float16}), result
     assert len(result["losses"]) == 3 and all(torch.isfinite(torch.tensor(result["losses"]))), result
-    base = AutoModelForCausalLM.from_pretrained(tiny_text_path)
-    loaded = PeftModel.from_pretrained(base, str(tmp_path))
-    assert any("lora_A" in name for name, _ in loaded.named_parameters())
+    # The adapter loads in a plain process of its own: importing peft here would import bitsandbytes, which
+    # (on a GPU host) initialises CUDA in this process and so blocks the launches of the tests after this one.
+    loaded = subprocess.run(
+        [sys.executable, "-c", _LOAD_ADAPTER, tiny_text_path, str(tmp_path)], capture_output=True, text=True
+    )
+    assert loaded.returncode == 0 and loaded.stdout.split()[-1] != "0", loaded.stdout + loaded.stderr
+
+
+# Prints how many LoRA weights the adapter saved from the shards brings into a plain model.
+_LOAD_ADAPTER = """
+import sys
+from peft import PeftModel
+from transformers import AutoModelForCausalLM
+
+loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(sys.argv[1]), sys.argv[2])
+print(sum("lora_A" in name for name, _ in loaded.named_parameters()))
+"""
 
 
 @pytest.mark.skipif(importlib.util.find_spec("liger_kernel") is None, reason="liger-kernel is not installed")
