@@ -314,6 +314,7 @@ class LiveRanks:
         self._shown: set[int] = set()
         self._streams: dict[tuple[int, str], Any] = {}
         self._board: Any = None
+        self._connected: set[int] = set()  # ranks whose relay connection is up (start-up step 2)
 
     # ------------------------------------------------------------------------------------------
     # The API
@@ -509,15 +510,11 @@ class LiveRanks:
                         start_new_session=True,
                     )  # interrupts come from nbkit
                 )
-        self._wait_for_engines(count, startup_timeout, processes)
-        engines = sorted(self._client.ids)[:count]
-        infos = self._client[engines].apply_sync(rank_side.identify)
-        by_pid = {p.pid: i for i, p in enumerate(processes)}
+        found = self._wait_for_engines(count, startup_timeout, processes)
         # rank i = the i-th engine started, so rank i's log is rank{i}.log
-        order = sorted(zip(engines, infos), key=lambda item: by_pid[item[1].pid])
         self._ranks = [
-            _Rank(rank=i, local_rank=i, node_rank=0, engine=eid, info=info, process=processes[by_pid[info.pid]])
-            for i, (eid, info) in enumerate(order)
+            _Rank(rank=i, local_rank=i, node_rank=0, engine=eid, info=info, process=processes[i])
+            for i, (eid, info) in sorted(found.items())
         ]
         self.world_size, self.nnodes = count, 1
         threading.Thread(target=self._monitor, name="nbkit-live-monitor", daemon=True).start()
@@ -533,7 +530,7 @@ class LiveRanks:
         ids = sorted(engines if engines is not None else client.ids)
         if not ids:
             raise LiveError("No ipyparallel engines are registered with this controller; start them first (ipengine).")
-        infos = client[ids].apply_sync(rank_side.identify)
+        infos = _identify(client, ids, startup_timeout)
         hosts: dict[str, list[tuple[int, EngineInfo]]] = {}
         for eid, info in zip(ids, infos):
             hosts.setdefault(info.host, []).append((eid, info))
@@ -551,21 +548,42 @@ class LiveRanks:
         self.world_size, self.nnodes = rank, len(hosts)
         self._relay = Relay(notebook_address)
         master = self._ranks[0]
-        port = client[master.engine].apply_sync(rank_side.free_port, master.info.address)
+        port = client[master.engine].apply_async(rank_side.free_port, master.info.address).get(timeout=startup_timeout)
         self._setup_ranks(master.info.address, port, use_cuda, env, startup_timeout)
 
-    def _wait_for_engines(self, count: int, timeout: float, processes: list[subprocess.Popen]) -> None:
-        deadline = time.monotonic() + timeout
-        while len(self._client.ids) < count:
+    def _wait_for_engines(
+        self, count: int, timeout: float, processes: list[subprocess.Popen]
+    ) -> dict[int, tuple[int, EngineInfo]]:
+        """Wait until each engine nbkit started has registered with the controller and said who it is
+        (start-up step 1); returns {rank: (engine id, its EngineInfo)}, rank i being processes[i].
+
+        Raises LiveError naming the ranks that did not arrive: at once when one's process ended, after
+        _STALL_S without a new arrival once some did, after `timeout` at the latest.
+        """
+        by_pid = {p.pid: i for i, p in enumerate(processes)}
+        asked: dict[int, Any] = {}  # engine id: its identify() request
+        found: dict[int, tuple[int, EngineInfo]] = {}
+        arrivals = _Arrivals(range(count), timeout, step=1)
+        while len(found) < count:
+            for eid in self._client.ids:
+                if eid not in asked:
+                    asked[eid] = self._client[eid].apply_async(rank_side.identify)
+            for eid, ar in asked.items():
+                if ar.ready() and ar.successful() and ar.get().pid in by_pid:
+                    info = ar.get()
+                    found[by_pid[info.pid]] = (eid, info)
+            arrivals.arrived(found)
             for i, proc in enumerate(processes):
                 if proc.poll() is not None:
                     raise LiveError(
                         f"Rank {i}'s process ended while starting ({_exit_text(proc.returncode)}).\n"
                         + self._log_tail(i)
                     )
-            if time.monotonic() > deadline:
-                raise LiveError(f"The ranks' processes did not start within {timeout:.0f} s.\n" + self._log_tail(0))
+            missing = arrivals.overdue()
+            if missing:
+                raise LiveError(arrivals.text(missing, processes) + "\n" + self._log_tail(missing[0]))
             time.sleep(0.05)
+        return found
 
     def _setup_ranks(
         self,
@@ -597,15 +615,19 @@ class LiveRanks:
                 env=env,
             )
             results.append(self._client[r.engine].apply_async(rank_side.setup, plan))
-        deadline = time.monotonic() + startup_timeout
+        connecting = _Arrivals(range(self.world_size), startup_timeout, step=2)
+        joining = _Arrivals(range(self.world_size), startup_timeout, step=3)
         while not all(ar.ready() for ar in results):
             self._pump(0.05)
             if self._ended is not None:
                 raise LiveError(f"The live set could not start: {self._ended}")
-            if time.monotonic() > deadline:
-                raise LiveError(
-                    f"The ranks did not join the process group within {startup_timeout:.0f} s.\n" + self._log_tail(0)
-                )
+            connecting.arrived(self._connected)
+            joining.arrived(r.rank for r, ar in zip(self._ranks, results) if ar.ready())
+            missing = connecting.overdue() or joining.overdue()
+            if missing:
+                step = connecting if connecting.overdue() else joining
+                pids = [r.process for r in self._ranks]
+                raise LiveError(step.text(missing, pids) + "\n" + self._log_tail(missing[0]))
         for r, ar in zip(self._ranks, results):
             try:
                 r.device = ar.get()
@@ -941,6 +963,8 @@ class LiveRanks:
                 logging.getLogger("nbkit").exception("nbkit: the dashboard failed")
         elif isinstance(body, Lost):
             self._on_lost(message.rank)
+        elif isinstance(body, channel.Started):
+            self._connected.add(message.rank)
 
     def _stream(self, rank: int, name: str) -> Any:
         stream = self._streams.get((rank, name))
@@ -1129,6 +1153,75 @@ class LiveRanks:
         else:
             text = text[-lines:]
         return "Its last output:\n" + "\n".join(text) if text else ""
+
+
+def _identify(client: Any, ids: list[int], timeout: float) -> list[EngineInfo]:
+    """Each engine's EngineInfo; raises LiveError naming the engines that did not answer within `timeout` s."""
+    pending = {eid: client[eid].apply_async(rank_side.identify) for eid in ids}
+    deadline = time.monotonic() + timeout
+    while not all(ar.ready() for ar in pending.values()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    silent = [eid for eid, ar in pending.items() if not ar.ready()]
+    if silent:
+        raise LiveError(
+            f"Engine(s) {_join(silent)} did not answer within the start-up timeout ({timeout:.0f} s) when asked "
+            "who they are (before any became a rank): they are busy or stuck; restart them (or leave them out "
+            "with engines=[...])."
+        )
+    return [ar.get() for ar in pending.values()]
+
+
+# Start-up, step by step: once a rank has done a step, the others have this long after the last one
+# that did (not the whole start-up timeout) before the start fails naming them: on a loaded machine the
+# ranks arrive seconds apart, but a rank that is this far behind its peers is stuck.
+_STALL_S = 30.0
+_STEPS = {
+    1: "start and register with the ipyparallel controller",
+    2: "connect to the notebook",
+    3: "join the process group",
+}
+
+
+class _Arrivals:
+    """Which ranks have done one start-up step, and whether the rest are overdue."""
+
+    def __init__(self, ranks: Iterable[int], timeout: float, *, step: int):
+        self.expected = sorted(ranks)
+        self.step = step
+        self.timeout = timeout
+        self._done: set[int] = set()
+        self._began = self._last = time.monotonic()
+
+    def arrived(self, ranks: Iterable[int]) -> None:
+        new = set(ranks) - self._done
+        if new:
+            self._done |= new
+            self._last = time.monotonic()
+
+    def overdue(self) -> list[int]:
+        """The ranks still missing where the step is overdue (else [])."""
+        missing = [r for r in self.expected if r not in self._done]
+        now = time.monotonic()
+        late = now - self._began > self.timeout or (bool(self._done) and now - self._last > _STALL_S)
+        return missing if missing and late else []
+
+    def text(self, missing: list[int], processes: list[Any]) -> str:
+        """The message for `missing` ranks (processes[rank]: its Popen, where nbkit started it)."""
+        who = ", ".join(
+            f"{r} (pid {processes[r].pid})" if r < len(processes) and processes[r] is not None else str(r)
+            for r in missing
+        )
+        waited = time.monotonic() - self._began
+        if self._done:
+            after = f"within {_STALL_S:.0f} s of rank(s) {_join(sorted(self._done))}, which did"
+        else:
+            after = f"within the start-up timeout ({self.timeout:.0f} s)"
+        return (
+            f"The live set could not start: rank(s) {who} did not {_STEPS[self.step]} (start-up step {self.step} "
+            f"of {len(_STEPS)}) {after}; waited {waited:.0f} s. Every process was stopped. A rank that is this "
+            "far behind is stuck or starved (out of memory, a full disk, a machine too loaded): its last output "
+            "is below; start again (%ddp start / nbkit.start())."
+        )
 
 
 class _Gathered:
