@@ -25,7 +25,8 @@ output, the dashboard, and what happens when things go wrong:
   signal or exit code; a call that passes its timeout ends it too (a process group with a rank stuck
   in a collective cannot be trusted);
 - nothing outlives the set: the engines and the controller end with stop(), with a failure, and with
-  the notebook kernel however it ends (nbkit.live._proc).
+  the notebook kernel however it ends (nbkit.live._proc); so do the processes a rank's cells start,
+  which stay in the engine's process group (each engine leads one), unless they leave it on purpose.
 
 One live set per process (per notebook). The `%ddp start|stop|status` and `%%ddp` magics are thin
 layers over this module.
@@ -1110,6 +1111,7 @@ class LiveRanks:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+            _end_group(proc.pid)
         if self._cluster is not None and self._cluster.controller is not None:
             # SIGTERM: the controller ends its heart monitor process itself; SIGKILL if it hangs.
             pid = self._cluster.controller.pid
@@ -1286,6 +1288,17 @@ def _exit_text(code: int | None) -> str:
         except ValueError:
             return f"died from signal {-code}"
     return f"exited with code {code}"
+
+
+def _end_group(pgid: int) -> None:
+    """SIGKILL what is left of an engine's process group: the processes its cells started (subprocess.Popen,
+    multiprocessing's spawn and fork children, and theirs), which stay in the engine's group, as nbkit
+    starts each engine in a session of its own. (Linux gives no new process the number of a group that
+    still has members, so the number cannot name another group.) A process that left the group
+    (setsid, start_new_session=True) is out of reach: see README.
+    """
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)
 
 
 def _pid_alive(pid: int) -> bool:

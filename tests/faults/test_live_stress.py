@@ -1,21 +1,25 @@
-"""A live set under stress: a burst of ranks connecting at once, a rank that never arrives (real processes,
-the notebook's own relay listener).
+"""A live set under stress: a burst of ranks connecting to the notebook at once (the relay listener alone),
+and processes that a cell starts on the ranks, which must end with the set and with the kernel (a real
+kernel, 2 gloo CPU ranks).
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 from multiprocessing import connection
 
+import psutil
 import pytest
+from test_live import Kernel
 
 from nbkit import channel
 from nbkit.live.relay import Relay
 
-pytestmark = pytest.mark.usefixtures("leftovers")
 
-
+@pytest.mark.usefixtures("leftovers")
 def test_a_burst_of_64_connections_to_the_relay_all_get_through_within_5_s():
     relay = Relay("127.0.0.1")
     clients: list[connection.Connection] = []
@@ -57,6 +61,7 @@ def test_a_burst_of_64_connections_to_the_relay_all_get_through_within_5_s():
             conn.close()
 
 
+@pytest.mark.usefixtures("leftovers")
 def test_a_client_with_the_wrong_key_is_refused_and_the_others_get_through():
     relay = Relay("127.0.0.1")
     try:
@@ -68,3 +73,65 @@ def test_a_client_with_the_wrong_key_is_refused_and_the_others_get_through():
         conn.close()
     finally:
         relay.close()
+
+
+# On every rank: a plain child process and a spawn-context multiprocessing child, both sleeping for minutes.
+_CHILDREN = """
+import subprocess, multiprocessing, time
+sleeper = subprocess.Popen(["sleep", "321"])
+spawned = multiprocessing.get_context("spawn").Process(target=time.sleep, args=(321,))
+spawned.start()
+children = [sleeper.pid, spawned.pid]
+"""
+
+
+def _children_of_the_ranks(kernel: Kernel) -> list[psutil.Process]:
+    made = kernel.run(f"ranks = nbkit.live.current()\nranks.exec({_CHILDREN!r})")
+    assert made["error"] is None, made
+    pids = []
+    for rank in (0, 1):
+        out = kernel.run(f"ranks.pull('children', rank={rank})")
+        assert out["error"] is None, out
+        pids += [int(p) for p in out["result"].strip("[]").split(",")]
+    procs = [psutil.Process(pid) for pid in pids]
+    assert all(p.is_running() for p in procs)
+    return procs
+
+
+def _still_running(procs: list[psutil.Process], within: float = 10.0) -> list[str]:
+    deadline = time.monotonic() + within
+    while True:
+        left = []
+        for p in procs:
+            try:
+                if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                    left.append(" ".join(p.cmdline()[:4]))
+            except psutil.NoSuchProcess:
+                pass
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.1)
+
+
+@pytest.mark.slow
+def test_processes_a_cell_starts_end_with_ddp_stop(kernel_name, tmp_path):
+    kernel = Kernel(kernel_name, str(tmp_path))
+    try:
+        assert kernel.run("%load_ext nbkit\nimport nbkit\n%ddp start --gpus 2")["error"] is None
+        procs = _children_of_the_ranks(kernel)
+        assert kernel.run("%ddp stop")["error"] is None
+        assert _still_running(procs) == []
+    finally:
+        kernel.close()
+
+
+@pytest.mark.slow
+def test_processes_a_cell_starts_end_with_a_killed_kernel(kernel_name, tmp_path):
+    kernel = Kernel(kernel_name, str(tmp_path))
+    try:
+        assert kernel.run("%load_ext nbkit\nimport nbkit\n%ddp start --gpus 2")["error"] is None
+        procs = _children_of_the_ranks(kernel)
+        os.kill(kernel.pid, signal.SIGKILL)  # no atexit, no stop(): only the engines' own watch
+        assert _still_running(procs) == []
+    finally:
+        kernel.close()
