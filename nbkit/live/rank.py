@@ -41,7 +41,7 @@ from nbkit.config import setting
 from nbkit.errors import RankError
 from nbkit.live.messages import CallDone, Display, EngineInfo, Outcome, Output, RankPlan
 
-__all__ = ["free_port", "identify", "pull", "run_code", "run_function", "setup", "teardown"]
+__all__ = ["free_port", "identify", "pull", "receive", "run_code", "run_function", "setup", "teardown"]
 
 _NBKIT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # nbkit's own frames at the top of a rank's traceback: the user's code starts below them.
@@ -53,6 +53,7 @@ _namespace: dict[str, Any] = {}
 _crash_log: Any = None
 _output: rankoutput.RankOutput | None = None
 _found_display: Any = None  # the engine's own display publisher, while nbkit's stands in for it
+_staged: dict[int, dict[str, bytes]] = {}  # {call: notebook names sent ahead of that call's code}
 
 
 def identify() -> EngineInfo:
@@ -160,6 +161,7 @@ def teardown() -> None:
 
     global _output
     _namespace.clear()
+    _staged.clear()
     gc.collect()
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -216,13 +218,25 @@ def _restore_display() -> None:
         _found_display = None
 
 
-def run_code(call: int, source: str, filename: str, names: dict[str, bytes], show: bool, want_value: bool) -> Outcome:
-    """Run notebook cell `source` in this rank's namespace, after adding `names` ({name: cloudpickled value}).
+def receive(call: int, names: dict[str, bytes]) -> None:
+    """Keep `names` ({name: cloudpickled value}) for call `call`'s code (run_code), without touching the
+    namespace: the notebook sends a cell's data first, as a request of its own, so that an interrupt
+    while it travels can drop it (the request is aborted, or its data never used) and leave the rank's
+    names as they were. Only the latest call's data is kept.
+    """
+    _staged.clear()
+    _staged[call] = names
+
+
+def run_code(call: int, source: str, filename: str, show: bool, want_value: bool) -> Outcome:
+    """Run notebook cell `source` in this rank's namespace, after adding the names `receive()` kept for
+    this call (none where it got none).
 
     The Outcome says whether the names were defined (names_loaded) even when the cell then failed:
     the notebook does not send them again while it holds the same objects.
     """
     loaded = False
+    names = _staged.pop(call, {})
 
     def body() -> Any:
         nonlocal loaded
@@ -270,6 +284,7 @@ def _call(call: int, show: bool, want_value: bool, body: Callable[[], Any]) -> O
     from nbkit.launching import pickle_for_notebook
 
     _shown = show
+    _staged.clear()  # data of a call whose send was interrupted: never used
     failed = False
     try:
         value = body()

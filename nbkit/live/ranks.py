@@ -377,7 +377,7 @@ class LiveRanks:
         given = dict(names or {})
         forced = set(given) if resend is True else set(resend or ())
         wanted = {r: {n for n, v in given.items() if n in forced or not self._holds(r, n, v)} for r in targets}
-        payload = _send_names({n: given[n] for n in sorted(set().union(*wanted.values()))})
+        self._send_ahead(self._call + 1, {r: {n: given[n] for n in sorted(wanted[r])} for r in targets})
         filename = filename or f"<live cell {self._call + 1}>"
         show = set(targets) if all_ranks else {targets[0]}
         binds = cells.usage(tree.body).binds
@@ -396,7 +396,7 @@ class LiveRanks:
 
         value = self._run_call(
             rank_side.run_code,
-            {r: (code, filename, {n: payload[n] for n in sorted(wanted[r])}) for r in targets},
+            (code, filename),
             targets,
             timeout,
             show=show,
@@ -404,6 +404,45 @@ class LiveRanks:
             received=received,
         )
         return value
+
+    def _send_ahead(self, call: int, names: Mapping[int, Mapping[str, Any]]) -> None:
+        """Send each rank its notebook `names` ({rank: {name: value}}) for call `call`, and wait until every
+        rank has them, before that call's code is queued (rank_side.receive): the data of a big notebook
+        object takes seconds to travel, and an interrupt then must not find ranks that have not even
+        started the call. An interrupt (KeyboardInterrupt) during this send drops it: requests not yet
+        run are aborted, and what arrived is never used; every rank keeps its names, nothing is
+        interrupted there, and the KeyboardInterrupt goes on after a line that says so.
+
+        Raises LiveError when a value cannot be pickled or the set ends meanwhile.
+        """
+        wanted = sorted({n for per_rank in names.values() for n in per_rank})
+        if not wanted:
+            return
+        values = {n: next(per_rank[n] for per_rank in names.values() if n in per_rank) for n in wanted}
+        pending: list[Any] = []
+        sizes: dict[str, int] = {}
+        try:
+            pickled = _send_names(values, sizes)
+            for r, per_rank in names.items():
+                if per_rank:
+                    payload = {n: pickled[n] for n in per_rank}
+                    pending.append(self._client[self._ranks[r].engine].apply_async(rank_side.receive, call, payload))
+            while not all(ar.ready() for ar in pending):
+                if self._ended is not None:
+                    raise LiveError(self._ended_text(), ended=True)
+                time.sleep(0.01)
+            for ar in pending:
+                ar.get()  # an error of ipyparallel's own (the data did not arrive whole)
+        except KeyboardInterrupt:
+            self._call = call  # the next call has a number of its own, which no data sent here is kept for
+            if pending:
+                with contextlib.suppress(Exception):
+                    self._client.abort(pending, targets=[self._ranks[r].engine for r in names], block=False)
+            print(
+                f"nbkit: interrupted while sending {_sizes_text(values, sizes)}; the live set and its names are kept.",
+                file=sys.stderr,
+            )
+            raise
 
     def _holds(self, rank: int, name: str, value: Any) -> bool:
         """Whether `rank` holds `value` under `name` from an earlier call (so it need not travel again)."""
@@ -1263,20 +1302,34 @@ def _sent_each_time(value: Any) -> bool:
     return isinstance(value, (types.FunctionType, type)) and getattr(value, "__module__", None) == "__main__"
 
 
-def _send_names(names: Mapping[str, Any]) -> dict[str, bytes]:
-    """{name: cloudpickled value}; each value pickled once, so that one that cannot be is named."""
+def _send_names(names: Mapping[str, Any], sizes: dict[str, int]) -> dict[str, bytes]:
+    """{name: cloudpickled value}; each value pickled once, so that one that cannot be is named. Records
+    each pickled size in `sizes` as it goes.
+    """
     import cloudpickle
 
     pickled = {}
     for name, value in names.items():
         try:
             pickled[name] = cloudpickle.dumps(value)
+            sizes[name] = len(pickled[name])
         except Exception as exc:
             raise LiveError(
                 f"The notebook's {name!r} ({type(value).__name__}) cannot be sent to the ranks: {exc}. Create it "
                 "in a %%ddp cell instead (it then lives on the ranks), or send what it is made from."
             ) from None
     return pickled
+
+
+def _sizes_text(values: Mapping[str, Any], sizes: Mapping[str, int]) -> str:
+    """'big (500 MB), cfg (0 MB)': the names sent, each with its pickled size (before it is pickled, the
+    size of its buffer where it has one).
+    """
+    parts = []
+    for name, value in values.items():
+        size = sizes.get(name, getattr(value, "nbytes", None))
+        parts.append(f"{name} ({size / 2**20:.0f} MB)" if isinstance(size, int) else name)
+    return ", ".join(parts)
 
 
 def _exit_text(code: int | None) -> str:

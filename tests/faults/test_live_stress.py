@@ -135,3 +135,35 @@ def test_processes_a_cell_starts_end_with_a_killed_kernel(kernel_name, tmp_path)
         assert _still_running(procs) == []
     finally:
         kernel.close()
+
+
+@pytest.mark.slow
+# The stop button 1 s into the cell finds the notebook pickling the 500 MB, 3 s into it finds them on their
+# way to the ranks (the whole send takes 5-8 s on this 2-core machine).
+@pytest.mark.parametrize("after_s", [1.0, 3.0], ids=["pickling", "in-transit"])
+def test_a_stop_during_a_500_mb_send_keeps_the_set_and_its_names(kernel_name, tmp_path, after_s):
+    kernel = Kernel(kernel_name, str(tmp_path))
+    try:
+        setup = kernel.run("%load_ext nbkit\nimport nbkit, numpy\n%ddp start --gpus 2")
+        assert setup["error"] is None, setup
+        assert kernel.run("%%ddp\nx = 41")["error"] is None
+        procs = kernel.descendants()
+        assert kernel.run("big = numpy.ones(500 * 2**20 // 8)")["error"] is None  # 500 MB the next cell reads
+        timer = threading.Timer(after_s, kernel.manager.interrupt_kernel)
+        timer.start()
+        out = kernel.run("%%ddp\nprint('the cell ran', flush=True)\nbig.sum()")
+        timer.join()
+        assert out["error"] is not None and out["error"][0] == "KeyboardInterrupt", out
+        assert "interrupted while sending big (500 MB); the live set and its names are kept" in out["stderr"], out
+        assert "the cell ran" not in out["stdout"]
+        assert out["seconds"] < 30, out["seconds"]  # from the cell's start; the send alone takes several s here
+        # The earlier names are there, in the same processes, and the next cell sends the data whole.
+        after = kernel.run("%%ddp\nx + nbkit.rank()")
+        assert after["error"] is None and after["result"] == "41", after
+        again = kernel.run("%%ddp\nint(big.sum()), x")
+        assert again["error"] is None and again["result"] == f"({500 * 2**20 // 8}, 41)", again
+        assert again["seconds"] > after_s + 1, again["seconds"]  # the stop did come during the send
+        assert [p.pid for p in procs if not p.is_running()] == []
+        assert kernel.run("%ddp stop")["error"] is None
+    finally:
+        kernel.close()
