@@ -34,8 +34,10 @@ layers over this module.
 
 from __future__ import annotations
 
+import ast
 import atexit
 import contextlib
+import glob
 import logging
 import os
 import pickle
@@ -55,7 +57,17 @@ from typing import Any
 from nbkit import cells, channel, config, distributed
 from nbkit.errors import LiveError, RankError
 from nbkit.live import rank as rank_side
-from nbkit.live.messages import CallDone, Display, EngineInfo, Lost, Outcome, Output, RankPlan, Training
+from nbkit.live.messages import (
+    CallDone,
+    Display,
+    EngineInfo,
+    Interrupted,
+    Lost,
+    Outcome,
+    Output,
+    RankPlan,
+    Training,
+)
 from nbkit.live.relay import Relay
 from nbkit.rankoutput import Prefixed
 
@@ -312,6 +324,7 @@ class LiveRanks:
         self._processes: list[subprocess.Popen] = []  # engines nbkit started, from the moment each starts
         self._done: dict[int, CallDone] = {}
         self._training: dict[int, Training] = {}  # each rank's last Trainer.train() state in this call
+        self._heard: set[int] = set()  # ranks where Python saw this call's interrupt (Interrupted)
         self._shown: set[int] = set()
         self._streams: dict[tuple[int, str], Any] = {}
         self._board: Any = None
@@ -368,12 +381,15 @@ class LiveRanks:
 
         Raises:
             CellSyntaxError: the code does not parse (before anything is sent or runs).
+            LiveError: the code uses IPython's own syntax (a %magic, a !command, get_ipython()), which
+                exists in the notebook only (before anything is sent or runs; the set stays).
             LiveError: a rank raised (the message holds its traceback; every rank stays up with its
                 names), or the set ended.
             ValueError: `ranks` names a rank the set does not have.
         """
         targets = self._targets(ranks)
         tree = cells.parse(code, filename or "<live cell>")
+        _refuse_notebook_only(code, tree)
         given = dict(names or {})
         forced = set(given) if resend is True else set(resend or ())
         wanted = {r: {n for n, v in given.items() if n in forced or not self._holds(r, n, v)} for r in targets}
@@ -501,7 +517,8 @@ class LiveRanks:
         global _current
         _current = self
         self._owned = True
-        self._tmpdir = tempfile.mkdtemp(prefix="nbkit-live-")
+        _remove_orphaned_dirs()
+        self._tmpdir = tempfile.mkdtemp(prefix=f"{_DIR_PREFIX}{os.getpid()}-")
         parent = str(os.getpid())
         self._cluster = ipp.Cluster(
             profile_dir=self._tmpdir,
@@ -714,7 +731,7 @@ class LiveRanks:
         call = self._call
         shown = {targets[0]} if show is None else show
         self._done, self._shown, self._streams, self._board = {}, shown, {}, None
-        self._training = {}
+        self._training, self._heard = {}, set()
         ar = self._apply_each(fn, call, args, targets, shown)
         success = False
         try:
@@ -868,15 +885,7 @@ class LiveRanks:
                             "the rank that failed)."
                         )
                         raise self._call_error(ar.finished_errors(), ended=True)
-                    hint = self._some_ranks_hint(targets)
-                    self._end(
-                        f"rank(s) {_join(still)} did not answer the interrupt within {_INTERRUPT_GRACE_S:.0f} s "
-                        + (
-                            f"(waiting in a collective, where Python never sees the signal): {hint}"
-                            if hint
-                            else "(most likely waiting in a collective, where Python never sees the signal)."
-                        )
-                    )
+                    self._end(self._unanswered_text(targets, still))
             except KeyboardInterrupt:
                 if said_stopping and not hard:  # the stop is pending: the second press interrupts at once
                     hard = True
@@ -884,6 +893,31 @@ class LiveRanks:
                     grace_until = time.monotonic() + _INTERRUPT_GRACE_S
                 # else: a further press while the ranks are being interrupted
         raise LiveError(self._ended_text(), ended=True)
+
+    def _unanswered_text(self, targets: list[int], still: list[int]) -> str:
+        """Why ranks `still` did not end the call within the grace after an interrupt: the code caught the
+        KeyboardInterrupt where Python saw the signal (Interrupted), else most likely a collective.
+        """
+        caught = [r for r in still if r in self._heard]
+        deaf = [r for r in still if r not in self._heard]
+        parts = []
+        if caught:
+            parts.append(
+                f"rank(s) {_join(caught)} got the interrupt but went on running: the cell's code caught the "
+                "KeyboardInterrupt (an `except KeyboardInterrupt:` or a bare `except:` that carries on). Let it "
+                "propagate (re-raise it), so that the stop button ends the cell and keeps the set"
+            )
+        if deaf:
+            hint = self._some_ranks_hint(targets)
+            parts.append(
+                f"rank(s) {_join(deaf)} did not answer the interrupt within {_INTERRUPT_GRACE_S:.0f} s "
+                + (
+                    f"(waiting in a collective, where Python never sees the signal): {hint}"
+                    if hint
+                    else "(most likely waiting in a collective, where Python never sees the signal)"
+                )
+            )
+        return "; ".join(parts) + ("" if parts[-1].endswith(".") else ".")
 
     def _all_training(self, ar: _Gathered, targets: list[int], unfinished: list[int]) -> bool:
         """Whether a call on every rank has each unfinished rank inside Trainer.train() now, and no
@@ -992,6 +1026,9 @@ class LiveRanks:
                 self._done[body.rank] = body
         elif isinstance(body, Training):
             self._training[body.rank] = body
+        elif isinstance(body, Interrupted):
+            if body.call == self._call:
+                self._heard.add(body.rank)
         elif isinstance(body, channel.Report):
             if self._board is None:
                 from nbkit.dashboard import Dashboard
@@ -1162,6 +1199,8 @@ class LiveRanks:
                     time.sleep(0.02)
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
+        if self._cluster is not None:
+            _stop_loop_thread(self._cluster)
         if self._client is not None and self._owned:
             with contextlib.suppress(Exception):
                 self._client.close()
@@ -1295,6 +1334,54 @@ class _Gathered:
         return {o.rank: o.error for o in outcomes if o.error is not None}
 
 
+def _refuse_notebook_only(code: str, tree: ast.Module) -> None:
+    """Raise LiveError where `code` calls get_ipython(), which IPython's transform makes of a %magic or a
+    !command too: the ranks are plain Python processes without IPython's shell, where it would fail as
+    a NameError that does not say why.
+    """
+    if "get_ipython" in cells.usage(tree.body).binds:
+        return
+    calls: dict[int, ast.Call] = {}  # id of the get_ipython Name: the call get_ipython().NAME(...) around it
+    for n in ast.walk(tree):
+        if _is_shell_call(n):
+            assert isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and isinstance(n.func.value, ast.Call)
+            calls[id(n.func.value.func)] = n
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name) and node.id == "get_ipython":
+            line = _as_written(calls.get(id(node))) or code.splitlines()[node.lineno - 1].strip()
+            raise LiveError(
+                f"line {node.lineno} of the cell is IPython syntax (a %magic, a !command or get_ipython()), which "
+                f"runs in the notebook, not on the ranks (plain Python processes without IPython):\n    {line}\n"
+                "Run it in a cell of its own, without %%ddp. On the ranks, run a shell command with "
+                "subprocess.run([...]). Nothing was sent or run; the live set and its names are kept."
+            )
+
+
+def _is_shell_call(node: ast.AST) -> bool:
+    """Whether `node` is a call get_ipython().NAME(...)."""
+    return (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and isinstance(node.func.value, ast.Call)
+        and isinstance(node.func.value.func, ast.Name)
+    )
+
+
+def _as_written(call: ast.Call | None) -> str:
+    """The notebook syntax IPython turned into `call` ("%ddp stop", "!ls"), or "" where it is not one of those."""
+    if call is None or not all(isinstance(a, ast.Constant) and isinstance(a.value, str) for a in call.args):
+        return ""
+    assert isinstance(call.func, ast.Attribute)
+    args = [a.value for a in call.args]  # type: ignore[attr-defined]
+    if call.func.attr == "run_line_magic" and len(args) >= 2:
+        return f"%{args[0]} {args[1]}".rstrip()
+    if call.func.attr == "run_cell_magic" and len(args) >= 2:
+        return f"%%{args[0]} {args[1]}".rstrip()
+    if call.func.attr in ("system", "getoutput") and args:
+        return f"!{args[0]}"
+    return ""
+
+
 def _sent_each_time(value: Any) -> bool:
     """A function or class defined in the notebook: cloudpickle sends it by value with the notebook
     values it reads at that moment, so it travels every time (see LiveRanks.exec).
@@ -1341,6 +1428,36 @@ def _exit_text(code: int | None) -> str:
         except ValueError:
             return f"died from signal {-code}"
     return f"exited with code {code}"
+
+
+_DIR_PREFIX = "nbkit-live-"  # then the notebook's pid: nbkit-live-PID-XXXXXXXX, a set's folder
+
+
+def _remove_orphaned_dirs() -> None:
+    """Remove the folders of sets whose notebook process is gone (a kernel that was killed runs no
+    clean-up; its ranks end by themselves, but their folder stays until the next start removes it).
+    """
+    for path in glob.glob(os.path.join(tempfile.gettempdir(), f"{_DIR_PREFIX}*-*")):
+        pid = os.path.basename(path)[len(_DIR_PREFIX) :].split("-", 1)[0]
+        if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _stop_loop_thread(cluster: Any) -> None:
+    """End the event-loop thread that an ipyparallel Cluster starts for its `*_sync` methods when they are
+    called where an event loop runs (a notebook kernel) and never ends itself: one thread, an epoll
+    descriptor and a socket pair per set, measured here (5 start/stop cycles: 5 of each left). ipyparallel
+    has no public call for it, so this reads its attributes, and does nothing where they are not found.
+    """
+    thread, loop = getattr(cluster, "_async_thread", None), getattr(cluster, "_thread_loop", None)
+    if thread is None or loop is None:
+        return
+    with contextlib.suppress(Exception):
+        loop.add_callback(loop.stop)
+        thread.join(timeout=5)
+        if not thread.is_alive():
+            loop.close()
+            cluster._async_thread = None
 
 
 def _end_group(pgid: int) -> None:

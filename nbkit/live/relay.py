@@ -52,8 +52,12 @@ class Relay:
         self._pending: set[connection.Connection] = set()  # in the handshake
         self._lock = threading.Lock()
         self._closed = threading.Event()
-        threading.Thread(target=self._accept, name="nbkit-live-accept", daemon=True).start()
-        threading.Thread(target=self._read, name="nbkit-live-relay", daemon=True).start()
+        self._threads = [
+            threading.Thread(target=self._accept, name="nbkit-live-accept", daemon=True),
+            threading.Thread(target=self._read, name="nbkit-live-relay", daemon=True),
+        ]
+        for thread in self._threads:
+            thread.start()
 
     def _accept(self) -> None:
         while not self._closed.is_set():
@@ -131,6 +135,8 @@ class Relay:
                 with contextlib.suppress(Exception):
                     conn.close()
             self._conns.clear()
+        for thread in self._threads:  # both end within a poll: nothing of the set is left running after it
+            thread.join(timeout=2)
 
 
 def _hang_up(conn: connection.Connection) -> None:
