@@ -45,7 +45,7 @@ __all__ = ["free_port", "identify", "pull", "receive", "run_code", "run_function
 
 _NBKIT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # nbkit's own frames at the top of a rank's traceback: the user's code starts below them.
-_PLUMBING = (os.path.join(_NBKIT_DIR, "live", "rank.py"), os.path.join(_NBKIT_DIR, "cells.py"))
+_PLUMBING = (os.path.join(_NBKIT_DIR, "live", "engine.py"), os.path.join(_NBKIT_DIR, "cells.py"))
 
 _rank = -1
 _shown = False

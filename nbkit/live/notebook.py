@@ -56,7 +56,7 @@ from typing import Any
 
 from nbkit import cells, channel, config, distributed
 from nbkit.errors import LiveError, RankError
-from nbkit.live import rank as rank_side
+from nbkit.live import engine as rank_side
 from nbkit.live.messages import (
     CallDone,
     Display,
