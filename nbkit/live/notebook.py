@@ -57,18 +57,9 @@ from typing import Any
 from nbkit import cells, channel, config, distributed
 from nbkit.errors import LiveError, RankError
 from nbkit.live import engine as rank_side
-from nbkit.live.messages import (
-    CallDone,
-    Display,
-    EngineInfo,
-    Interrupted,
-    Lost,
-    Outcome,
-    Output,
-    RankPlan,
-    Training,
-)
+from nbkit.live.messages import CallDone, Display, EngineInfo, Interrupted, Lost, Outcome, Output, RankPlan, Training
 from nbkit.live.relay import Relay
+from nbkit.live.state import SetState, _join, _Rank
 from nbkit.rankoutput import Prefixed
 
 __all__ = ["LiveRanks", "LiveStatus", "RankStatus", "connect", "current", "ended", "forget_ended", "start"]
@@ -283,52 +274,13 @@ def _count_ranks(gpus: int | None, visible: int) -> tuple[bool, int]:
     return True, gpus or visible
 
 
-@dataclass
-class _Rank:
-    rank: int
-    local_rank: int
-    node_rank: int
-    engine: int
-    info: EngineInfo
-    device: str = "?"
-    process: subprocess.Popen | None = None  # engines nbkit started (start(), not connect())
-
-
-class LiveRanks:
+class LiveRanks(SetState):
     """A live set of training processes (see the module doc). Made by nbkit.start / nbkit.connect.
 
     Every call blocks until every rank it runs on has finished, shows the output of the ranks it
     shows (rank 0 by default) as it happens, feeds the ranks' reports to a dashboard, and returns
     the value of one rank (rank 0, or the lowest rank it ran on).
     """
-
-    def __init__(self, *, timeout: float | None = None):
-        self.timeout = timeout
-        self.world_size = 0
-        self.nnodes = 0
-        self._ranks: list[_Rank] = []
-        self._client: Any = None
-        self._cluster: Any = None
-        self._tmpdir: str | None = None
-        self._relay: Relay | None = None
-        self._owned = False  # whether nbkit started the engines (start) or found them (connect)
-        self._ended: str | None = None
-        self._ended_log = ""  # the tail of a dead rank's own output, when it left one
-        self._stopped = False
-        self._lock = threading.Lock()
-        self._call = 0
-        self._defined: set[str] = set()  # names the set's cells bound on the ranks
-        # {rank: {name: the notebook object sent under that name}}: what each rank holds already. Strong
-        # references, so that an object's id cannot pass to another object while it is recorded.
-        self._sent: dict[int, dict[str, Any]] = {}
-        self._processes: list[subprocess.Popen] = []  # engines nbkit started, from the moment each starts
-        self._done: dict[int, CallDone] = {}
-        self._training: dict[int, Training] = {}  # each rank's last Trainer.train() state in this call
-        self._heard: set[int] = set()  # ranks where Python saw this call's interrupt (Interrupted)
-        self._shown: set[int] = set()
-        self._streams: dict[tuple[int, str], Any] = {}
-        self._board: Any = None
-        self._connected: set[int] = set()  # ranks whose relay connection is up (start-up step 2)
 
     # ------------------------------------------------------------------------------------------
     # The API
@@ -1483,10 +1435,6 @@ def _pid_alive(pid: int) -> bool:
         except ProcessLookupError:
             return False
         return True
-
-
-def _join(ranks: Iterable[int]) -> str:
-    return ", ".join(str(r) for r in ranks) or "none"
 
 
 @atexit.register
