@@ -41,7 +41,6 @@ import glob
 import logging
 import os
 import pickle
-import queue
 import shutil
 import signal
 import subprocess
@@ -54,13 +53,13 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from nbkit import cells, channel, config, distributed
+from nbkit import cells, config, distributed
 from nbkit.errors import LiveError, RankError
 from nbkit.live import engine as rank_side
-from nbkit.live.messages import CallDone, Display, EngineInfo, Interrupted, Lost, Outcome, Output, RankPlan, Training
+from nbkit.live.cell_output import CellOutput
+from nbkit.live.messages import EngineInfo, Outcome, RankPlan
 from nbkit.live.relay import Relay
-from nbkit.live.state import SetState, _join, _Rank
-from nbkit.rankoutput import Prefixed
+from nbkit.live.state import _join, _Rank
 
 __all__ = ["LiveRanks", "LiveStatus", "RankStatus", "connect", "current", "ended", "forget_ended", "start"]
 
@@ -274,7 +273,7 @@ def _count_ranks(gpus: int | None, visible: int) -> tuple[bool, int]:
     return True, gpus or visible
 
 
-class LiveRanks(SetState):
+class LiveRanks(CellOutput):
     """A live set of training processes (see the module doc). Made by nbkit.start / nbkit.connect.
 
     Every call blocks until every rank it runs on has finished, shows the output of the ranks it
@@ -945,90 +944,6 @@ class LiveRanks(SetState):
             errors=errors,
             ended=ended,
         )
-
-    # ------------------------------------------------------------------------------------------
-    # What the ranks send while a call runs
-    # ------------------------------------------------------------------------------------------
-    def _pump(self, wait: float) -> None:
-        """Handle the relay's messages for up to `wait` s (on the notebook's main thread, so that output
-        and the dashboard land in the cell that runs).
-        """
-        assert self._relay is not None
-        try:
-            item = self._relay.messages.get(timeout=wait)
-        except queue.Empty:
-            return
-        while True:
-            self._handle(item)
-            try:
-                item = self._relay.messages.get_nowait()
-            except queue.Empty:
-                return
-
-    def _handle(self, message: channel.Envelope) -> None:
-        body: object = message.body
-        if isinstance(body, Output):
-            if body.rank in self._shown:
-                self._stream(body.rank, body.stream).write(body.text)
-        elif isinstance(body, Display):
-            if body.rank in self._shown:
-                self._display(body)
-        elif isinstance(body, CallDone):
-            if body.call == self._call:
-                self._done[body.rank] = body
-        elif isinstance(body, Training):
-            self._training[body.rank] = body
-        elif isinstance(body, Interrupted):
-            if body.call == self._call:
-                self._heard.add(body.rank)
-        elif isinstance(body, channel.Report):
-            if self._board is None:
-                from nbkit.dashboard import Dashboard
-
-                self._board = Dashboard(self.world_size)
-            try:
-                self._board.event(message.rank, body.metrics)
-            except Exception:  # a display problem must never fail the call
-                logging.getLogger("nbkit").exception("nbkit: the dashboard failed")
-        elif isinstance(body, Lost):
-            self._on_lost(message.rank)
-        elif isinstance(body, channel.Started):
-            self._connected.add(message.rank)
-
-    def _stream(self, rank: int, name: str) -> Any:
-        stream = self._streams.get((rank, name))
-        if stream is None:
-            target = sys.stdout if name == "stdout" else sys.stderr
-            if rank != min(self._shown):
-                target = Prefixed(target, f"[rank {rank}] ")
-            stream = self._streams[(rank, name)] = target
-        return stream
-
-    def _display(self, body: Display) -> None:
-        """Show a rank's display() in the running cell: as display data in a kernel, else its text."""
-        self._flush_streams()  # the rank's lines before it stay before it
-        try:
-            from IPython import get_ipython
-        except ImportError:
-            shell = None
-        else:
-            shell = get_ipython()
-        if shell is None:  # a script: what display() prints outside a notebook
-            text = body.data.get("text/plain")
-            if text:
-                self._stream(body.rank, "stdout").write(f"{text}\n")
-            return
-        try:
-            shell.display_pub.publish(
-                data=body.data, metadata=body.metadata, transient=body.transient, update=body.update
-            )
-        except Exception:  # a display problem must never fail the call
-            logging.getLogger("nbkit").exception("nbkit: a rank's display() could not be shown")
-
-    def _flush_streams(self) -> None:
-        for stream in self._streams.values():
-            with contextlib.suppress(Exception):
-                stream.flush()
 
     def _on_lost(self, rank: int) -> None:
         if self._stopped or self._ended is not None:
