@@ -115,9 +115,9 @@ def test_an_engine_that_dies_while_starting_takes_the_others_with_it(before):
 def test_a_rank_that_never_arrives_is_named_with_its_step_within_seconds(before, monkeypatch):
     # One engine is frozen (SIGSTOP) as soon as both exist: the other registers, the frozen one never does. The
     # start fails _STALL_S after the other arrived, naming the frozen rank and the step, not at the 180 s timeout.
-    from nbkit.live import notebook as notebook_side
+    from nbkit.live import engines
 
-    monkeypatch.setattr(notebook_side, "_STALL_S", 3.0)
+    monkeypatch.setattr(engines, "_STALL_S", 3.0)
     frozen: list[int] = []
 
     def freeze(engines: list[psutil.Process]) -> None:
