@@ -30,6 +30,13 @@ output, the dashboard, and what happens when things go wrong:
 
 One live set per process (per notebook). The `%ddp start|stop|status` and `%%ddp` magics are thin
 layers over this module.
+
+This module runs in the notebook; LiveRanks is the API, over its parts, each in a module of its own
+(all on the notebook's side of the wire): nbkit.live.engines (start, connect, watch and end the
+engines), nbkit.live.calls (one call: its request, wait, interrupts, timeouts, value or error),
+nbkit.live.cell_output (what the ranks send while a call runs, shown in the cell) and
+nbkit.live.sending (which notebook names travel, sent ahead of the code); nbkit.live.state holds
+what they share. Inside each engine runs nbkit.live.engine.
 """
 
 from __future__ import annotations

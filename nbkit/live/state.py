@@ -1,4 +1,7 @@
-"""A live set's state on the notebook side, shared by the parts of LiveRanks (nbkit.live.notebook)."""
+"""A live set's state on the notebook side, shared by the parts of LiveRanks (nbkit.live.notebook): its
+engines (nbkit.live.engines), one call (nbkit.live.calls), what the ranks send during a call
+(nbkit.live.cell_output) and the notebook names sent to them (nbkit.live.sending).
+"""
 
 from __future__ import annotations
 
