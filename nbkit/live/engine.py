@@ -55,6 +55,7 @@ _output: rankoutput.RankOutput | None = None
 _found_display: Any = None  # the engine's own display publisher, while nbkit's stands in for it
 _call_now = -1  # the call running, for the Interrupted notice
 _notice_thread: list[threading.Thread] = []  # started with the first call
+_found_sigint: list[Any] = []  # the SIGINT handler the call found, which _on_sigint passes the signal on to
 _heard = threading.Event()  # set by the SIGINT handler; the notice goes from a thread (see _on_sigint)
 _staged: dict[int, dict[str, bytes]] = {}  # {call: notebook names sent ahead of that call's code}
 
@@ -341,14 +342,18 @@ def _listen_for_interrupts(call: int) -> Any:
         thread = threading.Thread(target=_send_notices, name="nbkit-live-interrupted", daemon=True)
         thread.start()
         _notice_thread.append(thread)
-    return signal.signal(signal.SIGINT, _on_sigint)
+    previous = signal.signal(signal.SIGINT, _on_sigint)
+    if previous is not _on_sigint:  # (still ours where the last call could not put the found one back)
+        _found_sigint[:] = [previous]
+    return previous
 
 
 def _on_sigint(signum: int, frame: Any) -> None:
     # The notice goes from a thread: this handler may run while the main thread holds the channel's
     # lock in the middle of a message, and sending here would deadlock on it.
     _heard.set()
-    signal.default_int_handler(signum, frame)
+    found = _found_sigint[0] if _found_sigint else None
+    (found if callable(found) else signal.default_int_handler)(signum, frame)
 
 
 def _send_notices() -> None:
