@@ -51,7 +51,7 @@ _NBKIT_DIR = os.path.dirname(os.path.abspath(__file__))
 # the forked rank's wrapper, spawn mode's rank, the live rank's call, and running a cell.
 _PLUMBING = frozenset(
     os.path.join(_NBKIT_DIR, *parts)
-    for parts in (("launching.py",), ("spawning.py",), ("cells.py",), ("cellrun.py",), ("live", "rank.py"))
+    for parts in (("launching.py",), ("spawning.py",), ("cells.py",), ("cellrun.py",), ("live", "engine.py"))
 )
 
 
@@ -209,12 +209,15 @@ def cpu_reduction(obj: Any) -> Any:
 
 def rank_traceback(exc: BaseException) -> str:
     """`exc`'s formatted traceback from the user's code on: nbkit's frames above it are left out
-    (all of them kept when nothing else is there). Runs in the rank.
+    (all of them kept when nothing else is there: an error of nbkit's own plumbing, whose frames say
+    where, unless the error sets `nbkit_says_it_all`, whose message is the whole story). Runs in the rank.
     """
     tb = exc.__traceback__
     while tb is not None and tb.tb_frame.f_code.co_filename in _PLUMBING:
         tb = tb.tb_next
-    return "".join(traceback.format_exception(type(exc), exc, tb or exc.__traceback__))
+    if tb is None and not getattr(exc, "nbkit_says_it_all", False):
+        tb = exc.__traceback__
+    return "".join(traceback.format_exception(type(exc), exc, tb))
 
 
 # --------------------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ shutdown: see nbkit.integration.prepare_rank). The group is still shut
 down and unregistered as before (a new init_process_group works); only its C++ object is never
 destroyed by a reducer. A rank of nbkit.launch ends with os._exit (multiprocessing's fork
 start), which runs no C++ destructor, so what is kept costs nothing there; a live rank started by
-nbkit ends the same way (nbkit.live.rank), and one started outside nbkit keeps the retired group's
+nbkit ends the same way (nbkit.live.engine), and one started outside nbkit keeps the retired group's
 idle threads until it ends.
 """
 

@@ -5,12 +5,12 @@
     ranks.exec("trainer.train()")
     ranks.stop()                          # or %ddp stop
 
-See nbkit.live.ranks for the contract and the failure behaviour; nbkit.live.rank is the code that
-runs inside each rank.
+See nbkit.live.notebook for the contract and the failure behaviour (the notebook's side of the
+wire); nbkit.live.engine is the code that runs inside each rank (the engine's side).
 """
 
 from __future__ import annotations
 
-from nbkit.live.ranks import LiveRanks, LiveStatus, RankStatus, connect, current, ended, forget_ended, start
+from nbkit.live.notebook import LiveRanks, LiveStatus, RankStatus, connect, current, ended, forget_ended, start
 
 __all__ = ["LiveRanks", "LiveStatus", "RankStatus", "connect", "current", "ended", "forget_ended", "start"]

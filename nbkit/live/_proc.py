@@ -7,7 +7,8 @@ does not run when it is killed, and ipyparallel starts its processes in their ow
 no signal of the kernel reaches them. A thread checks the parent every 0.2 s (PR_SET_PDEATHSIG
 alone would not do: it fires when the *thread* that started the process ends, and ipyparallel
 starts the controller from a helper thread). A process forked from it (the controller forks its
-heart monitor) watches its own parent the same way, so the chain ends from the top.
+heart monitor) watches its own parent the same way, so the chain ends from the top. Processes that a
+rank's cells start stay in the engine's process group, which the engine ends with itself.
 """
 
 from __future__ import annotations
@@ -24,17 +25,25 @@ _POLL_S = 0.2
 
 def watch_parent(parent_pid: int) -> None:
     """End this process (SIGKILL) as soon as `parent_pid` is no longer its parent; likewise every
-    process forked from it, with its own parent.
+    process forked from it, with its own parent. A process that leads its own process group (nbkit's
+    engines, each in a session of its own) takes the whole group with it: the processes its cells
+    started (subprocess.Popen, multiprocessing's spawn children), which no watch of their own covers.
     """
     if os.getppid() != parent_pid:  # the parent died before we got here
-        os.kill(os.getpid(), signal.SIGKILL)
+        _end_self()
 
     def watch() -> None:
         while os.getppid() == parent_pid:
             time.sleep(_POLL_S)
-        os.kill(os.getpid(), signal.SIGKILL)
+        _end_self()
 
     threading.Thread(target=watch, name="nbkit-watch-parent", daemon=True).start()
+
+
+def _end_self() -> None:
+    if os.getpgid(0) == os.getpid():
+        os.killpg(0, signal.SIGKILL)  # this process too
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _watch_after_fork() -> None:

@@ -91,6 +91,16 @@ class CallDone:
 
 
 @dataclass
+class Interrupted:
+    """Python on a rank saw the notebook's interrupt (SIGINT) during call `call`: the rank runs Python code,
+    not a collective, so a call that goes on after it caught the KeyboardInterrupt.
+    """
+
+    rank: int
+    call: int
+
+
+@dataclass
 class Training:
     """A rank entered Trainer.train() (running=True) or left it (nbkit.live.stopping).
 

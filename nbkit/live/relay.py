@@ -23,23 +23,41 @@ from nbkit.live.messages import Lost
 __all__ = ["Relay"]
 
 
+# Connections the listener queues before accept() takes them. Every rank of a set connects at the same
+# moment; with multiprocessing's default backlog of 1 the kernel dropped the handshakes of the others
+# (8 simultaneous clients: 3 stuck for good in answer_challenge), so the set never started. The kernel
+# caps it at net.core.somaxconn (4096 on current Linux).
+_BACKLOG = 4096
+# Seconds a connection has to pass the authkey handshake; one that does not is closed.
+_HANDSHAKE_S = 30.0
+
+
 class Relay:
     """The notebook's end of the ranks' relay connections (multiprocessing.connection, 127.0.0.1 or the
     given address, a random authkey): one thread accepts, one reads, messages go to a queue that the
     notebook's main thread drains while a call runs. A connection that closes is reported as
     Envelope(rank, Lost()): its rank died.
+
+    A burst of connections is fine: the listener's backlog holds them, and the authkey handshake runs
+    on a short-lived thread per connection, so one slow client cannot hold up the others.
     """
 
     def __init__(self, host: str):
         self.authkey = os.urandom(32)
-        self._listener = connection.Listener((host, 0), authkey=self.authkey)
+        # No authkey on the listener: its accept() would run the handshake on the accepting thread.
+        self._listener = connection.Listener((host, 0), backlog=_BACKLOG)
         self.address: tuple[str, int] = self._listener.address
         self.messages: queue.Queue[channel.Envelope] = queue.Queue()
         self._conns: dict[connection.Connection, int] = {}
+        self._pending: set[connection.Connection] = set()  # in the handshake
         self._lock = threading.Lock()
         self._closed = threading.Event()
-        threading.Thread(target=self._accept, name="nbkit-live-accept", daemon=True).start()
-        threading.Thread(target=self._read, name="nbkit-live-relay", daemon=True).start()
+        self._threads = [
+            threading.Thread(target=self._accept, name="nbkit-live-accept", daemon=True),
+            threading.Thread(target=self._read, name="nbkit-live-relay", daemon=True),
+        ]
+        for thread in self._threads:
+            thread.start()
 
     def _accept(self) -> None:
         while not self._closed.is_set():
@@ -49,8 +67,31 @@ class Relay:
                 if self._closed.is_set():
                     return
                 continue
+            threading.Thread(target=self._admit, args=(conn,), name="nbkit-live-handshake", daemon=True).start()
+
+    def _admit(self, conn: connection.Connection) -> None:
+        """Check `conn`'s authkey (both ways, as Listener(authkey=...) does), then read from it."""
+        # Hangs up on a peer that stops halfway (the handshake has no timeout of its own).
+        timer = threading.Timer(_HANDSHAKE_S, _hang_up, args=(conn,))
+        timer.start()
+        with self._lock:
+            self._pending.add(conn)
+        try:
+            connection.deliver_challenge(conn, self.authkey)
+            connection.answer_challenge(conn, self.authkey)
+        except Exception:  # a wrong key, a peer gone, or the timer closed it
+            with contextlib.suppress(Exception):
+                conn.close()
+            return
+        finally:
+            timer.cancel()
             with self._lock:
-                self._conns[conn] = -1
+                self._pending.discard(conn)
+        with self._lock:
+            if self._closed.is_set():
+                conn.close()
+                return
+            self._conns[conn] = -1
 
     def _read(self) -> None:
         while not self._closed.is_set():
@@ -88,7 +129,17 @@ class Relay:
         with contextlib.suppress(OSError), socket.create_connection(address, timeout=1):
             pass
         with self._lock:
+            for conn in self._pending:
+                _hang_up(conn)
             for conn in self._conns:
                 with contextlib.suppress(Exception):
                     conn.close()
             self._conns.clear()
+        for thread in self._threads:  # both end within a poll: nothing of the set is left running after it
+            thread.join(timeout=2)
+
+
+def _hang_up(conn: connection.Connection) -> None:
+    """Shut `conn`'s socket down, which wakes a thread blocked reading it (close() alone would not)."""
+    with contextlib.suppress(OSError), socket.socket(fileno=os.dup(conn.fileno())) as sock:
+        sock.shutdown(socket.SHUT_RDWR)

@@ -7,7 +7,7 @@ its peer waits for it in a collective forever; the notebook then had to end the 
 with it (a reviewer's 2 of 3 tries, 2 gloo ranks, tiny:qwen3).
 
 What this module does instead, in every rank of a live set (patch group "live", applied by
-nbkit.live.rank.setup):
+nbkit.live.engine.setup):
 
 - While Trainer.train() runs, SIGINT raises nothing: the first one records a stop request on this
   rank (the handler only sets a flag: it may run while the rank is sending on its relay connection,
@@ -35,7 +35,7 @@ nbkit.live.rank.setup):
   kept) and returns; the wrapper sends a Training message saying at which step it stopped and raises
   TrainingStopped (a KeyboardInterrupt), so that the rest of the cell does not run, as with a
   notebook's own interrupt. The model keeps the weights of that step; the notebook side
-  (nbkit.live.ranks) waits for every rank and says so in one line.
+  (nbkit.live.notebook) waits for every rank and says so in one line.
 
 Outside Trainer.train() (a plain loop in a cell) SIGINT acts as before.
 """

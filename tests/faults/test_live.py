@@ -213,7 +213,7 @@ def test_a_rank_the_set_does_not_have_is_a_one_line_usage_error(kernel):
     out = kernel.run("%%ddp --rank 1 5\nx = 0")
     assert out["error"] is None and out["result"] is None, out  # IPython shows a UsageError as one line
     assert "UsageError: --rank 5: the live set has 2 rank(s), numbered 0 to 1." in out["stderr"], out
-    assert "Traceback" not in out["stderr"] and "ranks.py" not in out["stderr"]
+    assert "Traceback" not in out["stderr"] and "notebook.py" not in out["stderr"]
     assert kernel.run("%%ddp --rank 1\nx")["result"] == "41"  # nothing ran, not even on rank 1
 
 

@@ -9,6 +9,7 @@ process started so far must end with it, and the notebook must be able to start 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import threading
 import time
@@ -96,7 +97,8 @@ def test_an_interrupt_while_the_set_starts_ends_every_process(before, module, co
 
 
 def test_the_start_up_timeout_ends_the_engines(before):
-    with pytest.raises(LiveError, match="did not start within 1 s"):
+    says = r"rank\(s\) 0 \(pid \d+\), 1 \(pid \d+\) did not start and register .* within the start-up timeout \(1 s\)"
+    with pytest.raises(LiveError, match=says):
         nbkit.start(gpus=2, startup_timeout=1)
     assert _nothing_left(before) == []
     _starts_again()
@@ -106,5 +108,32 @@ def test_an_engine_that_dies_while_starting_takes_the_others_with_it(before):
     _when_running(2, lambda engines: engines[-1].kill())
     with pytest.raises(LiveError, match=r"Rank \d's process ended while starting \(died from signal SIGKILL\)"):
         nbkit.start(gpus=2)
+    assert _nothing_left(before) == []
+    _starts_again()
+
+
+def test_a_rank_that_never_arrives_is_named_with_its_step_within_seconds(before, monkeypatch):
+    # One engine is frozen (SIGSTOP) as soon as both exist: the other registers, the frozen one never does. The
+    # start fails _STALL_S after the other arrived, naming the frozen rank and the step, not at the 180 s timeout.
+    from nbkit.live import engines
+
+    monkeypatch.setattr(engines, "_STALL_S", 3.0)
+    frozen: list[int] = []
+
+    def freeze(engines: list[psutil.Process]) -> None:
+        engines[-1].suspend()
+        frozen.append(engines[-1].pid)
+
+    _when_running(2, freeze)
+    started = time.monotonic()
+    with pytest.raises(LiveError) as failed:
+        nbkit.start(gpus=2)
+    took = time.monotonic() - started
+    text = str(failed.value)
+    named = re.search(rf"rank\(s\) (\d) \(pid {frozen[0]}\) did not start and register with the ipyparallel", text)
+    assert named, text
+    other = 1 - int(named.group(1))
+    assert f"(start-up step 1 of 3) within 3 s of rank(s) {other}, which did" in text, text
+    assert took < 90, took  # rank 0's own start on a loaded machine, plus the 3 s; not the 180 s timeout
     assert _nothing_left(before) == []
     _starts_again()

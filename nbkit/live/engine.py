@@ -37,9 +37,9 @@ from typing import Any
 from nbkit import channel, rankoutput, rankside
 from nbkit.config import setting
 from nbkit.errors import RankError
-from nbkit.live.messages import CallDone, Display, EngineInfo, Outcome, Output, RankPlan
+from nbkit.live.messages import CallDone, Display, EngineInfo, Interrupted, Outcome, Output, RankPlan
 
-__all__ = ["free_port", "identify", "pull", "run_code", "run_function", "setup", "teardown"]
+__all__ = ["free_port", "identify", "pull", "receive", "run_code", "run_function", "setup", "teardown"]
 
 
 _rank = -1
@@ -48,6 +48,11 @@ _namespace: dict[str, Any] = {}
 _crash_log: Any = None
 _output: rankoutput.RankOutput | None = None
 _found_display: Any = None  # the engine's own display publisher, while nbkit's stands in for it
+_call_now = -1  # the call running, for the Interrupted notice
+_notice_thread: list[threading.Thread] = []  # started with the first call
+_found_sigint: list[Any] = []  # the SIGINT handler the call found, which _on_sigint passes the signal on to
+_heard = threading.Event()  # set by the SIGINT handler; the notice goes from a thread (see _on_sigint)
+_staged: dict[int, dict[str, bytes]] = {}  # {call: notebook names sent ahead of that call's code}
 
 
 def identify() -> EngineInfo:
@@ -150,6 +155,7 @@ def teardown() -> None:
 
     global _output
     _namespace.clear()
+    _staged.clear()
     gc.collect()
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -206,22 +212,32 @@ def _restore_display() -> None:
         _found_display = None
 
 
-def run_code(call: int, source: str, filename: str, names: dict[str, bytes], show: bool, want_value: bool) -> Outcome:
-    """Run notebook cell `source` in this rank's namespace, after adding `names` ({name: cloudpickled value}).
+def receive(call: int, names: dict[str, bytes]) -> None:
+    """Keep `names` ({name: cloudpickled value}) for call `call`'s code (run_code), without touching the
+    namespace: the notebook sends a cell's data first, as a request of its own, so that an interrupt
+    while it travels can drop it (the request is aborted, or its data never used) and leave the rank's
+    names as they were. Only the latest call's data is kept.
+    """
+    _staged.clear()
+    _staged[call] = names
+
+
+def run_code(call: int, source: str, filename: str, show: bool, want_value: bool) -> Outcome:
+    """Run notebook cell `source` in this rank's namespace, after adding the names `receive()` kept for
+    this call (none where it got none).
 
     The Outcome says whether the names were defined (names_loaded) even when the cell then failed:
     the notebook does not send them again while it holds the same objects.
     """
     loaded = False
+    names = _staged.pop(call, {})
 
     def body() -> Any:
         nonlocal loaded
         from nbkit.cells import run_cell
 
         if names:
-            import cloudpickle
-
-            _namespace.update({name: cloudpickle.loads(value) for name, value in names.items()})
+            _namespace.update(_rebuild(names))
             loaded = True
         # So that tracebacks show the cell's lines.
         linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
@@ -230,6 +246,29 @@ def run_code(call: int, source: str, filename: str, names: dict[str, bytes], sho
     outcome = _call(call, show, want_value, body)
     outcome.names_loaded = loaded
     return outcome
+
+
+def _rebuild(names: dict[str, bytes]) -> dict[str, Any]:
+    """{name: value} of the notebook's cloudpickled `names`, all or none. Raises ModuleNotFoundError
+    naming the notebook variable where its value needs a module this rank cannot import.
+    """
+    import cloudpickle
+
+    values = {}
+    for name, value in names.items():
+        try:
+            values[name] = cloudpickle.loads(value)
+        except ModuleNotFoundError as exc:
+            error = ModuleNotFoundError(
+                f"the notebook's {name!r} cannot be rebuilt on rank {_rank}: it needs the module {exc.name!r}, "
+                f"which the rank cannot import ({exc}). The notebook imports it from a folder on its own path "
+                "(sys.path) that the ranks' path lacks: add that folder on the ranks first (a %%ddp cell: import "
+                "sys; sys.path.insert(0, FOLDER)), or start the set with env={'PYTHONPATH': FOLDER}.",
+                name=exc.name,
+            )
+            error.nbkit_says_it_all = True  # type: ignore[attr-defined]  # (see rankside.rank_traceback)
+            raise error from None
+    return values
 
 
 def run_function(call: int, payload: bytes, show: bool, want_value: bool) -> Outcome:
@@ -258,7 +297,9 @@ def pull(call: int, name: str, show: bool, want_value: bool) -> Outcome:
 def _call(call: int, show: bool, want_value: bool, body: Callable[[], Any]) -> Outcome:
     global _shown
     _shown = show
+    _staged.clear()  # data of a call whose send was interrupted: never used
     failed = False
+    previous = _listen_for_interrupts(call)
     try:
         value = body()
         outcome = Outcome(_rank, value=rankside.pickle_for_notebook(value) if want_value else None)
@@ -270,8 +311,45 @@ def _call(call: int, show: bool, want_value: bool, body: Callable[[], Any]) -> O
             with contextlib.suppress(Exception):
                 _output.drain()
         _shown = False
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
         channel.send(CallDone(_rank, call, failed))
     return outcome
+
+
+def _listen_for_interrupts(call: int) -> Any:
+    """For the length of call `call`: tell the notebook when Python here sees SIGINT (it then knows that
+    a rank that goes on runs code that caught the KeyboardInterrupt, not a collective). Returns the
+    handler to put back (None off the main thread, where no handler can be set).
+    """
+    global _call_now
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    _call_now = call
+    if not _notice_thread:
+        thread = threading.Thread(target=_send_notices, name="nbkit-live-interrupted", daemon=True)
+        thread.start()
+        _notice_thread.append(thread)
+    previous = signal.signal(signal.SIGINT, _on_sigint)
+    if previous is not _on_sigint:  # (still ours where the last call could not put the found one back)
+        _found_sigint[:] = [previous]
+    return previous
+
+
+def _on_sigint(signum: int, frame: Any) -> None:
+    # The notice goes from a thread: this handler may run while the main thread holds the channel's
+    # lock in the middle of a message, and sending here would deadlock on it.
+    _heard.set()
+    found = _found_sigint[0] if _found_sigint else None
+    (found if callable(found) else signal.default_int_handler)(signum, frame)
+
+
+def _send_notices() -> None:
+    while True:
+        _heard.wait()
+        _heard.clear()
+        with contextlib.suppress(Exception):
+            channel.send(Interrupted(_rank, _call_now))
 
 
 def _rank_error(exc: BaseException) -> RankError:

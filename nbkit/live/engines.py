@@ -1,0 +1,485 @@
+"""Starting, connecting, watching and ending the engines of a live set (the notebook side): start-up
+step by step, the processes nbkit started and their process groups, and what is left when a set ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+from nbkit import config, rankside, supervisor
+from nbkit.errors import LiveError
+from nbkit.live import engine as rank_side
+from nbkit.live import registry
+from nbkit.live.messages import EngineInfo, RankPlan
+from nbkit.live.relay import Relay
+from nbkit.live.state import SetState, _join, _Rank
+
+
+class Engines(SetState):
+    """The engines of a live set: start (nbkit.start) or connect (nbkit.connect), watch, interrupt, end."""
+
+    if TYPE_CHECKING:  # methods of the other parts of LiveRanks that this part calls
+
+        def _pump(self, wait: float) -> None: ...
+
+    def _start_local(self, count: int, use_cuda: bool, env: dict[str, str], startup_timeout: float) -> None:
+        import ipyparallel as ipp
+
+        registry.running = self
+        self._owned = True
+        _remove_orphaned_dirs()
+        self._tmpdir = tempfile.mkdtemp(prefix=f"{_DIR_PREFIX}{os.getpid()}-")
+        parent = str(os.getpid())
+        self._cluster = ipp.Cluster(
+            profile_dir=self._tmpdir,
+            cluster_id="nbkit",
+            controller_ip="127.0.0.1",
+            log_level=logging.WARNING,
+            shutdown_atexit=False,  # nbkit's own atexit handler, and _proc, end it
+            cluster_file="",
+            load_profile=False,
+        )
+        # --usethreads: the schedulers run as threads of the controller, not as processes it forks,
+        # which the parent watch of nbkit.live._proc would not cover (seen: 8 orphans per set).
+        self._cluster.start_controller_sync(
+            controller_cmd=[sys.executable, "-m", "nbkit.live._proc", parent, "ipyparallel.controller", "--usethreads"]
+        )
+        self._client = self._cluster.connect_client_sync()
+        with open(self._cluster.controller.connection_files["engine"]) as f:
+            engine_info = f.read()
+        self._relay = Relay("127.0.0.1")
+        engine_env = {**os.environ, "IPP_CONNECTION_INFO": engine_info, "PYTHONUNBUFFERED": "1"}
+        cmd = [
+            sys.executable,
+            "-m",
+            "nbkit.live._proc",
+            parent,
+            "ipyparallel.engine",
+            f"--profile-dir={self._tmpdir}",
+            "--cluster-id=nbkit",
+            "--log-level=ERROR",  # its start-up warnings would bury what a crashing rank wrote
+            # No nanny process per engine: nbkit signals its engines by pid and watches them itself,
+            # and a nanny notices its engine's end only later (it outlived stop() by up to a second).
+            "--IPEngine.enable_nanny=False",
+        ]
+        # Kept on self as each starts: an interrupt or a failure while they start must end them all.
+        processes = self._processes
+        for i in range(count):
+            log_path = os.path.join(self._tmpdir, f"rank{i}.log")
+            with open(log_path, "wb") as log:
+                processes.append(
+                    subprocess.Popen(
+                        cmd,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        stdin=subprocess.DEVNULL,
+                        env={**engine_env, config.SETTINGS["live_log"].env: log_path},
+                        start_new_session=True,
+                    )  # interrupts come from nbkit
+                )
+        found = self._wait_for_engines(count, startup_timeout, processes)
+        # rank i = the i-th engine started, so rank i's log is rank{i}.log
+        self._ranks = [
+            _Rank(rank=i, local_rank=i, node_rank=0, engine=eid, info=info, process=processes[i])
+            for i, (eid, info) in sorted(found.items())
+        ]
+        self.world_size, self.nnodes = count, 1
+        threading.Thread(target=self._monitor, name="nbkit-live-monitor", daemon=True).start()
+        port = rank_side.free_port("127.0.0.1")
+        self._setup_ranks("127.0.0.1", port, use_cuda, env, startup_timeout)
+
+    def _connect(
+        self, client: Any, engines: list[int] | None, env: dict[str, str], notebook_address: str, startup_timeout: float
+    ) -> None:
+        registry.running = self
+        self._client = client
+        ids = sorted(engines if engines is not None else client.ids)
+        if not ids:
+            raise LiveError("No ipyparallel engines are registered with this controller; start them first (ipengine).")
+        infos = _identify(client, ids, startup_timeout)
+        hosts: dict[str, list[tuple[int, EngineInfo]]] = {}
+        for eid, info in zip(ids, infos):
+            hosts.setdefault(info.host, []).append((eid, info))
+        use_cuda = all(info.gpus > 0 for info in infos)
+        rank = 0
+        for node_rank, members in enumerate(hosts.values()):
+            for local_rank, (eid, info) in enumerate(members):
+                if use_cuda and local_rank >= info.gpus:
+                    raise LiveError(
+                        f"Host {info.host} runs {len(members)} engines but shows {info.gpus} GPU(s); start one "
+                        "engine per GPU there."
+                    )
+                self._ranks.append(_Rank(rank, local_rank, node_rank, eid, info))
+                rank += 1
+        self.world_size, self.nnodes = rank, len(hosts)
+        self._relay = Relay(notebook_address)
+        master = self._ranks[0]
+        port = client[master.engine].apply_async(rank_side.free_port, master.info.address).get(timeout=startup_timeout)
+        self._setup_ranks(master.info.address, port, use_cuda, env, startup_timeout)
+
+    def _wait_for_engines(
+        self, count: int, timeout: float, processes: list[subprocess.Popen]
+    ) -> dict[int, tuple[int, EngineInfo]]:
+        """Wait until each engine nbkit started has registered with the controller and said who it is
+        (start-up step 1); returns {rank: (engine id, its EngineInfo)}, rank i being processes[i].
+
+        Raises LiveError naming the ranks that did not arrive: at once when one's process ended, after
+        _STALL_S without a new arrival once some did, after `timeout` at the latest.
+        """
+        by_pid = {p.pid: i for i, p in enumerate(processes)}
+        asked: dict[int, Any] = {}  # engine id: its identify() request
+        found: dict[int, tuple[int, EngineInfo]] = {}
+        arrivals = _Arrivals(range(count), timeout, step=1)
+        while len(found) < count:
+            for eid in self._client.ids:
+                if eid not in asked:
+                    asked[eid] = self._client[eid].apply_async(rank_side.identify)
+            for eid, ar in asked.items():
+                if ar.ready() and ar.successful() and ar.get().pid in by_pid:
+                    info = ar.get()
+                    found[by_pid[info.pid]] = (eid, info)
+            arrivals.arrived(found)
+            for i, proc in enumerate(processes):
+                if proc.poll() is not None:
+                    status = supervisor.ExitStatus.from_returncode(proc.returncode)
+                    raise LiveError(f"Rank {i}'s process ended while starting ({status.cause}).\n" + self._log_tail(i))
+            missing = arrivals.overdue()
+            if missing:
+                raise LiveError(arrivals.text(missing, processes) + "\n" + self._log_tail(missing[0]))
+            time.sleep(0.05)
+        return found
+
+    def _setup_ranks(
+        self,
+        master_addr: str,
+        port: int,
+        use_cuda: bool,
+        env: dict[str, str],
+        startup_timeout: float,
+    ) -> None:
+        assert self._relay is not None
+        local_sizes: dict[int, int] = {}
+        for r in self._ranks:
+            local_sizes[r.node_rank] = local_sizes.get(r.node_rank, 0) + 1
+        results = []
+        for r in self._ranks:
+            plan = RankPlan(
+                rank=r.rank,
+                local_rank=r.local_rank,
+                world_size=self.world_size,
+                local_world_size=local_sizes[r.node_rank],
+                node_rank=r.node_rank,
+                nnodes=self.nnodes,
+                master_addr=master_addr,
+                master_port=port,
+                relay=self._relay.address,
+                authkey=self._relay.authkey,
+                use_cuda=use_cuda,
+                owned=self._owned,
+                env=rankside.rank_environment(
+                    use_cpu=not use_cuda,
+                    strategy=self._strategy,
+                    emulate=self._emulate,
+                    extra=env,
+                    loopback=master_addr in ("127.0.0.1", "localhost"),
+                ),
+            )
+            results.append(self._client[r.engine].apply_async(rank_side.setup, plan))
+        connecting = _Arrivals(range(self.world_size), startup_timeout, step=2)
+        joining = _Arrivals(range(self.world_size), startup_timeout, step=3)
+        while not all(ar.ready() for ar in results):
+            self._pump(0.05)
+            if self._ended is not None:
+                raise LiveError(f"The live set could not start: {self._ended}")
+            connecting.arrived(self._connected)
+            joining.arrived(r.rank for r, ar in zip(self._ranks, results) if ar.ready())
+            missing = connecting.overdue() or joining.overdue()
+            if missing:
+                step = connecting if connecting.overdue() else joining
+                pids = [r.process for r in self._ranks]
+                raise LiveError(step.text(missing, pids) + "\n" + self._log_tail(missing[0]))
+        for r, ar in zip(self._ranks, results):
+            try:
+                r.device = ar.get()
+            except Exception as exc:
+                raise LiveError(f"Rank {r.rank} failed to start: {exc}") from None
+
+    def _on_lost(self, rank: int) -> None:
+        if self._stopped or self._ended is not None:
+            return
+        r = self._ranks[rank] if 0 <= rank < len(self._ranks) else None
+        if r is not None and r.process is not None:
+            # nbkit's own engine: the monitor names the signal or exit code in a moment.
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                r.process.wait(timeout=1.0)
+            if r.process.poll() is not None:
+                self._end(self._death_text(r))
+                return
+        self._end(f"rank {rank}'s connection to the notebook closed: its process died, or its host went away.")
+
+    def _monitor(self) -> None:
+        """Watch nbkit's engine processes and the controller; a death ends the set at once."""
+        controller = self._cluster.controller if self._cluster is not None else None
+        while not self._stopped and self._ended is None:
+            for r in self._ranks:
+                if r.process is not None and r.process.poll() is not None:
+                    self._end(self._death_text(r))
+                    return
+            if controller is not None and controller.pid > 0 and not supervisor.pid_alive(controller.pid):
+                self._end("the ipyparallel controller process ended.")
+                return
+            time.sleep(_POLL_S)
+
+    def _death_text(self, r: _Rank) -> str:
+        assert r.process is not None
+        status = supervisor.ExitStatus.from_returncode(r.process.returncode)
+        # What the process wrote outside Python's streams (a native crash, a CUDA or NCCL abort),
+        # shown after the message (the set's files are removed when it ends).
+        self._ended_log = self._log_tail(r.rank, lines=10)
+        return f"rank {r.rank} (pid {r.info.pid}) {status.cause}. {status.hint}"
+
+    def _ended_text(self) -> str:
+        log = f"\n{self._ended_log}" if self._ended_log else ""
+        if not self._owned:
+            return (
+                f"The live set has ended: {self._ended} Its engines were started outside nbkit and are left "
+                "running, each asked to leave the process group; one that waits in a collective answers only "
+                "when the collective fails, so restart those engines before nbkit.connect() again." + log
+            )
+        return (
+            f"The live set has ended: {self._ended} Every rank was stopped; start a new set with %ddp start "
+            "(or nbkit.start())." + log
+        )
+
+    def _alive(self, r: _Rank) -> bool:
+        if r.process is not None:
+            return r.process.poll() is None
+        return r.engine in (self._client.ids if self._client is not None else [])
+
+    def _end(self, reason: str) -> None:
+        """End the set after a failure: record why, then stop everything, killing what is left."""
+        with self._lock:
+            if self._ended is not None or self._stopped:
+                return
+            self._ended = reason
+        registry.ended = self
+        if not self._owned and self._client is not None:
+            # Engines started outside nbkit stay up: what still runs there is interrupted, then each
+            # leaves the broken process group (queued behind a call that waits in a collective).
+            alive = [r.rank for r in self._ranks if r.engine in self._client.ids]
+            self._interrupt(alive)
+            self._release_engines(wait=None)
+        self._shutdown(kill=True)
+
+    def _release_engines(self, *, wait: float | None) -> None:
+        """Engines started outside nbkit: ask each to forget the set's names and leave the process
+        group (rank_side.teardown); wait up to `wait` seconds for the answers (None: do not wait).
+        Nothing for nbkit's own engines, which end with the set.
+        """
+        if self._owned or self._client is None or not self._ranks:
+            return
+        with contextlib.suppress(Exception):
+            engines = [r.engine for r in self._ranks if r.engine in self._client.ids]
+            ar = self._client[engines].apply_async(rank_side.teardown)
+            if wait is not None:
+                ar.get(timeout=wait)
+
+    def _shutdown(self, *, kill: bool) -> None:
+        """Stop the engines nbkit started (SIGTERM, then SIGKILL after 3 s; SIGKILL at once with kill),
+        the controller, the client and the relay; remove the set's files. Safe to call twice.
+        """
+        procs = list(self._processes)  # every engine nbkit started, also those not yet given a rank
+        for proc in procs:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(proc.pid, signal.SIGKILL if kill else signal.SIGTERM)
+        deadline = time.monotonic() + 3
+        for proc in procs:
+            try:
+                proc.wait(timeout=max(0.05, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            _end_group(proc.pid)
+        if self._cluster is not None and self._cluster.controller is not None:
+            # SIGTERM: the controller ends its heart monitor process itself; SIGKILL if it hangs.
+            pid = self._cluster.controller.pid
+            if pid > 0:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGTERM)
+                deadline = time.monotonic() + 3
+                while supervisor.pid_alive(pid) and time.monotonic() < deadline:
+                    time.sleep(0.02)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        if self._cluster is not None:
+            _stop_loop_thread(self._cluster)
+        if self._client is not None and self._owned:
+            with contextlib.suppress(Exception):
+                self._client.close()
+        if self._relay is not None:
+            self._relay.close()
+        if self._tmpdir is not None:
+            shutil.rmtree(self._tmpdir, ignore_errors=True)
+        self._sent.clear()  # the notebook objects held for the ranks' copies
+        self._forget()
+
+    def _forget(self) -> None:
+        if registry.running is self:
+            registry.running = None
+
+    def _log_tail(self, rank: int, lines: int = 20) -> str:
+        """The end of what rank `rank`'s process wrote outside Python's streams; for a native crash, the
+        Python stack faulthandler wrote (from its "Fatal Python error" line, the cell's frame first).
+        """
+        if self._tmpdir is None:
+            return ""
+        try:
+            with open(os.path.join(self._tmpdir, f"rank{rank}.log"), errors="replace") as f:
+                text = f.read().splitlines()
+        except OSError:
+            return ""
+        crash = [i for i, line in enumerate(text) if line.startswith("Fatal Python error")]
+        if crash:
+            text = [line for line in text[crash[-1] :] if not line.startswith("Extension modules:")][:30]
+        else:
+            text = text[-lines:]
+        return "Its last output:\n" + "\n".join(text) if text else ""
+
+    def _interrupt(self, ranks: list[int]) -> None:
+        if self._owned:
+            for r in ranks:
+                proc = self._ranks[r].process
+                if proc is not None and proc.poll() is None:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(proc.pid, signal.SIGINT)
+        elif ranks:
+            with contextlib.suppress(Exception):
+                self._client.send_signal("SIGINT", targets=[self._ranks[r].engine for r in ranks], block=False)
+
+
+_POLL_S = 0.1  # how often the monitor looks at the engine processes
+
+
+def _identify(client: Any, ids: list[int], timeout: float) -> list[EngineInfo]:
+    """Each engine's EngineInfo; raises LiveError naming the engines that did not answer within `timeout` s."""
+    pending = {eid: client[eid].apply_async(rank_side.identify) for eid in ids}
+    deadline = time.monotonic() + timeout
+    while not all(ar.ready() for ar in pending.values()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    silent = [eid for eid, ar in pending.items() if not ar.ready()]
+    if silent:
+        raise LiveError(
+            f"Engine(s) {_join(silent)} did not answer within the start-up timeout ({timeout:.0f} s) when asked "
+            "who they are (before any became a rank): they are busy or stuck; restart them (or leave them out "
+            "with engines=[...])."
+        )
+    return [ar.get() for ar in pending.values()]
+
+
+# Start-up, step by step: once a rank has done a step, the others have this long after the last one
+# that did (not the whole start-up timeout) before the start fails naming them: on a loaded machine the
+# ranks arrive seconds apart, but a rank that is this far behind its peers is stuck.
+_STALL_S = 30.0
+
+
+_STEPS = {
+    1: "start and register with the ipyparallel controller",
+    2: "connect to the notebook",
+    3: "join the process group",
+}
+
+
+class _Arrivals:
+    """Which ranks have done one start-up step, and whether the rest are overdue."""
+
+    def __init__(self, ranks: Iterable[int], timeout: float, *, step: int):
+        self.expected = sorted(ranks)
+        self.step = step
+        self.timeout = timeout
+        self._done: set[int] = set()
+        self._began = self._last = time.monotonic()
+
+    def arrived(self, ranks: Iterable[int]) -> None:
+        new = set(ranks) - self._done
+        if new:
+            self._done |= new
+            self._last = time.monotonic()
+
+    def overdue(self) -> list[int]:
+        """The ranks still missing where the step is overdue (else [])."""
+        missing = [r for r in self.expected if r not in self._done]
+        now = time.monotonic()
+        late = now - self._began > self.timeout or (bool(self._done) and now - self._last > _STALL_S)
+        return missing if missing and late else []
+
+    def text(self, missing: list[int], processes: list[Any]) -> str:
+        """The message for `missing` ranks (processes[rank]: its Popen, where nbkit started it)."""
+        who = ", ".join(
+            f"{r} (pid {processes[r].pid})" if r < len(processes) and processes[r] is not None else str(r)
+            for r in missing
+        )
+        waited = time.monotonic() - self._began
+        if self._done:
+            after = f"within {_STALL_S:.0f} s of rank(s) {_join(sorted(self._done))}, which did"
+        else:
+            after = f"within the start-up timeout ({self.timeout:.0f} s)"
+        return (
+            f"The live set could not start: rank(s) {who} did not {_STEPS[self.step]} (start-up step {self.step} "
+            f"of {len(_STEPS)}) {after}; waited {waited:.0f} s. Every process was stopped. A rank that is this "
+            "far behind is stuck or starved (out of memory, a full disk, a machine too loaded): its last output "
+            "is below; start again (%ddp start / nbkit.start())."
+        )
+
+
+_DIR_PREFIX = "nbkit-live-"  # then the notebook's pid: nbkit-live-PID-XXXXXXXX, a set's folder
+
+
+def _remove_orphaned_dirs() -> None:
+    """Remove the folders of sets whose notebook process is gone (a kernel that was killed runs no
+    clean-up; its ranks end by themselves, but their folder stays until the next start removes it).
+    """
+    for path in glob.glob(os.path.join(tempfile.gettempdir(), f"{_DIR_PREFIX}*-*")):
+        pid = os.path.basename(path)[len(_DIR_PREFIX) :].split("-", 1)[0]
+        if pid.isdigit() and int(pid) != os.getpid() and not supervisor.pid_alive(int(pid)):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _stop_loop_thread(cluster: Any) -> None:
+    """End the event-loop thread that an ipyparallel Cluster starts for its `*_sync` methods when they are
+    called where an event loop runs (a notebook kernel) and never ends itself: one thread, an epoll
+    descriptor and a socket pair per set, measured here (5 start/stop cycles: 5 of each left). ipyparallel
+    has no public call for it, so this reads its attributes, and does nothing where they are not found.
+    """
+    thread, loop = getattr(cluster, "_async_thread", None), getattr(cluster, "_thread_loop", None)
+    if thread is None or loop is None:
+        return
+    with contextlib.suppress(Exception):
+        loop.add_callback(loop.stop)
+        thread.join(timeout=5)
+        if not thread.is_alive():
+            loop.close()
+            cluster._async_thread = None
+
+
+def _end_group(pgid: int) -> None:
+    """SIGKILL what is left of an engine's process group: the processes its cells started (subprocess.Popen,
+    multiprocessing's spawn and fork children, and theirs), which stay in the engine's group, as nbkit
+    starts each engine in a session of its own. (Linux gives no new process the number of a group that
+    still has members, so the number cannot name another group.) A process that left the group
+    (setsid, start_new_session=True) is out of reach: see README.
+    """
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)
