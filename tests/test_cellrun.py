@@ -65,7 +65,8 @@ def test_a_script_runs_a_cell_as_ddp_does_forked_spawned_and_on_a_live_set(tmp_p
     )
     assert done.returncode == 0, done.stdout + done.stderr
     said = json.loads(done.stdout.split("SAID ", 1)[1])
-    assert said["fork"] == ["fsdp", "t4", 42]  # rank 0's value; the options reached the ranks' environment
+    # rank 0's value; the options reached the ranks (the profile under its own name)
+    assert said["fork"] == ["fsdp", "T4", 42]
     assert said["spawn"] == ["ddp", None, 42]  # the _private name travelled to fresh processes
     assert "strategy must be one of 'ddp', 'fsdp'; got 'zero'" in said["bad_strategy"]
     assert said["live"] == 42 and said["live_kept"] == 430  # names stay on the set's ranks
