@@ -18,7 +18,7 @@ import linecache
 from collections.abc import Iterable
 from typing import Any
 
-from nbkit import cells, rankside
+from nbkit import cells, distributed, one_gpu, rankside
 from nbkit.ddp_options import OptionsError
 from nbkit.errors import LiveError
 
@@ -153,6 +153,9 @@ def _one_shot(code: str, namespace: dict[str, Any], filename: str, spawn: bool, 
     from nbkit import spawning
     from nbkit.launching import launch
 
+    visible = distributed.visible_gpus()
+    if len(visible) == 1:  # Colab: what one-shot cells do there, once
+        one_gpu.say_once("one-shot", visible[0].name)
     blocker = None if spawn else spawning.fork_blocker()
     if spawn or blocker is not None:
         return spawning.run_source(
