@@ -60,7 +60,7 @@ class Report:
 
 @dataclass(frozen=True)
 class Result:
-    """Rank 0's return value, pickled (launching.pickle_for_notebook)."""
+    """Rank 0's return value, pickled (rankside.pickle_for_notebook)."""
 
     payload: bytes
 
