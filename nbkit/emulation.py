@@ -27,20 +27,19 @@ attached to the function.
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from nbkit import patching
+from nbkit import notices, patching
 from nbkit.errors import EmulationError
 
 __all__ = ["ENV", "PROFILES", "Profile", "active", "apply_from_env", "emulate", "lookup"]
 
 ENV = "NBKIT_EMULATE"
 
-_log = logging.getLogger("nbkit")
+_log = notices.logger(__name__)
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from nbkit import channel, distributed, forksafety, integration, patching, rankoutput, rankside
+from nbkit import channel, distributed, forksafety, integration, notices, patching, rankoutput, rankside
 from nbkit import dashboard as dashboards
 from nbkit.config import environment
 from nbkit.errors import LaunchError, RankError
@@ -47,7 +47,7 @@ __all__ = ["LaunchError", "launch"]
 
 # Notices about a launch (an interrupt, ranks stopped after returning). With no logging set up, Python
 # writes warnings to stderr, which the notebook shows under the cell.
-_log = logging.getLogger("nbkit.launching")
+_log = notices.logger(__name__)
 
 
 def launch(

@@ -30,7 +30,6 @@ import codecs
 import collections
 import contextlib
 import linecache
-import logging
 import os
 import pickle
 import signal
@@ -45,13 +44,13 @@ from multiprocessing import Pipe
 from multiprocessing.connection import Connection
 from typing import Any
 
-from nbkit import cells, dashboard, distributed, forksafety, launching, rankside, supervisor
+from nbkit import cells, dashboard, distributed, forksafety, launching, notices, rankside, supervisor
 from nbkit.errors import BringAlongError, LaunchError, RankError
 from nbkit.notebook_names import BroughtAlong, bring_along
 
 __all__ = ["BringAlongError", "BroughtAlong", "bring_along", "check_syntax", "fork_blocker", "run_source"]
 
-_log = logging.getLogger("nbkit.spawning")
+_log = notices.logger(__name__)
 # After SIGINT, how long the launcher process gets to stop its ranks (each SIGTERM, then SIGKILL after
 # 5 s) and report, before it is killed.
 _LAUNCHER_STOP_GRACE_S = 15.0
@@ -101,7 +100,7 @@ def run_source(
     brought = bring_along(source, namespace)
     why = f" Why: {str(reason).rstrip('.')}." if reason else ""
     names = ", ".join(brought.reached) or "nothing"
-    print(f"nbkit: running in fresh processes (spawn mode).{why} Brought along: {names}.", flush=True)
+    _log.info(f"nbkit: running in fresh processes (spawn mode).{why} Brought along: {names}.")
     job = _Job(
         source=source,
         filename=filename,

@@ -5,15 +5,16 @@ timeouts and failures while it runs, and its value or error.
 from __future__ import annotations
 
 import contextlib
-import sys
 import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from nbkit import rankside, supervisor
+from nbkit import notices, rankside, supervisor
 from nbkit.errors import LiveError, RankError
 from nbkit.live.messages import Outcome
 from nbkit.live.state import SetState, _join
+
+_log = notices.logger(__name__)
 
 
 class Calls(SetState):
@@ -181,7 +182,7 @@ class Calls(SetState):
                 if all(r in self._done for r in targets) and ar.ready():
                     if self._failed_otherwise(ar):  # a rank's own error says more than the interrupt
                         raise self._call_error(ar.finished_errors(), ended=False)
-                    print(self._interrupted_text(targets, unfinished), file=sys.stderr)
+                    _log.warning(self._interrupted_text(targets, unfinished))
                     return
                 now = time.monotonic()
                 still = [r for r in targets if r not in self._done]
@@ -197,10 +198,9 @@ class Calls(SetState):
                     grace_until = now + _INTERRUPT_GRACE_S
                     if not said_stopping:
                         said_stopping = True
-                        print(
+                        _log.warning(
                             "nbkit: stopping training at the next step that every rank agrees on (the model keeps "
-                            "its weights); interrupt again to stop at once, which may end the live set.",
-                            file=sys.stderr,
+                            "its weights); interrupt again to stop at once, which may end the live set."
                         )
                 if deadline is not None and now > deadline:
                     self._end_at_timeout(timeout, still, targets)

@@ -6,15 +6,16 @@ from __future__ import annotations
 
 import ast
 import contextlib
-import sys
 import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from nbkit import cells, notebook_names
+from nbkit import cells, notebook_names, notices
 from nbkit.errors import LiveError
 from nbkit.live import engine as rank_side
 from nbkit.live.state import SetState
+
+_log = notices.logger(__name__)
 
 
 class Sending(SetState):
@@ -57,9 +58,8 @@ class Sending(SetState):
             if pending:
                 with contextlib.suppress(Exception):
                     self._client.abort(pending, targets=[self._ranks[r].engine for r in names], block=False)
-            print(
-                f"nbkit: interrupted while sending {_sizes_text(values, sizes)}; the live set and its names are kept.",
-                file=sys.stderr,
+            _log.warning(
+                f"nbkit: interrupted while sending {_sizes_text(values, sizes)}; the live set and its names are kept."
             )
             raise
 

@@ -112,7 +112,7 @@ def _returns_but_leaves_a_thread(pid_dir: str) -> int:
 
 @pytest.mark.parametrize("timeout", [None, 120])
 def test_a_rank_that_returned_but_does_not_end_is_stopped_and_the_value_kept(
-    tmp_path, leftovers, caplog, monkeypatch, timeout
+    tmp_path, leftovers, capsys, monkeypatch, timeout
 ):
     monkeypatch.setattr(launching, "_EXIT_GRACE_S", 2.0)
     start = time.monotonic()
@@ -121,7 +121,7 @@ def test_a_rank_that_returned_but_does_not_end_is_stopped_and_the_value_kept(
     took = time.monotonic() - start
     assert value == 7  # rank 0's value, not a timeout or a failure
     assert 2.0 <= took < 2.0 + 20, took  # the grace, then the stop (the start of 2 ranks included)
-    err = caplog.text  # a warning of the nbkit.launching logger
+    err = capsys.readouterr().err  # a warning of the nbkit.launching logger, shown as a notice
     assert "rank(s) 1 returned, but their processes were still running 2 s later" in err, err
     pids = [int(p.name) for p in tmp_path.iterdir()]
     assert len(pids) == 2 and not any(supervisor.pid_alive(pid) for pid in pids)
