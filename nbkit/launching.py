@@ -201,7 +201,7 @@ def _check_can_fork() -> None:
 # --------------------------------------------------------------------------------------------
 
 # How often the supervisor looks at the ranks: a rank that ends is named within this (plus the
-# time to stop the others), far inside the 2 s that issue 14 asks for.
+# time to stop the others), far inside the 2 s a user waits before suspecting a hang.
 _WATCH_INTERVAL_S = 0.05
 # How long an error waits for a peer's death that caused it (see _Run._settle_errors).
 _CAUSE_WINDOW_S = 0.3
@@ -306,8 +306,8 @@ class _Run:
             self._stop_leftovers()
             self.pipes.close()
             # Torch elastic's agent, store and their threads sit in reference cycles (the store's
-            # listening socket, ~17 descriptors and a thread stayed until the next collection,
-            # issue 14): collect them now, in this process where their threads exist.
+            # listening socket, ~17 descriptors and a thread stayed until the next collection):
+            # collect them now, in this process where their threads exist.
             failure_text = f"{type(failure).__name__}: {failure}" if failure is not None else ""
             failure = None
             gc.collect()
@@ -584,7 +584,7 @@ def _abandon_handler(handler: Callable[[], None]) -> Iterator[None]:
 def _launcher_banner_muted() -> Iterator[None]:
     """Drop what this thread prints while the launcher runs (notebook_launcher's "Launching
     training on N GPUs." line) and nothing else: other threads of the notebook process keep
-    printing (issue 14: a global redirect lost their output), and the ranks restore their streams.
+    printing (a global redirect lost their output), and the ranks restore their streams.
     """
     stream = sys.stdout
     sys.stdout = _MutedInThread(stream, threading.get_ident())
