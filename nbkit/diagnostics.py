@@ -335,6 +335,40 @@ def _version_problems(versions: dict[str, str | None]) -> list[Problem]:
                 )
             )
 
+    requirements, installation = _installation_problems()
+    problems += installation
+    for requirement in requirements:
+        parsed = Requirement(requirement)
+        if parsed.marker is None and parsed.specifier:  # extras come with a marker
+            check(parsed.name, str(parsed.specifier), "nbkit")
+    unsloth = versions.get("unsloth")
+    if unsloth is not None:
+        pins = UNSLOTH_PINS.get(unsloth)
+        if pins is None:
+            known = ", ".join(UNSLOTH_PINS)
+            problems.append(
+                Problem(
+                    f"unsloth {unsloth}: nbkit knows the requirements of unsloth {known} only, so combinations "
+                    "with it are not checked.",
+                    "If unsloth fails at import, install the versions its release notes name.",
+                    "warning",
+                )
+            )
+        else:
+            for name, spec in pins.items():
+                check(name, spec, f"unsloth {unsloth}")
+    problems += _torchvision_problems(versions)
+    # One problem per library: a version already outside a requirement needs no second warning.
+    flagged = {p.what.split(" ", 1)[0] for p in problems}
+    problems += [p for p in _untested_versions(versions) if p.what.split(" ", 1)[0] not in flagged]
+    return problems
+
+
+def _installation_problems() -> tuple[list[str], list[Problem]]:
+    """(nbkit's own requirements, what is wrong with how nbkit is installed): a source folder on sys.path
+    (the requirements cannot be read), or PyPI's unrelated `nbkit` sharing the `nbkit` folder.
+    """
+    problems: list[Problem] = []
     try:
         requirements = importlib.metadata.requires(DISTRIBUTION) or []
     except importlib.metadata.PackageNotFoundError:  # imported from a source folder on sys.path
@@ -359,26 +393,12 @@ def _version_problems(versions: dict[str, str | None]) -> list[Problem]:
                 "warning",
             )
         )
-    for requirement in requirements:
-        parsed = Requirement(requirement)
-        if parsed.marker is None and parsed.specifier:  # extras come with a marker
-            check(parsed.name, str(parsed.specifier), "nbkit")
-    unsloth = versions.get("unsloth")
-    if unsloth is not None:
-        pins = UNSLOTH_PINS.get(unsloth)
-        if pins is None:
-            known = ", ".join(UNSLOTH_PINS)
-            problems.append(
-                Problem(
-                    f"unsloth {unsloth}: nbkit knows the requirements of unsloth {known} only, so combinations "
-                    "with it are not checked.",
-                    "If unsloth fails at import, install the versions its release notes name.",
-                    "warning",
-                )
-            )
-        else:
-            for name, spec in pins.items():
-                check(name, spec, f"unsloth {unsloth}")
+    return requirements, problems
+
+
+def _torchvision_problems(versions: dict[str, str | None]) -> list[Problem]:
+    """A torchvision that does not belong to the installed torch (it imports, but its operators fail)."""
+    problems: list[Problem] = []
     torch, vision = versions.get("torch"), versions.get("torchvision")
     if torch and vision:
         expected = _torchvision_for(torch)
@@ -391,9 +411,6 @@ def _version_problems(versions: dict[str, str | None]) -> list[Problem]:
                     "(transformers then uses its PIL image processors).",
                 )
             )
-    # One problem per library: a version already outside a requirement needs no second warning.
-    flagged = {p.what.split(" ", 1)[0] for p in problems}
-    problems += [p for p in _untested_versions(versions) if p.what.split(" ", 1)[0] not in flagged]
     return problems
 
 
