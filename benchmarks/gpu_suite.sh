@@ -3,9 +3,9 @@
 #
 #   bash benchmarks/gpu_suite.sh env model planner    # versions, build random:qwen3-vl-2b, planner accuracy
 #   bash benchmarks/gpu_suite.sh tests                # gpu-marked tests
-#   bash benchmarks/gpu_suite.sh matrix               # the 1K/16K launcher/backend matrix (issue 7)
-#   bash benchmarks/gpu_suite.sh savers               # memory savers 8K-64K (issue 4)
-#   bash benchmarks/gpu_suite.sh t4 t4notebooks                   # T4 profile, one GPU: longest sequence per path, notebooks
+#   bash benchmarks/gpu_suite.sh matrix               # the 1K/16K launcher/backend matrix
+#   bash benchmarks/gpu_suite.sh savers               # memory savers 8K-64K
+#   bash benchmarks/gpu_suite.sh t4 t4notebooks       # T4 profile, one GPU: longest sequence per path, notebooks
 #   bash benchmarks/gpu_suite.sh scaling              # unsloth 1 -> 2 GPUs: checkpointing paths x DDP knobs, profiled
 #   bash benchmarks/gpu_suite.sh launchers            # the same function via nbkit.launch, notebook_launcher, accelerate
 #   bash benchmarks/gpu_suite.sh scaling4             # unsloth on 1 and 4 GPUs (needs 4)
@@ -15,11 +15,11 @@
 #   bash benchmarks/gpu_suite.sh launched1            # unsloth on one GPU through nbkit.launch
 #   bash benchmarks/gpu_suite.sh batch1k              # unsloth 1 -> 2 GPUs at 1K x 4 and 1K x 16
 #   bash benchmarks/gpu_suite.sh long                 # the savers at 64K tokens
-#   bash benchmarks/gpu_suite.sh trainer              # SFTTrainer, 1 -> 2 GPUs, three launchers, unsloth / transformers / Liger (issue 16)
+#   bash benchmarks/gpu_suite.sh trainer              # SFTTrainer, 1 -> 2 GPUs, three launchers, unsloth / transformers / Liger
 #   bash benchmarks/gpu_suite.sh trainer_repeats      # SFTTrainer, unsloth 1 -> 2 GPUs at 1K x 4 and 16K x 1, repeated (median of 3 where time allows)
 #   bash benchmarks/gpu_suite.sh trainer1             # SFTTrainer on 1 GPU: unsloth vs transformers+savers vs +Liger
-#   bash benchmarks/gpu_suite.sh hostcost             # 1K x 4 on 2 GPUs: syncs and collectives per Trainer step, SFTTrainer vs Trainer timed (issue 16)
-#   bash benchmarks/gpu_suite.sh trainermem           # unsloth at 16K: peak memory by hand vs under SFTTrainer, largest allocations (issue 16)
+#   bash benchmarks/gpu_suite.sh hostcost             # 1K x 4 on 2 GPUs: syncs and collectives per Trainer step, SFTTrainer vs Trainer timed
+#   bash benchmarks/gpu_suite.sh trainermem           # unsloth at 16K: peak memory by hand vs under SFTTrainer, largest allocations
 #   bash benchmarks/gpu_suite.sh fsdp                 # FSDP-QLoRA vs device_map="balanced", T4 profile (1 GPU: the dry run)
 #   bash benchmarks/gpu_suite.sh speed                # 1 GPU: unsloth vs transformers+savers+Liger+regional compile, bf16 and T4 profile (~9.8 min)
 #   bash benchmarks/gpu_suite.sh speed_bf16 / speed_t4  # the same, one precision per call (up to ~9 minutes each)
@@ -116,7 +116,7 @@ for what in "$@"; do
         --ddp broadcast_buffers=false --ddp gradient_as_bucket_view=true,broadcast_buffers=false,bucket_cap_mb=512 \
         --profile --time-limit 280 --out "$OUT/ddp1k.json" --md "$OUT/ddp1k.md" ;;
     fp16)
-      # The issue's fp16 case (1K x 4): unsloth 1 -> 2 GPUs, and the plain transformers+peft anchor under
+      # fp16 at 1K x 4: unsloth 1 -> 2 GPUs, and the plain transformers+peft anchor under
       # notebook_launcher in bf16 at both lengths and fp16 at 1K.
       part fp16 240 python3 benchmarks/bench.py --configs unsloth:1@notebook,unsloth:2 --seq-lens 1024x4 \
         --precisions fp16 --time-limit 230 --out "$OUT/fp16.json" --md "$OUT/fp16.md"
@@ -168,7 +168,7 @@ for what in "$@"; do
         --shapes 1024x4,16384x1 --steps 10 --warmup 2 --time-limit 300 --launch-timeout 180 \
         --out "$OUT/trainer1.json" --md "$OUT/trainer1.md" ;;
     hostcost)
-      # What a Trainer step at 1K x 4 on 2 GPUs spends outside GPU work (issue 16; CPU counts in RESULTS.md).
+      # What a Trainer step at 1K x 4 on 2 GPUs spends outside GPU work (CPU counts in RESULTS.md).
       # host_cost.py: per optimizer step, collectives, host reads of tensor values and CUDA syncs, each with
       # the Python frame that caused it, for Trainer and SFTTrainer, with and without nbkit's reporting
       # callback and Trainer's NaN filter, both backends. Then trainer_bench times SFTTrainer against Trainer

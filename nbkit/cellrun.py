@@ -18,7 +18,7 @@ import linecache
 from collections.abc import Iterable
 from typing import Any
 
-from nbkit import cells, distributed, one_gpu, rankside
+from nbkit import cells, distributed, forksafety, one_gpu, rankside
 from nbkit.ddp_options import OptionsError
 from nbkit.errors import LiveError
 
@@ -75,7 +75,8 @@ def run_cell(
     from nbkit import live
 
     cells.parse(code, filename)  # a cell that does not parse fails here, before any process starts
-    linecache.cache.setdefault(filename, (len(code), None, code.splitlines(True), filename))
+    # this cell's lines, not those of an earlier cell run under the same name
+    linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
     current = live.current()
     if current is not None:
         _refuse_setup(current, gpus=gpus, env=env, spawn=spawn, strategy=strategy, emulate=emulate)
@@ -156,7 +157,7 @@ def _one_shot(code: str, namespace: dict[str, Any], filename: str, spawn: bool, 
     visible = distributed.visible_gpus()
     if len(visible) == 1:  # Colab: what one-shot cells do there, once
         one_gpu.say_once("one-shot", visible[0].name)
-    blocker = None if spawn else spawning.fork_blocker()
+    blocker = None if spawn else forksafety.fork_blocker()
     if spawn or blocker is not None:
         return spawning.run_source(
             code, namespace, filename=filename, reason=blocker or "asked for with --spawn", **options

@@ -45,8 +45,8 @@ from nbkit.supervisor import ExitStatus, exit_status, hang_hint, kill, pid_alive
 
 __all__ = ["LaunchError", "launch"]
 
-# Notices about a launch (an interrupt, ranks stopped after returning). With no logging set up, Python
-# writes warnings to stderr, which the notebook shows under the cell.
+# Notices about a launch (an interrupt, ranks stopped after returning): the nbkit logger shows them
+# under the cell (warnings on stderr), filterable as every nbkit notice is.
 _log = notices.logger(__name__)
 
 
@@ -58,7 +58,7 @@ def launch(
     quiet: bool = True,
     env: Mapping[str, str] | None = None,
     dashboard: bool = True,
-    strategy: str = "ddp",
+    strategy: str | None = None,
     emulate: str | None = None,
     **kwargs: Any,
 ) -> Any:
@@ -80,6 +80,7 @@ def launch(
         dashboard: show the ranks' reports (nbkit.report, the Trainer callback that nbkit adds to
             every Trainer in the ranks) as one live panel, or text lines without a widget frontend.
         strategy: how the ranks share the model, "ddp" or "fsdp"; the ranks find it in NBKIT_STRATEGY.
+            None: "ddp", except in a rank of an outside launcher, where its environment's stands.
         emulate: the name of a GPU profile the ranks emulate (NBKIT_EMULATE), or None.
         **kwargs: passed to `fn`. (Names above are taken by launch itself; pass such arguments
             to fn through `args` or functools.partial.)
@@ -114,15 +115,14 @@ def launch(
     (every failed launch leaves nothing behind, so the next one starts at once).
     """
     if distributed.is_distributed():
-        os.environ.update(rankside.strategy_environment(strategy, emulate))
-        _prepare_rank(quiet=False, rank=distributed.rank(), descriptors=False)
+        _join_outside_launcher(strategy, emulate)
         return fn(*args, **kwargs)
 
     _check_function(fn)
     timeout = check_timeout(timeout)
     has_cuda = _has_cuda()
     use_cuda, nprocs = rankside.count_ranks(gpus, distributed.visible_gpus() if has_cuda else [], api="nbkit.launch")
-    rank_env = rankside.rank_environment(use_cpu=not use_cuda, strategy=strategy, emulate=emulate, extra=env)
+    rank_env = rankside.rank_environment(use_cpu=not use_cuda, strategy=strategy or "ddp", emulate=emulate, extra=env)
     _check_can_fork()
     run = _Run(nprocs, None, timeout)
     child = _Child(fn, args, kwargs, run.pipes, quiet=quiet, use_cpu=not use_cuda)
@@ -147,6 +147,18 @@ def _run_ranks(run: _Run, child: _Child, *, env: dict[str, str], dashboard: bool
 # --------------------------------------------------------------------------------------------
 # Checks before launching: each error says what happened and what to do.
 # --------------------------------------------------------------------------------------------
+
+
+def _join_outside_launcher(strategy: str | None, emulate: str | None) -> None:
+    """Set up this process as a rank of an outside launcher (torchrun running an exported script): what
+    the launch call names is set; a strategy it leaves at its default stays as that launcher's
+    environment has it.
+    """
+    given = rankside.strategy_environment(strategy or "ddp", emulate)
+    if strategy is None:
+        del given["NBKIT_STRATEGY"]
+    os.environ.update(given)
+    _prepare_rank(quiet=False, rank=distributed.rank(), descriptors=False)
 
 
 def _has_cuda() -> bool:

@@ -2,7 +2,7 @@
 there, and why they still help. One place for the text, said once per process.
 
     one_gpu.say_once("live", "Tesla T4")      # in the start path of a live set, when one GPU is visible
-    one_gpu.say_once("one-shot", "Tesla T4")  # in the launch path of a one-shot %%ddp cell / nbkit.launch
+    one_gpu.say_once("one-shot", "Tesla T4")  # in the one-shot path of a %%ddp cell (nbkit.run_cell)
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ def message(kind: Kind, gpu: str) -> str:
     """The notice for one visible GPU: what `kind` of run does there, and why it still helps.
 
     Args:
-        kind: "live" (`%ddp start`, nbkit.start) or "one-shot" (`%%ddp` without a live set, nbkit.launch).
+        kind: "live" (`%ddp start`, nbkit.start) or "one-shot" (`%%ddp` without a live set, nbkit.run_cell).
         gpu: the GPU's name, as nvidia-smi gives it.
 
     Returns:

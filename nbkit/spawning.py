@@ -45,10 +45,10 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from nbkit import cells, dashboard, distributed, forksafety, launching, notices, rankside, supervisor
-from nbkit.errors import BringAlongError, LaunchError, RankError
+from nbkit.errors import LaunchError, RankError
 from nbkit.notebook_names import BroughtAlong, bring_along
 
-__all__ = ["BringAlongError", "BroughtAlong", "bring_along", "check_syntax", "fork_blocker", "run_source"]
+__all__ = ["run_source"]
 
 _log = notices.logger(__name__)
 # After SIGINT, how long the launcher process gets to stop its ranks (each SIGTERM, then SIGKILL after
@@ -57,13 +57,6 @@ _LAUNCHER_STOP_GRACE_S = 15.0
 # The launcher process enforces `timeout` itself; the notebook side stops it only if it hangs past
 # this much more (its start, importing torch, takes seconds on a loaded machine).
 _LAUNCHER_SLACK_S = 60.0
-
-
-def fork_blocker() -> forksafety.ForkBlocker | None:
-    """Why nbkit.launch cannot fork from this process now, or None when it can (never initialises
-    CUDA); `str()` of it is the one-sentence reason %%ddp prints for running in spawn mode.
-    """
-    return forksafety.fork_blocker()
 
 
 def run_source(
@@ -96,7 +89,9 @@ def run_source(
     timeout = launching.check_timeout(timeout)
     gpus = rankside.check_gpus(gpus)
     strategy = rankside.check_strategy(strategy)
-    check_syntax(source, filename)
+    # the profile too, here, before the launcher process starts (by its own name from here on)
+    emulate = rankside.strategy_environment(strategy, emulate).get("NBKIT_EMULATE")
+    cells.parse(source, filename)  # a cell that does not parse fails here, pointing at its line
     brought = bring_along(source, namespace)
     why = f" Why: {str(reason).rstrip('.')}." if reason else ""
     names = ", ".join(brought.reached) or "nothing"
@@ -115,11 +110,6 @@ def run_source(
         emulate=emulate,
     )
     return _Coordinator(job).run()
-
-
-def check_syntax(source: str, filename: str) -> None:
-    """Raise CellSyntaxError, pointing at the line, if `source` does not parse."""
-    cells.parse(source, filename)
 
 
 # --------------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from nbkit import distributed
+from nbkit import shell as nbkit_shell
 from nbkit.diagnostics import doctor
 
 doctor_module = importlib.import_module("nbkit.diagnostics")
@@ -38,6 +39,8 @@ def test_a_set_secret_is_reported_as_set_and_its_value_never_appears(monkeypatch
 def test_reports_this_cpu_machine_and_what_to_do(monkeypatch):
     monkeypatch.delenv("KAGGLE_KERNEL_RUN_TYPE", raising=False)
     monkeypatch.delenv("KAGGLE_URL_BASE", raising=False)
+    # a script: no IPython shell, whatever an earlier test in this process left behind (test_export makes one)
+    monkeypatch.setattr(nbkit_shell, "current", lambda: None)
     report = doctor()
     text = str(report)
     import torch

@@ -28,8 +28,8 @@ output, the dashboard, and what happens when things go wrong:
   the notebook kernel however it ends (nbkit.live._proc); so do the processes a rank's cells start,
   which stay in the engine's process group (each engine leads one), unless they leave it on purpose.
 
-One live set per process (per notebook). The `%ddp start|stop|status` and `%%ddp` magics are thin
-layers over this module.
+One live set per process (per notebook). The `%ddp start|stop|status` magics are thin layers over this
+module; a `%%ddp` cell reaches it through nbkit.run_cell (nbkit.cellrun).
 
 This module runs in the notebook; LiveRanks is the API, over its parts, each in a module of its own
 (all on the notebook's side of the wire): nbkit.live.engines (start, connect, watch and end the
