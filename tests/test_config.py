@@ -34,7 +34,11 @@ def test_settings_are_read_from_the_environment_with_defaults(monkeypatch, tmp_p
 
 def test_configure_checks_everything_before_changing_anything(monkeypatch):
     for spec in config.SETTINGS.values():
-        monkeypatch.delenv(spec.env, raising=False)
+        # set first, so that monkeypatch records each one and removes what configure() writes below (a
+        # delenv of a variable that is not there records nothing, and NBKIT_DASHBOARD=off leaked into
+        # every later test of the session)
+        monkeypatch.setenv(spec.env, "")
+        monkeypatch.delenv(spec.env)
     with pytest.raises(ValueError, match="dashboard='fancy' is not valid; use one of 'auto', 'html', 'widget'"):
         nbkit.configure(device_map_policy="error", dashboard="fancy")
     with pytest.raises(ValueError, match="nbkit has no setting 'colour'"):
