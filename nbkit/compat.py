@@ -87,6 +87,60 @@ def _loss_without_full_logits(original: Callable[..., Any]) -> Callable[..., Any
     return compute_loss
 
 
+@patching.patch(
+    "trl.trainer.sft_trainer:prepare_peft_model",
+    reason="trl 0.22's SFTTrainer runs peft's prepare_model_for_kbit_training on a quantised model even when it is "
+    "already a PeftModel, and that function freezes every parameter, LoRA's included: QLoRA then trains nothing. "
+    "Under fp16 the first optimizer step failed with GradScaler's 'No inf checks were recorded prior to update' "
+    "(seen: transformers 4.57.1, trl 0.22.2, peft 0.18.0, one H100 under the T4 profile); under bf16 there is "
+    "no scaler to notice. The parameters that were trainable before stay trainable",
+    upstream="https://github.com/huggingface/trl/issues/3926 (fixed by https://github.com/huggingface/trl/pull/4081)",
+    group="compat",
+    when=_trl_0,
+)
+def _peft_model_keeps_its_adapters(original: Callable[..., Any]) -> Callable[..., Any]:
+    def prepare_peft_model(model: Any, peft_config: Any, args: Any) -> Any:
+        trainable = [p for p in model.parameters() if p.requires_grad] if peft_config is None else []
+        prepared = original(model, peft_config, args)
+        for param in trainable:
+            param.requires_grad_(True)
+        return prepared
+
+    return prepare_peft_model
+
+
+def _peft_before_0_21() -> bool:
+    try:
+        major, minor = (int(x) for x in importlib.metadata.version("peft").split(".")[:2])
+    except (importlib.metadata.PackageNotFoundError, ValueError):
+        return False
+    return (major, minor) < (0, 21)
+
+
+@patching.patch(
+    "peft.tuners.lora.model:dispatch_torchao",
+    reason="peft before 0.21 imports torchao's LinearActivationQuantizedTensor to test every layer it adds LoRA "
+    "to, whenever torchao is installed; torchao 0.18 (which unsloth 2026.10 installs) no longer has it, so "
+    "get_peft_model failed on every model with 'cannot import name LinearActivationQuantizedTensor' (seen: "
+    "peft 0.18.0, the transformers path on unsloth's Kaggle pins). A layer whose weight is not a torchao "
+    "tensor is left to peft's other dispatchers, as it would be without torchao",
+    upstream="https://github.com/pytorch/ao/pull/4258 (torchao removed the class; peft 0.21 no longer imports it)",
+    group="compat",
+    when=_peft_before_0_21,
+)
+def _torchao_dispatch_without_removed_class(original: Callable[..., Any]) -> Callable[..., Any]:
+    def dispatch_torchao(target: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return original(target, *args, **kwargs)
+        except ImportError:
+            base = target.get_base_layer() if hasattr(target, "get_base_layer") else target
+            if type(getattr(base, "weight", None)).__module__.split(".")[0] == "torchao":
+                raise  # a torchao weight that this peft cannot handle: say so
+            return None
+
+    return dispatch_torchao
+
+
 # Whether a model computes its loss with nbkit's chunked loss (nbkit.savers.loss.is_applied), handed
 # over by that module when it applies: it imports this one, so this one must not import it.
 _chunked_loss: Callable[[Any], bool] | None = None

@@ -88,8 +88,9 @@ GROUPS: dict[str, Group] = {
         Group(
             "compat",
             "nbkit.compat",
-            "in every rank nbkit starts, on transformers/trl releases older than 5 / 1 only: "
-            "their defaults that break DDP or nbkit's chunked loss",
+            "in every rank nbkit starts, on transformers/trl/peft releases older than 5 / 1 / 0.21 only: "
+            "their defaults and bugs that break DDP, nbkit's chunked loss, QLoRA of a peft model or LoRA "
+            "beside a newer torchao",
         ),
         Group(
             "live",

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import nbkit
+from nbkit import compat
 from nbkit.mixed_precision import fit_for_fp16
 
 
@@ -112,3 +113,67 @@ def _groups_in_rank() -> list[str]:
 
 def test_every_launched_rank_gets_the_fp16_fix():
     assert "mixed_precision" in nbkit.launch(_groups_in_rank, gpus=1)
+
+
+@pytest.mark.skipif(_trl_casts_to_bf16(), reason="TRL 1.x leaves the adapters of a PeftModel it is given trainable")
+def test_sft_trainer_keeps_the_adapters_of_a_quantised_peft_model_trainable(tiny_text_path, tmp_path):
+    nbkit.uninstall("compat")
+    model = _lora_model(tiny_text_path)
+    lora = {n for n, p in model.named_parameters() if p.requires_grad}
+    _sft_trainer(model, tiny_text_path, tmp_path, fp16=False)
+    assert lora and not any(p.requires_grad for p in model.parameters())  # the cause: TRL 0.22 froze them all
+    compat.enable()
+    try:
+        model = _lora_model(tiny_text_path)
+        trainer = _sft_trainer(model, tiny_text_path, tmp_path, fp16=False)
+        assert {n for n, p in model.named_parameters() if p.requires_grad} == lora
+        before = {n: p.detach().clone() for n, p in model.named_parameters() if n in lora}
+        trainer.train()
+        # LoRA's B starts at zero: after one step every adapter weight pair has moved
+        moved = {n for n, p in model.named_parameters() if n in lora and not torch.equal(p, before[n])}
+        assert {n for n in lora if "lora_B" in n} <= moved
+    finally:
+        nbkit.uninstall("compat")
+
+
+_TORCHAO_WITHOUT_THE_CLASS = {  # a torchao as 0.18 ships it, as far as peft's dispatcher looks: no LinearActivationQuantizedTensor
+    "torchao/__init__.py": "",
+    "torchao/dtypes.py": "import torch\n\nclass AffineQuantizedTensor(torch.Tensor):\n    pass\n",
+    "torchao/quantization/__init__.py": "",
+    "torchao-0.18.0.dist-info/METADATA": "Metadata-Version: 2.1\nName: torchao\nVersion: 0.18.0\n",
+}
+
+# transformers imports a torchao it finds at its own import: the stand-in goes on the path after that,
+# before peft adds LoRA (peft asks whether torchao is there at that moment).
+_ADD_LORA = """
+import sys
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM
+if sys.argv[2] == "nbkit":
+    from nbkit import compat
+    compat.enable()
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1])
+sys.path.insert(0, sys.argv[3])
+model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+print("lora layers:", sum(name.endswith("lora_A") for name, _ in model.named_modules()))
+"""
+
+
+@pytest.mark.skipif(not compat._peft_before_0_21(), reason="peft 0.21 does not import the removed torchao class")
+def test_lora_is_added_beside_a_torchao_without_linear_activation_quantized_tensor(tiny_text_path, tmp_path):
+    import subprocess
+    import sys
+
+    for name, text in _TORCHAO_WITHOUT_THE_CLASS.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+
+    def add_lora(how: str) -> subprocess.CompletedProcess[str]:
+        command = [sys.executable, "-c", _ADD_LORA, tiny_text_path, how, str(tmp_path)]
+        return subprocess.run(command, capture_output=True, text=True, timeout=300)
+
+    plain = add_lora("plain")
+    assert plain.returncode != 0 and "cannot import name 'LinearActivationQuantizedTensor'" in plain.stderr
+    fixed = add_lora("nbkit")
+    assert fixed.returncode == 0, fixed.stderr[-2000:]
+    assert int(fixed.stdout.split("lora layers:")[1]) > 0
