@@ -27,6 +27,7 @@ attached to the function.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -200,6 +201,7 @@ def _apply(profile: Profile) -> None:
         torch.backends.cudnn.allow_tf32 = False
         restore.append(lambda: _set_tf32(matmul, conv))
     restore.append(_uncap_memory)
+    restore.extend(_fixes_for(profile))
     _state.profile, _state.restore = profile, restore
     if torch.cuda.is_initialized():
         _cap_memory()
@@ -219,6 +221,25 @@ def _apply(profile: Profile) -> None:
             "no flash attention, no TF32" if not profile.flash_attention else "flash attention",
             "; ".join(profile.cannot),
         )
+
+
+def _fixes_for(profile: Profile) -> list[Callable[[], None]]:
+    """Apply here nbkit's fixes for what the profile's GPU lacks; returns how to revert those applied now.
+
+    Every rank nbkit starts has them (nbkit.integration.prepare_rank); a process that trains itself
+    under the profile (accelerate's notebook_launcher with one GPU runs the function in place, or a
+    plain script) did not: on an H100 under the T4 profile it ran transformers' grouped-query
+    attention in the math kernel and ran out of the 15 GiB at 16K tokens (allocating 16 GiB), where
+    the same model in a launched rank trained at 64K. Groups applied before stay as they are.
+    """
+    from nbkit import integration  # here: integration's rank set-up imports this module
+
+    reverts: list[Callable[[], None]] = []
+    for group, lacking in (("attention", not profile.flash_attention), ("mixed_precision", not profile.bf16)):
+        if lacking and not (patching.applied(group) or patching.pending(group)):
+            integration.install(group)
+            reverts.append(functools.partial(patching.revert, group))
+    return reverts
 
 
 def _set_tf32(matmul: bool, conv: bool) -> None:

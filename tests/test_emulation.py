@@ -61,6 +61,27 @@ def test_t4_profile_switches_precision_kernels_and_environment_and_undoes_them_e
     torch.backends.cuda.matmul.allow_tf32 = False
 
 
+def test_the_profile_brings_the_t4_fixes_into_this_process_and_takes_them_back():
+    # A process that trains itself (notebook_launcher in place, a script) needs what launched ranks get:
+    # attention without flash (seq x seq memory otherwise) and fp16-ready dtypes under TRL's SFTTrainer.
+    nbkit.uninstall("attention")
+    nbkit.uninstall("mixed_precision")
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    nbkit.emulate("T4")
+    assert patching.applied("attention") == ["torch.nn.functional:scaled_dot_product_attention"]
+    assert patching.applied("mixed_precision") or patching.pending("mixed_precision")
+    assert torch.nn.functional.scaled_dot_product_attention is not sdpa
+    nbkit.emulate(None)
+    assert not (patching.applied("attention") or patching.applied("mixed_precision"))
+    assert not patching.pending("mixed_precision")
+    assert torch.nn.functional.scaled_dot_product_attention is sdpa
+    nbkit.install("attention")  # applied before the profile: switching it off leaves it
+    nbkit.emulate("T4")
+    nbkit.emulate(None)
+    assert patching.applied("attention")
+    nbkit.uninstall("attention")
+
+
 def test_precision_stays_fp32_without_a_gpu_under_a_profile():
     nbkit.emulate("T4")
     assert distributed.visible_gpus() == [] or pytest.skip("a GPU is visible")
