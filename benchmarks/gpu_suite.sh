@@ -6,6 +6,7 @@
 #   bash benchmarks/gpu_suite.sh matrix               # the 1K/16K launcher/backend matrix
 #   bash benchmarks/gpu_suite.sh savers               # memory savers 8K-64K
 #   bash benchmarks/gpu_suite.sh t4 t4notebooks       # T4 profile, one GPU: longest sequence per path, notebooks
+#   bash benchmarks/gpu_suite.sh t4both               # the rest of the T4 matrix, both sets, six streams side by side (~9.5 min)
 #   bash benchmarks/gpu_suite.sh scaling              # unsloth 1 -> 2 GPUs: checkpointing paths x DDP knobs, profiled
 #   bash benchmarks/gpu_suite.sh launchers            # the same function via nbkit.launch, notebook_launcher, accelerate
 #   bash benchmarks/gpu_suite.sh scaling4             # unsloth on 1 and 4 GPUs (needs 4)
@@ -41,6 +42,16 @@ if [ -z "${SUITE_DRY_RUN:-}" ] && [ ! -e /tmp/site/.nbkit-installed ]; then
   touch /tmp/site/.nbkit-installed
 fi
 export PYTHONPATH=/tmp/site:$PWD HF_HUB_OFFLINE=1 UNSLOTH_DISABLE_STATISTICS=1 PYTHONUNBUFFERED=1
+# SUITE_SET=oldest: unsloth's Kaggle pins (transformers 4.57.1, trl 0.22.2 and what they need, from .whl-oldest/,
+# see ../shared/gpu/README.md) go first on the path. unsloth writes the code it generates for the transformers it
+# finds into UNSLOTH_COMPILE_LOCATION: one per set, so that both sets can run side by side.
+if [ "${SUITE_SET:-newest}" = oldest ]; then
+  if [ ! -e /tmp/oldest/.nbkit-installed ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/oldest .whl-oldest/*.whl || exit 1
+    touch /tmp/oldest/.nbkit-installed
+  fi
+  export PYTHONPATH=/tmp/oldest:$PYTHONPATH UNSLOTH_COMPILE_LOCATION=/tmp/unsloth-cache-oldest
+fi
 export NBKIT_CACHE=${NBKIT_CACHE:-/tmp/nbkit-cache} NBKIT_RESULTS_DIR=$OUT TOKENIZERS_PARALLELISM=false
 
 part() {  # part NAME SECONDS COMMAND...
@@ -84,8 +95,8 @@ for what in "$@"; do
       for quant in ${T4_QUANTS:-16bit 4bit}; do
         part "t4_$quant" "${T4_LIMIT:-560}" python3 benchmarks/trainer_bench.py --longest --emulate T4 \
           --configs "${T4_CONFIGS:-unsloth:1,transformers:1,liger:1}" --quant "$quant" --unsloth-loss nbkit \
-          --shapes "${T4_SHAPES:-64k,96k,128k}" --steps 1 --warmup 1 --time-limit "$(( ${T4_LIMIT:-560} - 120 ))" \
-          --launch-timeout 400 --out "$OUT/t4_$quant.json" --md "$OUT/t4_$quant.md"
+          --shapes "${T4_SHAPES:-64k,96k,128k}" --steps 1 --warmup "${T4_WARMUP:-1}" \
+          --time-limit "$(( ${T4_LIMIT:-560} - 120 ))" --launch-timeout "${T4_LAUNCH_TIMEOUT:-400}" --out "$OUT/t4_$quant.json" --md "$OUT/t4_$quant.md"
       done ;;
     t4notebooks)
       # The notebooks, one GPU, under the T4 profile (the emulate parameter), short runs; T4_NB_PARAMS adds
@@ -95,6 +106,34 @@ for what in "$@"; do
         part "t4_nb_$nb" "${T4_NB_LIMIT:-420}" python3 notebooks/run.py "$nb" --out "$OUT/t4_notebooks" \
           -p gpus=1 -p emulate=T4 -p max_steps=10 -p num_samples=80 ${T4_NB_PARAMS:-}
       done ;;
+    t4both)
+      # The rest of the T4 matrix in one call (~9.5 minutes): six streams side by side on one GPU, each process
+      # capped at 15 GiB by the profile, so their step times say that a case trains, not how fast. The newest set:
+      # the flagship (live set) with unsloth in 4-bit; the one-shot flagship and text_llm_ddp with unsloth (the
+      # planner's choice of weights) and transformers in 4-bit; Liger's kernels at 64K in 16-bit and 4-bit. The
+      # oldest set: unsloth and transformers at 64K in both weights, and the flagship with both backends in 4-bit.
+      bash "$0" env
+      SUITE_SET=oldest bash "$0" env_oldest
+      # One notebook run: nbrun SUBDIR LIMIT NOTEBOOK PARAMETER... (its log and executed copy under $OUT/SUBDIR).
+      nbrun() { local sub=$1 limit=$2 nbname=$3; shift 3
+        OUT=$OUT/$sub T4_NB_LIMIT=$limit T4_NOTEBOOKS=$nbname T4_NB_PARAMS="$* -p max_seq_length=1024 -p save_steps=6" \
+          bash "$0" t4notebooks; }
+      ( nbrun nb_flagship_unsloth_4bit 330 qwen3_vl_2xT4 -p backend=unsloth -p load_in_4bit=True
+        nbrun nb_oneshot_unsloth 240 qwen3_vl_2xT4_oneshot -p backend=unsloth ) &
+      ( nbrun nb_text_unsloth 200 text_llm_ddp -p backend=unsloth
+        nbrun nb_text_transformers_4bit 150 text_llm_ddp -p backend=transformers -p load_in_4bit=True
+        nbrun nb_oneshot_transformers_4bit 150 qwen3_vl_2xT4_oneshot -p backend=transformers -p load_in_4bit=True ) &
+      ( export SUITE_SET=oldest
+        nbrun oldest_nb_flagship_unsloth_4bit 330 qwen3_vl_2xT4 -p backend=unsloth -p load_in_4bit=True
+        nbrun oldest_nb_flagship_transformers_4bit 200 qwen3_vl_2xT4 -p backend=transformers -p load_in_4bit=True ) &
+      OUT=$OUT/liger T4_CONFIGS=liger:1 T4_SHAPES=64k T4_WARMUP=0 T4_LIMIT=250 T4_LAUNCH_TIMEOUT=240 bash "$0" t4 &
+      for quant in 4bit 16bit; do
+        OUT=$OUT/oldest_$quant SUITE_SET=oldest T4_CONFIGS=unsloth:1,transformers:1 T4_QUANTS=$quant T4_SHAPES=64k \
+          T4_WARMUP=0 T4_LIMIT=500 T4_LAUNCH_TIMEOUT=330 bash "$0" t4 &
+      done
+      wait ;;
+    env_oldest)
+      part env_oldest 60 python3 -c "import transformers, trl, peft, accelerate; print('oldest set:', transformers.__version__, trl.__version__, peft.__version__, accelerate.__version__)" ;;
     scaling)
       # unsloth on one GPU (notebook_launcher runs one process in place: unsloth's single-GPU
       # path) and on 2 under nbkit.launch: with nbkit's default (unsloth's single-GPU checkpointing
@@ -217,7 +256,9 @@ for what in "$@"; do
       # limit is recorded as skipped; `speed` ends within ~9.8 minutes (limits below; SPEED_LIMITS overrides).
       # The optimizer is Trainer's default, adamw_torch_fused (transformers with torch >= 2.8), everywhere.
       configs=unsloth:1@notebook,liger+compile+lean:1@notebook,liger:1@notebook
-      run=(--shapes 1024x4,16384x1 --steps 9 --warmup 2 --windows 3 --launch-timeout 160)
+      # unsloth's launch takes up to ~250 s for both shapes (one H100: 128 s to its first step, then ~90 s of
+      # compilation for the second shape), so 160 s cut it off at 16K. SPEED_SHAPES picks fewer shapes.
+      run=(--shapes "${SPEED_SHAPES:-1024x4,16384x1}" --steps 9 --warmup 2 --windows 3 --launch-timeout 280)
       # Seconds: model; bf16 part, its last launch start; T4 part, its last launch start. Both parts in one call
       # fit in ~10 minutes only where unsloth's launches are at the fast end: the T4 part's +compile launch may be
       # skipped there; one part per call has room for all of its launches.

@@ -51,6 +51,7 @@ import statistics
 import sys
 import tempfile
 import time
+import traceback
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -311,6 +312,10 @@ def _case(launch: Launch, model: Any, seq_len: int, batch: int, device: torch.de
         row.update(status="ok", loss_first=losses[0] if losses else None, loss_last=losses[-1] if losses else None)
     except Exception as exc:  # recorded, and the next shape runs (a single process recovers from an OOM)
         row.update(status="oom" if _oom(exc) else "error", error=f"{type(exc).__name__}: {exc}"[-2000:])
+        # The one-line error alone does not say where (an inductor assertion names no frame): the
+        # traceback goes to the log and into the row.
+        row["traceback"] = traceback.format_exc()[-6000:]
+        print(row["traceback"], file=sys.stderr, flush=True)
     finally:
         del trainer
         gc.collect()
@@ -419,6 +424,7 @@ def _row(launch: Launch, row: dict, ranks: list[dict], load_s: float, first: boo
         "batch": row["batch"],
         "status": "ok" if ok else next(r["status"] for r in ranks if r["status"] != "ok"),
         "error": next((r["error"] for r in ranks if r.get("error")), None),
+        "traceback": next((r["traceback"] for r in ranks if r.get("traceback")), None),
         "step_times_s": times,
         "step_time_s": stats,
         "tokens_per_s_per_gpu": tokens / stats["median"] if stats else None,
