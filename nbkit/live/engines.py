@@ -297,33 +297,19 @@ class Engines(SetState):
                 ar.get(timeout=wait)
 
     def _shutdown(self, *, kill: bool) -> None:
-        """Stop the engines nbkit started (SIGTERM, then SIGKILL after 3 s; SIGKILL at once with kill),
-        the controller, the client and the relay; remove the set's files. Safe to call twice.
+        """Stop the engines nbkit started (SIGTERM, then SIGKILL after _ENGINE_GRACE_S; SIGKILL at once with
+        kill) and what their cells started, the controller, the client and the relay; remove the set's
+        files. Safe to call twice.
         """
         procs = list(self._processes)  # every engine nbkit started, also those not yet given a rank
+        supervisor.stop({proc.pid: proc for proc in procs}, 0 if kill else _ENGINE_GRACE_S)
         for proc in procs:
-            if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(proc.pid, signal.SIGKILL if kill else signal.SIGTERM)
-        deadline = time.monotonic() + 3
-        for proc in procs:
-            try:
-                proc.wait(timeout=max(0.05, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
             _end_group(proc.pid)
         if self._cluster is not None and self._cluster.controller is not None:
             # SIGTERM: the controller ends its heart monitor process itself; SIGKILL if it hangs.
             pid = self._cluster.controller.pid
             if pid > 0:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGTERM)
-                deadline = time.monotonic() + 3
-                while supervisor.pid_alive(pid) and time.monotonic() < deadline:
-                    time.sleep(0.02)
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
+                supervisor.stop({pid: pid}, _ENGINE_GRACE_S)
         if self._cluster is not None:
             _stop_loop_thread(self._cluster)
         if self._client is not None and self._owned:
@@ -371,6 +357,11 @@ class Engines(SetState):
 
 
 _POLL_S = 0.1  # how often the monitor looks at the engine processes
+# Between SIGTERM and SIGKILL for an engine or the controller that nbkit started. An engine ends with
+# os._exit as soon as Python runs its SIGTERM handler (nbkit.live.engine); one busy in native code (a
+# collective waiting for a dead peer) never gets there, so the grace is short: stopping a set must
+# not hang on such a rank. The controller gets the same for ending its heart monitor process itself.
+_ENGINE_GRACE_S = 3.0
 
 
 def _identify(client: Any, ids: list[int], timeout: float) -> list[EngineInfo]:
