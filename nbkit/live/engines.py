@@ -22,7 +22,7 @@ from nbkit import config, rankside, supervisor
 from nbkit.errors import LiveError
 from nbkit.live import engine as rank_side
 from nbkit.live import registry
-from nbkit.live.messages import EngineInfo, RankPlan
+from nbkit.live.messages import EngineInfo, Lost, RankPlan
 from nbkit.live.relay import Relay
 from nbkit.live.state import SetState, _join, _Rank
 
@@ -216,18 +216,26 @@ class Engines(SetState):
             except Exception as exc:
                 raise LiveError(f"Rank {r.rank} failed to start: {exc}") from None
 
-    def _on_lost(self, rank: int) -> None:
+    def _on_lost(self, lost: Lost) -> None:
         if self._stopped or self._ended is not None:
             return
-        r = self._ranks[rank] if 0 <= rank < len(self._ranks) else None
-        if r is not None and r.process is not None:
-            # nbkit's own engine: the monitor names the signal or exit code in a moment.
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                r.process.wait(timeout=1.0)
-            if r.process.poll() is not None:
-                self._end(self._death_text(r))
+        # nbkit's own engines: the process whose connection closed ends in a moment, and its exit status
+        # names the signal or exit code. Which one it is: the rank's, or any, for a connection that
+        # closed before it said which rank it was.
+        if lost.rank is None:
+            suspects = [r for r in self._ranks if r.process is not None]
+        else:
+            suspects = [r for r in self._ranks[lost.rank : lost.rank + 1] if r.process is not None]
+        deadline = time.monotonic() + 1.0
+        while suspects:
+            dead = next((r for r in suspects if r.process is not None and r.process.poll() is not None), None)
+            if dead is not None:
+                self._end(self._death_text(dead))
                 return
-        self._end(f"rank {rank}'s connection to the notebook closed: its process died, or its host went away.")
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.02)
+        self._end(f"{lost.what}: its process died, or its host went away.")
 
     def _monitor(self) -> None:
         """Watch nbkit's engine processes and the controller; a death ends the set at once."""
