@@ -164,9 +164,7 @@ _KILLED_WAIT_S = 10.0
 
 
 # psutil.wait_procs does this waiting too, but psutil is no dependency of nbkit (of its tests only),
-# and the loop below is all of it that stop() needs.
-
-
+# and a loop of a few lines is all of it that stop() needs.
 def stop(
     processes: Mapping[_K, int | subprocess.Popen],
     grace_s: float,

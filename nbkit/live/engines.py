@@ -314,7 +314,8 @@ class Engines(SetState):
         for proc in procs:
             _end_group(proc.pid)
         if self._cluster is not None and self._cluster.controller is not None:
-            # SIGTERM: the controller ends its heart monitor process itself; SIGKILL if it hangs.
+            # SIGTERM: the controller ends its heart monitor process itself; SIGKILL if it hangs. ipyparallel's
+            # own wait for it (psutil) only sees it gone when stop() collected it first.
             pid = self._cluster.controller.pid
             if pid > 0:
                 supervisor.stop({pid: pid}, _ENGINE_GRACE_S)
