@@ -41,7 +41,7 @@ from nbkit import channel, distributed, forksafety, integration, notices, patchi
 from nbkit import dashboard as dashboards
 from nbkit.config import environment
 from nbkit.errors import LaunchError, RankError
-from nbkit.supervisor import ExitStatus, exit_status, hang_hint, kill, pid_alive, render_failures
+from nbkit.supervisor import ExitStatus, exit_status, hang_hint, kill, render_failures, stop
 
 __all__ = ["LaunchError", "launch"]
 
@@ -225,6 +225,11 @@ _LAUNCHER_GRACE_S = 0.5
 # 0's value and says so. A rank's own ending runs no C++ destructor (os._exit) and takes well under
 # a second; what remains past this is a thread that never ends or a hang at exit.
 _EXIT_GRACE_S = 30.0
+# How long a rank still running once torch elastic is done (interrupted, abandoned) gets between
+# SIGTERM and SIGKILL. A rank ends on SIGTERM at once (it restores the default action, see _Child);
+# this is for one whose own code installed a handler (a library that saves or flushes on SIGTERM),
+# short enough that an interrupted cell still returns within seconds.
+_LEFTOVER_GRACE_S = 5.0
 # The signal number whose Python handler ends torch elastic's wait. It is never sent to any
 # process: _thread.interrupt_main(signum) only runs that handler in the main thread. SIGUSR2 because
 # nothing in a notebook process handles it; the handler is installed for the launch only.
@@ -519,19 +524,10 @@ class _Run:
 
     # -- stopping ---------------------------------------------------------------------------
     def _stop_leftovers(self) -> None:
-        """Make sure no rank outlives the launch: SIGTERM, a short grace, then SIGKILL."""
-        alive = [pid for pid in self.pids.values() if pid_alive(pid)]
-        for pid in alive:
-            kill(pid, signal.SIGTERM)
-        deadline = time.monotonic() + 5
-        while alive and time.monotonic() < deadline:
-            alive = [pid for pid in alive if pid_alive(pid)]
-            time.sleep(0.05)
-        for pid in alive:
-            kill(pid, signal.SIGKILL)
-        for pid in self.pids.values():
-            with contextlib.suppress(ChildProcessError, OSError):
-                os.waitpid(pid, 0 if pid in alive else os.WNOHANG)
+        """Make sure no rank outlives the launch, nor stays as a zombie once torch elastic is done:
+        SIGTERM, up to _LEFTOVER_GRACE_S, then SIGKILL; every rank's process collected.
+        """
+        stop(self.pids, _LEFTOVER_GRACE_S)
 
     # -- messages ---------------------------------------------------------------------------
     def _timeout_message(self) -> str:

@@ -52,8 +52,12 @@ __all__ = ["run_source"]
 
 _log = notices.logger(__name__)
 # After SIGINT, how long the launcher process gets to stop its ranks (each SIGTERM, then SIGKILL after
-# 5 s) and report, before it is killed.
+# 5 s: launching._LEFTOVER_GRACE_S) and report, before it is killed: more than those 5 s, as it
+# also sends its report and ends its interpreter.
 _LAUNCHER_STOP_GRACE_S = 15.0
+# Once it has reported, how long the launcher process gets to end by itself before it is killed. Its
+# ranks are gone by then, so this only bounds the wait for a launcher that hangs at exit.
+_LAUNCHER_EXIT_GRACE_S = 30.0
 # The launcher process enforces `timeout` itself; the notebook side stops it only if it hangs past
 # this much more (its start, importing torch, takes seconds on a loaded machine).
 _LAUNCHER_SLACK_S = 60.0
@@ -206,11 +210,8 @@ class _Coordinator:
             self._close_board(False)
             raise
         finally:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=30)
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+            # it has reported (or was stopped) and ends by itself: SIGKILL only if it hangs on its way out
+            supervisor.stop({"launcher": proc}, _LAUNCHER_EXIT_GRACE_S, first=None)
             for thread in forwarders:
                 thread.join(timeout=5)
             reader.close()
@@ -309,13 +310,8 @@ class _Coordinator:
 
     @staticmethod
     def _stop(proc: subprocess.Popen) -> None:
-        """Ask the launcher to stop its ranks (SIGINT, as an interrupt would), then insist."""
-        with contextlib.suppress(ProcessLookupError):
-            proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=_LAUNCHER_STOP_GRACE_S)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        """Ask the launcher to stop its ranks (SIGINT, as an interrupt would), then insist (SIGKILL)."""
+        supervisor.stop({"launcher": proc}, _LAUNCHER_STOP_GRACE_S, first=signal.SIGINT)
 
 
 def _child_environment() -> dict[str, str]:

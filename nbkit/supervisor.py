@@ -8,7 +8,9 @@ in a rank. One cause gets the same words and the same advice whichever way the r
 - errors whose text nbkit recognises (`FAILURE_HINTS`), added to any message that shows them;
 - the text for a run that hangs in a collective (`hang_hint`);
 - a list of rank failures rendered for a LaunchError / LiveError (`render_failures`);
-- probing and signalling processes by pid (`pid_alive`, `kill`).
+- probing and signalling processes by pid (`pid_alive`, `kill`);
+- stopping processes: ask, wait a grace period, then SIGKILL (`stop`), the one way every part of
+  nbkit ends the processes it started.
 """
 
 from __future__ import annotations
@@ -16,12 +18,15 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-from collections.abc import Iterable, Mapping
+import subprocess
+import time
+from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass
+from typing import TypeVar
 
 from nbkit.errors import RankError
 
-__all__ = ["FAILURE_HINTS", "ExitStatus", "exit_status", "hang_hint", "kill", "pid_alive", "render_failures"]
+__all__ = ["FAILURE_HINTS", "ExitStatus", "exit_status", "hang_hint", "kill", "pid_alive", "render_failures", "stop"]
 
 # (text in a rank's error, what it means and what to do): added to the message of such a failure.
 FAILURE_HINTS = (
@@ -144,6 +149,95 @@ def kill(pid: int, sig: signal.Signals) -> None:
     """Send `sig` to `pid`; a process that is gone already is no error."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.kill(pid, sig)
+
+
+_K = TypeVar("_K", bound=Hashable)
+
+# How often stop() looks whether the processes have ended: a waitpid or a /proc read each, cheap
+# enough that a process that ends at once is seen within a few hundredths of a second.
+_STOP_POLL_S = 0.02
+# How long stop() waits for a SIGKILLed process to be gone. SIGKILL takes effect within milliseconds
+# unless the process sits in an uninterruptible call in the kernel (a GPU driver call, a hung network
+# file system), which ends only when that call returns: such a process is reported, not waited for
+# forever, so the notebook stays usable.
+_KILLED_WAIT_S = 10.0
+
+
+# psutil.wait_procs does this waiting too, but psutil is no dependency of nbkit (of its tests only),
+# and a loop of a few lines is all of it that stop() needs.
+def stop(
+    processes: Mapping[_K, int | subprocess.Popen],
+    grace_s: float,
+    *,
+    first: signal.Signals | None = signal.SIGTERM,
+) -> dict[_K, ExitStatus | None]:
+    """Stop `processes` (each a pid or a subprocess.Popen, under a key of the caller's: a rank, a
+    pid): send each that still runs `first`, wait up to `grace_s` seconds for all of them together,
+    then SIGKILL those still running. `first=None`: they are ending by themselves (nothing is sent
+    before the SIGKILL); `grace_s=0`: SIGKILL at once.
+
+    Returns how each ended, under its key in `processes`' order: its ExitStatus (the signal that
+    ended it, or its exit code); ExitStatus() where the status is not ours to read (a process that
+    is not a child of this one, or that its owner collected first); None for one still running
+    _KILLED_WAIT_S after SIGKILL (stuck in the kernel, see there). Collects (reaps) every child it
+    reports on, so none is left as a zombie: a Popen through the Popen (its returncode is set), a
+    child given by pid with waitpid (pass a pid only where nobody else needs its status). A process
+    that ended before the call is reported, never signalled. Never raises for a process that is gone.
+    """
+    ended: dict[_K, ExitStatus | None] = {}
+    running: dict[_K, int | subprocess.Popen] = {}
+    for key, proc in processes.items():
+        status = _collected(proc)
+        if status is None:
+            running[key] = proc
+        else:
+            ended[key] = status
+    if first is not None and grace_s > 0:
+        for proc in running.values():
+            _send(proc, first)
+    _wait(running, ended, grace_s)
+    for proc in running.values():
+        _send(proc, signal.SIGKILL)
+    _wait(running, ended, _KILLED_WAIT_S)
+    ended.update(dict.fromkeys(running))
+    return {key: ended[key] for key in processes}
+
+
+def _wait(running: dict[_K, int | subprocess.Popen], ended: dict[_K, ExitStatus | None], seconds: float) -> None:
+    """Move the processes of `running` that end within `seconds` (at least one look) to `ended`."""
+    deadline = time.monotonic() + seconds
+    while True:
+        for key, proc in list(running.items()):
+            status = _collected(proc)
+            if status is not None:
+                ended[key] = status
+                del running[key]
+        if not running or time.monotonic() >= deadline:
+            return
+        time.sleep(_STOP_POLL_S)
+
+
+def _send(proc: int | subprocess.Popen, sig: signal.Signals) -> None:
+    if isinstance(proc, subprocess.Popen):
+        # Popen.send_signal signals no process it has collected (whose pid may be another's by now)
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(sig)
+    else:
+        kill(proc, sig)
+
+
+def _collected(proc: int | subprocess.Popen) -> ExitStatus | None:
+    """How `proc` ended, collecting it if it is a child of this process; None while it runs."""
+    if isinstance(proc, subprocess.Popen):
+        returncode = proc.poll()
+        return None if returncode is None else ExitStatus.from_returncode(returncode)
+    try:
+        pid, status = os.waitpid(proc, os.WNOHANG)
+    except ChildProcessError:  # not our child, or collected by its owner: alive or not is all we can tell
+        return None if pid_alive(proc) else ExitStatus()
+    if pid == 0:
+        return None
+    return ExitStatus.from_returncode(os.waitstatus_to_exitcode(status))
 
 
 def hang_hint(cause: str = "") -> str:

@@ -21,7 +21,7 @@ class CellOutput(SetState):
 
     if TYPE_CHECKING:  # methods of the other parts of LiveRanks that this part calls
 
-        def _on_lost(self, rank: int) -> None: ...
+        def _on_lost(self, lost: Lost) -> None: ...
 
     def _pump(self, wait: float) -> None:
         """Handle the relay's messages for up to `wait` s (on the notebook's main thread, so that output
@@ -65,7 +65,7 @@ class CellOutput(SetState):
             except Exception:  # a display problem must never fail the call
                 logging.getLogger("nbkit").exception("nbkit: the dashboard failed")
         elif isinstance(body, Lost):
-            self._on_lost(message.rank)
+            self._on_lost(body)
         elif isinstance(body, channel.Started):
             self._connected.add(message.rank)
 

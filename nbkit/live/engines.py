@@ -22,7 +22,7 @@ from nbkit import config, rankside, supervisor
 from nbkit.errors import LiveError
 from nbkit.live import engine as rank_side
 from nbkit.live import registry
-from nbkit.live.messages import EngineInfo, RankPlan
+from nbkit.live.messages import EngineInfo, Lost, RankPlan
 from nbkit.live.relay import Relay
 from nbkit.live.state import SetState, _join, _Rank
 
@@ -216,18 +216,26 @@ class Engines(SetState):
             except Exception as exc:
                 raise LiveError(f"Rank {r.rank} failed to start: {exc}") from None
 
-    def _on_lost(self, rank: int) -> None:
+    def _on_lost(self, lost: Lost) -> None:
         if self._stopped or self._ended is not None:
             return
-        r = self._ranks[rank] if 0 <= rank < len(self._ranks) else None
-        if r is not None and r.process is not None:
-            # nbkit's own engine: the monitor names the signal or exit code in a moment.
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                r.process.wait(timeout=1.0)
-            if r.process.poll() is not None:
-                self._end(self._death_text(r))
+        # nbkit's own engines: the process whose connection closed ends in a moment, and its exit status
+        # names the signal or exit code. Which one it is: the rank's, or any, for a connection that
+        # closed before it said which rank it was.
+        if lost.rank is None:
+            suspects = [r for r in self._ranks if r.process is not None]
+        else:
+            suspects = [r for r in self._ranks[lost.rank : lost.rank + 1] if r.process is not None]
+        deadline = time.monotonic() + 1.0
+        while suspects:
+            dead = next((r for r in suspects if r.process is not None and r.process.poll() is not None), None)
+            if dead is not None:
+                self._end(self._death_text(dead))
                 return
-        self._end(f"rank {rank}'s connection to the notebook closed: its process died, or its host went away.")
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.02)
+        self._end(f"{lost.what}: its process died, or its host went away.")
 
     def _monitor(self) -> None:
         """Watch nbkit's engine processes and the controller; a death ends the set at once."""
@@ -297,33 +305,20 @@ class Engines(SetState):
                 ar.get(timeout=wait)
 
     def _shutdown(self, *, kill: bool) -> None:
-        """Stop the engines nbkit started (SIGTERM, then SIGKILL after 3 s; SIGKILL at once with kill),
-        the controller, the client and the relay; remove the set's files. Safe to call twice.
+        """Stop the engines nbkit started (SIGTERM, then SIGKILL after _ENGINE_GRACE_S; SIGKILL at once with
+        kill) and what their cells started, the controller, the client and the relay; remove the set's
+        files. Safe to call twice.
         """
         procs = list(self._processes)  # every engine nbkit started, also those not yet given a rank
+        supervisor.stop({proc.pid: proc for proc in procs}, 0 if kill else _ENGINE_GRACE_S)
         for proc in procs:
-            if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(proc.pid, signal.SIGKILL if kill else signal.SIGTERM)
-        deadline = time.monotonic() + 3
-        for proc in procs:
-            try:
-                proc.wait(timeout=max(0.05, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
             _end_group(proc.pid)
         if self._cluster is not None and self._cluster.controller is not None:
-            # SIGTERM: the controller ends its heart monitor process itself; SIGKILL if it hangs.
+            # SIGTERM: the controller ends its heart monitor process itself; SIGKILL if it hangs. ipyparallel's
+            # own wait for it (psutil) only sees it gone when stop() collected it first.
             pid = self._cluster.controller.pid
             if pid > 0:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGTERM)
-                deadline = time.monotonic() + 3
-                while supervisor.pid_alive(pid) and time.monotonic() < deadline:
-                    time.sleep(0.02)
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
+                supervisor.stop({pid: pid}, _ENGINE_GRACE_S)
         if self._cluster is not None:
             _stop_loop_thread(self._cluster)
         if self._client is not None and self._owned:
@@ -371,6 +366,11 @@ class Engines(SetState):
 
 
 _POLL_S = 0.1  # how often the monitor looks at the engine processes
+# Between SIGTERM and SIGKILL for an engine or the controller that nbkit started. An engine ends with
+# os._exit as soon as Python runs its SIGTERM handler (nbkit.live.engine); one busy in native code (a
+# collective waiting for a dead peer) never gets there, so the grace is short: stopping a set must
+# not hang on such a rank. The controller gets the same for ending its heart monitor process itself.
+_ENGINE_GRACE_S = 3.0
 
 
 def _identify(client: Any, ids: list[int], timeout: float) -> list[EngineInfo]:

@@ -121,7 +121,20 @@ class Training:
 class Lost:
     """Not sent by a rank: the notebook's relay puts it in an Envelope of its own when a rank's
     connection closes, which means the rank died.
+
+    Attributes:
+        rank: the rank the connection said it was (its first message, channel.Started); None for one
+            that closed before it said (a rank that died while connecting).
     """
+
+    rank: int | None
+
+    @property
+    def what(self) -> str:
+        """What happened, in words for a message: "rank 1's connection to the notebook closed"."""
+        if self.rank is None:
+            return "a connection to the notebook closed before it said which rank it was"
+        return f"rank {self.rank}'s connection to the notebook closed"
 
 
 @dataclass

@@ -30,13 +30,15 @@ __all__ = ["Relay"]
 _BACKLOG = 4096
 # Seconds a connection has to pass the authkey handshake; one that does not is closed.
 _HANDSHAKE_S = 30.0
+# The Envelope rank of a Lost whose connection closed before it said which rank it was (no rank is negative).
+_UNKNOWN_RANK = -1
 
 
 class Relay:
     """The notebook's end of the ranks' relay connections (multiprocessing.connection, 127.0.0.1 or the
     given address, a random authkey): one thread accepts, one reads, messages go to a queue that the
     notebook's main thread drains while a call runs. A connection that closes is reported as
-    Envelope(rank, Lost()): its rank died.
+    Envelope(rank, Lost(rank)): its rank died (Lost(None): one that had not said which rank it was).
 
     A burst of connections is fine: the listener's backlog holds them, and the authkey handshake runs
     on a short-lived thread per connection, so one slow client cannot hold up the others.
@@ -48,7 +50,7 @@ class Relay:
         self._listener = connection.Listener((host, 0), backlog=_BACKLOG)
         self.address: tuple[str, int] = self._listener.address
         self.messages: queue.Queue[channel.Envelope] = queue.Queue()
-        self._conns: dict[connection.Connection, int] = {}
+        self._conns: dict[connection.Connection, int | None] = {}  # its rank, once its Started said it
         self._pending: set[connection.Connection] = set()  # in the handshake
         self._lock = threading.Lock()
         self._closed = threading.Event()
@@ -91,7 +93,7 @@ class Relay:
             if self._closed.is_set():
                 conn.close()
                 return
-            self._conns[conn] = -1
+            self._conns[conn] = None
 
     def _read(self) -> None:
         while not self._closed.is_set():
@@ -106,11 +108,11 @@ class Relay:
                     message: channel.Envelope = conn.recv()
                 except Exception:  # EOF, or a rank killed mid-message
                     with self._lock:
-                        rank = self._conns.pop(conn, -1)
+                        rank = self._conns.pop(conn, None)
                     with contextlib.suppress(Exception):
                         conn.close()
                     if not self._closed.is_set():
-                        self.messages.put(channel.Envelope(rank, Lost()))
+                        self.messages.put(channel.Envelope(_UNKNOWN_RANK if rank is None else rank, Lost(rank)))
                     continue
                 if isinstance(message.body, channel.Started):
                     with self._lock:
