@@ -27,7 +27,7 @@ def _classes(model: torch.nn.Module) -> list[type]:
 
 def test_unknown_kernels_value_is_refused():
     model = tiny_model("qwen3")
-    with pytest.raises(ValueError, match="kernels='triton' is not valid; use 'liger' or None"):
+    with pytest.raises(ValueError, match="kernels='triton' is not valid; use 'liger', 'auto' or None"):
         savers.apply(model, kernels="triton")
     assert not hasattr(savers._model.base_model(model), "_nbkit_savers")
 
@@ -50,6 +50,22 @@ def test_liger_on_a_cpu_model_says_it_needs_a_gpu_and_changes_nothing(kind):
     assert savers._model.base_model(model)._nbkit_savers.kernels is None
     assert not liger.is_enabled(model)
     assert patching.applied("kernels") == []
+    loss_value, grads = loss_and_grads(model, batch)
+    assert relative_error(loss_value, reference_loss) == 0
+    assert all(torch.equal(grads[n], reference[n]) for n in reference)
+
+
+def test_auto_kernels_fall_back_to_the_savers_alone_where_liger_cannot_run():
+    # Here (no GPU) Liger cannot run, so "auto" is exactly kernels=None: the same savers, the same gradients.
+    model = tiny_model("qwen3")
+    batch = make_batch(model, [20, 13], seed=1)
+    savers.apply(model, checkpointing="recompute", tiled_mlp=2, chunked_loss=True)
+    reference_loss, reference = loss_and_grads(model, batch)
+    savers.remove(model)
+    assert not liger.can_run(model)
+    savers.apply(model, checkpointing="recompute", tiled_mlp=2, chunked_loss=True, kernels="auto")
+    assert savers._model.base_model(model)._nbkit_savers.kernels is None
+    assert not liger.is_enabled(model) and patching.applied("kernels") == []
     loss_value, grads = loss_and_grads(model, batch)
     assert relative_error(loss_value, reference_loss) == 0
     assert all(torch.equal(grads[n], reference[n]) for n in reference)

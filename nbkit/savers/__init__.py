@@ -38,7 +38,7 @@ __all__ = ["CHECKPOINTING", "apply", "remove"]
 
 # The checkpointing modes apply() takes (nbkit.plan models the same ones).
 CHECKPOINTING = ("offload", "recompute", None)
-_KERNELS = ("liger", None)
+_KERNELS = ("liger", "auto", None)
 _COMPILE = ("regional", None)
 # apply()'s compile default: None. On one H100 regional compilation won at 1K x 4 (0.425 s against 0.607 s
 # a step) but failed at 16K, where the tiled MLP splits the sequence (benchmarks/RESULTS.md, "The GPU run");
@@ -76,7 +76,8 @@ def apply(
         chunked_loss: compute `model(..., labels=...).loss` without full logits: with nbkit's chunked
             cross-entropy, or with Liger's fused linear cross-entropy when kernels="liger".
         kernels: "liger" (Liger's fused RMSNorm, RoPE, SwiGLU and linear cross-entropy kernels; Qwen3
-            and Qwen3-VL on CUDA GPUs, see nbkit.savers.liger) or None.
+            and Qwen3-VL on CUDA GPUs, see nbkit.savers.liger), "auto" (Liger's where they can run:
+            supported model, on a GPU, liger-kernel installed; none otherwise, without an error) or None.
         compile: "regional" (torch.compile, inductor, of each decoder layer and vision block in
             place; each compiles on its first call, see nbkit.savers.compiling) or None.
 
@@ -99,9 +100,11 @@ def apply(
     if not isinstance(tiled_mlp, (bool, int)) or (not isinstance(tiled_mlp, bool) and tiled_mlp < 1):
         raise ValueError(f"tiled_mlp={tiled_mlp!r} is not valid; use True, False or a shard count >= 1.")
     if kernels not in _KERNELS:
-        raise ValueError(f"kernels={kernels!r} is not valid; use 'liger' or None.")
+        raise ValueError(f"kernels={kernels!r} is not valid; use 'liger', 'auto' or None.")
     if compile not in _COMPILE:
         raise ValueError(f"compile={compile!r} is not valid; use 'regional' or None.")
+    if kernels == "auto":
+        kernels = "liger" if _liger.can_run(model) else None
     tiled = None if tiled_mlp is False else "auto" if tiled_mlp is True else tiled_mlp
     wanted = _Options(checkpointing, tiled, bool(chunked_loss), kernels, compile)
     base = base_model(model)

@@ -114,6 +114,15 @@ def check(model: nn.Module) -> None:
     _functional()
 
 
+def can_run(model: nn.Module) -> bool:
+    """Whether check(model) passes: what kernels="auto" asks. Changes nothing."""
+    try:
+        check(model)
+    except KernelsError:
+        return False
+    return True
+
+
 # --------------------------------------------------------------------------------------------------
 # Per-module kernels
 
