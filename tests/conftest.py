@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterator
+from importlib.metadata import packages_distributions
 from pathlib import Path
 
 import pytest
@@ -92,3 +94,93 @@ def exact_fp32() -> Iterator[None]:
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     yield
     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = previous
+
+
+# ---- version_independent: tests that `make test-oldest` leaves out (see the marker in pyproject.toml) --------
+
+REPO = Path(__file__).resolve().parents[1]
+RECORDER = Path(__file__).resolve().parent / "versioned_imports"
+
+
+def _pins(path: Path) -> dict[str, str]:
+    """{normalized distribution name: version} of a constraints file's `name==version` lines."""
+    pins = {}
+    for line in path.read_text().splitlines():
+        name, sep, version = line.split("#", 1)[0].partition("==")
+        if sep:
+            pins[name.strip().lower().replace("-", "_")] = version.strip()
+    return pins
+
+
+def versioned_modules() -> frozenset[str]:
+    """The top-level modules of the libraries pinned to different versions in the newest and the oldest set:
+    what a test must not import to run on one set only (the two sets share the rest: torch, the notebook stack)."""
+    newest, oldest = _pins(REPO / "constraints.txt"), _pins(REPO / "constraints-oldest.txt")
+    differ = {name for name in newest.keys() & oldest.keys() if newest[name] != oldest[name]}
+    modules = {
+        module
+        for module, dists in packages_distributions().items()
+        if any(d.lower().replace("-", "_") in differ for d in dists)
+    }
+    return frozenset(modules | differ)
+
+
+class _Record:
+    """The file the processes of a module's tests note their imports of versioned modules in, read test by test."""
+
+    def __init__(self, path: Path):
+        self.path, self.read = path, 0
+
+    def since_last(self) -> list[str]:
+        with open(self.path) as f:
+            f.seek(self.read)
+            text = f.read()
+            self.read = f.tell()
+        return sorted(set(text.splitlines()))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def versioned_imports(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[_Record | None]:
+    """In a module with `version_independent` tests, every process notes the versioned modules it imports: this
+    one from here on, and every Python process started from it (kernels, engines, ranks) from its start, through
+    tests/versioned_imports/sitecustomize.py. Set up before the module's other fixtures (autouse comes first), so
+    that the kernels and sets they start are watched too."""
+    items = [i for i in request.session.items if i.module is request.module]
+    if not any(i.get_closest_marker("version_independent") for i in items):
+        yield None
+        return
+    sys.path.insert(0, str(RECORDER.parent))
+    try:
+        from versioned_imports.sitecustomize import VersionedImports
+    finally:
+        sys.path.remove(str(RECORDER.parent))
+    path = tmp_path_factory.mktemp("versioned-imports") / "imports.txt"
+    path.touch()
+    names = versioned_modules()
+    finder = VersionedImports(names, str(path))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("NBKIT_TEST_VERSIONED_RECORD", str(path))
+        mp.setenv("NBKIT_TEST_VERSIONED_NAMES", ",".join(sorted(names)))
+        mp.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(RECORDER), os.environ.get("PYTHONPATH")])))
+        sys.meta_path.insert(0, finder)
+        try:
+            yield _Record(path)
+        finally:
+            sys.meta_path.remove(finder)
+
+
+@pytest.fixture(autouse=True)
+def version_independent_checked(request: pytest.FixtureRequest, versioned_imports: _Record | None) -> Iterator[None]:
+    """A `version_independent` test fails if it, or a process it used, imported a versioned module (since the
+    test before it ended: a module-scoped kernel's start counts for the module's first test)."""
+    yield
+    if versioned_imports is None:
+        return
+    imported = versioned_imports.since_last()
+    if request.node.get_closest_marker("version_independent"):
+        assert not imported, (
+            "marked version_independent, yet imported libraries whose version differs in the oldest set "
+            f"(so `make test-oldest` must run it: remove the marker): {imported}"
+        )

@@ -18,6 +18,8 @@ from test_live import Kernel
 from nbkit import channel
 from nbkit.live.relay import Relay
 
+pytestmark = pytest.mark.version_independent
+
 
 @pytest.mark.usefixtures("leftovers")
 def test_a_burst_of_64_connections_to_the_relay_all_get_through_within_5_s():
