@@ -14,7 +14,8 @@ from importlib.machinery import ModuleSpec
 
 
 class VersionedImports(MetaPathFinder):
-    """Appends `name pid command` to `record` the first time a process looks for one of `names` (a top level)."""
+    """Appends `name importer pid command` to `record` each time a process looks for one of `names` (a top
+    level); the importer is the module and function whose import statement asked for it."""
 
     def __init__(self, names: frozenset[str], record: str):
         self.names, self.record = names, record
@@ -22,8 +23,20 @@ class VersionedImports(MetaPathFinder):
     def find_spec(self, fullname: str, path: object = None, target: object = None) -> ModuleSpec | None:
         if path is None and fullname in self.names:
             with open(self.record, "a") as out:
-                out.write(f"{fullname} pid {os.getpid()}: {' '.join(sys.argv[:3])}\n")
+                out.write(f"{fullname} {_importer()} pid {os.getpid()}: {' '.join(sys.argv[:3])}\n")
         return None  # the usual finders import it
+
+
+def _importer() -> str:
+    """`module.function` of the innermost frame outside the import machinery and this file."""
+    frame = sys._getframe(2)
+    while frame is not None and (
+        frame.f_code.co_filename.startswith("<frozen") or frame.f_code.co_filename == __file__
+    ):
+        frame = frame.f_back
+    if frame is None:
+        return "?"
+    return f"{frame.f_globals.get('__name__', '?')}.{frame.f_code.co_name}"
 
 
 def install() -> VersionedImports | None:
