@@ -16,6 +16,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
 
 import torch
+from versioned_imports.sitecustomize import VersionedImports
 
 # The test models are tiny and CI has 2 shared cores: a second intra-op thread only spin-waits
 # (measured here: 15 steps of tiny:qwen3 took 1.6 s on one thread, 15 s on two under load).
@@ -127,7 +128,7 @@ def versioned_modules() -> frozenset[str]:
 
 # What every rank of a live set imports at its start, whichever test it runs: the hub's switch for its progress
 # bars (huggingface_hub.utils.disable_progress_bars, nothing else of the library). The live-set tests that run on
-# both sets (test_live_notebook.py, test_live_progress.py, faults/test_live_stop.py) run it on the oldest set too.
+# both sets (test_live_notebook.py, test_fsdp_live.py, faults/test_live_stop.py) run it on the oldest set too.
 START_UP_IMPORTERS = frozenset({"nbkit.reporting._progress_bars_off"})
 
 
@@ -162,11 +163,6 @@ def versioned_imports(
     if not any(i.get_closest_marker("version_independent") for i in items):
         yield None
         return
-    sys.path.insert(0, str(RECORDER.parent))
-    try:
-        from versioned_imports.sitecustomize import VersionedImports
-    finally:
-        sys.path.remove(str(RECORDER.parent))
     path = tmp_path_factory.mktemp("versioned-imports") / "imports.txt"
     path.touch()
     names = versioned_modules()
