@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Iterator
-from importlib.metadata import packages_distributions
 from pathlib import Path
 
 import pytest
@@ -16,6 +15,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
 
 import torch
+from version_split import RECORDER, Record, versioned_modules
 from versioned_imports.sitecustomize import VersionedImports
 
 # The test models are tiny and CI has 2 shared cores: a second intra-op thread only spin-waits
@@ -99,62 +99,11 @@ def exact_fp32() -> Iterator[None]:
 
 # ---- version_independent: tests that `make test-oldest` leaves out (see the marker in pyproject.toml) --------
 
-REPO = Path(__file__).resolve().parents[1]
-RECORDER = Path(__file__).resolve().parent / "versioned_imports"
-
-
-def _pins(path: Path) -> dict[str, str]:
-    """{normalized distribution name: version} of a constraints file's `name==version` lines."""
-    pins = {}
-    for line in path.read_text().splitlines():
-        name, sep, version = line.split("#", 1)[0].partition("==")
-        if sep:
-            pins[name.strip().lower().replace("-", "_")] = version.strip()
-    return pins
-
-
-def versioned_modules() -> frozenset[str]:
-    """The top-level modules of the libraries pinned to different versions in the newest and the oldest set:
-    what a test must not import to run on one set only (the two sets share the rest: torch, the notebook stack)."""
-    newest, oldest = _pins(REPO / "constraints.txt"), _pins(REPO / "constraints-oldest.txt")
-    differ = {name for name in newest.keys() & oldest.keys() if newest[name] != oldest[name]}
-    modules = {
-        module
-        for module, dists in packages_distributions().items()
-        if any(d.lower().replace("-", "_") in differ for d in dists)
-    }
-    return frozenset(modules | differ)
-
-
-# What every rank of a live set imports at its start, whichever test it runs: the hub's switch for its progress
-# bars (huggingface_hub.utils.disable_progress_bars, nothing else of the library). The live-set tests that run on
-# both sets (test_live_notebook.py, test_fsdp_live.py, faults/test_live_stop.py) run it on the oldest set too.
-START_UP_IMPORTERS = frozenset({"nbkit.reporting._progress_bars_off"})
-
-
-class _Record:
-    """The file the processes of a module's tests note their imports of versioned modules in, read test by test."""
-
-    def __init__(self, path: Path, names: frozenset[str]):
-        self.path, self.names, self.read = path, names, 0
-
-    def since_last(self) -> list[str]:
-        with open(self.path) as f:
-            f.seek(self.read)
-            text = f.read()
-            self.read = f.tell()
-        return sorted({line for line in text.splitlines() if not self._expected(line)})
-
-    def _expected(self, line: str) -> bool:
-        """An import by nbkit's start-up of a rank, or by a versioned library (following one already judged)."""
-        importer = line.split()[1]
-        return importer in START_UP_IMPORTERS or importer.split(".", 1)[0] in self.names
-
 
 @pytest.fixture(scope="module", autouse=True)
 def versioned_imports(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[_Record | None]:
+) -> Iterator[Record | None]:
     """In a module with `version_independent` tests, every process notes the versioned modules it imports: this
     one from here on, and every Python process started from it (kernels, engines, ranks) from its start, through
     tests/versioned_imports/sitecustomize.py. Set up before the module's other fixtures (autouse comes first), so
@@ -173,13 +122,13 @@ def versioned_imports(
         mp.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(RECORDER), os.environ.get("PYTHONPATH")])))
         sys.meta_path.insert(0, finder)
         try:
-            yield _Record(path, names)
+            yield Record(path, names)
         finally:
             sys.meta_path.remove(finder)
 
 
 @pytest.fixture(autouse=True)
-def version_independent_checked(request: pytest.FixtureRequest, versioned_imports: _Record | None) -> Iterator[None]:
+def version_independent_checked(request: pytest.FixtureRequest, versioned_imports: Record | None) -> Iterator[None]:
     """A `version_independent` test fails if it, or a process it used, imported a versioned module (since the
     test before it ended: a module-scoped kernel's start counts for the module's first test)."""
     yield

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import RECORDER, START_UP_IMPORTERS, _Record, versioned_modules
+from version_split import RECORDER, START_UP_IMPORTERS, Record, versioned_modules
 
 
 def test_the_watched_modules_are_those_of_the_libraries_pinned_differently():
@@ -37,7 +37,7 @@ def test_a_started_process_records_what_it_imports_and_who_asked(tmp_path):
     _run("import json, torch\ndef load():\n    import tokenizers\nload()", record)
     lines = record.read_text().splitlines()
     assert [line.split()[:2] for line in lines] == [["tokenizers", "__main__.load"]], lines
-    assert _Record(record, versioned_modules()).since_last() == lines  # what a marked test fails with
+    assert Record(record, versioned_modules()).since_last() == lines  # what a marked test fails with
 
 
 def test_a_ranks_start_up_import_is_expected_and_nothing_else_is(tmp_path):
@@ -46,5 +46,5 @@ def test_a_ranks_start_up_import_is_expected_and_nothing_else_is(tmp_path):
     _run("from nbkit import reporting\nreporting._progress_bars_off()\nimport peft", record)
     importers = {line.split()[1] for line in record.read_text().splitlines()}
     assert importers > START_UP_IMPORTERS  # recorded (huggingface_hub), and what peft imports in turn
-    left = _Record(record, versioned_modules()).since_last()
+    left = Record(record, versioned_modules()).since_last()
     assert [line.split()[:2] for line in left] == [["peft", "__main__.<module>"]], left
