@@ -18,8 +18,13 @@ DEMO_OUT ?= notebooks/outputs
 # the hub there too. With a GPU it may: notebooks/run.py asks the hub and uses random weights where it does not answer.
 DEMO_HUB ?= $(if $(shell command -v nvidia-smi),1,0)
 # Which tests `make test-oldest` runs: all but the browser test, which checks the dashboard's HTML in
-# JupyterLab and Notebook 7 (nothing there depends on the transformers / trl line) and runs on the newest set.
-OLDEST_TESTS ?= --ignore=tests/test_browser.py
+# JupyterLab and Notebook 7 (nothing there depends on the transformers / trl line) and runs on the newest set,
+# and the tests marked version_independent: live sets and their faults (nbkit's own process handling on
+# ipyparallel and torch, which both sets share) and an install into an environment of its own, whose processes
+# import none of the libraries the two sets differ in, so a second run repeated the same code (tests/conftest.py
+# fails a marked test that imports one). They are 40 tests and took 340 s of the oldest set's 908 s on 2 shared
+# cores (2026-11-25), which had pushed CI past 30 minutes.
+OLDEST_TESTS ?= --ignore=tests/test_browser.py -m "not gpu and not version_independent"
 
 .PHONY: setup setup-oldest lint test test-oldest dist demo clean
 

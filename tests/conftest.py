@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,6 +15,8 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
 
 import torch
+from version_split import RECORDER, Record, versioned_modules
+from versioned_imports.sitecustomize import VersionedImports
 
 # The test models are tiny and CI has 2 shared cores: a second intra-op thread only spin-waits
 # (measured here: 15 steps of tiny:qwen3 took 1.6 s on one thread, 15 s on two under load).
@@ -92,3 +95,48 @@ def exact_fp32() -> Iterator[None]:
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     yield
     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = previous
+
+
+# ---- version_independent: tests that `make test-oldest` leaves out (see the marker in pyproject.toml) --------
+
+
+@pytest.fixture(scope="module", autouse=True)
+def versioned_imports(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Record | None]:
+    """In a module with `version_independent` tests, every process notes the versioned modules it imports: this
+    one from here on, and every Python process started from it (kernels, engines, ranks) from its start, through
+    tests/versioned_imports/sitecustomize.py. Set up before the module's other fixtures (autouse comes first), so
+    that the kernels and sets they start are watched too."""
+    items = [i for i in request.session.items if i.module is request.module]
+    if not any(i.get_closest_marker("version_independent") for i in items):
+        yield None
+        return
+    path = tmp_path_factory.mktemp("versioned-imports") / "imports.txt"
+    path.touch()
+    names = versioned_modules()
+    finder = VersionedImports(names, str(path))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("NBKIT_TEST_VERSIONED_RECORD", str(path))
+        mp.setenv("NBKIT_TEST_VERSIONED_NAMES", ",".join(sorted(names)))
+        mp.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(RECORDER), os.environ.get("PYTHONPATH")])))
+        sys.meta_path.insert(0, finder)
+        try:
+            yield Record(path, names)
+        finally:
+            sys.meta_path.remove(finder)
+
+
+@pytest.fixture(autouse=True)
+def version_independent_checked(request: pytest.FixtureRequest, versioned_imports: Record | None) -> Iterator[None]:
+    """A `version_independent` test fails if it, or a process it used, imported a versioned module (since the
+    test before it ended: a module-scoped kernel's start counts for the module's first test)."""
+    yield
+    if versioned_imports is None:
+        return
+    imported = versioned_imports.since_last()
+    if request.node.get_closest_marker("version_independent"):
+        assert not imported, (
+            "marked version_independent, yet imported libraries whose version differs in the oldest set "
+            f"(so `make test-oldest` must run it: remove the marker): {imported}"
+        )

@@ -1,6 +1,8 @@
 """A live set (%ddp start) in a real Jupyter kernel run by nbclient, with 2 gloo CPU ranks.
 
-One notebook tells the story a user lives: start the set; load tiny:qwen3 in one cell and train it
+One notebook tells the story a user lives: start the set; rank 0's download and loading bars (the hub's tqdm,
+which transformers' "Loading weights" and datasets use) reach the cell as text, once, not one per rank and not as
+widgets the ranks cannot drive; load tiny:qwen3 in one cell and train it
 with Trainer in a later one (the same model object, its weights changed, the same on both ranks);
 a notebook name used by a %%ddp cell, sent again after the notebook rebinds it (and only then, or with
 --resend); a failing cell,
@@ -36,11 +38,26 @@ json.dumps({"step": trainer.state.global_step, "world": args.world_size, "change
             "same": all(torch.equal(gathered[0], w) for w in gathered[1:]), "model_id": id(model)})
 """
 
+BARS = (
+    "%%ddp\n"
+    "import time\n"
+    "from huggingface_hub.utils import tqdm\n"
+    "for _ in tqdm(range(7), desc='Fetching 7 files'):\n"
+    "    time.sleep(0.02)\n"
+    "from transformers.utils import logging\n"
+    "for _ in logging.tqdm(range(5), desc='Loading weights'):\n"
+    "    time.sleep(0.02)\n"
+    "nbkit.rank()"
+)
+
 CELLS = {
     "setup": "%load_ext nbkit\nimport os, json\nos.environ['NBKIT_DASHBOARD_INTERVAL'] = '0'\nscale = 10",
     "none_status": "%ddp status",
     "start": "%ddp start --gpus 2",
     "pids": "import nbkit\npids = [r.pid for r in nbkit.live.current().status().ranks]\nprint(json.dumps(pids))",
+    # Right after the start, before anything is loaded or trained: only these cells' bars are drawn.
+    "bars": BARS,
+    "bars_all_ranks": BARS.replace("%%ddp", "%%ddp --all-ranks", 1),
     "load": (
         "%%ddp\nimport nbkit, json\nfrom transformers import AutoModelForCausalLM\n"
         "model = AutoModelForCausalLM.from_pretrained(model_path)\n"
@@ -89,6 +106,11 @@ def outputs(tmp_path_factory, kernel_name, tiny_text_path) -> dict[str, dict]:
         return run_cells(cells, path, kernel_name, timeout=600)
 
 
+def _as_shown(text: str) -> list[str]:
+    """The lines a frontend shows for stream text: each line as its last carriage return left it."""
+    return [line.rstrip("\r").rsplit("\r", 1)[-1] for line in text.split("\n") if line.rstrip("\r")]
+
+
 def _value(out: dict):
     assert out["error"] is None, out["error"] and "\n".join(out["error"].traceback)
     return json.loads(eval(out["result"]))  # the repr of the JSON text
@@ -101,6 +123,23 @@ def test_start_and_status(outputs):
     status = outputs["status"]["stdout"]
     assert "rank 0: cpu" in status and "rank 1: cpu" in status and "alive" in status
     assert "model" in status  # the names the cells defined on the ranks
+
+
+def test_rank_zeros_loading_bars_reach_the_cell_once_as_text(outputs):
+    bars = outputs["bars"]
+    assert bars["error"] is None, bars["error"] and "\n".join(bars["error"].traceback)
+    text = bars["stdout"] + bars["stderr"]
+    shown = _as_shown(bars["stderr"])
+    assert [line.split("|")[0] for line in shown] == ["Fetching 7 files: 100%", "Loading weights: 100%"], shown
+    assert "7/7" in shown[0] and "5/5" in shown[1]
+    assert "[rank 1]" not in text
+    # text, redrawn in place with "\r", not ipywidgets the frontend cannot get from a rank
+    assert not [d for d in bars["displays"] if "application/vnd.jupyter.widget-view+json" in d]
+
+
+def test_with_all_ranks_the_other_ranks_show_no_bars(outputs):
+    shown = _as_shown(outputs["bars_all_ranks"]["stderr"])
+    assert [line.split("|")[0] for line in shown] == ["Fetching 7 files: 100%", "Loading weights: 100%"], shown
 
 
 def test_model_loaded_in_one_cell_is_trained_in_later_cells(outputs):

@@ -24,7 +24,7 @@ import pytest
 import nbkit
 from nbkit.errors import LiveError
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.version_independent]
 
 
 @pytest.fixture(scope="module")

@@ -369,6 +369,8 @@ def test_the_install_cell_installs_the_attached_wheel_and_load_ext_works(dist: P
 
 
 @pytest.mark.slow
+# version_independent: its environment has ipython and the wheel only, none of the test environment's libraries.
+@pytest.mark.version_independent
 def test_the_install_cell_names_a_foreign_nbkit_and_replaces_it(dist: Path, tmp_path: Path):
     # A fresh environment with IPython (to run the cell's %pip lines) and the foreign nbkit, nothing else:
     # nothing of the test environment is visible to it, so the cell sees only what a user's machine has.

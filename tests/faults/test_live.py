@@ -18,6 +18,8 @@ import pytest
 from jupyter_client.manager import start_new_kernel
 
 pytestmark = pytest.mark.slow
+# version_independent: live sets whose cells use torch alone. Not the timeout case, which ends in a one-shot
+# %%ddp cell (accelerate's notebook_launcher).
 
 # The targets are 2 s; the asserts allow for a loaded 2-core machine.
 MARGIN_S = 6.0
@@ -111,6 +113,7 @@ def _fresh_set(kernel: Kernel) -> list[psutil.Process]:
     return procs
 
 
+@pytest.mark.version_independent
 def test_interrupt_stops_the_cell_on_every_rank_and_keeps_them(kernel):
     procs = _fresh_set(kernel)
     cell = "%%ddp\nprint('running', flush=True)\nwhile True:\n    time.sleep(0.05)"
@@ -123,6 +126,7 @@ def test_interrupt_stops_the_cell_on_every_rank_and_keeps_them(kernel):
     assert [p.pid for p in procs if not p.is_running()] == []  # the same processes
 
 
+@pytest.mark.version_independent
 def test_interrupt_of_a_rank_waiting_in_a_collective_ends_the_set(kernel):
     procs = _fresh_set(kernel)
     cell = (
@@ -134,6 +138,7 @@ def test_interrupt_of_a_rank_waiting_in_a_collective_ends_the_set(kernel):
     assert kernel.run("print(nbkit.live.current())")["stdout"].strip() == "None"
 
 
+@pytest.mark.version_independent
 def test_killed_rank_ends_the_set_naming_it_and_start_works_again(kernel):
     procs = _fresh_set(kernel)
     cell = (
@@ -159,6 +164,7 @@ def test_killed_rank_ends_the_set_naming_it_and_start_works_again(kernel):
     assert fresh["result"] == "(False, 0)", fresh
 
 
+@pytest.mark.version_independent
 def test_segfault_names_the_signal(kernel):
     procs = _fresh_set(kernel)
     out = kernel.run("%%ddp\nimport ctypes\nif nbkit.rank() == 0:\n    ctypes.string_at(0)\ntime.sleep(120)")
@@ -183,6 +189,7 @@ def test_cell_hanging_in_a_collective_ends_at_its_timeout(kernel):
     assert oneshot["error"] is None and oneshot["result"] == "2", oneshot
 
 
+@pytest.mark.version_independent
 def test_rank_failing_while_another_waits_in_a_collective_ends_the_set(kernel):
     procs = _fresh_set(kernel)
     cell = (
@@ -197,6 +204,7 @@ def test_rank_failing_while_another_waits_in_a_collective_ends_the_set(kernel):
     _ended_the_set(out, procs, *says, within_s=3 + MARGIN_S)
 
 
+@pytest.mark.version_independent
 def test_a_cell_that_does_not_parse_is_one_short_message_and_the_set_lives_on(kernel):
     procs = _fresh_set(kernel)
     out = kernel.run("%%ddp\nx = 1\ny = (x,\n")
@@ -208,6 +216,7 @@ def test_a_cell_that_does_not_parse_is_one_short_message_and_the_set_lives_on(ke
     assert [p.pid for p in procs if not p.is_running()] == []
 
 
+@pytest.mark.version_independent
 def test_a_rank_the_set_does_not_have_is_a_one_line_usage_error(kernel):
     _fresh_set(kernel)
     out = kernel.run("%%ddp --rank 1 5\nx = 0")
@@ -217,6 +226,7 @@ def test_a_rank_the_set_does_not_have_is_a_one_line_usage_error(kernel):
     assert kernel.run("%%ddp --rank 1\nx")["result"] == "41"  # nothing ran, not even on rank 1
 
 
+@pytest.mark.version_independent
 def test_second_start_says_one_is_running(kernel):
     _fresh_set(kernel)
     out = kernel.run("%ddp start --gpus 2")
@@ -225,6 +235,7 @@ def test_second_start_says_one_is_running(kernel):
     assert kernel.run("%%ddp\nx")["result"] == "41"  # the running set is untouched
 
 
+@pytest.mark.version_independent
 def test_kernel_death_leaves_no_process(kernel_name, tmp_path):
     k = Kernel(kernel_name, str(tmp_path))
     try:

@@ -20,7 +20,7 @@ import pytest
 import nbkit
 from nbkit.errors import LiveError
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.version_independent]
 
 
 def _processes(module: str = "ipyparallel.engine") -> list[psutil.Process]:

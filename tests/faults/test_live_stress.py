@@ -114,6 +114,7 @@ def _still_running(procs: list[psutil.Process], within: float = 10.0) -> list[st
 
 
 @pytest.mark.slow
+@pytest.mark.version_independent  # a kernel and a live set, torch alone on the ranks
 def test_processes_a_cell_starts_end_with_ddp_stop(kernel_name, tmp_path):
     kernel = Kernel(kernel_name, str(tmp_path))
     try:
@@ -126,6 +127,7 @@ def test_processes_a_cell_starts_end_with_ddp_stop(kernel_name, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.version_independent  # a kernel and a live set, torch alone on the ranks
 def test_processes_a_cell_starts_end_with_a_killed_kernel(kernel_name, tmp_path):
     kernel = Kernel(kernel_name, str(tmp_path))
     try:
@@ -141,6 +143,7 @@ def test_processes_a_cell_starts_end_with_a_killed_kernel(kernel_name, tmp_path)
 # The stop button a fifth of the way into the send finds the notebook pickling the 500 MB, at three fifths
 # finds them on their way to the ranks. The whole send took 3-8 s on this 2-core machine, depending on its
 # load, so each test times one send of the same size first and stops the next one at its fraction of that.
+@pytest.mark.version_independent  # a kernel and a live set, torch alone on the ranks
 @pytest.mark.parametrize("fraction", [0.2, 0.6], ids=["pickling", "in-transit"])
 def test_a_stop_during_a_500_mb_send_keeps_the_set_and_its_names(kernel_name, tmp_path, fraction):
     kernel = Kernel(kernel_name, str(tmp_path))

@@ -13,7 +13,7 @@ import time
 import pytest
 from test_live import MARGIN_S, Kernel, _ended_the_set
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.version_independent]
 
 
 @pytest.fixture(scope="module")
