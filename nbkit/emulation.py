@@ -232,12 +232,14 @@ def _fixes_for(profile: Profile) -> list[Callable[[], None]]:
     attention in the math kernel and ran out of the 15 GiB at 16K tokens (allocating 16 GiB), where
     the same model in a launched rank trained at 64K. Groups applied before stay as they are.
     """
-    from nbkit import integration  # here: integration's rank set-up imports this module
+    # The modules that declare the two groups (nbkit.integration.GROUPS names them), imported here and not
+    # through integration.install: integration's rank set-up imports this module.
+    from nbkit import attention, mixed_precision  # noqa: F401  (declares the groups' patches)
 
     reverts: list[Callable[[], None]] = []
     for group, lacking in (("attention", not profile.flash_attention), ("mixed_precision", not profile.bf16)):
         if lacking and not (patching.applied(group) or patching.pending(group)):
-            integration.install(group)
+            patching.apply(group)
             reverts.append(functools.partial(patching.revert, group))
     return reverts
 

@@ -103,8 +103,7 @@ def apply(
         raise ValueError(f"kernels={kernels!r} is not valid; use 'liger', 'auto' or None.")
     if compile not in _COMPILE:
         raise ValueError(f"compile={compile!r} is not valid; use 'regional' or None.")
-    if kernels == "auto":
-        kernels = "liger" if _liger.can_run(model) else None
+    kernels = ("liger" if _liger.can_run(model) else None) if kernels == "auto" else kernels
     tiled = None if tiled_mlp is False else "auto" if tiled_mlp is True else tiled_mlp
     wanted = _Options(checkpointing, tiled, bool(chunked_loss), kernels, compile)
     base = base_model(model)
