@@ -34,11 +34,18 @@ def _transformers_4() -> bool:
     return transformers_major() < 5
 
 
-def _trl_0() -> bool:
+def _release(name: str) -> tuple[int, int] | None:
+    """(major, minor) of the installed distribution `name`; None where it is not installed or not numbered so."""
     try:
-        return int(importlib.metadata.version("trl").split(".")[0]) < 1
-    except importlib.metadata.PackageNotFoundError:
-        return False
+        major, minor = importlib.metadata.version(name).split(".")[:2]
+        return int(major), int(minor)
+    except (importlib.metadata.PackageNotFoundError, ValueError):
+        return None
+
+
+def _trl_0() -> bool:
+    release = _release("trl")
+    return release is not None and release < (1, 0)
 
 
 @patching.patch(
@@ -110,11 +117,8 @@ def _peft_model_keeps_its_adapters(original: Callable[..., Any]) -> Callable[...
 
 
 def _peft_before_0_21() -> bool:
-    try:
-        major, minor = (int(x) for x in importlib.metadata.version("peft").split(".")[:2])
-    except (importlib.metadata.PackageNotFoundError, ValueError):
-        return False
-    return (major, minor) < (0, 21)
+    release = _release("peft")
+    return release is not None and release < (0, 21)
 
 
 @patching.patch(
