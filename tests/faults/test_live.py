@@ -71,13 +71,21 @@ class Kernel:
         self.manager.shutdown_kernel(now=True)
 
 
-def _all_gone(processes: list[psutil.Process], within: float = 5.0) -> list[int]:
+def _still_running(processes: list[psutil.Process], within: float = 5.0) -> list[str]:
+    """The command lines of `processes` still running after up to `within` seconds (zombies and processes
+    that vanish while being looked at count as gone)."""
     deadline = time.monotonic() + within
-    alive = processes
-    while alive and time.monotonic() < deadline:
-        alive = [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    while True:
+        left = []
+        for p in processes:
+            try:
+                if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                    left.append(" ".join(p.cmdline()[:4]))
+            except psutil.NoSuchProcess:
+                pass
+        if not left or time.monotonic() > deadline:
+            return left
         time.sleep(0.1)
-    return [p.pid for p in alive]
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +106,7 @@ def _ended_the_set(out: dict, procs: list[psutil.Process], *says: str, within_s:
         assert phrase in text, (phrase, text)
     if within_s is not None:
         assert out["seconds"] < within_s, out["seconds"]
-    assert _all_gone(procs) == []
+    assert _still_running(procs) == []
     return text
 
 
@@ -243,6 +251,6 @@ def test_kernel_death_leaves_no_process(kernel_name, tmp_path):
         procs = k.descendants()
         assert len(procs) >= 3
         os.kill(k.pid, signal.SIGKILL)  # no atexit, no cleanup: only the processes' own watch
-        assert _all_gone(procs) == []
+        assert _still_running(procs) == []
     finally:
         k.close()

@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 
 import pytest
-from test_live import MARGIN_S, Kernel, _all_gone, _ended_the_set
+from test_live import MARGIN_S, Kernel, _ended_the_set, _still_running
 
 pytestmark = pytest.mark.slow
 
@@ -177,7 +177,7 @@ def test_second_interrupt_while_the_stop_is_pending_interrupts_at_once(kernel):
     assert interrupts == 2, stderr
     assert error[0] == "LiveError", error
     assert "rank(s) 0 did not answer the interrupt within 2 s" in error[1], error
-    assert _all_gone(procs) == []
+    assert _still_running(procs) == []
 
 
 def test_rank_0_cell_waiting_in_a_collective_is_named(kernel):

@@ -13,7 +13,7 @@ from multiprocessing import connection
 
 import psutil
 import pytest
-from test_live import Kernel
+from test_live import Kernel, _still_running
 
 from nbkit import channel
 from nbkit.live.relay import Relay
@@ -98,21 +98,6 @@ def _children_of_the_ranks(kernel: Kernel) -> list[psutil.Process]:
     return procs
 
 
-def _still_running(procs: list[psutil.Process], within: float = 10.0) -> list[str]:
-    deadline = time.monotonic() + within
-    while True:
-        left = []
-        for p in procs:
-            try:
-                if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
-                    left.append(" ".join(p.cmdline()[:4]))
-            except psutil.NoSuchProcess:
-                pass
-        if not left or time.monotonic() > deadline:
-            return left
-        time.sleep(0.1)
-
-
 @pytest.mark.slow
 @pytest.mark.version_independent  # a kernel and a live set, torch alone on the ranks
 def test_processes_a_cell_starts_end_with_ddp_stop(kernel_name, tmp_path):
@@ -121,7 +106,7 @@ def test_processes_a_cell_starts_end_with_ddp_stop(kernel_name, tmp_path):
         assert kernel.run("%load_ext nbkit\nimport nbkit\n%ddp start --gpus 2")["error"] is None
         procs = _children_of_the_ranks(kernel)
         assert kernel.run("%ddp stop")["error"] is None
-        assert _still_running(procs) == []
+        assert _still_running(procs, within=10.0) == []
     finally:
         kernel.close()
 
@@ -134,7 +119,7 @@ def test_processes_a_cell_starts_end_with_a_killed_kernel(kernel_name, tmp_path)
         assert kernel.run("%load_ext nbkit\nimport nbkit\n%ddp start --gpus 2")["error"] is None
         procs = _children_of_the_ranks(kernel)
         os.kill(kernel.pid, signal.SIGKILL)  # no atexit, no stop(): only the engines' own watch
-        assert _still_running(procs) == []
+        assert _still_running(procs, within=10.0) == []
     finally:
         kernel.close()
 
