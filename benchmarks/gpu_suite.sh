@@ -24,6 +24,7 @@
 #   bash benchmarks/gpu_suite.sh fsdp                 # FSDP-QLoRA vs device_map="balanced", T4 profile (1 GPU: the dry run)
 #   bash benchmarks/gpu_suite.sh speed                # 1 GPU: unsloth vs transformers+savers+Liger+regional compile, bf16 and T4 profile (~9.8 min)
 #   bash benchmarks/gpu_suite.sh speed_bf16 / speed_t4  # the same, one precision per call (up to ~9 minutes each)
+#   bash benchmarks/gpu_suite.sh compile16k           # regional compile where the tiled MLP splits (16K), 2 GPUs side by side
 #   SUITE_DRY_RUN=1 bash benchmarks/gpu_suite.sh speed  # the same parts on the CPU with tiny:qwen3-vl (no wheels needed)
 #
 # Two sets of parts can share a 4-GPU machine, one GPU pair each (a separate TMPDIR keeps unsloth's
@@ -255,7 +256,9 @@ for what in "$@"; do
       # +compile ~110 s (inductor compiles each shape once). A launch that would start after the part's start
       # limit is recorded as skipped; `speed` ends within ~9.8 minutes (limits below; SPEED_LIMITS overrides).
       # The optimizer is Trainer's default, adamw_torch_fused (transformers with torch >= 2.8), everywhere.
-      configs=unsloth:1@notebook,liger+compile+lean:1@notebook,liger:1@notebook
+      # SPEED_CONFIGS replaces the configurations (both parts); SPEED_T4_ARGS adds trainer_bench options to the T4
+      # part (--unsloth-loss nbkit: unsloth's own loss keeps fp32 logits that do not fit 15 GiB at 16K).
+      configs=${SPEED_CONFIGS:-unsloth:1@notebook,liger+compile+lean:1@notebook,liger:1@notebook}
       # unsloth's launch takes up to ~250 s for both shapes (one H100: 128 s to its first step, then ~90 s of
       # compilation for the second shape), so 160 s cut it off at 16K. SPEED_SHAPES picks fewer shapes.
       run=(--shapes "${SPEED_SHAPES:-1024x4,16384x1}" --steps 9 --warmup 2 --windows 3 --launch-timeout 280)
@@ -278,9 +281,32 @@ for what in "$@"; do
       part speed_model "${limits[0]}" python3 -c "import nbkit; print(nbkit.resolve_model('$model'))"
       [ "$what" != speed_t4 ] && part speed_bf16 "${limits[1]}" python3 benchmarks/trainer_bench.py \
         --configs "$configs" "${run[@]}" --time-limit "${limits[2]}" --out "$OUT/speed_bf16.json" --md "$OUT/speed_bf16.md"
+      # shellcheck disable=SC2086  # SPEED_T4_ARGS holds several options
       [ "$what" != speed_bf16 ] && part speed_t4 "${limits[3]}" python3 benchmarks/trainer_bench.py \
-        --configs "${configs%,*}" "${run[@]}" "${t4[@]}" --time-limit "${limits[4]}" \
+        --configs "${SPEED_CONFIGS:-${configs%,*}}" "${run[@]}" "${t4[@]}" ${SPEED_T4_ARGS:-} --time-limit "${limits[4]}" \
         --out "$OUT/speed_t4.json" --md "$OUT/speed_t4.md" ;;
+    compile16k)
+      # Regional compilation where the tiled MLP splits the sequence (16K x 1), two streams side by side, one
+      # per GPU (with one GPU, one after the other; ~9.5 minutes on two). GPU 0: liger+compile+lean (each
+      # tiled layer compiled as its attention and its MLP) against +notile (whole layers compiled, the MLP
+      # untiled) at 1K x 4 and 16K x 1, with dynamo's graph breaks logged. GPU 1, the references: unsloth,
+      # Liger uncompiled, then +compile without Liger at 16K if time is left. Compare rows of one GPU.
+      model=random:qwen3-vl-2b
+      part speed_model 150 python3 -c "import nbkit; print(nbkit.resolve_model('$model'))"
+      gpus=$(nvidia-smi -L | wc -l)
+      run=(--shapes 1024x4,16384x1 --steps 9 --warmup 2 --windows 3 --launch-timeout 280)
+      second=1; [ "$gpus" -ge 2 ] || second=0
+      CUDA_VISIBLE_DEVICES=0 TORCH_LOGS=graph_breaks part compile16k_split 420 python3 benchmarks/trainer_bench.py \
+        --configs liger+compile+lean:1@notebook,liger+compile+lean+notile:1@notebook "${run[@]}" --time-limit 250 \
+        --out "$OUT/compile16k_split.json" --md "$OUT/compile16k_split.md" &
+      [ "$gpus" -ge 2 ] || wait
+      CUDA_VISIBLE_DEVICES=$second part compile16k_refs 420 python3 benchmarks/trainer_bench.py \
+        --configs unsloth:1@notebook,liger:1@notebook "${run[@]}" --time-limit 300 \
+        --out "$OUT/compile16k_refs.json" --md "$OUT/compile16k_refs.md"
+      CUDA_VISIBLE_DEVICES=$second part compile16k_noliger 150 python3 benchmarks/trainer_bench.py \
+        --configs transformers+compile+lean:1@notebook --shapes 16384x1 --steps 6 --warmup 2 --windows 2 \
+        --launch-timeout 140 --time-limit 10 --out "$OUT/compile16k_noliger.json" --md "$OUT/compile16k_noliger.md"
+      wait ;;
     liger)
       part liger 240 python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests/test_liger_gpu.py ;;
     *) echo "unknown part: $what" >&2 ;;

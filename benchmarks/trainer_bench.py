@@ -69,8 +69,9 @@ BACKENDS = ("unsloth", "transformers", "liger")
 # Speed options a transformers / liger configuration can add (`liger+compile+lean:1`):
 # compile: nbkit.savers.apply(compile="regional"), torch.compile of each decoder layer and vision block;
 # lean: Trainer without its per-micro-step NaN/inf check of the loss (logging_nan_inf_filter=False),
-# two host reads of a GPU value (two syncs) fewer per micro-step (RESULTS.md, host cost).
-EXTRAS = ("compile", "lean")
+# two host reads of a GPU value (two syncs) fewer per micro-step (RESULTS.md, host cost);
+# notile: nbkit.savers.apply(tiled_mlp=False), the MLP over the whole sequence at once.
+EXTRAS = ("compile", "lean", "notile")
 LAUNCHERS = ("nbkit", "notebook", "accelerate")
 QUANTS = ("16bit", "4bit")
 LANGUAGE_LORA = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
@@ -165,11 +166,13 @@ def build_model(launch: Launch, device: torch.device) -> torch.nn.Module:
         model, LoraConfig(r=16, lora_alpha=16, target_modules=LANGUAGE_LORA if vision else TEXT_LORA)
     )
     kernels = "liger" if launch.backend == "liger" else None
+    tiled = "notile" not in launch.extras
     if "compile" in launch.extras and launch.compile_backend != "inductor":  # the dry run's aot_eager
-        nbkit.savers.apply(model, kernels=kernels)
+        nbkit.savers.apply(model, kernels=kernels, tiled_mlp=tiled)
         nbkit.savers.compiling.enable(model, backend=launch.compile_backend)
         return model
-    return nbkit.savers.apply(model, kernels=kernels, compile="regional" if "compile" in launch.extras else None)
+    compile = "regional" if "compile" in launch.extras else None
+    return nbkit.savers.apply(model, kernels=kernels, tiled_mlp=tiled, compile=compile)
 
 
 class _Collator:

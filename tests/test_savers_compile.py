@@ -40,7 +40,7 @@ def test_regional_compile_with_every_saver_matches_the_eager_model(kind):
     savers.apply(model, **EVERY_SAVER, compile="regional")
     regions = compiling.regions(model)
     vision_blocks = len(savers._model.base_model(model).model.visual.blocks) if kind == "qwen3-vl" else 0
-    assert len(regions) == len(layers) + vision_blocks
+    assert len(regions) == 2 * len(layers) + vision_blocks  # tiled: each layer's attention and MLP
     assert list(decoder_layers(model)) == layers  # compiled in place: the same modules, peft's LoRA inside
     assert all(r._compiled_call_impl is not None for r in regions)
     for _ in range(2):  # the second step runs the compiled code without tracing again
@@ -56,6 +56,25 @@ def test_regional_compile_with_every_saver_matches_the_eager_model(kind):
     loss, grads = loss_and_grads(model, batch)
     assert torch.equal(loss, reference_loss)
     assert all(torch.equal(grads[n], reference[n]) for n in reference)
+
+
+def test_a_layer_whose_mlp_is_tiled_is_compiled_as_its_attention_and_its_mlp():
+    # A compiled layer would break into two graphs around the tiled MLP's autograd function (its
+    # backward calls torch.autograd.grad); as two regions, no graph holds a break.
+    model = tiny_model("qwen3")
+    layers = list(decoder_layers(model))
+    savers.apply(model, tiled_mlp=3)
+    assert compiling.regions(model) == [m for layer in layers for m in (layer.self_attn, layer.mlp)]
+    savers.apply(model, tiled_mlp=False)
+    assert compiling.regions(model) == layers
+    savers.apply(model, tiled_mlp=3, compile="regional")  # nothing compiles before the first call
+    assert all(m._compiled_call_impl is not None for layer in layers for m in (layer.self_attn, layer.mlp))
+    assert all(layer._compiled_call_impl is None for layer in layers)
+    savers.apply(model, tiled_mlp=False, compile="regional")  # switching the tiling moves the regions
+    assert all(layer._compiled_call_impl is not None for layer in layers)
+    assert all(layer.mlp._compiled_call_impl is None for layer in layers)
+    savers.remove(model)
+    assert not any(getattr(m, "_compiled_call_impl", None) for m in model.modules())
 
 
 def test_a_compile_the_user_made_is_left_alone_and_bad_values_are_refused():

@@ -32,7 +32,8 @@ from typing import Any, cast
 
 from torch import nn
 
-from nbkit.savers._model import _ENCODER_NAMES, base_model, decoder_layers
+from nbkit.savers import tiled_mlp
+from nbkit.savers._model import _ENCODER_NAMES, base_model, decoder_layers, layer_mlp
 
 __all__ = ["disable", "enable", "is_enabled", "regions"]
 
@@ -41,13 +42,29 @@ _MARK = "_nbkit_compiled"
 
 
 def regions(model: nn.Module, *, vision: bool = True) -> list[nn.Module]:
-    """The blocks compiled one by one: the language model's decoder layers, then (vision=True) the
-    blocks of the vision encoder (its longest ModuleList of one block class), if there is one.
+    """The blocks compiled one by one: each decoder layer (or, where its MLP is tiled, the layer's
+    attention and its MLP), then (vision=True) the blocks of the vision encoder (its longest
+    ModuleList of one block class), if there is one.
 
-    Raises ValueError when the decoder layers cannot be found (nbkit.savers._model.decoder_layers).
+    Why a tiled layer is split: the tiled MLP is an autograd function whose backward differentiates
+    each shard with `torch.autograd.grad`, which dynamo cannot trace, so a compiled layer breaks
+    into two graphs around it. At 16K tokens on an H100 the first backward of such a layer failed
+    inside inductor (a 2-D gradient for the layer's 3-D hidden state; benchmarks/RESULTS.md).
+    Compiling the attention and the MLP as regions of their own leaves no break inside a graph: the
+    tiled function runs eagerly and calls the compiled MLP once per shard, and its backward
+    differentiates that compiled MLP.
+
+    Raises ValueError when the decoder layers cannot be found.
     """
     base = base_model(model)
-    blocks = list(decoder_layers(base))
+    blocks: list[nn.Module] = []
+    for layer in decoder_layers(base):
+        mlp = layer_mlp(layer)
+        if mlp is not None and tiled_mlp.is_tiled(mlp):
+            attention = getattr(layer, "self_attn", None)
+            blocks.extend([attention, mlp] if isinstance(attention, nn.Module) else [mlp])
+        else:
+            blocks.append(layer)
     if vision:
         for name in _ENCODER_NAMES:
             inner = getattr(base, "model", None)
@@ -89,7 +106,8 @@ def enable(model: nn.Module, *, backend: str = "inductor", vision: bool = True, 
 
 def disable(model: nn.Module) -> None:
     """Undo enable(): each region runs eagerly again. A no-op where nothing was compiled by enable()."""
-    for block in regions(model):
+    # Every module is looked at, not regions(): the tiled MLP may have been switched since enable().
+    for block in base_model(model).modules():
         if getattr(block, _MARK, False):
             # nn.Module has compile() but no public way back; compile() only sets this attribute,
             # which nn.Module.__call__ checks on every call.
@@ -99,4 +117,4 @@ def disable(model: nn.Module) -> None:
 
 def is_enabled(model: nn.Module) -> bool:
     """Whether enable() is in effect on `model`."""
-    return any(getattr(block, _MARK, False) for block in regions(model))
+    return any(getattr(block, _MARK, False) for block in base_model(model).modules())

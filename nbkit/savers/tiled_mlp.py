@@ -39,7 +39,7 @@ from torch import nn
 
 from nbkit.savers._model import add_mixin, base_model, decoder_layers, has_mixin, layer_mlp, remove_mixin
 
-__all__ = ["disable", "enable", "shard_count"]
+__all__ = ["disable", "enable", "is_tiled", "shard_count"]
 
 # Automatic shards hold about this many hidden sizes of tokens each.
 _TOKENS_PER_SHARD_PER_HIDDEN = 2
@@ -201,6 +201,11 @@ def enable(model: nn.Module, *, shards: int | None = None) -> None:
             continue
         cast(Any, mlp)._nbkit_shards = shards
         add_mixin(mlp, _TiledMLP)
+
+
+def is_tiled(mlp: nn.Module) -> bool:
+    """Whether enable() tiled this feed-forward block (other savers' mixins may sit on top of it)."""
+    return isinstance(mlp, _TiledMLP)
 
 
 def disable(model: nn.Module) -> None:
