@@ -15,9 +15,10 @@ from __future__ import annotations
 import pytest
 import torch
 from gpu_marks import one_gpu, two_gpus
-from test_savers import GPU_TOLERANCE, loss_and_grads, make_batch, relative_error, tiny_model
+from test_savers import GPU_TOLERANCE, LANGUAGE_LINEARS, loss_and_grads, make_batch, relative_error, tiny_model
 from test_savers_ddp import assert_matrix_on_two_gpus
 
+import nbkit
 from nbkit import patching, savers
 from nbkit.savers import liger
 
@@ -86,3 +87,41 @@ def test_liger_under_bf16_autocast():
 @pytest.mark.parametrize("kind", ["qwen3", "qwen3-vl"])
 def test_liger_under_ddp_on_two_gpus_matches_one_gpu(kind):
     assert_matrix_on_two_gpus(kind, {saver: LIGER_CASES[saver] for saver in ("liger", "liger_all")})
+
+
+def _qlora_tiny_vl() -> torch.nn.Module:
+    """tiny:qwen3-vl in 4-bit (bitsandbytes, fp32 compute) on the GPU, with tiny_model's LoRA."""
+    from peft import LoraConfig, get_peft_model  # not at import: see test_savers.tiny_model
+    from transformers import AutoModelForImageTextToText, BitsAndBytesConfig
+
+    base = AutoModelForImageTextToText.from_pretrained(
+        nbkit.resolve_model("tiny:qwen3-vl"),
+        dtype=torch.float32,
+        device_map={"": "cuda"},
+        quantization_config=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.float32),
+    )
+    torch.manual_seed(0)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=LANGUAGE_LINEARS, init_lora_weights=False)
+    return get_peft_model(base, config)
+
+
+@one_gpu
+@pytest.mark.parametrize("four_bit", [False, True], ids=["16bit", "4bit"])
+def test_regional_compile_with_kernels_and_every_saver_across_lengths(four_bit):
+    # What the transformers path of a notebook runs with compile on: Liger's kernels, every saver and the
+    # compiled regions, on batches of other lengths (a trainer pads each batch to its longest), the last
+    # long enough for the tiled MLP to split (where whole compiled layers failed at 16K on an H100).
+    # Each length's loss and LoRA gradients equal the same model's uncompiled ones.
+    model = _qlora_tiny_vl() if four_bit else tiny_model("qwen3-vl").to("cuda")
+    batches = [_on_gpu(make_batch(model, lengths, seed=3)) for lengths in ([24, 17], [40], [300])]
+    options = dict(LIGER_CASES["liger_all"], tiled_mlp=True)  # automatic: 300 tokens split at hidden size 64
+    savers.apply(model, **options)
+    eager = [loss_and_grads(model, batch) for batch in batches]
+    savers.apply(model, **options, compile="regional")
+    for batch, (reference_loss, reference) in zip(batches, eager, strict=True):
+        loss, grads = loss_and_grads(model, batch)
+        assert relative_error(loss, reference_loss) < GPU_TOLERANCE
+        errors = {n: relative_error(grads[n], reference[n]) for n in reference}
+        worst = max(errors, key=errors.get)
+        assert errors[worst] < GPU_TOLERANCE, (worst, errors[worst])
+    savers.remove(model)

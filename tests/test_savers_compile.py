@@ -84,9 +84,11 @@ def test_a_compile_the_user_made_is_left_alone_and_bad_values_are_refused():
     savers.apply(model, compile="regional")
     savers.remove(model)
     assert head._compiled_call_impl is not None
-    with pytest.raises(ValueError, match="compile='full' is not valid; use 'regional' or None"):
+    with pytest.raises(ValueError, match="compile='full' is not valid; use 'regional', 'auto' or None"):
         savers.apply(model, compile="full")
     assert not compiling.is_enabled(model)
+    savers.apply(model, compile="auto")  # on the CPU: the savers without compilation
+    assert not compiling.is_enabled(model) and savers._model.base_model(model)._nbkit_savers.compile is None
 
 
 @pytest.mark.slow

@@ -13,8 +13,9 @@
 - chunked_loss (nbkit.savers.loss): the causal-LM loss is computed in row chunks without full logits.
 - kernels="liger" (nbkit.savers.liger): Liger's fused RMSNorm, RoPE and SwiGLU kernels, and the
   chunked loss computed by Liger's fused linear cross-entropy.
-- compile="regional" (nbkit.savers.compiling): torch.compile of each decoder layer and vision block,
-  in place (fewer kernel launches where the step is bound by host work).
+- compile="regional" (nbkit.savers.compiling): torch.compile of each decoder layer (its attention and
+  its MLP where the MLP is tiled) and vision block, in place (fewer kernel launches where the step is
+  bound by host work, fused element-wise work everywhere); "auto": the same on a GPU, none on the CPU.
 
 All three keep every trainable parameter's gradient accumulated exactly once per backward, so they
 work under DDP (find_unused_parameters True or False, static_graph, no_sync) and with a model split
@@ -39,10 +40,13 @@ __all__ = ["CHECKPOINTING", "apply", "remove"]
 # The checkpointing modes apply() takes (nbkit.plan models the same ones).
 CHECKPOINTING = ("offload", "recompute", None)
 _KERNELS = ("liger", "auto", None)
-_COMPILE = ("regional", None)
-# apply()'s compile default: None. On one H100 regional compilation won at 1K x 4 (0.425 s against 0.607 s
-# a step) but failed at 16K, where the tiled MLP splits the sequence (benchmarks/RESULTS.md, "The GPU run");
-# switching it is this one line.
+_COMPILE = ("regional", "auto", None)
+# apply()'s compile default: None. Regional compilation was faster at every shape measured on one H100
+# (benchmarks/RESULTS.md, "Regional compilation at 16K": 1K x 4 and 16K x 1, bf16 and the T4 profile; its
+# gradients equal the uncompiled ones in 4-bit too), and the DDP notebooks pass compile="auto". It stays off
+# here because apply()'s defaults also serve the memory-first uses (long_context, model_parallel), where it was
+# not measured: 64K tokens, a model split over GPUs. Each new shape also compiles at its first step (20-30 s on
+# the H100).
 DEFAULT_COMPILE: str | None = None
 
 
@@ -79,7 +83,8 @@ def apply(
             and Qwen3-VL on CUDA GPUs, see nbkit.savers.liger), "auto" (Liger's where they can run:
             supported model, on a GPU, liger-kernel installed; none otherwise, without an error) or None.
         compile: "regional" (torch.compile, inductor, of each decoder layer and vision block in
-            place; each compiles on its first call, see nbkit.savers.compiling) or None.
+            place; each compiles on its first call, see nbkit.savers.compiling), "auto" (regional where
+            the model is on a CUDA GPU; none on the CPU, where compiling costs more than it saves) or None.
 
     How the kernels compose with the savers: Liger's fused linear cross-entropy *is* a chunked loss
     (no logits, gradients in the forward), so with chunked_loss=True it computes the loss in place
@@ -102,8 +107,10 @@ def apply(
     if kernels not in _KERNELS:
         raise ValueError(f"kernels={kernels!r} is not valid; use 'liger', 'auto' or None.")
     if compile not in _COMPILE:
-        raise ValueError(f"compile={compile!r} is not valid; use 'regional' or None.")
+        raise ValueError(f"compile={compile!r} is not valid; use 'regional', 'auto' or None.")
     kernels = ("liger" if _liger.can_run(model) else None) if kernels == "auto" else kernels
+    if compile == "auto":
+        compile = "regional" if any(p.device.type == "cuda" for p in model.parameters()) else None
     tiled = None if tiled_mlp is False else "auto" if tiled_mlp is True else tiled_mlp
     wanted = _Options(checkpointing, tiled, bool(chunked_loss), kernels, compile)
     base = base_model(model)

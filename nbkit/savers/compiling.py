@@ -15,15 +15,17 @@ copied model instead, which the savers' `remove()` could not find again; its FSD
 
 Composes with the other savers: checkpointing wraps the compiled call (non-reentrant checkpoint and
 the offloading saved-tensor hooks run outside the compiled region; the recompute in the backward
-calls the compiled forward again), the tiled MLP and Liger's kernels run inside it. Gradients are
-those of the eager model up to floating-point order (tests/test_savers_compile.py).
+calls the compiled forward again), Liger's kernels run inside it, and a layer whose MLP is tiled is
+compiled as two regions, its attention and its MLP (see regions()). Gradients are those of the eager
+model up to floating-point order (tests/test_savers_compile.py on the CPU; on one H100,
+tests/test_liger_gpu.py with Liger's kernels, every saver, 4-bit weights and three lengths).
 
-Measured on one H100 (benchmarks/RESULTS.md, "The GPU run"): with Liger's kernels and Trainer's NaN
-check off, a 1K x 4 SFTTrainer step of Qwen3-VL-2B took 0.425 s against 0.607 s uncompiled (bf16;
-unsloth 0.332 s), and 0.447 s under the T4 profile (unsloth 0.464 s). At 16K tokens, where the
-tiled MLP splits the sequence, the first backward failed inside a compiled layer (inductor:
-"wrong number of dimensions" for the gradient of the layer's hidden-state output), in bf16 and fp16:
-use it for short sequences, or with tiled_mlp=False, until that is understood. Off by default.
+Measured on one H100 (benchmarks/RESULTS.md, "Regional compilation at 16K"), SFTTrainer, Qwen3-VL-2B,
+LoRA r=16, Liger's kernels and Trainer's NaN check off, against the same run uncompiled: faster at
+1K x 4 and 16K x 1, in bf16 and under the T4 profile, where it matches unsloth's step time at 16K
+(1.00x against 1.10x uncompiled). In bf16 it stays 1.4-1.6x of unsloth's. Without the tiled MLP
+(tiled_mlp=False: whole layers compiled) 16K took 0.885 s against 1.057 s, for 0.5 GiB more: at
+lengths where memory allows, that is the faster setting.
 """
 
 from __future__ import annotations
