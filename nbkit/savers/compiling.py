@@ -48,9 +48,9 @@ def regions(model: nn.Module, *, vision: bool = True) -> list[nn.Module]:
     attention and its MLP), then (vision=True) the blocks of the vision encoder (its longest
     ModuleList of one block class), if there is one.
 
-    Why a tiled layer is split: the tiled MLP is an autograd function whose backward differentiates
-    each shard with `torch.autograd.grad`, which dynamo cannot trace, so a compiled layer breaks
-    into two graphs around it. At 16K tokens on an H100 the first backward of such a layer failed
+    Why a tiled layer is split: dynamo cannot trace the tiled MLP's autograd function (it captures
+    the RNG state, and its backward differentiates each shard with `torch.autograd.grad`), so a
+    compiled layer breaks into two graphs around it. At 16K tokens on an H100 the first backward of such a layer failed
     inside inductor (a 2-D gradient for the layer's 3-D hidden state; benchmarks/RESULTS.md).
     Compiling the attention and the MLP as regions of their own leaves no break inside a graph: the
     tiled function runs eagerly and calls the compiled MLP once per shard, and its backward
