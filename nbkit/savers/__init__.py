@@ -58,6 +58,32 @@ class _Options:
     kernels: str | None = None
     compile: str | None = None
 
+    @classmethod
+    def resolve(
+        cls,
+        model: nn.Module,
+        checkpointing: str | None,
+        tiled_mlp: bool | int,
+        chunked_loss: bool,
+        kernels: str | None,
+        compile: str | None,
+    ) -> _Options:
+        """apply()'s arguments checked (ValueError names the invalid one) and each "auto" decided for `model`."""
+        if checkpointing not in CHECKPOINTING:
+            raise ValueError(f"checkpointing={checkpointing!r} is not valid; use 'offload', 'recompute' or None.")
+        if not isinstance(tiled_mlp, (bool, int)) or (not isinstance(tiled_mlp, bool) and tiled_mlp < 1):
+            raise ValueError(f"tiled_mlp={tiled_mlp!r} is not valid; use True, False or a shard count >= 1.")
+        if kernels not in _KERNELS:
+            raise ValueError(f"kernels={kernels!r} is not valid; use 'liger', 'auto' or None.")
+        if compile not in _COMPILE:
+            raise ValueError(f"compile={compile!r} is not valid; use 'regional', 'auto' or None.")
+        if kernels == "auto":
+            kernels = "liger" if _liger.can_run(model) else None
+        if compile == "auto":
+            compile = "regional" if any(p.device.type == "cuda" for p in model.parameters()) else None
+        tiled = None if tiled_mlp is False else "auto" if tiled_mlp is True else tiled_mlp
+        return cls(checkpointing, tiled, bool(chunked_loss), kernels, compile)
+
 
 def apply(
     model: nn.Module,
@@ -100,42 +126,30 @@ def apply(
     Qwen3 / Qwen3-VL, not on a CUDA GPU, liger-kernel missing; the model is left as it was), and,
     from the chunked loss, for a model without an lm_head (then no saver is left on).
     """
-    if checkpointing not in CHECKPOINTING:
-        raise ValueError(f"checkpointing={checkpointing!r} is not valid; use 'offload', 'recompute' or None.")
-    if not isinstance(tiled_mlp, (bool, int)) or (not isinstance(tiled_mlp, bool) and tiled_mlp < 1):
-        raise ValueError(f"tiled_mlp={tiled_mlp!r} is not valid; use True, False or a shard count >= 1.")
-    if kernels not in _KERNELS:
-        raise ValueError(f"kernels={kernels!r} is not valid; use 'liger', 'auto' or None.")
-    if compile not in _COMPILE:
-        raise ValueError(f"compile={compile!r} is not valid; use 'regional', 'auto' or None.")
-    kernels = ("liger" if _liger.can_run(model) else None) if kernels == "auto" else kernels
-    if compile == "auto":
-        compile = "regional" if any(p.device.type == "cuda" for p in model.parameters()) else None
-    tiled = None if tiled_mlp is False else "auto" if tiled_mlp is True else tiled_mlp
-    wanted = _Options(checkpointing, tiled, bool(chunked_loss), kernels, compile)
+    wanted = _Options.resolve(model, checkpointing, tiled_mlp, chunked_loss, kernels, compile)
     base = base_model(model)
     current = getattr(base, "_nbkit_savers", None)
     if current == wanted:
         return model
     decoder_layers(base)  # raises, before anything changes, for a model the savers cannot handle
-    if kernels == "liger":
+    if wanted.kernels == "liger":
         _liger.check(model)  # likewise
     remove(model)
     try:
-        if checkpointing is not None:
-            _checkpointing.enable(base, offload=checkpointing == "offload")
-        if tiled is not None:
-            _tiled_mlp.enable(base, shards=tiled if isinstance(tiled, int) else None)
+        if wanted.checkpointing is not None:
+            _checkpointing.enable(base, offload=wanted.checkpointing == "offload")
+        if wanted.tiled_mlp is not None:
+            _tiled_mlp.enable(base, shards=wanted.tiled_mlp if isinstance(wanted.tiled_mlp, int) else None)
         kernel = None
-        if kernels == "liger":  # after the tiled MLP: its mixin on each MLP comes off first in remove()
+        if wanted.kernels == "liger":  # after the tiled MLP: its mixin on each MLP comes off first in remove()
             _liger.enable(base)
             kernel = _liger.fused_linear_cross_entropy
-        if chunked_loss:
+        if wanted.chunked_loss:
             from nbkit.savers import loss
 
             # given as is: it also hooks the peft wrapper (older peft skips the inner hooks)
             loss.apply(model, kernel=kernel)
-        if compile == "regional":  # last: the regions are traced with the other savers' classes in place
+        if wanted.compile == "regional":  # last: the regions are traced with the other savers' classes in place
             _compiling.enable(base)
     except Exception:
         _disable(base)
