@@ -10,6 +10,8 @@ A module opts in with `pytestmark = pytest.mark.usefixtures("leftovers")` (not a
 the matrix that drive kernels from other test code decide for themselves), and marks with
 `leftovers_ignore(...)` what this process cannot attribute to nbkit. Cases use faultkit's
 `failed_within(seconds)` to time a fault and `assert_reruns()` for the immediate rerun.
+
+`kernel` is the live-set modules' notebook: one real Jupyter kernel per module.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from faultkit import SETTLE_S, Snapshot, assert_reruns
+from faultkit import SETTLE_S, Kernel, Snapshot, assert_reruns
 
 
 @pytest.fixture(scope="module")
@@ -80,3 +82,16 @@ def leftovers(request: pytest.FixtureRequest, warmed_up: None) -> Iterator[Snaps
     while (left := grown()) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not left, f"left behind: {left}"
+
+
+@pytest.fixture(scope="module")
+def kernel(
+    request: pytest.FixtureRequest, kernel_name: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Kernel]:
+    """A Jupyter kernel for the module's cases, in a temporary directory named after the module, with
+    nbkit's magics loaded and `nbkit, os, signal, time` imported. Module-scoped: starting a kernel and a
+    live set takes seconds, so a module's cases share them (each case starts a set if none runs)."""
+    with Kernel(kernel_name, tmp_path_factory.mktemp(request.module.__name__)) as k:
+        setup = k.run("%load_ext nbkit\nimport nbkit, os, signal, time")
+        assert setup["error"] is None, setup
+        yield k

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from jupyter_client.manager import KernelManager
+from faultkit import Kernel
 
 _NEXT_CELL = "%%ddp --gpus 2\nimport nbkit\n40 + nbkit.rank() + 2"
 # The ranks write their pids, then wait in a collective for a peer that never comes.
@@ -33,53 +33,11 @@ _HANGING_CELL = (
 pytestmark = [pytest.mark.usefixtures("leftovers"), pytest.mark.leftovers_ignore("descriptors", "threads")]
 
 
-class Kernel:
-    """One kernel of this interpreter, started with `env` added to the test's environment."""
-
-    def __init__(self, kernel_name: str, cwd: Path, env: dict[str, str] | None = None):
-        self.km = KernelManager(kernel_name=kernel_name)
-        self.km.start_kernel(cwd=str(cwd), env={**os.environ, **(env or {})})
-        self.kc = self.km.client()
-        self.kc.start_channels()
-        self.kc.wait_for_ready(timeout=120)
-        self.pid = self.km.provisioner.process.pid
-
-    def start(self, code: str) -> str:
-        return self.kc.execute(code)
-
-    def wait(self, msg_id: str, timeout: float = 180) -> dict:
-        """The outputs of an executed cell once the kernel is idle again."""
-        out: dict = {"stdout": "", "stderr": "", "error": None, "result": None}
-        deadline = time.monotonic() + timeout
-        while True:
-            msg = self.kc.get_iopub_msg(timeout=max(deadline - time.monotonic(), 0.1))
-            if msg["parent_header"].get("msg_id") != msg_id:
-                continue
-            kind, content = msg["msg_type"], msg["content"]
-            if kind == "stream":
-                out[content["name"]] += content["text"]
-            elif kind == "error":
-                out["error"] = content
-            elif kind == "execute_result":
-                out["result"] = content["data"].get("text/plain")
-            elif kind == "status" and content["execution_state"] == "idle":
-                return out
-
-    def run(self, code: str, timeout: float = 180) -> dict:
-        return self.wait(self.start(code), timeout)
-
-    def close(self) -> None:
-        self.kc.stop_channels()
-        self.km.shutdown_kernel(now=True)
-
-
 @pytest.fixture
-def kernel(kernel_name: str, tmp_path: Path) -> Iterator[Kernel]:
-    k = Kernel(kernel_name, tmp_path)
-    try:
+def fresh_kernel(kernel_name: str, tmp_path: Path) -> Iterator[Kernel]:
+    """A kernel of the case's own (not the live-set modules' shared `kernel`): a fault may leave it unusable."""
+    with Kernel(kernel_name, tmp_path) as k:
         yield k
-    finally:
-        k.close()
 
 
 def _wait_for_pids(pids: Path, count: int = 2, timeout: float = 90) -> list[int]:
@@ -100,21 +58,21 @@ def _gone(pids: list[int], timeout: float = 5) -> bool:
 
 
 @pytest.mark.parametrize("mode", ["", " --spawn"], ids=["fork", "spawn"])
-def test_an_interrupt_stops_the_cell_and_every_rank_and_the_next_cell_runs(kernel, tmp_path, mode):
+def test_an_interrupt_stops_the_cell_and_every_rank_and_the_next_cell_runs(fresh_kernel, tmp_path, mode):
     pids = tmp_path / "pids"
     pids.mkdir()
-    assert kernel.run(f"%load_ext nbkit\nPIDS = {str(pids)!r}")["error"] is None
-    msg_id = kernel.start(f"%%ddp --gpus 2{mode}\n{_HANGING_CELL}")
+    assert fresh_kernel.run(f"%load_ext nbkit\nPIDS = {str(pids)!r}")["error"] is None
+    msg_id = fresh_kernel.start(f"%%ddp --gpus 2{mode}\n{_HANGING_CELL}")
     ranks = _wait_for_pids(pids)
     sent = time.monotonic()
-    kernel.km.interrupt_kernel()
-    out = kernel.wait(msg_id, timeout=60)
+    fresh_kernel.interrupt()
+    out = fresh_kernel.wait(msg_id, timeout=60)
     assert time.monotonic() - sent < 5
-    assert out["error"] is not None and out["error"]["ename"] == "KeyboardInterrupt"
+    assert out["error"] is not None and out["error"].ename == "KeyboardInterrupt"
     assert "nbkit: interrupted; stopped ranks 0, 1." in out["stderr"]
     assert "death signal" not in out["stderr"] + out["stdout"]  # torch elastic's own log line
     assert _gone(ranks)
-    assert kernel.run(_NEXT_CELL)["result"] == "42"
+    assert fresh_kernel.run(_NEXT_CELL)["result"] == "42"
 
 
 @pytest.mark.parametrize("mode", ["", " --spawn"], ids=["fork", "spawn"])
@@ -162,25 +120,25 @@ def test_the_launch_uses_its_own_port_whatever_the_environment_says(kernel_name,
         taken.close()
 
 
-def test_a_spawn_mode_cell_that_does_not_parse_is_one_short_message(kernel):
-    assert kernel.run("%load_ext nbkit")["error"] is None
-    out = kernel.run("%%ddp --gpus 2 --spawn\nx = 1\ny = (x,\n")
+def test_a_spawn_mode_cell_that_does_not_parse_is_one_short_message(fresh_kernel):
+    assert fresh_kernel.run("%load_ext nbkit")["error"] is None
+    out = fresh_kernel.run("%%ddp --gpus 2 --spawn\nx = 1\ny = (x,\n")
     error = out["error"]
-    assert error is not None and error["ename"] == "CellSyntaxError"
-    shown = "\n".join(error["traceback"])
+    assert error is not None and error.ename == "CellSyntaxError"
+    shown = error.traceback
     assert "line 2 of the cell does not parse: '(' was never closed" in shown and "y = (x," in shown
     assert len(shown.splitlines()) <= 4 and "nbkit/" not in shown  # none of nbkit's frames
     assert "spawn mode" not in out["stdout"]  # refused before anything started
-    assert kernel.run(_NEXT_CELL)["result"] == "42"
+    assert fresh_kernel.run(_NEXT_CELL)["result"] == "42"
 
 
-def test_a_fork_mode_cell_that_does_not_parse_is_one_short_message_and_forks_nothing(kernel):
-    assert kernel.run("%load_ext nbkit")["error"] is None
-    out = kernel.run("%%ddp --gpus 2\nimport os\nprint(os.getpid())\nif True\n    pass")
+def test_a_fork_mode_cell_that_does_not_parse_is_one_short_message_and_forks_nothing(fresh_kernel):
+    assert fresh_kernel.run("%load_ext nbkit")["error"] is None
+    out = fresh_kernel.run("%%ddp --gpus 2\nimport os\nprint(os.getpid())\nif True\n    pass")
     error = out["error"]
-    assert error is not None and error["ename"] == "CellSyntaxError", out  # not a LaunchError from 2 forks
-    shown = "\n".join(error["traceback"])
+    assert error is not None and error.ename == "CellSyntaxError", out  # not a LaunchError from 2 forks
+    shown = error.traceback
     assert "line 3 of the cell does not parse: expected ':'" in shown and "if True" in shown, shown
     assert len(shown.splitlines()) <= 4 and "nbkit/" not in shown  # none of nbkit's frames
     assert out["stdout"] == "" and "rank" not in out["stderr"]  # refused before any process started
-    assert kernel.run(_NEXT_CELL)["result"] == "42"
+    assert fresh_kernel.run(_NEXT_CELL)["result"] == "42"

@@ -9,121 +9,19 @@ are asserted with a wide margin over the 2 s targets: the machine is shared and 
 from __future__ import annotations
 
 import os
-import queue
 import signal
-import time
 
-import psutil
 import pytest
-from jupyter_client.manager import start_new_kernel
+from faultkit import MARGIN_S, Kernel, ended_the_set, fresh_set, still_running
 
 pytestmark = pytest.mark.slow
 # version_independent: live sets whose cells use torch alone. Not the timeout case, which ends in a one-shot
 # %%ddp cell (accelerate's notebook_launcher).
 
-# The targets are 2 s; the asserts allow for a loaded 2-core machine.
-MARGIN_S = 6.0
-
-
-class Kernel:
-    """A Jupyter kernel and a blocking client: run a cell, interrupt it, read what it showed."""
-
-    def __init__(self, kernel_name: str, cwd: str):
-        self.manager, self.client = start_new_kernel(kernel_name=kernel_name, cwd=cwd)
-        self.pid = self.manager.provisioner.process.pid
-
-    def run(self, code: str, *, interrupt_on: str | None = None, timeout: float = 300) -> dict:
-        """Run `code`; with `interrupt_on`, interrupt the kernel once that text appears in stdout.
-        Returns stdout, stderr, error (ename, evalue, traceback text), result, and seconds from the
-        interrupt (or the start) to the end of the cell."""
-        msg_id = self.client.execute(code)
-        out = {"stdout": "", "stderr": "", "error": None, "result": None}
-        start = time.monotonic()
-        interrupted = None
-        deadline = start + timeout
-        while True:
-            try:
-                msg = self.client.get_iopub_msg(timeout=max(0.1, deadline - time.monotonic()))
-            except queue.Empty:
-                raise AssertionError(f"the cell did not finish within {timeout} s; so far: {out}") from None
-            if msg["parent_header"].get("msg_id") != msg_id:
-                continue
-            kind, content = msg["msg_type"], msg["content"]
-            if kind == "stream":
-                out[content["name"]] += content["text"]
-                if interrupt_on and interrupted is None and interrupt_on in out["stdout"]:
-                    interrupted = time.monotonic()
-                    self.manager.interrupt_kernel()
-            elif kind == "error":
-                out["error"] = (content["ename"], content["evalue"], "\n".join(content["traceback"]))
-            elif kind == "execute_result":
-                out["result"] = content["data"].get("text/plain")
-            elif kind == "status" and content["execution_state"] == "idle":
-                break
-        out["seconds"] = time.monotonic() - (interrupted or start)
-        return out
-
-    def descendants(self) -> list[psutil.Process]:
-        return psutil.Process(self.pid).children(recursive=True)
-
-    def close(self) -> None:
-        self.client.stop_channels()
-        self.manager.shutdown_kernel(now=True)
-
-
-def _still_running(processes: list[psutil.Process], within: float = 5.0) -> list[str]:
-    """The command lines of `processes` still running after up to `within` seconds (zombies and processes
-    that vanish while being looked at count as gone)."""
-    deadline = time.monotonic() + within
-    while True:
-        left = []
-        for p in processes:
-            try:
-                if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
-                    left.append(" ".join(p.cmdline()[:4]))
-            except psutil.NoSuchProcess:
-                pass
-        if not left or time.monotonic() > deadline:
-            return left
-        time.sleep(0.1)
-
-
-@pytest.fixture(scope="module")
-def kernel(kernel_name, tmp_path_factory):
-    k = Kernel(kernel_name, str(tmp_path_factory.mktemp("live-faults")))
-    setup = k.run("%load_ext nbkit\nimport nbkit, os, signal, time")
-    assert setup["error"] is None, setup
-    yield k
-    k.close()
-
-
-def _ended_the_set(out: dict, procs: list[psutil.Process], *says: str, within_s: float | None = None) -> str:
-    """Assert that the cell ended the live set: a LiveError whose traceback says each of `says`, the cell
-    over within `within_s` seconds (where given), none of the set's processes left. Returns the traceback."""
-    assert out["error"] is not None and out["error"][0] == "LiveError", out
-    text = out["error"][2]
-    for phrase in says:
-        assert phrase in text, (phrase, text)
-    if within_s is not None:
-        assert out["seconds"] < within_s, out["seconds"]
-    assert _still_running(procs) == []
-    return text
-
-
-def _fresh_set(kernel: Kernel) -> list[psutil.Process]:
-    """A live set of 2 ranks with `x = 41` on both; returns the processes it runs in."""
-    started = kernel.run("if nbkit.live.current() is None:\n    nbkit.start(gpus=2)")
-    assert started["error"] is None, started
-    defined = kernel.run("%%ddp\nx = 41")
-    assert defined["error"] is None, defined
-    procs = kernel.descendants()
-    assert len(procs) >= 3  # controller, 2 engines (and their nannies)
-    return procs
-
 
 @pytest.mark.version_independent
 def test_interrupt_stops_the_cell_on_every_rank_and_keeps_them(kernel):
-    procs = _fresh_set(kernel)
+    procs = fresh_set(kernel)
     cell = "%%ddp\nprint('running', flush=True)\nwhile True:\n    time.sleep(0.05)"
     out = kernel.run(cell, interrupt_on="running")
     assert out["error"] is not None and out["error"][0] == "KeyboardInterrupt", out
@@ -136,26 +34,26 @@ def test_interrupt_stops_the_cell_on_every_rank_and_keeps_them(kernel):
 
 @pytest.mark.version_independent
 def test_interrupt_of_a_rank_waiting_in_a_collective_ends_the_set(kernel):
-    procs = _fresh_set(kernel)
+    procs = fresh_set(kernel)
     cell = (
         "%%ddp\nimport torch.distributed as dist\nprint('running', flush=True)\n"
         "if nbkit.rank() == 0:\n    dist.barrier()  # rank 1 never comes\nelse:\n    time.sleep(3600)"
     )
     out = kernel.run(cell, interrupt_on="running")
-    _ended_the_set(out, procs, "rank(s) 0 did not answer the interrupt within 2 s", within_s=MARGIN_S)
+    ended_the_set(out, procs, "rank(s) 0 did not answer the interrupt within 2 s", within_s=MARGIN_S)
     assert kernel.run("print(nbkit.live.current())")["stdout"].strip() == "None"
 
 
 @pytest.mark.version_independent
 def test_killed_rank_ends_the_set_naming_it_and_start_works_again(kernel):
-    procs = _fresh_set(kernel)
+    procs = fresh_set(kernel)
     cell = (
         "%%ddp\nprint('running', flush=True)\nif nbkit.rank() == 1:\n"
         "    os.kill(os.getpid(), signal.SIGKILL)\ntime.sleep(120)"
     )
     out = kernel.run(cell)
     says = ("rank 1 (pid ", "died from signal SIGKILL", "%ddp start")
-    _ended_the_set(out, procs, *says, within_s=MARGIN_S + 1)  # + 1: the cell itself printed first
+    ended_the_set(out, procs, *says, within_s=MARGIN_S + 1)  # + 1: the cell itself printed first
     # The next %%ddp cell does not quietly become a one-shot run that lacks the set's names.
     orphan = kernel.run("%%ddp\nmodel")
     assert orphan["error"] is not None and orphan["error"][0] == "LiveError", orphan
@@ -174,20 +72,20 @@ def test_killed_rank_ends_the_set_naming_it_and_start_works_again(kernel):
 
 @pytest.mark.version_independent
 def test_segfault_names_the_signal(kernel):
-    procs = _fresh_set(kernel)
+    procs = fresh_set(kernel)
     out = kernel.run("%%ddp\nimport ctypes\nif nbkit.rank() == 0:\n    ctypes.string_at(0)\ntime.sleep(120)")
-    text = _ended_the_set(out, procs, "rank 0 (pid ", "died from signal SIGSEGV")
+    text = ended_the_set(out, procs, "rank 0 (pid ", "died from signal SIGSEGV")
     # faulthandler's stack of the crashing rank comes with it: ctypes, then the cell's line 3 (under %%ddp).
     crash = text[text.index("Fatal Python error: Segmentation fault") :].splitlines()
     assert "in string_at" in crash[3] and "line 3 in <module>" in crash[4], crash
 
 
 def test_cell_hanging_in_a_collective_ends_at_its_timeout(kernel):
-    procs = _fresh_set(kernel)
+    procs = fresh_set(kernel)
     cell = "%%ddp --timeout 4\nimport torch.distributed as dist\nif nbkit.rank() == 0:\n    dist.barrier()"
     out = kernel.run(cell)
     says = "did not finish within its timeout (4 s); rank(s) 0 were still running"
-    _ended_the_set(out, procs, says, within_s=4 + MARGIN_S)
+    ended_the_set(out, procs, says, within_s=4 + MARGIN_S)
     assert out["seconds"] >= 4
     # %ddp stop acknowledges the ended set; %%ddp is one-shot again.
     stopped = kernel.run("%ddp stop")
@@ -199,7 +97,7 @@ def test_cell_hanging_in_a_collective_ends_at_its_timeout(kernel):
 
 @pytest.mark.version_independent
 def test_rank_failing_while_another_waits_in_a_collective_ends_the_set(kernel):
-    procs = _fresh_set(kernel)
+    procs = fresh_set(kernel)
     cell = (
         "%%ddp\nimport torch.distributed as dist\nif nbkit.rank() == 1:\n    raise RuntimeError('no data on rank 1')\n"
         "dist.barrier()"
@@ -209,12 +107,12 @@ def test_rank_failing_while_another_waits_in_a_collective_ends_the_set(kernel):
         "RuntimeError: no data on rank 1",
         "rank(s) 1 failed, and rank(s) 0 neither finished nor answered an interrupt",
     )
-    _ended_the_set(out, procs, *says, within_s=3 + MARGIN_S)
+    ended_the_set(out, procs, *says, within_s=3 + MARGIN_S)
 
 
 @pytest.mark.version_independent
 def test_a_cell_that_does_not_parse_is_one_short_message_and_the_set_lives_on(kernel):
-    procs = _fresh_set(kernel)
+    procs = fresh_set(kernel)
     out = kernel.run("%%ddp\nx = 1\ny = (x,\n")
     assert out["error"] is not None and out["error"][0] == "CellSyntaxError", out
     shown = out["error"][2]
@@ -226,7 +124,7 @@ def test_a_cell_that_does_not_parse_is_one_short_message_and_the_set_lives_on(ke
 
 @pytest.mark.version_independent
 def test_a_rank_the_set_does_not_have_is_a_one_line_usage_error(kernel):
-    _fresh_set(kernel)
+    fresh_set(kernel)
     out = kernel.run("%%ddp --rank 1 5\nx = 0")
     assert out["error"] is None and out["result"] is None, out  # IPython shows a UsageError as one line
     assert "UsageError: --rank 5: the live set has 2 rank(s), numbered 0 to 1." in out["stderr"], out
@@ -236,7 +134,7 @@ def test_a_rank_the_set_does_not_have_is_a_one_line_usage_error(kernel):
 
 @pytest.mark.version_independent
 def test_second_start_says_one_is_running(kernel):
-    _fresh_set(kernel)
+    fresh_set(kernel)
     out = kernel.run("%ddp start --gpus 2")
     assert out["error"] is not None and out["error"][0] == "LiveError"
     assert "already running in this notebook" in out["error"][1]
@@ -251,6 +149,6 @@ def test_kernel_death_leaves_no_process(kernel_name, tmp_path):
         procs = k.descendants()
         assert len(procs) >= 3
         os.kill(k.pid, signal.SIGKILL)  # no atexit, no cleanup: only the processes' own watch
-        assert _still_running(procs) == []
+        assert still_running(procs) == []
     finally:
         k.close()

@@ -10,7 +10,7 @@ from multiprocessing import connection
 
 import psutil
 import pytest
-from test_live_start import _nothing_left
+from faultkit import nothing_left
 
 import nbkit
 from nbkit import channel
@@ -62,7 +62,7 @@ def test_a_set_whose_connection_closes_before_it_says_its_rank_ends_saying_so():
         assert "a connection to the notebook closed before it said which rank it was" in message, message
         assert "rank -1" not in message, message
         assert time.monotonic() - started < 30, message
-        assert _nothing_left(before) == []  # every process of the set was stopped
+        assert nothing_left(before) == []  # every process of the set was stopped
     finally:
         ranks.stop()
         nbkit.live.forget_ended()

@@ -16,6 +16,7 @@ import time
 
 import psutil
 import pytest
+from faultkit import nothing_left
 
 import nbkit
 from nbkit.errors import LiveError
@@ -52,22 +53,6 @@ def _when_running(count: int, action, module: str = "ipyparallel.engine", timeou
     return thread
 
 
-def _nothing_left(before: set[int], within: float = 5.0) -> list[str]:
-    """The processes started since `before` that still run after `within` seconds (zombies count as gone)."""
-    deadline = time.monotonic() + within
-    while True:
-        left = []
-        for p in psutil.Process().children(recursive=True):
-            try:
-                if p.pid not in before and p.status() != psutil.STATUS_ZOMBIE:
-                    left.append(" ".join(p.cmdline()[:6]))
-            except psutil.NoSuchProcess:
-                pass
-        if not left or time.monotonic() > deadline:
-            return left
-        time.sleep(0.1)
-
-
 @pytest.fixture
 def before() -> set[int]:
     assert nbkit.live.current() is None
@@ -92,7 +77,7 @@ def test_an_interrupt_while_the_set_starts_ends_every_process(before, module, co
     _when_running(count, lambda found: (time.sleep(wait), os.kill(os.getpid(), signal.SIGINT)), module)
     with pytest.raises(KeyboardInterrupt):
         nbkit.start(gpus=2)
-    assert _nothing_left(before) == []
+    assert nothing_left(before) == []
     _starts_again()
 
 
@@ -100,7 +85,7 @@ def test_the_start_up_timeout_ends_the_engines(before):
     says = r"rank\(s\) 0 \(pid \d+\), 1 \(pid \d+\) did not start and register .* within the start-up timeout \(1 s\)"
     with pytest.raises(LiveError, match=says):
         nbkit.start(gpus=2, startup_timeout=1)
-    assert _nothing_left(before) == []
+    assert nothing_left(before) == []
     _starts_again()
 
 
@@ -108,7 +93,7 @@ def test_an_engine_that_dies_while_starting_takes_the_others_with_it(before):
     _when_running(2, lambda engines: engines[-1].kill())
     with pytest.raises(LiveError, match=r"Rank \d's process ended while starting \(died from signal SIGKILL\)"):
         nbkit.start(gpus=2)
-    assert _nothing_left(before) == []
+    assert nothing_left(before) == []
     _starts_again()
 
 
@@ -135,5 +120,5 @@ def test_a_rank_that_never_arrives_is_named_with_its_step_within_seconds(before,
     other = 1 - int(named.group(1))
     assert f"(start-up step 1 of 3) within 3 s of rank(s) {other}, which did" in text, text
     assert took < 90, took  # rank 0's own start on a loaded machine, plus the 3 s; not the 180 s timeout
-    assert _nothing_left(before) == []
+    assert nothing_left(before) == []
     _starts_again()

@@ -13,9 +13,9 @@ import re
 from pathlib import Path
 
 import pytest
-from test_live import MARGIN_S, Kernel, _ended_the_set, _still_running
+from faultkit import MARGIN_S, Kernel, ended_the_set, still_running
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("trainer_paths")]
 
 # A Trainer that would run for minutes, and a callback whose line tells the test that training runs.
 _TRAINER = """%%ddp
@@ -37,14 +37,13 @@ model = trainer.model
 
 
 @pytest.fixture(scope="module")
-def kernel(kernel_name, tmp_path_factory, tiny_text_path):
-    k = Kernel(kernel_name, str(tmp_path_factory.mktemp("live-stop")))
+def trainer_paths(kernel: Kernel, tmp_path_factory: pytest.TempPathFactory, tiny_text_path: str) -> None:
+    """The module's kernel knows what _TRAINER needs: `path` (the tiny model), `out` (a folder of the
+    module's own for the trainer's output) and `repo` (the checkout)."""
     out = tmp_path_factory.mktemp("live-stop-out")
     repo = str(Path(__file__).resolve().parents[2])
-    setup = k.run(f"%load_ext nbkit\nimport nbkit, time\npath, out, repo = {tiny_text_path!r}, {str(out)!r}, {repo!r}")
+    setup = kernel.run(f"path, out, repo = {tiny_text_path!r}, {str(out)!r}, {repo!r}")
     assert setup["error"] is None, setup
-    yield k
-    k.close()
 
 
 def _live_set_with_trainer(kernel: Kernel) -> list:
@@ -140,7 +139,7 @@ def test_rank_failing_while_the_stop_is_pending_is_named(kernel):
         kernel.run("%ddp stop")
     else:
         says = "rank(s) 1 failed, and rank(s) 0 neither finished nor answered an interrupt within 2 s"
-        _ended_the_set(out, procs, says, within_s=2 + MARGIN_S)
+        ended_the_set(out, procs, says, within_s=2 + MARGIN_S)
 
 
 def test_second_interrupt_while_the_stop_is_pending_interrupts_at_once(kernel):
@@ -155,29 +154,22 @@ def test_second_interrupt_while_the_stop_is_pending_interrupts_at_once(kernel):
         "            time.sleep(3600)\n"
         "trainer.add_callback(Stall())\ntrainer.train()"
     )
-    msg_id = kernel.client.execute(cell)
     stderr, interrupts, error = "", 0, ("", "")
-    while True:
-        msg = kernel.client.get_iopub_msg(timeout=120)
-        if msg["parent_header"].get("msg_id") != msg_id:
-            continue
-        kind, content = msg["msg_type"], msg["content"]
+    for kind, content in kernel.messages(kernel.start(cell)):
         if kind == "stream" and content["name"] == "stdout" and "training" in content["text"] and not interrupts:
-            kernel.manager.interrupt_kernel()
+            kernel.interrupt()
             interrupts = 1
         elif kind == "stream" and content["name"] == "stderr":
             stderr += content["text"]
             if "interrupt again to stop at once" in stderr and interrupts == 1:
-                kernel.manager.interrupt_kernel()
+                kernel.interrupt()
                 interrupts = 2
         elif kind == "error":
             error = (content["ename"], "\n".join(content["traceback"]))
-        elif kind == "status" and content["execution_state"] == "idle":
-            break
     assert interrupts == 2, stderr
     assert error[0] == "LiveError", error
     assert "rank(s) 0 did not answer the interrupt within 2 s" in error[1], error
-    assert _still_running(procs) == []
+    assert still_running(procs) == []
 
 
 def test_rank_0_cell_waiting_in_a_collective_is_named(kernel):
@@ -191,11 +183,11 @@ def test_rank_0_cell_waiting_in_a_collective_is_named(kernel):
         "a cell run on rank(s) 0 only called a collective (evaluate(), barrier, all_reduce) that the other ranks "
         "never join: run it on every rank",
     )
-    _ended_the_set(out, procs, *says, within_s=MARGIN_S)
+    ended_the_set(out, procs, *says, within_s=MARGIN_S)
 
     started = kernel.run("nbkit.start(gpus=2)")
     assert started["error"] is None, started
     procs = kernel.descendants()
     out = kernel.run("%%ddp --rank 0 --timeout 3\nimport torch.distributed as dist\ndist.barrier()")
     says = ("did not finish within its timeout (3 s)", "a cell run on rank(s) 0 only called a collective")
-    _ended_the_set(out, procs, *says, within_s=3 + MARGIN_S)
+    ended_the_set(out, procs, *says, within_s=3 + MARGIN_S)

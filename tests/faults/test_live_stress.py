@@ -13,7 +13,7 @@ from multiprocessing import connection
 
 import psutil
 import pytest
-from test_live import Kernel, _still_running
+from faultkit import Kernel, still_running
 
 from nbkit import channel
 from nbkit.live.relay import Relay
@@ -106,7 +106,7 @@ def test_processes_a_cell_starts_end_with_ddp_stop(kernel_name, tmp_path):
         assert kernel.run("%load_ext nbkit\nimport nbkit\n%ddp start --gpus 2")["error"] is None
         procs = _children_of_the_ranks(kernel)
         assert kernel.run("%ddp stop")["error"] is None
-        assert _still_running(procs, within=10.0) == []
+        assert still_running(procs, within=10.0) == []
     finally:
         kernel.close()
 
@@ -119,7 +119,7 @@ def test_processes_a_cell_starts_end_with_a_killed_kernel(kernel_name, tmp_path)
         assert kernel.run("%load_ext nbkit\nimport nbkit\n%ddp start --gpus 2")["error"] is None
         procs = _children_of_the_ranks(kernel)
         os.kill(kernel.pid, signal.SIGKILL)  # no atexit, no stop(): only the engines' own watch
-        assert _still_running(procs, within=10.0) == []
+        assert still_running(procs, within=10.0) == []
     finally:
         kernel.close()
 
@@ -142,7 +142,7 @@ def test_a_stop_during_a_500_mb_send_keeps_the_set_and_its_names(kernel_name, tm
         assert timed["error"] is None, timed
         after_s = fraction * timed["seconds"]
         assert kernel.run("big = numpy.ones(500 * 2**20 // 8)")["error"] is None  # 500 MB the next cell reads
-        timer = threading.Timer(after_s, kernel.manager.interrupt_kernel)
+        timer = threading.Timer(after_s, kernel.interrupt)
         timer.start()
         out = kernel.run("%%ddp\nprint('the cell ran', flush=True)\nbig.sum()")
         timer.join()

@@ -11,25 +11,9 @@ import signal
 import time
 
 import pytest
-from test_live import MARGIN_S, Kernel, _ended_the_set
+from faultkit import MARGIN_S, Kernel, ended_the_set, fresh_set
 
 pytestmark = [pytest.mark.slow, pytest.mark.version_independent]
-
-
-@pytest.fixture(scope="module")
-def kernel(kernel_name, tmp_path_factory):
-    k = Kernel(kernel_name, str(tmp_path_factory.mktemp("live-weak")))
-    setup = k.run("%load_ext nbkit\nimport nbkit, time")
-    assert setup["error"] is None, setup
-    yield k
-    k.close()
-
-
-def _set_with_x(kernel: Kernel) -> list:
-    started = kernel.run("if nbkit.live.current() is None:\n    nbkit.start(gpus=2)")
-    assert started["error"] is None, started
-    assert kernel.run("%%ddp\nx = 41")["error"] is None
-    return kernel.descendants()
 
 
 @pytest.mark.parametrize(
@@ -38,7 +22,7 @@ def _set_with_x(kernel: Kernel) -> list:
     ids=["magic", "shell-command", "get_ipython"],
 )
 def test_ipython_syntax_in_a_ddp_cell_says_it_runs_in_the_notebook(kernel, line, shown):
-    procs = _set_with_x(kernel)
+    procs = fresh_set(kernel)
     out = kernel.run(f"%%ddp\nx = 0\n{line}")
     assert out["error"] is not None and out["error"][0] == "LiveError", out
     text = out["error"][2]
@@ -51,13 +35,13 @@ def test_ipython_syntax_in_a_ddp_cell_says_it_runs_in_the_notebook(kernel, line,
 
 
 def test_a_cell_that_swallows_the_interrupt_is_named_as_the_cause(kernel):
-    procs = _set_with_x(kernel)
+    procs = fresh_set(kernel)
     cell = (
         "%%ddp\nprint('running', flush=True)\nwhile True:\n    try:\n        time.sleep(0.05)\n"
         "    except KeyboardInterrupt:\n        pass"
     )
     out = kernel.run(cell, interrupt_on="running")
-    text = _ended_the_set(
+    text = ended_the_set(
         out,
         procs,
         "rank(s) 0, 1 got the interrupt but went on running: the cell's code caught the KeyboardInterrupt",
@@ -67,7 +51,7 @@ def test_a_cell_that_swallows_the_interrupt_is_named_as_the_cause(kernel):
 
 
 def test_an_object_of_a_module_only_the_notebook_imports_names_the_variable_and_the_module(kernel, tmp_path):
-    procs = _set_with_x(kernel)
+    procs = fresh_set(kernel)
     folder = tmp_path / "notebook_only"
     folder.mkdir()
     (folder / "notebook_only_mod.py").write_text("class Thing:\n    value = 7\n")
