@@ -81,6 +81,11 @@ class CellError(NamedTuple):
     evalue: str
     traceback: str  # the lines of the traceback, joined
 
+    @classmethod
+    def of(cls, content: dict) -> CellError:
+        """The error of a kernel's `error` message content."""
+        return cls(content["ename"], content["evalue"], "\n".join(content["traceback"]))
+
 
 class Kernel:
     """A Jupyter kernel of this interpreter and a blocking client (jupyter_client, as nbclient and the
@@ -144,7 +149,7 @@ class Kernel:
                         interrupted = time.monotonic()
                         self.interrupt()
                 elif kind == "error":
-                    out["error"] = CellError(content["ename"], content["evalue"], "\n".join(content["traceback"]))
+                    out["error"] = CellError.of(content)
                 elif kind == "execute_result":
                     out["result"] = content["data"].get("text/plain")
         except TimeoutError as timed_out:

@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 
 import pytest
-from faultkit import MARGIN_S, Kernel, ended_the_set, still_running
+from faultkit import MARGIN_S, CellError, Kernel, ended_the_set, still_running
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("trainer_paths")]
 
@@ -154,7 +154,7 @@ def test_second_interrupt_while_the_stop_is_pending_interrupts_at_once(kernel):
         "            time.sleep(3600)\n"
         "trainer.add_callback(Stall())\ntrainer.train()"
     )
-    stderr, interrupts, error = "", 0, ("", "")
+    stderr, interrupts, error = "", 0, None
     for kind, content in kernel.messages(kernel.start(cell)):
         if kind == "stream" and content["name"] == "stdout" and "training" in content["text"] and not interrupts:
             kernel.interrupt()
@@ -165,10 +165,10 @@ def test_second_interrupt_while_the_stop_is_pending_interrupts_at_once(kernel):
                 kernel.interrupt()
                 interrupts = 2
         elif kind == "error":
-            error = (content["ename"], "\n".join(content["traceback"]))
+            error = CellError.of(content)
     assert interrupts == 2, stderr
-    assert error[0] == "LiveError", error
-    assert "rank(s) 0 did not answer the interrupt within 2 s" in error[1], error
+    assert error is not None and error.ename == "LiveError", error
+    assert "rank(s) 0 did not answer the interrupt within 2 s" in error.traceback, error
     assert still_running(procs) == []
 
 
