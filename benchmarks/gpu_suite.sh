@@ -63,6 +63,10 @@ part() {  # part NAME SECONDS COMMAND...
   echo "=== $name: exit $? after $((SECONDS - start))s"
 }
 
+model_part() {  # model_part MODEL SECONDS: build MODEL's random checkpoint once, before the runs that load it
+  part speed_model "$2" python3 -c "import nbkit; print(nbkit.resolve_model('$1'))"
+}
+
 for what in "$@"; do
   case $what in
     env)
@@ -278,7 +282,7 @@ for what in "$@"; do
         limits=(60 560 500 560 500)
         t4=(--precision fp32)
       fi
-      part speed_model "${limits[0]}" python3 -c "import nbkit; print(nbkit.resolve_model('$model'))"
+      model_part "$model" "${limits[0]}"
       [ "$what" != speed_t4 ] && part speed_bf16 "${limits[1]}" python3 benchmarks/trainer_bench.py \
         --configs "$configs" "${run[@]}" --time-limit "${limits[2]}" --out "$OUT/speed_bf16.json" --md "$OUT/speed_bf16.md"
       # shellcheck disable=SC2086  # SPEED_T4_ARGS holds several options
@@ -292,7 +296,7 @@ for what in "$@"; do
       # untiled) at 1K x 4 and 16K x 1, with dynamo's graph breaks logged. GPU 1, the references: unsloth,
       # Liger uncompiled, then +compile without Liger at 16K if time is left. Compare rows of one GPU.
       model=random:qwen3-vl-2b
-      part speed_model 150 python3 -c "import nbkit; print(nbkit.resolve_model('$model'))"
+      model_part "$model" 150
       gpus=$(nvidia-smi -L | wc -l)
       run=(--shapes 1024x4,16384x1 --steps 9 --warmup 2 --windows 3 --launch-timeout 280)
       second=1; [ "$gpus" -ge 2 ] || second=0
