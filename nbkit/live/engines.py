@@ -283,6 +283,10 @@ class Engines(SetState):
                 return
             self._ended = reason
         registry.ended = self
+        # No longer the running set from this moment: the cell that reports the end can return while this
+        # thread (the monitor's, often) still stops processes, and a new set may start meanwhile. Seen:
+        # nbkit.live.current() still answered the ended set, so the next cell's start was skipped.
+        self._forget()
         if not self._owned and self._client is not None:
             # Engines started outside nbkit stay up: what still runs there is interrupted, then each
             # leaves the broken process group (queued behind a call that waits in a collective).

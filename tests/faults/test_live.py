@@ -75,6 +75,9 @@ def test_segfault_names_the_signal(kernel):
     procs = fresh_set(kernel)
     out = kernel.run("%%ddp\nimport ctypes\nif nbkit.rank() == 0:\n    ctypes.string_at(0)\ntime.sleep(120)")
     text = ended_the_set(out, procs, "rank 0 (pid ", "died from signal SIGSEGV")
+    # The ended set is not the running one any more, from the moment the cell says so (the monitor thread that
+    # ended it may still be closing its connections): the next cell can start a new set.
+    assert kernel.run("print(nbkit.live.current())")["stdout"].strip() == "None"
     # faulthandler's stack of the crashing rank comes with it: ctypes, then the cell's line 3 (under %%ddp).
     crash = text[text.index("Fatal Python error: Segmentation fault") :].splitlines()
     assert "in string_at" in crash[3] and "line 3 in <module>" in crash[4], crash
