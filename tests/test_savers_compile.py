@@ -3,7 +3,7 @@
 Inductor generates C++ here, so a C compiler is needed (the tests skip without one). What a user
 relies on: the compiled model's loss and LoRA gradients equal the eager model's, with every other
 saver on (offloaded checkpointing recomputes the compiled layers), in one process and under 2-rank
-gloo DDP; the layers stay the same objects (peft and the other savers find them); remove() makes
+gloo DDP and FSDP2; the layers stay the same objects (peft and the other savers find them); remove() makes
 the model eager again.
 """
 
@@ -14,6 +14,7 @@ import shutil
 
 import pytest
 import torch
+from test_fsdp import FSDP_ENV, _check_against_reference, _sharded_step
 from test_savers import TOLERANCE, assert_grads_match, loss_and_grads, make_batch, relative_error, tiny_model
 from test_savers_ddp import SAVERS, _reference, _run_matrix, check_matrix
 
@@ -105,3 +106,34 @@ def test_ddp_with_regional_compile_matches_single_process(monkeypatch):
     finally:
         del SAVERS["compiled"]
     check_matrix(results, *_reference("qwen3-vl"), cases)
+
+
+def _fsdp_step(savers: dict) -> tuple[dict, int]:
+    """test_fsdp's sharded step in a rank, and how many graphs Dynamo compiled there."""
+    from torch._dynamo.utils import counters
+
+    counters.clear()  # a forked rank starts with the counts of the tests run before it
+    result = _sharded_step(None, savers)
+    return result, counters["stats"]["unique_graphs"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("savers", "accelerate_checkpointing"),
+    [
+        # nbkit's offloaded checkpointing; each layer's attention and tiled MLP compiled, inside FSDP's unit
+        (dict(checkpointing="offload", tiled_mlp=3, chunked_loss=True), "false"),
+        # accelerate's checkpointing (nbkit's fsdp set-up); whole layers compiled: FSDP's units themselves,
+        # whose all-gather hooks Dynamo leaves out of the graph
+        (dict(checkpointing=None, tiled_mlp=False, chunked_loss=True), "true"),
+    ],
+    ids=["offload-tiled", "fsdp-checkpointing-whole-layers"],
+)
+def test_fsdp_with_regional_compile_gives_the_reference_gradients(monkeypatch, savers, accelerate_checkpointing):
+    # test_fsdp's check: each rank holds half of the base weights, the loss and every LoRA gradient equal
+    # one process's over the whole batch. aot_eager, as in the DDP case above.
+    monkeypatch.setattr(compiling, "enable", functools.partial(compiling.enable, backend="aot_eager"))
+    env = {**FSDP_ENV, "FSDP_ACTIVATION_CHECKPOINTING": accelerate_checkpointing}
+    result, graphs = nbkit.launch(_fsdp_step, dict(savers, compile="regional"), gpus=2, env=env, timeout=300)
+    assert graphs >= 1  # the regions ran compiled
+    _check_against_reference(result, 2)
