@@ -74,7 +74,11 @@ def _starts_again() -> None:
 )
 def test_an_interrupt_while_the_set_starts_ends_every_process(before, module, count, wait):
     # The stop button during `%ddp start`: SIGINT in the notebook's main thread.
-    _when_running(count, lambda found: (time.sleep(wait), os.kill(os.getpid(), signal.SIGINT)), module)
+    def press_stop(found: list) -> None:
+        time.sleep(wait)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    _when_running(count, press_stop, module)
     with pytest.raises(KeyboardInterrupt):
         nbkit.start(gpus=2)
     assert nothing_left(before) == []
