@@ -92,6 +92,19 @@ def test_a_compile_the_user_made_is_left_alone_and_bad_values_are_refused():
     assert not compiling.is_enabled(model) and savers._model.base_model(model)._nbkit_savers.compile is None
 
 
+def test_the_wait_at_the_first_step_is_announced_once(capsys):
+    model = tiny_model("qwen3")
+    savers.apply(model, compile="auto")  # on the CPU: nothing compiles, nothing to say
+    assert "compile" not in capsys.readouterr().out
+    savers.apply(model, compile="regional")
+    said = capsys.readouterr().out
+    blocks = len(compiling.regions(model))
+    assert f"nbkit: {blocks} blocks of the model compile at its first training step" in said, said
+    assert "compile=None leaves them uncompiled" in said
+    savers.apply(model, compile="regional")  # the same options again: nothing changes, nothing is said
+    assert capsys.readouterr().out == ""
+
+
 @pytest.mark.slow
 def test_ddp_with_regional_compile_matches_single_process(monkeypatch):
     # test_savers_ddp's matrix (gradient accumulation 2 with no_sync, other lengths on each rank):

@@ -35,6 +35,7 @@ from typing import Any, cast
 
 from torch import nn
 
+from nbkit import notices
 from nbkit.savers import tiled_mlp
 from nbkit.savers._model import _ENCODER_NAMES, base_model, decoder_layers, layer_mlp
 
@@ -90,7 +91,8 @@ def enable(model: nn.Module, *, backend: str = "inductor", vision: bool = True, 
     """Compile every region of `model` (see regions()) in place with `torch.compile(backend=..., **options)`.
 
     Compilation happens on each region's first call (the first training step: tens of seconds per
-    distinct shape on a GPU). Replaces a previous setting of this saver.
+    distinct shape on a GPU); an INFO notice (nbkit.notices) says so. Replaces a previous setting of
+    this saver.
 
     Args:
         model: a transformers model, bare, peft- or DDP-wrapped.
@@ -102,9 +104,17 @@ def enable(model: nn.Module, *, backend: str = "inductor", vision: bool = True, 
         ValueError: when the model's decoder layers cannot be found.
     """
     disable(model)
-    for block in regions(model, vision=vision):
+    blocks = regions(model, vision=vision)
+    for block in blocks:
         block.compile(backend=backend, **options)
         setattr(block, _MARK, True)
+    # Said here because the wait comes later, where nothing else explains it: a first step that takes a
+    # minute on a slow notebook CPU looks like a hang.
+    notices.logger(__name__).info(
+        f"nbkit: {len(blocks)} blocks of the model compile at its first training step, and once more at the first "
+        "step of another sequence length (one H100: 40-48 s from launch to the first step, 23 s uncompiled; longer on "
+        "a notebook's few CPU cores); the steps after run faster. compile=None leaves them uncompiled."
+    )
 
 
 def disable(model: nn.Module) -> None:
