@@ -456,6 +456,45 @@ patch(
 )(_unwrapped_prefixes)
 
 
+def _placeholders_not_copies(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Patch factory: under FSDP's efficient loading, a rank other than each host's first gets its
+    parameters as uninitialised CPU memory instead of zeros.
+
+    transformers 5 loads those ranks' weights on the meta device and then gives every parameter a
+    zero-filled CPU tensor of the full size; accelerate never reads them (it moves the model to meta
+    again while sharding and broadcasts rank 0's weights). Zero-filling makes each such rank hold the
+    whole model in RAM: measured here, a 318 MB bf16 checkpoint added 331 MB to rank 1's resident
+    memory and 18 MB to rank 0's (whose weights stay file-mapped). With 2 ranks of a 16-bit 8B model
+    that is 17 GB of Kaggle's 29 GB; with 8 ranks, seven copies. Uninitialised memory is not resident
+    until written (transformers 4.x used it here too). Buffers stay zeros, as transformers makes them:
+    they are small, and the non-persistent ones are initialised next.
+    """
+
+    @functools.wraps(original)
+    def move(self: Any, missing_keys: Any, device_map: Any, device_mesh: Any, hf_quantizer: Any) -> None:
+        from transformers import modeling_utils
+
+        if hf_quantizer is not None or not modeling_utils.is_fsdp_enabled() or modeling_utils.is_local_dist_rank_0():
+            return original(self, missing_keys, device_map, device_mesh, hf_quantizer)
+        for key, param in self.named_parameters():
+            modeling_utils._load_parameter_into_model(self, key, torch.empty_like(param, device="cpu"))
+        for key, buffer in self.named_buffers():
+            modeling_utils._load_parameter_into_model(self, key, torch.zeros_like(buffer, device="cpu"))
+        return None
+
+    return move
+
+
+patch(
+    "transformers.modeling_utils:PreTrainedModel._move_missing_keys_from_meta_to_device",
+    reason="under FSDP's efficient loading, transformers 5 fills every parameter of the ranks that do not read the "
+    "checkpoint with zeros, so each holds a full copy of the model in RAM that accelerate then discards",
+    upstream="none filed yet: transformers/modeling_utils.py _move_missing_keys_from_meta_to_device (4.x used "
+    "torch.empty_like there)",
+    group="fsdp",
+)(_placeholders_not_copies)
+
+
 def _checked_generate(original: Callable[..., Any]) -> Callable[..., Any]:
     """Patch factory: generate on a sharded model first checks that every rank called it (see generate())."""
 

@@ -120,8 +120,9 @@ GROUPS: dict[str, Group] = {
             "fsdp",
             "nbkit.fsdp",
             "in ranks of the fsdp strategy (NBKIT_STRATEGY=fsdp): peft's adapter keys under FSDP2's activation "
-            "checkpointing, generation on a sharded model refused on some ranks only, and accelerate's FSDP state "
-            "on ranks without CUDA",
+            "checkpointing, generation on a sharded model refused on some ranks only, no zero-filled copy of the "
+            "model in the RAM of ranks that do not read the checkpoint, and accelerate's FSDP state on ranks "
+            "without CUDA",
         ),
         Group(
             "offline",

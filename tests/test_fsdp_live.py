@@ -109,3 +109,44 @@ def test_a_rank_that_dies_mid_step_ends_the_set_and_leaves_nothing():
         assert time.monotonic() < deadline, "ranks left running"
         time.sleep(0.2)
     assert os.environ.get(fsdp.STRATEGY_VARIABLE) is None  # the notebook process is no rank
+
+
+def _load_and_shard(path: str) -> dict:
+    """In a rank: the resident memory loading `path` added, then one base weight as the sharded
+    model holds it (gathered whole)."""
+    import psutil
+    import torch
+    from torch.distributed.tensor import DTensor
+    from transformers import AutoModelForCausalLM
+
+    before = psutil.Process().memory_info().rss
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    added = psutil.Process().memory_info().rss - before
+    model = fsdp.shard(model)
+    weight = model.get_parameter("model.layers.1.mlp.down_proj.weight")
+    whole = weight.full_tensor() if isinstance(weight, DTensor) else weight
+    return {"added": added, "weight": whole.detach().to(torch.bfloat16).cpu()}
+
+
+def test_a_rank_that_does_not_read_the_checkpoint_does_not_hold_a_copy_of_it(tmp_path):
+    # Under FSDP's efficient loading only rank 0 reads the weights; the other ranks get their shards by
+    # broadcast when the model is sharded, so until then they need no copy of the model in memory (a 16-bit
+    # 8B model is 17 GB of a Kaggle session's 29 GB).
+    import torch
+    from safetensors.torch import load_file
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(
+        hidden_size=768, intermediate_size=2048, num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=2,
+        head_dim=128, vocab_size=32000, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    Qwen3ForCausalLM(config).to(torch.bfloat16).save_pretrained(tmp_path)
+    size = sum(f.stat().st_size for f in tmp_path.glob("*.safetensors"))
+    expected = load_file(next(tmp_path.glob("*.safetensors")))["model.layers.1.mlp.down_proj.weight"]
+    with nbkit.start(gpus=2, env={fsdp.STRATEGY_VARIABLE: "fsdp"}) as live:
+        live.exec("loaded = _load_and_shard(path)", names={"_load_and_shard": _load_and_shard, "path": str(tmp_path)})
+        loaded = [live.pull("loaded", rank=rank) for rank in (0, 1)]
+    assert loaded[1]["added"] < size / 4, (loaded[1]["added"], size)  # zero-filled: 1.1x the checkpoint
+    for rank in (0, 1):
+        assert torch.equal(loaded[rank]["weight"], expected), rank  # rank 1's shards came from rank 0
