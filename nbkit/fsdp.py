@@ -463,11 +463,11 @@ def _placeholders_not_copies(original: Callable[..., Any]) -> Callable[..., Any]
     transformers 5 loads those ranks' weights on the meta device and then gives every parameter a
     zero-filled CPU tensor of the full size; accelerate never reads them (it moves the model to meta
     again while sharding and broadcasts rank 0's weights). Zero-filling makes each such rank hold the
-    whole model in RAM: measured here, a 318 MB bf16 checkpoint added 331 MB to rank 1's resident
-    memory and 18 MB to rank 0's (whose weights stay file-mapped). With 2 ranks of a 16-bit 8B model
-    that is 17 GB of Kaggle's 29 GB; with 8 ranks, seven copies. Uninitialised memory is not resident
-    until written (transformers 4.x used it here too). Buffers stay zeros, as transformers makes them:
-    they are small, and the non-persistent ones are initialised next.
+    whole model in RAM: a 317 MiB bf16 checkpoint added 317 MiB to rank 1's resident memory, 14 MiB
+    with this patch (benchmarks/RESULTS.md, "FSDP loading"). With 2 ranks of a 16-bit 8B model that
+    is 17 GB of a Kaggle session's RAM (about 30 GB); with 8 ranks, seven copies. Uninitialised
+    memory is not resident until written (transformers 4.x used it here too). Buffers stay zeros, as
+    transformers makes them: they are small, and the non-persistent ones are initialised next.
     """
 
     @functools.wraps(original)

@@ -131,7 +131,7 @@ def _load_and_shard(path: str) -> dict:
 def test_a_rank_that_does_not_read_the_checkpoint_does_not_hold_a_copy_of_it(tmp_path):
     # Under FSDP's efficient loading only rank 0 reads the weights; the other ranks get their shards by
     # broadcast when the model is sharded, so until then they need no copy of the model in memory (a 16-bit
-    # 8B model is 17 GB of a Kaggle session's 29 GB).
+    # 8B model is 17 GB of a Kaggle session's RAM, about 30 GB).
     import torch
     from safetensors.torch import load_file
     from transformers import Qwen3Config, Qwen3ForCausalLM
