@@ -21,7 +21,9 @@ Under FSDP (nbkit.fsdp's set-up: accelerate's FSDP2, full sharding, activation c
 holds 1/N of the weights and of the LoRA weights, gradients and AdamW states, plus the gathered full
 weights of FSDP_GATHERED_LAYERS layers and the output embedding (kept gathered from the end of the
 forward to the start of the backward); its activations are those of its own batch, with layer inputs
-kept on the GPU ("recompute"; None: no checkpointing).
+kept on the GPU ("recompute"; None: no checkpointing). In 4-bit a rank first loads and quantises the
+whole model on its own GPU and shards it only afterwards, so "fsdp" also needs that copy to fit one GPU
+(16-bit weights load in CPU memory).
 The per-token byte counts below come from recording every tensor autograd saves (saved_tensors_hooks,
 unique storages) on CPU in decoder layers with peft LoRA under bf16 autocast: for Qwen3-VL-2B's
 shapes, 112 KiB per token per layer without the tiled MLP (tests/test_planner.py checks the formula
@@ -171,6 +173,9 @@ class Plan:
     fsdp_gib, fsdp_breakdown: peak per GPU (per rank) with the model sharded over `gpus` ranks by FSDP,
         and its parts, keyed as `breakdown` ("weights" is the rank's shard plus the gathered layers);
         for gpus=1, FSDP in one process (nothing sharded, the same gathering).
+    fsdp_load_gib: in 4-bit, the peak per GPU while an FSDP rank loads: it quantises the whole model on
+        its own GPU and shards it only afterwards (nbkit.fsdp.device_map), so "fsdp" is chosen only
+        where this fits too. None in 16-bit, where the weights load in CPU memory.
     usable_gib: the memory a plan may use per GPU (gpu_memory_gib minus a safety margin).
     recommended_batch_size: the per-GPU batch (Trainer's per_device_train_batch_size) of seq_len
         sequences that keeps the GPU, not the host, the bound of each step and fits in memory;
@@ -208,6 +213,7 @@ class Plan:
     gpu_seconds_per_token: float | None = None
     fsdp_gib: float | None = None
     fsdp_breakdown: dict[str, float] = field(default_factory=dict)
+    fsdp_load_gib: float | None = None
 
     @property
     def peak_allocated_gib(self) -> float:
@@ -340,6 +346,12 @@ class Plan:
                 f"shard + the gathered layers) {f['weights']:.2f}, LoRA + grads + AdamW {f['lora']:.2f}, activations "
                 f"{f['activations']:.2f}, logits/loss {f['logits']:.2f}, CUDA overhead {f['overhead']:.2f}."
             )
+            if self.fsdp_load_gib is not None and self.fsdp_load_gib > self.usable_gib:
+                lines.append(
+                    "But in 4-bit each FSDP rank first loads and quantises the whole model on its own GPU, about "
+                    f"{self.fsdp_load_gib:.1f} GiB, and shards it only afterwards: more than a GPU has, so FSDP cannot "
+                    "load it here (16-bit weights load in CPU memory and are sharded from there)."
+                )
         if self.strategy == "ddp":
             lines.append(
                 "Strategy: ddp. A full copy fits on one GPU, so DDP (a live set, %%ddp or nbkit.launch) trains one "
@@ -724,9 +736,16 @@ def _plan(
     fsdp_breakdown, fsdp_total = _estimate(
         counts, config, gpus, seq_len, batch_size, load_in_4bit, lora_rank, fsdp_checkpointing, fsdp_shards=gpus
     ).bytes_per_gpu()
+    # In 4-bit an fsdp rank loads and quantises the whole model on its own GPU, one 16-bit weight at a time,
+    # and shards it only afterwards (nbkit.fsdp.device_map): that copy must fit the GPU first.
+    fsdp_load = (
+        _Estimate(counts.bytes_4bit + 2.0 * counts.largest_linear, 0, 0, 0, 0, 0).bytes_per_gpu()[1]
+        if load_in_4bit
+        else None
+    )
     if total <= usable:
         strategy = "ddp"
-    elif gpus > 1 and fsdp_total <= usable:
+    elif gpus > 1 and fsdp_total <= usable and (fsdp_load is None or fsdp_load <= usable):
         strategy = "fsdp"
     elif gpus > 1 and split_total <= usable:
         strategy = "model_parallel"
@@ -753,6 +772,7 @@ def _plan(
         advice=tuple(advice),
         fsdp_gib=fsdp_total,
         fsdp_breakdown=fsdp_breakdown,
+        fsdp_load_gib=fsdp_load,
     )
 
 

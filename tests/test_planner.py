@@ -457,5 +457,19 @@ def test_fsdp_shards_weights_and_lora_state_per_rank_and_keeps_each_ranks_activa
     assert one["activations"] == two["activations"] == four["activations"]  # each rank trains its own batch
     assert plans[1].strategy == "does_not_fit" and plans[2].strategy == plans[4].strategy == "fsdp"
     assert "fsdp" in nbkit.planner.STRATEGIES
+    assert plans[2].fsdp_load_gib is None  # 16-bit weights load in CPU memory and are sharded from there
+
+
+def test_fsdp_in_4bit_is_chosen_only_where_a_rank_can_load_the_quantised_model():
+    # An fsdp rank quantises the whole model on its own GPU and shards it only afterwards (nbkit.fsdp.device_map).
+    thirty_two_b = nbkit.plan("random:qwen3-32b", gpus=2, gpu_memory_gib=24, seq_len=1024, load_in_4bit=True)
+    assert thirty_two_b.strategy == "fsdp"
+    assert thirty_two_b.fsdp_load_gib is not None and thirty_two_b.fsdp_load_gib <= thirty_two_b.usable_gib
+    assert "first loads and quantises" not in str(thirty_two_b)
+    # A 4-bit 70B would shard to what a 24 GiB GPU holds, but its 4-bit copy does not load on one: split instead.
     seventy_b = nbkit.plan(llama_70b(), gpus=4, gpu_memory_gib=24, load_in_4bit=True)
-    assert seventy_b.strategy == "fsdp" and seventy_b.fsdp_gib <= seventy_b.usable_gib < seventy_b.per_gpu_gib
+    assert seventy_b.fsdp_gib is not None and seventy_b.fsdp_load_gib is not None
+    assert seventy_b.fsdp_gib <= seventy_b.usable_gib < seventy_b.fsdp_load_gib
+    assert seventy_b.strategy == "model_parallel"
+    text = str(seventy_b)
+    assert "each FSDP rank first loads and quantises the whole model on its own GPU, about 43.9 GiB" in text, text
