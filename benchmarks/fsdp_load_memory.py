@@ -41,16 +41,17 @@ def _added_by_load(path: str, fixed: bool) -> int:
     from nbkit import patching
 
     fix = next((p for p in patching.registered("fsdp") if p.target == _FIX), None)
-    if fix is not None and not fixed:
+    off = fix is not None and not fixed
+    if off:
         fix.revert()
     try:
         before = psutil.Process().memory_info().rss
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
         added = psutil.Process().memory_info().rss - before
+        del model
     finally:
-        if fix is not None and not fixed and fsdp.requested():
+        if off:
             fix.apply()
-    del model
     gc.collect()
     return added
 
