@@ -17,9 +17,8 @@ Composes with the other savers: checkpointing wraps the compiled call (non-reent
 the offloading saved-tensor hooks run outside the compiled region; the recompute in the backward
 calls the compiled forward again), Liger's kernels run inside it, and a layer whose MLP is tiled is
 compiled as two regions, its attention and its MLP (see regions()). Gradients are those of the eager
-model up to floating-point order, in one process and under DDP and FSDP2 (a whole compiled layer is
-FSDP's unit; Dynamo leaves FSDP's hooks out of its graph) (tests/test_savers_compile.py on the CPU; on one H100,
-tests/test_liger_gpu.py with Liger's kernels, every saver, 4-bit weights and three lengths).
+model up to floating-point order, in one process and under DDP and FSDP2 (tests/test_savers_compile.py
+on the CPU; on one H100, tests/test_liger_gpu.py with Liger's kernels, every saver, 4-bit weights and three lengths).
 
 Measured on one H100 (benchmarks/RESULTS.md, "Regional compilation at 16K"), SFTTrainer, Qwen3-VL-2B,
 LoRA r=16, Liger's kernels and Trainer's NaN check off, against the same run uncompiled: faster at
