@@ -136,8 +136,7 @@ def _fsdp_step(savers: dict) -> tuple[dict, int]:
     [
         # nbkit's offloaded checkpointing; each layer's attention and tiled MLP compiled, inside FSDP's unit
         (dict(checkpointing="offload", tiled_mlp=3, chunked_loss=True), "false"),
-        # accelerate's checkpointing (nbkit's fsdp set-up); whole layers compiled, FSDP's all-gather hooks
-        # inside the compiled call (Dynamo runs them outside its graph)
+        # accelerate's checkpointing (nbkit's fsdp set-up); whole layers compiled, each carrying FSDP's hooks
         (dict(checkpointing=None, tiled_mlp=False, chunked_loss=True), "true"),
     ],
     ids=["offload-tiled", "fsdp-checkpointing-whole-layers"],
