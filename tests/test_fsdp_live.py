@@ -145,6 +145,7 @@ def test_a_rank_that_does_not_read_the_checkpoint_does_not_hold_a_copy_of_it(tmp
     size = sum(f.stat().st_size for f in tmp_path.glob("*.safetensors"))
     expected = load_file(next(tmp_path.glob("*.safetensors")))["model.layers.1.mlp.down_proj.weight"]
     with nbkit.start(gpus=2, env={fsdp.STRATEGY_VARIABLE: "fsdp"}) as live:
+        live.exec("import sys\nsys.path.insert(0, tests)", names={"tests": TESTS})  # _load_and_shard's module
         live.exec("loaded = _load_and_shard(path)", names={"_load_and_shard": _load_and_shard, "path": str(tmp_path)})
         loaded = [live.pull("loaded", rank=rank) for rank in (0, 1)]
     assert loaded[1]["added"] < size / 4, (loaded[1]["added"], size)  # zero-filled: 1.1x the checkpoint
