@@ -52,8 +52,16 @@ def tiny_vl_path(nbkit_cache: Path) -> str:
 @pytest.fixture(autouse=True)
 def no_accelerate_state_leaks() -> Iterator[None]:
     """A test that builds a Trainer or Accelerator in the test process leaves accelerate's shared
-    state behind, after which nbkit.launch rightly refuses to fork: reset it between tests."""
+    state behind, after which nbkit.launch rightly refuses to fork: reset it between tests. transformers
+    4.x's TrainingArguments also exports its precision as ACCELERATE_MIXED_PRECISION (TRL 0.x's SFTConfig
+    defaults to bf16), which every later rank inherits (a later FSDP test's ranks computed in bf16): put
+    the variable back as it was."""
+    precision = os.environ.get("ACCELERATE_MIXED_PRECISION")
     yield
+    if precision is None:
+        os.environ.pop("ACCELERATE_MIXED_PRECISION", None)
+    else:
+        os.environ["ACCELERATE_MIXED_PRECISION"] = precision
     import sys
 
     state = sys.modules.get("accelerate.state")
