@@ -24,6 +24,8 @@
 #   bash benchmarks/gpu_suite.sh fsdp                 # FSDP-QLoRA vs device_map="balanced", T4 profile (1 GPU: the dry run)
 #   bash benchmarks/gpu_suite.sh speed                # 1 GPU: unsloth vs transformers+savers+Liger+regional compile, bf16 and T4 profile (~9.8 min)
 #   bash benchmarks/gpu_suite.sh speed_bf16 / speed_t4  # the same, one precision per call (up to ~9 minutes each)
+#   bash benchmarks/gpu_suite.sh profile1k            # 1 GPU, 1K x 4: each backend's step taken apart (host, kernels), profiled
+#   bash benchmarks/gpu_suite.sh compilecheck         # 1 GPU: regional compilation's GPU tests, and 64K under the T4 profile compiled
 #   bash benchmarks/gpu_suite.sh compile16k           # regional compile where the tiled MLP splits (16K), 2 GPUs side by side
 #   SUITE_DRY_RUN=1 bash benchmarks/gpu_suite.sh speed  # the same parts on the CPU with tiny:qwen3-vl (no wheels needed)
 #
@@ -265,7 +267,9 @@ for what in "$@"; do
       configs=${SPEED_CONFIGS:-unsloth:1@notebook,liger+compile+lean:1@notebook,liger:1@notebook}
       # unsloth's launch takes up to ~250 s for both shapes (one H100: 128 s to its first step, then ~90 s of
       # compilation for the second shape), so 160 s cut it off at 16K. SPEED_SHAPES picks fewer shapes.
-      run=(--shapes "${SPEED_SHAPES:-1024x4,16384x1}" --steps 9 --warmup 2 --windows 3 --launch-timeout 280)
+      # SPEED_REPEATS launches each configuration that many times, interleaved (the report: median over them).
+      run=(--shapes "${SPEED_SHAPES:-1024x4,16384x1}" --steps 9 --warmup 2 --windows 3 --launch-timeout 280
+        --repeats "${SPEED_REPEATS:-1}")
       # Seconds: model; bf16 part, its last launch start; T4 part, its last launch start. Both parts in one call
       # fit in ~10 minutes only where unsloth's launches are at the fast end: the T4 part's +compile launch may be
       # skipped there; one part per call has room for all of its launches.
@@ -311,6 +315,29 @@ for what in "$@"; do
         --configs transformers+compile+lean:1@notebook --shapes 16384x1 --steps 6 --warmup 2 --windows 2 \
         --launch-timeout 140 --time-limit 10 --out "$OUT/compile16k_noliger.json" --md "$OUT/compile16k_noliger.md"
       wait ;;
+    profile1k)
+      # One GPU, 1K x 4, bf16: where each backend's step goes (host_cost.py: forward / backward / the rest on the
+      # host, GPU kernel time and launches, the busiest host ops and kernels), under transformers' Trainer and TRL's
+      # SFTTrainer, both without Trainer's NaN check; then the transformers path with its checkpointed inputs kept
+      # on the GPU (+recompute) instead of offloaded. ~8 minutes.
+      model_part random:qwen3-vl-2b 120
+      common=(--gpus 1 --shape 1024x4 --warmup 4 --steps 8 --profile-steps 2)
+      part profile_unsloth 230 python3 benchmarks/host_cost.py --backend unsloth --variants hf+nanfilter_off,sft+nanfilter_off \
+        "${common[@]}" --out "$OUT/profile_unsloth.json" --md "$OUT/profile_unsloth.md"
+      part profile_liger 150 python3 benchmarks/host_cost.py --backend liger+compile+lean --variants hf,sft \
+        "${common[@]}" --out "$OUT/profile_liger.json" --md "$OUT/profile_liger.md"
+      part profile_recompute 110 python3 benchmarks/host_cost.py --backend liger+compile+lean+recompute --variants sft \
+        "${common[@]}" --out "$OUT/profile_recompute.json" --md "$OUT/profile_recompute.md" ;;
+    compilecheck)
+      # Regional compilation as nbkit.savers.apply now builds it (whole layers, the tiled MLP inside; with Liger's
+      # kernels only its loss): the GPU tests (compiled against eager, the tiled MLP split in 3, 16- and 4-bit),
+      # then one step at 64K tokens under the T4 profile, where the automatic tiled MLP splits in 4 and each
+      # compiled layer's graph breaks around it. ~5 minutes.
+      model_part random:qwen3-vl-2b 120
+      part compile_tests 150 python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests/test_liger_gpu.py -k regional
+      part compile_64k 200 python3 benchmarks/trainer_bench.py --longest --emulate T4 --configs liger+compile+lean:1 \
+        --shapes 65536x1 --steps 1 --warmup 0 --launch-timeout 190 --time-limit 10 \
+        --out "$OUT/compile_64k.json" --md "$OUT/compile_64k.md" ;;
     liger)
       part liger 240 python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests/test_liger_gpu.py ;;
     *) echo "unknown part: $what" >&2 ;;

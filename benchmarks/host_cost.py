@@ -241,12 +241,41 @@ def _counts(prof: Any, steps: int) -> dict[str, Any]:
         kinds[kind] += 1
         origins[f"{kind} <- {_origin(event)}"] += 1
     return {
+        **_device_work(prof, steps),
         "collectives_per_step": sum(v for k, v in kinds.items() if k.startswith("collective")) / steps,
         "host_reads_per_step": kinds["host read"] / steps,
         "cuda_syncs_per_step": sum(v for k, v in kinds.items() if k.startswith("cuda sync")) / steps,
         "aten_ops_per_step": ops / steps,
         "by_kind_per_step": {k: v / steps for k, v in sorted(kinds.items())},
         "by_origin_per_step": {k: v / steps for k, v in sorted(origins.items(), key=lambda kv: -kv[1])},
+    }
+
+
+def _device_work(prof: Any, steps: int, top: int = 12) -> dict[str, Any]:
+    """Per step: GPU kernel time and launches against the host's busiest ops, to say which side bounds it.
+
+    "gpu_kernel_ms" sums every kernel's device time (kernels of one stream do not overlap, so against the step's
+    wall time it is how busy the GPU was); "kernel_launches" counts the CUDA runtime's launch calls (host
+    work per kernel); "top_host_ops" are the ops with the most self CPU time (all threads), "top_kernels" the
+    kernels with the most device time. Empty without a GPU.
+    """
+    from torch.autograd import DeviceType
+
+    from benchmarks.profiling import _device_us
+
+    averages = prof.key_averages()
+    kernels = [e for e in averages if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)]
+    if not kernels:
+        return {}
+    host = [e for e in averages if e.device_type != DeviceType.CUDA and not getattr(e, "is_user_annotation", False)]
+    launches = sum(e.count for e in host if "LaunchKernel" in e.key)
+    by_host = sorted(host, key=lambda e: -e.self_cpu_time_total)[:top]
+    by_kernel = sorted(kernels, key=lambda e: -_device_us(e))[:top]
+    return {
+        "gpu_kernel_ms_per_step": sum(_device_us(e) for e in kernels) / 1000 / steps,
+        "kernel_launches_per_step": launches / steps,
+        "top_host_ops": [(e.key[:90], e.count / steps, e.self_cpu_time_total / 1000 / steps) for e in by_host],
+        "top_kernels": [(e.key[:90], e.count / steps, _device_us(e) / 1000 / steps) for e in by_kernel],
     }
 
 
@@ -334,6 +363,17 @@ def markdown(env: dict, command: str, launch: trainer_bench.Launch, rows: list[d
             f"{r['outside_ms']:.1f} |"
         )
     for r in rows:
+        if "gpu_kernel_ms_per_step" in r:
+            lines += [
+                "",
+                f"{r['variant']}, per profiled step: GPU kernels {r['gpu_kernel_ms_per_step']:.1f} ms, "
+                f"{r['kernel_launches_per_step']:g} kernel launches (profiled steps run slower than timed ones).",
+                "",
+                "| busiest host ops | calls | self CPU ms | | busiest kernels | calls | GPU ms |",
+                "|---|---:|---:|---|---|---:|---:|",
+            ]
+            for (op, calls, ms), (kernel, kcalls, kms) in zip(r["top_host_ops"], r["top_kernels"]):
+                lines.append(f"| `{op}` | {calls:g} | {ms:.2f} | | `{kernel}` | {kcalls:g} | {kms:.2f} |")
         lines += ["", f"{r['variant']}, per step, by origin (profiler):", ""]
         lines += [f"- {v:g} x {k}" for k, v in r["by_origin_per_step"].items()]
         if r["value_reads_by_origin_per_step"]:

@@ -70,8 +70,10 @@ BACKENDS = ("unsloth", "transformers", "liger")
 # compile: nbkit.savers.apply(compile="regional"), torch.compile of each decoder layer and vision block;
 # lean: Trainer without its per-micro-step NaN/inf check of the loss (logging_nan_inf_filter=False),
 # two host reads of a GPU value (two syncs) fewer per micro-step (RESULTS.md, host cost);
-# notile: nbkit.savers.apply(tiled_mlp=False), the MLP over the whole sequence at once.
-EXTRAS = ("compile", "lean", "notile")
+# notile: nbkit.savers.apply(tiled_mlp=False), the MLP over the whole sequence at once;
+# tile4: nbkit.savers.apply(tiled_mlp=4), the MLP in 4 sequence shards at every length;
+# recompute: nbkit.savers.apply(checkpointing="recompute"), the checkpointed layer inputs stay on the GPU.
+EXTRAS = ("compile", "lean", "notile", "tile4", "recompute")
 LAUNCHERS = ("nbkit", "notebook", "accelerate")
 QUANTS = ("16bit", "4bit")
 LANGUAGE_LORA = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
@@ -166,13 +168,16 @@ def build_model(launch: Launch, device: torch.device) -> torch.nn.Module:
         model, LoraConfig(r=16, lora_alpha=16, target_modules=LANGUAGE_LORA if vision else TEXT_LORA)
     )
     kernels = "liger" if launch.backend == "liger" else None
-    tiled = "notile" not in launch.extras
+    options: dict[str, Any] = dict(
+        kernels=kernels,
+        tiled_mlp=4 if "tile4" in launch.extras else "notile" not in launch.extras,
+        checkpointing="recompute" if "recompute" in launch.extras else "offload",
+    )
     if "compile" in launch.extras and launch.compile_backend != "inductor":  # the dry run's aot_eager
-        nbkit.savers.apply(model, kernels=kernels, tiled_mlp=tiled)
+        nbkit.savers.apply(model, **options)
         nbkit.savers.compiling.enable(model, backend=launch.compile_backend)
         return model
-    compile = "regional" if "compile" in launch.extras else None
-    return nbkit.savers.apply(model, kernels=kernels, tiled_mlp=tiled, compile=compile)
+    return nbkit.savers.apply(model, **options, compile="regional" if "compile" in launch.extras else None)
 
 
 class _Collator:
