@@ -642,16 +642,21 @@ def _estimate(
     checkpointing: str | None,
     split: int = 1,
     fsdp_shards: int = 0,
+    *,
+    gpu_memory_gib: float,
 ) -> _Estimate:
-    """Peak bytes for one GPU; split > 1 spreads the weights and checkpoints over that many GPUs;
-    fsdp_shards > 0 shards the weights and LoRA state over that many FSDP ranks (see the module docstring).
+    """Peak bytes for one GPU of gpu_memory_gib (the tiled MLP's automatic shards depend on it); split > 1
+    spreads the weights and checkpoints over that many GPUs; fsdp_shards > 0 shards the weights and LoRA state
+    over that many FSDP ranks (see the module docstring).
     """
     s = _Shape.of(config)
     tokens = seq_len * batch_size
     from nbkit.savers.loss import rows_per_chunk
-    from nbkit.savers.tiled_mlp import shard_count
+    from nbkit.savers.tiled_mlp import automatic_tokens_per_shard, shard_count
 
-    shards = shard_count(tokens, seq_len, s.hidden)  # what the tiled MLP will use; one shard: the plain MLP
+    # What the tiled MLP will use on this GPU; one shard: the plain MLP.
+    per_shard = automatic_tokens_per_shard(gpu_memory_gib * GIB, s.intermediate)
+    shards = shard_count(tokens, seq_len, s.hidden, tokens_per_shard=per_shard)
     tiled = shards > 1
     saved = _layer_saved_per_token(s, counts.qk_norm, tiled, lora_rank) * tokens
     hidden_state = 2 * s.hidden * tokens
@@ -724,17 +729,27 @@ def _plan(
             load_in_4bit=load_in_4bit,
             lora_rank=lora_rank,
             checkpointing=checkpointing,
+            gpu_memory_gib=gpu_memory_gib,
         )
         args.update(changes)
         return _estimate(counts, config, gpus, split=split, **args).bytes_per_gpu()[1]
 
     breakdown, total = _estimate(
-        counts, config, gpus, seq_len, batch_size, load_in_4bit, lora_rank, checkpointing
+        counts, config, gpus, seq_len, batch_size, load_in_4bit, lora_rank, checkpointing, gpu_memory_gib=gpu_memory_gib
     ).bytes_per_gpu()
     split_total = per_gpu(split=gpus) if gpus > 1 else total
     fsdp_checkpointing = None if checkpointing is None else "recompute"  # accelerate's checkpointing keeps inputs
     fsdp_breakdown, fsdp_total = _estimate(
-        counts, config, gpus, seq_len, batch_size, load_in_4bit, lora_rank, fsdp_checkpointing, fsdp_shards=gpus
+        counts,
+        config,
+        gpus,
+        seq_len,
+        batch_size,
+        load_in_4bit,
+        lora_rank,
+        fsdp_checkpointing,
+        fsdp_shards=gpus,
+        gpu_memory_gib=gpu_memory_gib,
     ).bytes_per_gpu()
     # In 4-bit an fsdp rank loads and quantises the whole model on its own GPU, one 16-bit weight at a time,
     # and shards it only afterwards (nbkit.fsdp.device_map): that copy must fit the GPU first.
@@ -885,6 +900,7 @@ def _with_batch(planned: Plan, counts: _Counts, config: Any, gpu: str | None) ->
                 planned.load_in_4bit,
                 planned.lora_rank,
                 planned.checkpointing,
+                gpu_memory_gib=planned.gpu_memory_gib,
             ).bytes_per_gpu()[1]
             <= planned.usable_gib
         )

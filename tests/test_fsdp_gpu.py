@@ -92,6 +92,6 @@ print(sum("lora_A" in name for name, _ in loaded.named_parameters()))
 def test_liger_kernels_and_savers_under_fsdp_give_the_reference_gradients():
     """Liger's fused kernels (with its fused linear cross-entropy as the chunked loss) and the tiled MLP, under
     FSDP with accelerate's checkpointing, world size 1 on a GPU: loss and LoRA gradients equal one plain process."""
-    savers = dict(checkpointing=None, tiled_mlp=3, chunked_loss=True, kernels="liger")
+    savers = dict(checkpointing=None, tiled_mlp=3, chunked_loss=True, kernels="liger", compile=None)
     result = nbkit.launch(_sharded_step, None, savers, "cuda", gpus=1, env=FSDP_ENV, timeout=600)
     _check_against_reference(result, 1, tolerance=GPU_TOLERANCE)

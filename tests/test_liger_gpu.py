@@ -24,10 +24,11 @@ from nbkit.savers import liger
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("exact_fp32")]
 
+# Uncompiled: with compile (apply()'s default on a GPU) only Liger's loss applies; the compiled case has its own test.
 LIGER_CASES = {
-    "liger": dict(checkpointing=None, tiled_mlp=False, chunked_loss=True, kernels="liger"),
-    "liger_full_logits": dict(checkpointing=None, tiled_mlp=False, chunked_loss=False, kernels="liger"),
-    "liger_all": dict(checkpointing="offload", tiled_mlp=3, chunked_loss=True, kernels="liger"),
+    "liger": dict(checkpointing=None, tiled_mlp=False, chunked_loss=True, kernels="liger", compile=None),
+    "liger_full_logits": dict(checkpointing=None, tiled_mlp=False, chunked_loss=False, kernels="liger", compile=None),
+    "liger_all": dict(checkpointing="offload", tiled_mlp=3, chunked_loss=True, kernels="liger", compile=None),
 }
 
 
@@ -77,7 +78,7 @@ def test_liger_under_bf16_autocast():
     batch = _on_gpu(make_batch(model, [96, 70], seed=5))
     with torch.autocast("cuda", dtype=torch.bfloat16):
         reference_loss, reference = loss_and_grads(model, batch)
-        savers.apply(model, checkpointing="offload", tiled_mlp=3, chunked_loss=True, kernels="liger")
+        savers.apply(model, **LIGER_CASES["liger_all"])
         loss, grads = loss_and_grads(model, batch)
     assert relative_error(loss, reference_loss) < 1e-2
     assert max(relative_error(grads[n], reference[n]) for n in reference) < 5e-2
@@ -109,15 +110,16 @@ def _qlora_tiny_vl() -> torch.nn.Module:
 @pytest.mark.parametrize("four_bit", [False, True], ids=["16bit", "4bit"])
 def test_regional_compile_with_kernels_and_every_saver_across_lengths(four_bit):
     # What the transformers path of a notebook runs with compile on: Liger's kernels, every saver and the
-    # compiled regions, on batches of other lengths (a trainer pads each batch to its longest), the last
-    # long enough for the tiled MLP to split (where whole compiled layers failed at 16K on an H100).
+    # compiled regions, on batches of other lengths (a trainer pads each batch to its longest), each with the
+    # tiled MLP split in 3 (where whole compiled layers failed at 16K on an H100; on a GPU the automatic count
+    # would not split a tiny model's short sequences).
     # Each length's loss and LoRA gradients equal the same model's uncompiled ones.
     model = _qlora_tiny_vl() if four_bit else tiny_model("qwen3-vl").to("cuda")
     batches = [_on_gpu(make_batch(model, lengths, seed=3)) for lengths in ([24, 17], [40], [300])]
-    options = dict(LIGER_CASES["liger_all"], tiled_mlp=True)  # automatic: 300 tokens split at hidden size 64
+    options = LIGER_CASES["liger_all"]
     savers.apply(model, **options)
     eager = [loss_and_grads(model, batch) for batch in batches]
-    savers.apply(model, **options, compile="regional")
+    savers.apply(model, **dict(options, compile="regional"))  # Liger's loss, inductor's fused layers
     for batch, (reference_loss, reference) in zip(batches, eager, strict=True):
         loss, grads = loss_and_grads(model, batch)
         assert relative_error(loss, reference_loss) < GPU_TOLERANCE

@@ -20,7 +20,7 @@ import nbkit
 from nbkit import savers
 from nbkit.savers import loss
 from nbkit.savers._model import decoder_layers, layer_mlp
-from nbkit.savers.tiled_mlp import shard_count
+from nbkit.savers.tiled_mlp import automatic_tokens_per_shard, shard_count, tokens_per_shard
 
 # Every linear layer of the language model; the names do not occur in Qwen3-VL's vision tower.
 LANGUAGE_LINEARS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -200,6 +200,19 @@ def test_automatic_shard_count_follows_tokens_and_hidden_size():
             model(input_ids=torch.randint(16, 200, (1, length)))
         assert counts["mlp"] == -(-length // (2 * hidden)) == shard_count(length, length, hidden)
     assert shard_count(100, 10, 64, requested=32) == 10
+    assert tokens_per_shard(mlp) is None  # on the CPU: the rule above, not the device's memory
+
+
+def test_automatic_tiling_on_a_gpu_follows_its_memory():
+    # Qwen3-VL-2B's MLP (hidden 2048, intermediate 6144): on a 15 GiB T4, 16K tokens run in 4 shards (the
+    # count that kept the peak under unsloth's there), 4K tokens (1K x 4) whole; on an 80 GiB card 16K
+    # tokens run whole (faster) and 64K tokens split.
+    t4, h100 = (automatic_tokens_per_shard(gib * 2**30, 6144) for gib in (15.0, 79.2))
+    assert shard_count(16384, 16384, 2048, tokens_per_shard=t4) == 4
+    assert shard_count(4096, 1024, 2048, tokens_per_shard=t4) == 1
+    assert shard_count(16384, 16384, 2048, tokens_per_shard=h100) == 1
+    assert shard_count(65536, 65536, 2048, tokens_per_shard=h100) == 3
+    assert shard_count(16384, 16384, 2048, 2, tokens_per_shard=h100) == 2  # an asked count wins
 
 
 @pytest.mark.parametrize("checkpointing, tiled_mlp", [("recompute", False), (None, 3), ("offload", 3)])

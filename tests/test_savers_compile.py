@@ -41,7 +41,7 @@ def test_regional_compile_with_every_saver_matches_the_eager_model(kind):
     savers.apply(model, **EVERY_SAVER, compile="regional")
     regions = compiling.regions(model)
     vision_blocks = len(savers._model.base_model(model).model.visual.blocks) if kind == "qwen3-vl" else 0
-    assert len(regions) == 2 * len(layers) + vision_blocks  # tiled: each layer's attention and MLP
+    assert len(regions) == len(layers) + vision_blocks  # whole layers, the tiled MLP inside
     assert list(decoder_layers(model)) == layers  # compiled in place: the same modules, peft's LoRA inside
     assert all(r._compiled_call_impl is not None for r in regions)
     for _ in range(2):  # the second step runs the compiled code without tracing again
@@ -59,23 +59,32 @@ def test_regional_compile_with_every_saver_matches_the_eager_model(kind):
     assert all(torch.equal(grads[n], reference[n]) for n in reference)
 
 
-def test_a_layer_whose_mlp_is_tiled_is_compiled_as_its_attention_and_its_mlp():
-    # A compiled layer would break into two graphs around the tiled MLP's autograd function (its
-    # backward calls torch.autograd.grad); as two regions, no graph holds a break.
+def test_the_tiled_mlp_joins_its_layers_graph_until_it_splits():
+    # Below the length where the automatic tiled MLP splits, a compiled layer is one graph (its MLP traced
+    # inside, no break: what keeps a short-sequence step fast); where it splits, the graph breaks around
+    # the tiled call and the gradients still equal the eager model's. aot_eager: dynamo's graphs without
+    # code generation.
+    from torch._dynamo.utils import counters
+
     model = tiny_model("qwen3")
-    layers = list(decoder_layers(model))
-    savers.apply(model, tiled_mlp=3)
-    assert compiling.regions(model) == [m for layer in layers for m in (layer.self_attn, layer.mlp)]
-    savers.apply(model, tiled_mlp=False)
-    assert compiling.regions(model) == layers
-    savers.apply(model, tiled_mlp=3, compile="regional")  # nothing compiles before the first call
-    assert all(m._compiled_call_impl is not None for layer in layers for m in (layer.self_attn, layer.mlp))
-    assert all(layer._compiled_call_impl is None for layer in layers)
-    savers.apply(model, tiled_mlp=False, compile="regional")  # switching the tiling moves the regions
-    assert all(layer._compiled_call_impl is not None for layer in layers)
-    assert all(layer.mlp._compiled_call_impl is None for layer in layers)
+    hidden = savers._model.base_model(model).config.hidden_size
+    short, long = make_batch(model, [2 * hidden - 8], seed=1), make_batch(model, [5 * hidden], seed=2)
+    references = [loss_and_grads(model, batch) for batch in (short, long)]
+    savers.apply(model, checkpointing="offload", tiled_mlp=True, chunked_loss=True)
+    compiling.enable(model, backend="aot_eager")
+    torch._dynamo.reset()
+    counters.clear()
+    breaks = []
+    for batch, (reference_loss, reference) in zip((short, long), references, strict=True):
+        before = sum(counters["graph_break"].values())
+        loss, grads = loss_and_grads(model, batch)
+        breaks.append(sum(counters["graph_break"].values()) - before)
+        assert relative_error(loss, reference_loss) < TOLERANCE
+        assert_grads_match(grads, reference)
+    assert breaks[0] == 0, dict(counters["graph_break"])
+    assert breaks[1] > 0  # the split: the tiled call runs eagerly between two graphs of the layer
     savers.remove(model)
-    assert not any(getattr(m, "_compiled_call_impl", None) for m in model.modules())
+    torch._dynamo.reset()
 
 
 def test_a_compile_the_user_made_is_left_alone_and_bad_values_are_refused():

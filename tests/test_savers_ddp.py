@@ -35,13 +35,14 @@ from nbkit import savers
 MICRO_BATCHES = {0: [[24, 17], [20]], 1: [[30], [16, 12]]}
 WORLD = len(MICRO_BATCHES)
 
+# compile=None: the savers themselves, also on GPUs (regional compilation under DDP: test_savers_compile.py).
 SAVERS = {
     "none": None,
-    "offload": dict(checkpointing="offload", tiled_mlp=False, chunked_loss=False),
-    "recompute": dict(checkpointing="recompute", tiled_mlp=False, chunked_loss=False),
-    "tiled_mlp": dict(checkpointing=None, tiled_mlp=3, chunked_loss=False),
-    "chunked_loss": dict(checkpointing=None, tiled_mlp=False, chunked_loss=True),
-    "all": dict(checkpointing="offload", tiled_mlp=3, chunked_loss=True),
+    "offload": dict(checkpointing="offload", tiled_mlp=False, chunked_loss=False, compile=None),
+    "recompute": dict(checkpointing="recompute", tiled_mlp=False, chunked_loss=False, compile=None),
+    "tiled_mlp": dict(checkpointing=None, tiled_mlp=3, chunked_loss=False, compile=None),
+    "chunked_loss": dict(checkpointing=None, tiled_mlp=False, chunked_loss=True, compile=None),
+    "all": dict(checkpointing="offload", tiled_mlp=3, chunked_loss=True, compile=None),
 }
 CASES = [(saver, {"find_unused_parameters": unused}) for saver in SAVERS for unused in (True, False)]
 # static_graph with no_sync() fails inside DDP itself (torch 2.13, no savers needed: "expect_autograd_hooks_

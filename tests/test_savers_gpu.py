@@ -17,7 +17,7 @@ import copy
 import pytest
 import torch
 from gpu_marks import one_gpu, two_gpus
-from test_savers import GPU_TOLERANCE, LANGUAGE_LINEARS, loss_and_grads, make_batch, relative_error
+from test_savers import GPU_TOLERANCE, LANGUAGE_LINEARS, loss_and_grads, make_batch, relative_error, tiny_model
 from test_savers_ddp import SAVERS, assert_matrix_on_two_gpus
 from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
@@ -66,7 +66,7 @@ def test_split_model_replays_dropout_on_each_gpu(four_layer_path):
     model = _balanced(four_layer_path, dropout=0.2)
     batch = _on(make_batch(model, [40, 33], seed=1), "cuda:0")
     reference_loss, reference = loss_and_grads(model, batch, seed=3)
-    savers.apply(model, checkpointing="offload", tiled_mlp=False, chunked_loss=True)
+    savers.apply(model, checkpointing="offload", tiled_mlp=False, chunked_loss=True, compile=None)
     loss, grads = loss_and_grads(model, batch, seed=3)
     assert relative_error(loss, reference_loss.to(loss.device)) < GPU_TOLERANCE
     errors = {n: relative_error(grads[n], reference[n]) for n in reference}
@@ -82,7 +82,7 @@ def test_split_model_trains_with_all_savers(four_layer_path):
     model = _balanced(four_layer_path, dropout=0.0)
     batch = _on(make_batch(model, [64, 50], seed=2), "cuda:0")
     reference_loss, reference = loss_and_grads(model, batch)
-    savers.apply(model, checkpointing="offload", tiled_mlp=4, chunked_loss=True)
+    savers.apply(model, checkpointing="offload", tiled_mlp=4, chunked_loss=True, compile=None)
     loss, grads = loss_and_grads(model, batch)
     assert relative_error(loss, reference_loss.to(loss.device)) < GPU_TOLERANCE
     errors = {n: relative_error(grads[n], reference[n]) for n in reference}
@@ -136,9 +136,9 @@ def test_offload_moves_saved_layer_inputs_to_the_host():
     model = _lora(Qwen3ForCausalLM(config).to("cuda"), dropout=0.0)
     batch = {"input_ids": torch.randint(0, 1024, (2, 2048), device="cuda")}
     batch["labels"] = batch["input_ids"]
-    savers.apply(model, checkpointing="recompute", tiled_mlp=False, chunked_loss=False)
+    savers.apply(model, checkpointing="recompute", tiled_mlp=False, chunked_loss=False, compile=None)
     on_gpu, recomputed = _allocated_after_forward(model, batch)
-    savers.apply(model, checkpointing="offload", tiled_mlp=False, chunked_loss=False)
+    savers.apply(model, checkpointing="offload", tiled_mlp=False, chunked_loss=False, compile=None)
     for _ in range(2):  # twice: prefetching must find the right tensors again
         offloaded, grads = _allocated_after_forward(model, batch)
     layer_inputs = config.num_hidden_layers * 2 * 2048 * config.hidden_size * 4
@@ -153,7 +153,7 @@ def test_tiled_mlp_under_bf16_autocast():
     batch = _on(make_batch(model, [96, 70], seed=5), "cuda")
     with torch.autocast("cuda", dtype=torch.bfloat16):
         reference_loss, reference = loss_and_grads(model, batch)
-        savers.apply(model, checkpointing="offload", tiled_mlp=3, chunked_loss=False)
+        savers.apply(model, checkpointing="offload", tiled_mlp=3, chunked_loss=False, compile=None)
         loss, grads = loss_and_grads(model, batch)
     assert relative_error(loss, reference_loss) < 1e-2
     assert max(relative_error(grads[n], reference[n]) for n in reference) < 5e-2
@@ -169,3 +169,43 @@ def _tiny_path() -> str:
 @pytest.mark.parametrize("kind", ["qwen3", "qwen3-vl"])
 def test_ddp_on_two_gpus_matches_one_gpu(kind):
     assert_matrix_on_two_gpus(kind, {saver: SAVERS[saver] for saver in ("offload", "all")})
+
+
+@one_gpu
+def test_automatic_tiling_reads_the_gpus_memory_or_the_emulated_ones():
+    # The shard size follows what the process may use on its GPU: the card's memory, or 15 GiB under the
+    # T4 profile (so an H100 standing in for a T4 tiles as the T4 would).
+    import nbkit
+    from nbkit.savers.tiled_mlp import automatic_tokens_per_shard, tokens_per_shard
+
+    config = Qwen3Config(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=128,
+    )
+    mlp = Qwen3ForCausalLM(config).to("cuda").model.layers[0].mlp
+    total = torch.cuda.get_device_properties(0).total_memory
+    assert tokens_per_shard(mlp) == automatic_tokens_per_shard(total, 128)
+    nbkit.emulate("T4")
+    try:
+        assert tokens_per_shard(mlp) == automatic_tokens_per_shard(15 * 2**30, 128)
+    finally:
+        nbkit.emulate(None)
+
+
+@one_gpu
+def test_apply_compiles_a_model_on_one_gpu_by_default_but_not_one_unsloth_loaded():
+    from nbkit.savers import compiling
+
+    model = tiny_model("qwen3").to("cuda")
+    savers.apply(model)
+    assert compiling.is_enabled(model)
+    savers.remove(model)
+    savers._model.base_model(model).config.unsloth_version = "2026.10.9"  # what unsloth's loaders set
+    savers.apply(model)  # unsloth compiles its own layers
+    assert not compiling.is_enabled(model)
+    savers.remove(model)

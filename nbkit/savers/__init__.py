@@ -1,9 +1,9 @@
 """DDP-safe memory savers for any transformers decoder or vision-language model.
 
-    model = nbkit.savers.apply(model)            # offloaded checkpointing + tiled MLP + chunked loss
+    model = nbkit.savers.apply(model)            # offloaded checkpointing, tiled MLP, chunked loss; compiled on a GPU
     model = nbkit.savers.apply(model, checkpointing="recompute", tiled_mlp=8, chunked_loss=False)
     model = nbkit.savers.apply(model, kernels="liger")   # and Liger's fused kernels (Qwen3 / Qwen3-VL, CUDA)
-    model = nbkit.savers.apply(model, compile="regional") # and torch.compile of each decoder layer / vision block
+    model = nbkit.savers.apply(model, compile=None)      # without torch.compile of each decoder layer / vision block
     nbkit.savers.remove(model)                   # the model computes exactly as before
 
 - checkpointing (nbkit.savers.checkpointing): non-reentrant activation checkpointing per decoder
@@ -11,11 +11,11 @@
 - tiled_mlp (nbkit.savers.tiled_mlp): the MLPs run over sequence shards, recomputed in the backward,
   each weight's gradient accumulated once.
 - chunked_loss (nbkit.savers.loss): the causal-LM loss is computed in row chunks without full logits.
-- kernels="liger" (nbkit.savers.liger): Liger's fused RMSNorm, RoPE and SwiGLU kernels, and the
-  chunked loss computed by Liger's fused linear cross-entropy.
-- compile="regional" (nbkit.savers.compiling): torch.compile of each decoder layer (its attention and
-  its MLP where the MLP is tiled) and vision block, in place (fewer kernel launches where the step is
-  bound by host work, fused element-wise work everywhere); "auto": the same on a GPU, none on the CPU.
+- kernels="liger" (nbkit.savers.liger): Liger's fused RMSNorm, RoPE and SwiGLU kernels (where the
+  layers are not compiled), and the chunked loss computed by Liger's fused linear cross-entropy.
+- compile="regional" (nbkit.savers.compiling): torch.compile of each decoder layer and vision block,
+  in place (fewer kernel launches where the step is bound by host work, fused element-wise work
+  everywhere); "auto", the default: the same for a model on one GPU, none on the CPU.
 
 All three keep every trainable parameter's gradient accumulated exactly once per backward, so they
 work under DDP (find_unused_parameters True or False, static_graph, no_sync) and with a model split
@@ -41,13 +41,13 @@ __all__ = ["CHECKPOINTING", "apply", "remove"]
 CHECKPOINTING = ("offload", "recompute", None)
 _KERNELS = ("liger", "auto", None)
 _COMPILE = ("regional", "auto", None)
-# apply()'s compile default: None. Regional compilation was faster at every shape measured on one H100
-# (benchmarks/RESULTS.md, "Regional compilation at 16K": 1K x 4 and 16K x 1, bf16 and the T4 profile; its
-# gradients equal the uncompiled ones in 4-bit too), and the DDP notebooks pass compile="auto". It stays off
-# here because apply()'s defaults also serve the memory-first uses (long_context, model_parallel), where it was
-# not measured: 64K tokens, a model split over GPUs. Each new shape also compiles at its first step (20-30 s on
-# the H100).
-DEFAULT_COMPILE: str | None = None
+# apply()'s compile default: "auto", regional compilation wherever the model sits on one CUDA GPU. Measured on one
+# H100 (and one H200) with Liger's loss (benchmarks/RESULTS.md, "Where the 1K x 4 step goes"), against unsloth's
+# step time: 0.93-1.10x at 1K x 4 in single runs (1.25x as the median of three, a step bound by a noisy host) and
+# 1.00-1.03x at 16K in bf16, 1.12x and 1.05x under the T4 profile; 64K tokens under the T4 profile train compiled.
+# A model split over several GPUs (device_map) stays uncompiled: not measured, and each layer's graph would be
+# specialised per device.
+DEFAULT_COMPILE: str | None = "auto"
 
 
 @dataclass(frozen=True)
@@ -80,7 +80,11 @@ class _Options:
         if kernels == "auto":
             kernels = "liger" if _liger.can_run(model) else None
         if compile == "auto":
-            compile = "regional" if any(p.device.type == "cuda" for p in model.parameters()) else None
+            devices = {p.device for p in model.parameters()}
+            on_one_gpu = len(devices) == 1 and devices.pop().type == "cuda"
+            # unsloth compiles its own layers; its models carry the version that loaded them.
+            by_unsloth = getattr(getattr(base_model(model), "config", None), "unsloth_version", None) is not None
+            compile = "regional" if on_one_gpu and not by_unsloth else None
         tiled = None if tiled_mlp is False else "auto" if tiled_mlp is True else tiled_mlp
         return cls(checkpointing, tiled, bool(chunked_loss), kernels, compile)
 
@@ -109,15 +113,20 @@ def apply(
             and Qwen3-VL on CUDA GPUs, see nbkit.savers.liger), "auto" (Liger's where they can run:
             supported model, on a GPU, liger-kernel installed; none otherwise, without an error) or None.
         compile: "regional" (torch.compile, inductor, of each decoder layer and vision block in
-            place; each compiles on its first call, see nbkit.savers.compiling), "auto" (regional where
-            the model is on a CUDA GPU; none on the CPU, where compiling costs more than it saves) or None.
+            place; each compiles on its first call, see nbkit.savers.compiling), "auto" (the default:
+            regional where the whole model is on one CUDA GPU, as in a single-GPU, DDP or FSDP rank;
+            none on the CPU, where compiling costs more than it saves, for a model split over several
+            GPUs, and for a model unsloth loaded, which compiles its own layers) or None.
 
-    How the kernels compose with the savers: Liger's fused linear cross-entropy *is* a chunked loss
+    How the kernels compose with the savers: with compile="regional", only Liger's fused linear
+    cross-entropy applies; the compiled regions fuse their own RMSNorm, RoPE and SwiGLU (Liger's
+    Triton functions would break each region's graph). Liger's fused linear cross-entropy *is* a chunked loss
     (no logits, gradients in the forward), so with chunked_loss=True it computes the loss in place
     of nbkit's loop, and with chunked_loss=False neither runs (transformers' loss over full logits).
     The tiled MLP and Liger's SwiGLU both change the MLP, at different levels, so both apply: the
     tiled MLP splits the sequence into shards (memory), Liger's SwiGLU computes each shard (speed);
-    where the automatic shard count is 1 (sequences up to twice the hidden size) only SwiGLU acts.
+    where the automatic shard count is 1 (the MLP's tensors a small share of the GPU's memory, see
+    nbkit.savers.tiled_mlp) only SwiGLU acts.
     Checkpointing recomputes layers that use the kernels.
 
     Applying again with the same options does nothing; with other options it switches cleanly.
@@ -141,8 +150,11 @@ def apply(
         if wanted.tiled_mlp is not None:
             _tiled_mlp.enable(base, shards=wanted.tiled_mlp if isinstance(wanted.tiled_mlp, int) else None)
         kernel = None
-        if wanted.kernels == "liger":  # after the tiled MLP: its mixin on each MLP comes off first in remove()
-            _liger.enable(base)
+        if wanted.kernels == "liger":
+            # Compiled regions get their fused RMSNorm, RoPE and SwiGLU from inductor instead: dynamo cannot trace
+            # Liger's Triton functions, so each breaks the region's graph (see nbkit.savers.liger).
+            if wanted.compile != "regional":  # after the tiled MLP: its mixin on each MLP comes off first in remove()
+                _liger.enable(base)
             kernel = _liger.fused_linear_cross_entropy
         if wanted.chunked_loss:
             from nbkit.savers import loss

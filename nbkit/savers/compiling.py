@@ -15,17 +15,18 @@ copied model instead, which the savers' `remove()` could not find again; its FSD
 
 Composes with the other savers: checkpointing wraps the compiled call (non-reentrant checkpoint and
 the offloading saved-tensor hooks run outside the compiled region; the recompute in the backward
-calls the compiled forward again), Liger's kernels run inside it, and a layer whose MLP is tiled is
-compiled as two regions, its attention and its MLP (see regions()). Gradients are those of the eager
-model up to floating-point order, in one process and under DDP and FSDP2 (tests/test_savers_compile.py
-on the CPU; on one H100, tests/test_liger_gpu.py with Liger's kernels, every saver, 4-bit weights and three lengths).
+calls the compiled forward again); the tiled MLP is traced into its layer's graph until it splits
+(see regions()); with kernels="liger" only Liger's loss applies, the layers' RMSNorm, RoPE and
+SwiGLU being fused by inductor (nbkit.savers.liger says why). Gradients are those of the eager model
+up to floating-point order, in one process and under DDP and FSDP2 (tests/test_savers_compile.py on
+the CPU; on one H100, tests/test_liger_gpu.py with Liger's loss, every saver, 4-bit weights and
+three lengths).
 
-Measured on one H100 (benchmarks/RESULTS.md, "Regional compilation at 16K"), SFTTrainer, Qwen3-VL-2B,
-LoRA r=16, Liger's kernels and Trainer's NaN check off, against the same run uncompiled: faster at
-1K x 4 and 16K x 1, in bf16 and under the T4 profile, where it matches unsloth's step time at 16K
-(1.00x against 1.10x uncompiled). In bf16 it stays 1.4-1.6x of unsloth's. Without the tiled MLP
-(tiled_mlp=False: whole layers compiled) 16K took 0.885 s against 1.057 s, for 0.5 GiB more: at
-lengths where memory allows, that is the faster setting.
+Measured on one H100 (benchmarks/RESULTS.md, "Where the 1K x 4 step goes"), SFTTrainer, Qwen3-VL-2B,
+LoRA r=16, Liger's loss, Trainer's NaN check off, against unsloth in the same call: 1.00-1.03x of
+its step time at 16K x 1 in bf16 and 1.05x under the T4 profile; at 1K x 4, a step bound by host
+work whose runs spread by up to 23%, 0.93-1.10x in single runs (H200, H100), 1.25x as the median of
+three, and 1.12x under the T4 profile. 64K tokens under the T4 profile train compiled.
 """
 
 from __future__ import annotations
@@ -35,8 +36,7 @@ from typing import Any, cast
 from torch import nn
 
 from nbkit import notices
-from nbkit.savers import tiled_mlp
-from nbkit.savers._model import _ENCODER_NAMES, base_model, decoder_layers, layer_mlp
+from nbkit.savers._model import _ENCODER_NAMES, base_model, decoder_layers
 
 __all__ = ["disable", "enable", "is_enabled", "regions"]
 
@@ -45,29 +45,21 @@ _MARK = "_nbkit_compiled"
 
 
 def regions(model: nn.Module, *, vision: bool = True) -> list[nn.Module]:
-    """The blocks compiled one by one: each decoder layer (or, where its MLP is tiled, the layer's
-    attention and its MLP), then (vision=True) the blocks of the vision encoder (its longest
-    ModuleList of one block class), if there is one.
+    """The blocks compiled one by one: each decoder layer, then (vision=True) the blocks of the vision
+    encoder (its longest ModuleList of one block class), if there is one.
 
-    Why a tiled layer is split: dynamo cannot trace the tiled MLP's autograd function (it captures
-    the RNG state, and its backward differentiates each shard with `torch.autograd.grad`), so a
-    compiled layer breaks into two graphs around it. At 16K tokens on an H100 the first backward of such a layer failed
-    inside inductor (a 2-D gradient for the layer's 3-D hidden state; benchmarks/RESULTS.md).
-    Compiling the attention and the MLP as regions of their own leaves no break inside a graph: the
-    tiled function runs eagerly and calls the compiled MLP once per shard, and its backward
-    differentiates that compiled MLP.
+    A layer is compiled whole, its tiled MLP included: the tiled MLP's shard count is integer
+    arithmetic on the input's size, so below the length where it splits dynamo traces the MLP into
+    the layer's graph (a guard on the length); where it splits, the graph breaks around the tiled
+    call, which runs its shards eagerly (nbkit.savers.tiled_mlp). Compiling the attention and the MLP
+    as regions of their own instead was slower in one call on one H200, one run each: 0.283 s against
+    0.220 s at 1K x 4 and 0.795 s against 0.712 s at 16K x 1 (benchmarks/RESULTS.md, "Where the 1K x 4
+    step goes").
 
     Raises ValueError when the decoder layers cannot be found.
     """
     base = base_model(model)
-    blocks: list[nn.Module] = []
-    for layer in decoder_layers(base):
-        mlp = layer_mlp(layer)
-        if mlp is not None and tiled_mlp.is_tiled(mlp):
-            attention = getattr(layer, "self_attn", None)
-            blocks.extend([attention, mlp] if isinstance(attention, nn.Module) else [mlp])
-        else:
-            blocks.append(layer)
+    blocks: list[nn.Module] = list(decoder_layers(base))
     if vision:
         for name in _ENCODER_NAMES:
             inner = getattr(base, "model", None)
@@ -111,7 +103,7 @@ def enable(model: nn.Module, *, backend: str = "inductor", vision: bool = True, 
     # minute on a slow notebook CPU looks like a hang.
     notices.logger(__name__).info(
         f"nbkit: {len(blocks)} blocks of the model compile at its first training step, and once more at the first "
-        "step of another sequence length (one H100: 40-48 s from launch to the first step, 23 s uncompiled; longer on "
+        "step of another sequence length (Qwen3-VL-2B on one H100: 20-24 s from launch to the first step; longer on "
         "a notebook's few CPU cores); the steps after run faster. compile=None leaves them uncompiled."
     )
 

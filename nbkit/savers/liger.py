@@ -29,6 +29,14 @@ change goes through nbkit's patch registry:
   logits, hidden states moved to the lm_head's device, `num_items_in_batch` and `shift_labels`
   honoured. With `chunked_loss=False` the model keeps transformers' loss over full logits.
 
+With regional compilation (compile="regional") only the fused linear cross-entropy applies: the
+compiled decoder layers fuse their RMSNorm, RoPE and SwiGLU in inductor's own kernels. Dynamo cannot
+trace these Triton functions (torch 2.11: inductor's analysis of Liger's kernels fails, "'float' object
+has no attribute 'to'"), nor the RoPE dispatcher's per-thread state, so each call broke its layer's
+graph and ran eagerly: at 1K x 4 on one H200, a step bound by host work, 113 RMSNorm calls per step
+took 41 ms of host time outside the compiled graphs (benchmarks/RESULTS.md, "Where the 1K x 4 step
+goes"). Inductor's fused kernels cost no such host work.
+
 Composition with the savers (nbkit.savers.apply decides; see there): checkpointing recomputes layers
 that use the kernels; the tiled MLP splits the sequence and runs Liger's SwiGLU on each shard (the
 tiled MLP decides how many tokens go through the MLP at once, Liger how each shard is computed).

@@ -22,15 +22,21 @@ Dropout inside the MLP (LoRA dropout) replays identically: the RNG state (CPU an
 device) is captured before the first shard and restored for the shard-by-shard recompute. Autocast
 is replayed too.
 
-Shard count: given, or ceil(tokens / (2 * hidden_size)) -- one shard for sequences up to twice the
-hidden size, where tiling would only cost time.
+Shard count: given, or automatic. On a CUDA GPU the automatic count is the fewest shards whose
+working set (about seven 16-bit (tokens, intermediate_size) tensors per shard) stays under 1/40 of
+the memory the process may use there (the card's, or an emulated GPU's, nbkit.emulate), decided
+when the saver is enabled. Tiling costs time where memory does not need it (Qwen3-VL-2B at 16K
+tokens under the T4 profile: 1.588 s per step in 4 shards against 1.438 s untiled, for 1.01 GiB
+less peak; benchmarks/RESULTS.md), so it starts where the MLP's tensors become a real share of the
+GPU: for that model past ~4.6K tokens on a 15 GiB T4 (16K: 4 shards, 64K: 15) and past ~24K on an
+80 GiB card. Elsewhere (the CPU: tests and debugging, with no device memory to plan against)
+ceil(tokens / (2 * hidden_size)), which splits short sequences of tiny models too.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import math
 from collections.abc import Callable, Iterator
 from typing import Any, cast
 
@@ -39,17 +45,58 @@ from torch import nn
 
 from nbkit.savers._model import add_mixin, base_model, decoder_layers, has_mixin, layer_mlp, remove_mixin
 
-__all__ = ["disable", "enable", "is_tiled", "shard_count"]
+__all__ = ["automatic_tokens_per_shard", "disable", "enable", "is_tiled", "shard_count", "tokens_per_shard"]
 
-# Automatic shards hold about this many hidden sizes of tokens each.
+# Off a GPU, automatic shards hold about this many hidden sizes of tokens each.
 _TOKENS_PER_SHARD_PER_HIDDEN = 2
+# On a GPU: the untiled MLP, compiled, holds about this many (tokens, intermediate_size) 16-bit tensors at once
+# (its projections' outputs, their product and, in the backward, their gradients): 4 shards took 1.01 GiB off
+# the peak at 16K tokens of Qwen3-VL-2B under the T4 profile (6.64 -> 5.63 GiB), 3/4 of a working set of
+# 7.2 such tensors (192 MiB each) ...
+_WORKING_TENSORS = 7
+# ... and automatic shards keep that working set under this share of the memory the process may use: on a
+# 15 GiB T4, 384 MiB, so 16K tokens of that model run in 4 shards (1.05x unsloth's step at 0.94x its peak,
+# against 0.95x at 1.11x untiled); on an 80 GiB card the MLP stays whole up to ~24K tokens.
+_MEMORY_SHARE = 1 / 40
 
 
-def shard_count(tokens: int, seq_len: int, hidden_size: int, requested: int | None = None) -> int:
-    """How many sequence shards the MLP runs over: `requested` (capped at seq_len) or automatic."""
+def shard_count(
+    tokens: int, seq_len: int, hidden_size: int, requested: int | None = None, *, tokens_per_shard: int | None = None
+) -> int:
+    """How many sequence shards the MLP runs over, at least 1 and at most seq_len.
+
+    `requested` where given; else enough shards of at most `tokens_per_shard` tokens (tokens_per_shard()
+    of the MLP, on a GPU); else ceil(tokens / (2 * hidden_size)). Plain integer arithmetic on sizes, so
+    that dynamo traces it inside a compiled layer (a guard on the length, no graph break).
+    """
     if requested is None:
-        requested = math.ceil(tokens / (_TOKENS_PER_SHARD_PER_HIDDEN * hidden_size))
+        per_shard = tokens_per_shard or _TOKENS_PER_SHARD_PER_HIDDEN * hidden_size
+        requested = -(-tokens // per_shard)
     return max(1, min(requested, seq_len))
+
+
+def automatic_tokens_per_shard(usable_bytes: float, intermediate_size: int) -> int:
+    """Tokens an automatic shard holds on a GPU where the process may use `usable_bytes`: the most whose
+    working set (_WORKING_TENSORS 16-bit (tokens, intermediate_size) tensors) fits _MEMORY_SHARE of it.
+    """
+    return max(1, int(usable_bytes * _MEMORY_SHARE) // (_WORKING_TENSORS * 2 * max(1, intermediate_size)))
+
+
+def tokens_per_shard(mlp: nn.Module) -> int | None:
+    """automatic_tokens_per_shard() for `mlp` where it lives on a CUDA GPU, None elsewhere (the token rule).
+
+    What the process may use there: the card's memory, or the emulated GPU's (nbkit.emulate).
+    """
+    device = next((p.device for p in mlp.parameters()), None)
+    if device is None or device.type != "cuda":
+        return None
+    from nbkit import emulation
+
+    profile = emulation.active()
+    usable = profile.memory_gib * 2**30 if profile else torch.cuda.get_device_properties(device).total_memory
+    linears = [m for m in mlp.modules() if isinstance(m, nn.Linear)]
+    width = getattr(mlp, "intermediate_size", None) or max((m.out_features for m in linears), default=1)
+    return automatic_tokens_per_shard(usable, width)
 
 
 def _shard_bounds(seq_len: int, shards: int) -> list[tuple[int, int]]:
@@ -161,23 +208,33 @@ class _TiledRun(torch.autograd.Function):
         return grad_out, None, None
 
 
+@torch.compiler.disable
+def _run_tiled(mlp: nn.Module, x: torch.Tensor, shards: int) -> torch.Tensor:
+    """`mlp` on `x` in `shards` sequence shards. Never traced: inside a compiled layer the graph breaks here
+    (dynamo cannot trace the RNG capture or the backward's autograd.grad) and the shards run eagerly.
+    """
+    call = functools.partial(nn.Module.__call__, mlp)
+    params = [p for p in mlp.parameters() if p.requires_grad]
+    if torch.is_grad_enabled() and (x.requires_grad or params):
+        return _TiledRun.apply(_TiledGrad.apply(x, call, shards, *params), call, shards)
+    return _forward_shards(call, x, shards)
+
+
 class _TiledMLP:
     """Mixin for feed-forward blocks: a call on one (..., seq, hidden) tensor runs tiled."""
 
-    _nbkit_shards: int | None
+    _nbkit_shards: int | None  # requested, or None: automatic
+    _nbkit_tokens: int | None  # tokens per automatic shard on a GPU (tokens_per_shard), decided at enable()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        call = functools.partial(nn.Module.__call__, self)
         if len(args) != 1 or kwargs or not isinstance(args[0], torch.Tensor) or args[0].dim() < 2:
-            return call(*args, **kwargs)
+            return nn.Module.__call__(cast(nn.Module, self), *args, **kwargs)
         x = args[0]
-        shards = shard_count(x.numel() // x.shape[-1], x.shape[-2], x.shape[-1], self._nbkit_shards)
+        tokens = x.numel() // x.shape[-1]
+        shards = shard_count(tokens, x.shape[-2], x.shape[-1], self._nbkit_shards, tokens_per_shard=self._nbkit_tokens)
         if shards == 1:
-            return call(x)
-        params = [p for p in cast(nn.Module, self).parameters() if p.requires_grad]
-        if torch.is_grad_enabled() and (x.requires_grad or params):
-            return _TiledRun.apply(_TiledGrad.apply(x, call, shards, *params), call, shards)
-        return _forward_shards(call, x, shards)
+            return nn.Module.__call__(cast(nn.Module, self), x)
+        return _run_tiled(cast(nn.Module, self), x, shards)
 
 
 def enable(model: nn.Module, *, shards: int | None = None) -> None:
@@ -200,6 +257,7 @@ def enable(model: nn.Module, *, shards: int | None = None) -> None:
         if mlp is None or hasattr(mlp, "experts"):
             continue
         cast(Any, mlp)._nbkit_shards = shards
+        cast(Any, mlp)._nbkit_tokens = tokens_per_shard(mlp)
         add_mixin(mlp, _TiledMLP)
 
 
@@ -214,4 +272,4 @@ def disable(model: nn.Module) -> None:
         mlp = layer_mlp(layer)
         if mlp is not None and has_mixin(mlp, _TiledMLP):
             remove_mixin(mlp, _TiledMLP)
-            del mlp._nbkit_shards
+            del mlp._nbkit_shards, mlp._nbkit_tokens
