@@ -734,22 +734,12 @@ def _plan(
         args.update(changes)
         return _estimate(counts, config, gpus, split=split, **args).bytes_per_gpu()[1]
 
-    breakdown, total = _estimate(
-        counts, config, gpus, seq_len, batch_size, load_in_4bit, lora_rank, checkpointing, gpu_memory_gib=gpu_memory_gib
-    ).bytes_per_gpu()
+    common = (counts, config, gpus, seq_len, batch_size, load_in_4bit, lora_rank)
+    breakdown, total = _estimate(*common, checkpointing, gpu_memory_gib=gpu_memory_gib).bytes_per_gpu()
     split_total = per_gpu(split=gpus) if gpus > 1 else total
     fsdp_checkpointing = None if checkpointing is None else "recompute"  # accelerate's checkpointing keeps inputs
     fsdp_breakdown, fsdp_total = _estimate(
-        counts,
-        config,
-        gpus,
-        seq_len,
-        batch_size,
-        load_in_4bit,
-        lora_rank,
-        fsdp_checkpointing,
-        fsdp_shards=gpus,
-        gpu_memory_gib=gpu_memory_gib,
+        *common, fsdp_checkpointing, fsdp_shards=gpus, gpu_memory_gib=gpu_memory_gib
     ).bytes_per_gpu()
     # In 4-bit an fsdp rank loads and quantises the whole model on its own GPU, one 16-bit weight at a time,
     # and shards it only afterwards (nbkit.fsdp.device_map): that copy must fit the GPU first.
