@@ -63,6 +63,7 @@ import torch  # noqa: E402
 from torch.overrides import TorchFunctionMode  # noqa: E402
 
 from benchmarks import host, trainer_bench  # noqa: E402
+from benchmarks.profiling import HOST_SYNCS, device_us, split_events  # noqa: E402
 
 OPTIONS = {
     "noreport": {},
@@ -70,8 +71,6 @@ OPTIONS = {
     "log10": {"logging_steps": 10},
     "nobcast": {"ddp_broadcast_buffers": False},
 }
-# CUDA runtime calls that block the host until the device has caught up (profiling.py counts the same).
-CUDA_SYNCS = frozenset({"cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize"})
 # Frames skipped when attributing an event to the code that caused it.
 LIBRARY_FRAMES = ("torch/", "accelerate/utils/", "accelerate/accelerator.py", "contextlib.py", "host_cost.py")
 
@@ -234,7 +233,7 @@ def _counts(prof: Any, steps: int) -> dict[str, Any]:
             kind = "c10d op " + name
         elif name == "aten::_local_scalar_dense":
             kind = "host read"
-        elif name in CUDA_SYNCS:
+        elif name in HOST_SYNCS:
             kind = "cuda sync " + name
         else:
             continue
@@ -259,23 +258,17 @@ def _device_work(prof: Any, steps: int, top: int = 12) -> dict[str, Any]:
     work per kernel); "top_host_ops" are the ops with the most self CPU time (all threads), "top_kernels" the
     kernels with the most device time. Empty without a GPU.
     """
-    from torch.autograd import DeviceType
-
-    from benchmarks.profiling import _device_us
-
-    averages = prof.key_averages()
-    kernels = [e for e in averages if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)]
+    kernels, host = split_events(prof.key_averages())
     if not kernels:
         return {}
-    host = [e for e in averages if e.device_type != DeviceType.CUDA and not getattr(e, "is_user_annotation", False)]
     launches = sum(e.count for e in host if "LaunchKernel" in e.key)
     by_host = sorted(host, key=lambda e: -e.self_cpu_time_total)[:top]
-    by_kernel = sorted(kernels, key=lambda e: -_device_us(e))[:top]
+    by_kernel = sorted(kernels, key=lambda e: -device_us(e))[:top]
     return {
-        "gpu_kernel_ms_per_step": sum(_device_us(e) for e in kernels) / 1000 / steps,
+        "gpu_kernel_ms_per_step": sum(device_us(e) for e in kernels) / 1000 / steps,
         "kernel_launches_per_step": launches / steps,
         "top_host_ops": [(e.key[:90], e.count / steps, e.self_cpu_time_total / 1000 / steps) for e in by_host],
-        "top_kernels": [(e.key[:90], e.count / steps, _device_us(e) / 1000 / steps) for e in by_kernel],
+        "top_kernels": [(e.key[:90], e.count / steps, device_us(e) / 1000 / steps) for e in by_kernel],
     }
 
 

@@ -12,7 +12,8 @@ import torch
 from benchmarks.cases import Case, LaunchSpec
 from benchmarks.stepping import Stepper, sync
 
-_HOST_SYNCS = frozenset({"cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize"})
+# CUDA runtime calls that block the host until the device has caught up.
+HOST_SYNCS = frozenset({"cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize"})
 
 
 def profile(stepper: Stepper, batch: dict[str, torch.Tensor], spec: LaunchSpec, case: Case, rank: int) -> dict:
@@ -27,7 +28,6 @@ def profile(stepper: Stepper, batch: dict[str, torch.Tensor], spec: LaunchSpec, 
     up, the harness's own one synchronisation per step included. The written file lists the ops by
     device time (on GPUs) and by self CPU time.
     """
-    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU]
@@ -41,26 +41,18 @@ def profile(stepper: Stepper, batch: dict[str, torch.Tensor], spec: LaunchSpec, 
     wall_ms = (time.perf_counter() - start) * 1000 / spec.profile_steps
     averages = prof.key_averages()
     summary: dict[str, Any] = {"step_ms": wall_ms}
+    device_events, host_events = split_events(averages)
     if stepper.device.type == "cuda":
         kinds = {"nccl": 0.0, "memcpy": 0.0, "compute": 0.0}
-        for event in averages:
-            # Annotations ("DistributedDataParallel.forward", "nccl:all_reduce", "record_param_comms")
-            # span kernels that are counted on their own: counting them too would double the time.
-            if getattr(event, "device_type", None) != DeviceType.CUDA or getattr(event, "is_user_annotation", False):
-                continue
+        for event in device_events:
             name = event.key.lower()
             kind = "nccl" if "nccl" in name else "memcpy" if name.startswith(("memcpy", "memset")) else "compute"
-            kinds[kind] += _device_us(event) / 1000
+            kinds[kind] += device_us(event) / 1000
         summary.update({f"{k}_ms_per_step": v / spec.profile_steps for k, v in kinds.items()})
         summary["compute_busy_pct"] = 100 * summary["compute_ms_per_step"] / wall_ms if wall_ms else 0.0
     # A step whose kernels take less than its wall time is bound by the host: the CPU side says where.
-    host_events = [
-        e
-        for e in averages
-        if getattr(e, "device_type", None) != DeviceType.CUDA and not getattr(e, "is_user_annotation", False)
-    ]
     summary["host_ops_ms_per_step"] = sum(e.self_cpu_time_total for e in host_events) / 1000 / spec.profile_steps
-    summary["host_syncs_per_step"] = sum(e.count for e in host_events if e.key in _HOST_SYNCS) / spec.profile_steps
+    summary["host_syncs_per_step"] = sum(e.count for e in host_events if e.key in HOST_SYNCS) / spec.profile_steps
     if rank == 0:
         out = Path(spec.profile_dir)
         out.mkdir(parents=True, exist_ok=True)
@@ -85,7 +77,20 @@ def profile(stepper: Stepper, batch: dict[str, torch.Tensor], spec: LaunchSpec, 
     return summary
 
 
-def _device_us(event: Any) -> float:
+def split_events(averages: Any) -> tuple[list[Any], list[Any]]:
+    """A profiler's key_averages() as (device kernels and copies, host ops and runtime calls).
+
+    Annotations ("DistributedDataParallel.forward", "nccl:all_reduce", "record_param_comms") are in neither:
+    they span events that are counted on their own, and counting them too would double the time.
+    """
+    from torch.autograd import DeviceType
+
+    events = [e for e in averages if not getattr(e, "is_user_annotation", False)]
+    on_device = [e for e in events if getattr(e, "device_type", None) == DeviceType.CUDA]
+    return on_device, [e for e in events if getattr(e, "device_type", None) != DeviceType.CUDA]
+
+
+def device_us(event: Any) -> float:
     """An event's own device time in microseconds, under the name this torch uses."""
     value = getattr(event, "self_device_time_total", None)
     return getattr(event, "self_cuda_time_total", 0.0) if value is None else value
