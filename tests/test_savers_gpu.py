@@ -178,21 +178,12 @@ def test_automatic_tiling_reads_the_gpus_memory_or_the_emulated_ones():
     import nbkit
     from nbkit.savers.tiled_mlp import automatic_tokens_per_shard, tokens_per_shard
 
-    config = Qwen3Config(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        vocab_size=128,
-    )
-    mlp = Qwen3ForCausalLM(config).to("cuda").model.layers[0].mlp
+    mlp = decoder_layers(tiny_model("qwen3").to("cuda"))[0].mlp
     total = torch.cuda.get_device_properties(0).total_memory
-    assert tokens_per_shard(mlp) == automatic_tokens_per_shard(total, 128)
+    assert tokens_per_shard(mlp) == automatic_tokens_per_shard(total, mlp.intermediate_size)
     nbkit.emulate("T4")
     try:
-        assert tokens_per_shard(mlp) == automatic_tokens_per_shard(15 * 2**30, 128)
+        assert tokens_per_shard(mlp) == automatic_tokens_per_shard(15 * 2**30, mlp.intermediate_size)
     finally:
         nbkit.emulate(None)
 

@@ -94,8 +94,9 @@ def tokens_per_shard(mlp: nn.Module) -> int | None:
 
     profile = emulation.active()
     usable = profile.memory_gib * 2**30 if profile else torch.cuda.get_device_properties(device).total_memory
-    linears = [m for m in mlp.modules() if isinstance(m, nn.Linear)]
-    width = getattr(mlp, "intermediate_size", None) or max((m.out_features for m in linears), default=1)
+    width = getattr(mlp, "intermediate_size", None) or max(
+        (m.out_features for m in mlp.modules() if isinstance(m, nn.Linear)), default=1
+    )
     return automatic_tokens_per_shard(usable, width)
 
 
