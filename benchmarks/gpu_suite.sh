@@ -25,6 +25,7 @@
 #   bash benchmarks/gpu_suite.sh speed                # 1 GPU: unsloth vs transformers+savers+Liger+regional compile, bf16 and T4 profile (~9.8 min)
 #   bash benchmarks/gpu_suite.sh speed_bf16 / speed_t4  # the same, one precision per call (up to ~9 minutes each)
 #   bash benchmarks/gpu_suite.sh profile1k            # 1 GPU, 1K x 4: each backend's step taken apart (host, kernels), profiled
+#   bash benchmarks/gpu_suite.sh loss                 # 1 GPU: the loss alone, time and peak by rows per chunk, nbkit's and Liger's
 #   bash benchmarks/gpu_suite.sh compilecheck         # 1 GPU: regional compilation's GPU tests, and 64K under the T4 profile compiled
 #   bash benchmarks/gpu_suite.sh compile16k           # regional compile where the tiled MLP splits (16K), 2 GPUs side by side
 #   SUITE_DRY_RUN=1 bash benchmarks/gpu_suite.sh speed  # the same parts on the CPU with tiny:qwen3-vl (no wheels needed)
@@ -256,8 +257,9 @@ for what in "$@"; do
       # transformers+peft+nbkit.savers with Liger's kernels, regional compilation of the decoder layers and vision
       # blocks (+compile) and Trainer's per-micro-step NaN check off (+lean), and (bf16, if time is left, or as
       # the fallback where +compile fails fast) without those two; at 1K x 4 and 16K x 1; bf16 (speed_bf16), then
-      # the T4 profile (speed_t4: fp16, 15 GiB per process). Each run: 2 warm-up steps and 3 windows of 3 timed
-      # steps per shape (median of the window medians, spread over windows). Estimated on one H100: building
+      # the T4 profile (speed_t4: fp16, 15 GiB per process). Each run: 2 warm-up steps and 3 windows of 6 timed
+      # steps per shape (SPEED_STEPS=18; median of the window medians, spread over windows): at 1K x 4 single
+      # steps of both backends vary by up to 40% (host-bound), so windows of 3 made the medians noisy. Estimated on one H100: building
       # random:qwen3-vl-2b once ~30-60 s, unsloth ~100-150 s per launch (import and its compilation), Liger ~40 s,
       # +compile ~110 s (inductor compiles each shape once). A launch that would start after the part's start
       # limit is recorded as skipped; `speed` ends within ~9.8 minutes (limits below; SPEED_LIMITS overrides).
@@ -268,7 +270,7 @@ for what in "$@"; do
       # unsloth's launch takes up to ~250 s for both shapes (one H100: 128 s to its first step, then ~90 s of
       # compilation for the second shape), so 160 s cut it off at 16K. SPEED_SHAPES picks fewer shapes.
       # SPEED_REPEATS launches each configuration that many times, interleaved (the report: median over them).
-      run=(--shapes "${SPEED_SHAPES:-1024x4,16384x1}" --steps 9 --warmup 2 --windows 3 --launch-timeout 280
+      run=(--shapes "${SPEED_SHAPES:-1024x4,16384x1}" --steps "${SPEED_STEPS:-18}" --warmup 2 --windows 3 --launch-timeout 280
         --repeats "${SPEED_REPEATS:-1}")
       # Seconds: model; bf16 part, its last launch start; T4 part, its last launch start. Both parts in one call
       # fit in ~10 minutes only where unsloth's launches are at the fast end: the T4 part's +compile launch may be
@@ -338,6 +340,10 @@ for what in "$@"; do
       part compile_64k 200 python3 benchmarks/trainer_bench.py --longest --emulate T4 --configs liger+compile+lean:1 \
         --shapes 65536x1 --steps 1 --warmup 0 --launch-timeout 190 --time-limit 10 \
         --out "$OUT/compile_64k.json" --md "$OUT/compile_64k.md" ;;
+    loss)
+      # The causal-LM loss alone by rows per chunk (nbkit's loop and Liger's fused loss, Qwen3-VL-2B's head,
+      # 4K and 16K tokens, bf16 and fp16): time and peak memory. ~1-2 minutes.
+      part loss_chunks 240 python3 benchmarks/loss_chunks.py --out "$OUT/loss_chunks.json" --md "$OUT/loss_chunks.md" ;;
     liger)
       part liger 240 python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests/test_liger_gpu.py ;;
     *) echo "unknown part: $what" >&2 ;;

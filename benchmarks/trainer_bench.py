@@ -207,12 +207,30 @@ def _timer_callback(device: torch.device) -> Any:
     from transformers import TrainerCallback
 
     class StepTimer(TrainerCallback):
-        """Wall time between the ends of successive optimizer steps (the first: from its own start)."""
+        """Wall time between the ends of successive optimizer steps (the first: from its own start), and the
+        milliseconds of Python garbage collection within each (a host-bound step pays for them in full).
+        """
 
         def __init__(self) -> None:
             self.times: list[float] = []
+            self.gc_ms: list[float] = []
             self.first_step_end: float | None = None
             self._last: float | None = None
+            self._gc = 0.0
+            self._gc_started = 0.0
+
+        def _on_gc(self, phase: str, info: dict[str, int]) -> None:
+            if phase == "start":
+                self._gc_started = time.perf_counter()
+            else:
+                self._gc += time.perf_counter() - self._gc_started
+
+        def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            gc.callbacks.append(self._on_gc)
+
+        def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if self._on_gc in gc.callbacks:
+                gc.callbacks.remove(self._on_gc)
 
         def _sync(self) -> None:
             if device.type == "cuda":
@@ -227,7 +245,8 @@ def _timer_callback(device: torch.device) -> Any:
             self._sync()
             now = time.perf_counter()
             self.times.append(now - (now if self._last is None else self._last))
-            self._last = now
+            self.gc_ms.append(round(1000 * self._gc, 2))
+            self._last, self._gc = now, 0.0
             if self.first_step_end is None:
                 self.first_step_end = time.time()
 
@@ -325,9 +344,11 @@ def _case(launch: Launch, model: Any, seq_len: int, batch: int, device: torch.de
         row["traceback"] = traceback.format_exc()[-6000:]
         print(row["traceback"], file=sys.stderr, flush=True)
     finally:
+        timer.on_train_end(None, None, None)  # its GC hook off also when training raised
         del trainer
         gc.collect()
     row["step_times_s"] = timer.times
+    row["gc_ms"] = timer.gc_ms
     row["first_step_end"] = timer.first_step_end
     row["peak"] = measures.peak_memory_gib(device)
     return row

@@ -36,7 +36,7 @@ from typing import Any
 from nbkit import notices, patching
 from nbkit.errors import EmulationError
 
-__all__ = ["ENV", "PROFILES", "Profile", "active", "apply_from_env", "emulate", "lookup"]
+__all__ = ["ENV", "PROFILES", "Profile", "active", "apply_from_env", "emulate", "lookup", "usable_bytes"]
 
 ENV = "NBKIT_EMULATE"
 
@@ -150,6 +150,24 @@ def lookup(name: str) -> Profile:
         f"nbkit has no GPU profile {name!r} to emulate; the profiles are {', '.join(PROFILES)} "
         f"(nbkit.emulate('T4'), or {ENV}=T4 in the environment). Unset {ENV} to train without one."
     )
+
+
+def usable_bytes(device: Any) -> int | None:
+    """The memory this process may use on `device`: the emulated GPU's under a profile, else the card's.
+
+    Takes a torch.device (or anything torch.device() accepts). Returns None for a device that is not a
+    CUDA GPU. The savers size their automatic chunks and shards from it, so that a T4 profile on an
+    H100 chooses what a T4 would.
+    """
+    import torch
+
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    profile = active()
+    if profile is not None:
+        return int(profile.memory_gib * 2**30)
+    return int(torch.cuda.get_device_properties(device).total_memory)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -77,9 +77,6 @@ DDP_BUCKET_BYTES_PER_PARAM = 4
 # Layer inputs of the offloaded checkpointing alive on the GPU at once: the one being copied out
 # (forward) or in (backward), plus the prefetched next one.
 OFFLOAD_LAYER_INPUTS_ON_GPU = 2
-# nbkit.savers.loss (rows per chunk: its rows_per_chunk): at its peak a chunk holds fp32 logits
-# plus the 16-bit logits of this chunk and the 16-bit gradient of the last.
-LOSS_CHUNK_PEAK_BYTES_PER_LOGIT = 4 + 2 + 2
 # A typical image for the vision tower's forward (a 512x512 image at patch size 16 = 1024 patches),
 # and the bytes per patch per vision hidden unit its frozen forward holds at once (one block's
 # temporaries: the residual stream, qkv, attention output and the 4x MLP).
@@ -651,7 +648,7 @@ def _estimate(
     """
     s = _Shape.of(config)
     tokens = seq_len * batch_size
-    from nbkit.savers.loss import rows_per_chunk
+    from nbkit.savers.loss import BYTES_PER_LOGIT, rows_per_chunk
     from nbkit.savers.tiled_mlp import automatic_tokens_per_shard, shard_count
 
     # What the tiled MLP will use on this GPU; one shard: the plain MLP.
@@ -679,7 +676,7 @@ def _estimate(
         layer_phase += 2 * 2 * counts.largest_linear  # dequantised weight and its transpose/grad path
     rows = min(tokens, rows_per_chunk(s.vocab))
     # the final norm's fp32 input, its 16-bit output and the loss's gradient for it, plus one chunk
-    loss_phase = (4 + 2 + 2) * s.hidden * tokens + LOSS_CHUNK_PEAK_BYTES_PER_LOGIT * rows * s.vocab
+    loss_phase = (4 + 2 + 2) * s.hidden * tokens + BYTES_PER_LOGIT * rows * s.vocab
     vision = getattr(config, "vision_config", None)
     vision_phase = VISION_PATCHES * vision.hidden_size * VISION_WORKING_BYTES_PER_HIDDEN if vision is not None else 0
     weights = float(counts.bytes_4bit if load_in_4bit else counts.bytes_16bit)

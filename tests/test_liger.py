@@ -137,8 +137,8 @@ def test_chunked_loss_kernel_is_what_computes_the_loss():
     reference_loss, reference = loss_and_grads(model, batch)
     seen = []
 
-    def kernel(hidden, weight, bias, labels, ignore_index, num_items, softcap, compute_dtype):
-        seen.append((tuple(hidden.shape), tuple(labels.shape), ignore_index, num_items, softcap, compute_dtype))
+    def kernel(hidden, weight, bias, labels, ignore_index, num_items, softcap, compute_dtype, rows):
+        seen.append((tuple(hidden.shape), tuple(labels.shape), ignore_index, num_items, softcap, compute_dtype, rows))
         return loss.linear_cross_entropy(hidden, weight, labels, bias=bias, ignore_index=ignore_index, shift=False)
 
     loss.apply(model, kernel=kernel)
@@ -147,7 +147,8 @@ def test_chunked_loss_kernel_is_what_computes_the_loss():
     finally:
         loss.remove(model)
     hidden = model.config.hidden_size
-    assert seen == [((2 * 21, hidden), (2 * 21,), -100, None, None, torch.float32)]
+    # No chunk size asked for: the kernel picks its own (None).
+    assert seen == [((2 * 21, hidden), (2 * 21,), -100, None, None, torch.float32, None)]
     assert relative_error(loss_value, reference_loss) < 1e-6
     assert all(relative_error(grads[n], reference[n]) < 1e-5 for n in reference)
 
@@ -158,3 +159,23 @@ def test_mlp_and_norms_untouched_after_a_refused_request():
     with pytest.raises(KernelsError):
         savers.apply(model, checkpointing=None, tiled_mlp=False, chunked_loss=False, kernels="liger")
     assert [type(layer_mlp(layer)) for layer in decoder_layers(model)] == mlp_types
+
+
+def _liger_chunk_rows(tokens: int, vocab: int, hidden: int, chunk_mem_const: int) -> int:
+    """Liger 0.8.5's chunk size (fused_linear_cross_entropy_forward), written out as its docs state it."""
+    divisor = -(-vocab // (chunk_mem_const * hidden))
+    return min(1 << (-(-tokens // divisor) - 1).bit_length(), tokens)
+
+
+@pytest.mark.parametrize("tokens", [1, 700, 4096, 3_900, 16_384, 65_536])
+@pytest.mark.parametrize("rows", [1, 64, 100, 512, 828, 4393, 70_000])
+def test_liger_chunks_stay_within_the_rows_nbkit_gives_and_use_them(tokens, rows):
+    """What kernels='liger' hands Liger keeps its chunks at or below the rows nbkit's loss allows, and no
+    smaller than the largest power of two those rows allow (else chunks are made small for nothing)."""
+    vocab, hidden = 151_936, 2048  # Qwen3-VL-2B's head
+    const = liger.chunk_mem_const(rows, tokens, vocab, hidden)
+    size = _liger_chunk_rows(tokens, vocab, hidden, const)
+    own = _liger_chunk_rows(tokens, vocab, hidden, 1)  # Liger's default
+    allowed = min(1 << (rows.bit_length() - 1), tokens)
+    assert size <= max(allowed, own)
+    assert size >= min(allowed, tokens) or const == 1

@@ -127,3 +127,33 @@ def test_regional_compile_with_kernels_and_every_saver_across_lengths(four_bit):
         worst = max(errors, key=errors.get)
         assert errors[worst] < GPU_TOLERANCE, (worst, errors[worst])
     savers.remove(model)
+
+
+@one_gpu
+def test_liger_loss_follows_the_rows_nbkit_gives():
+    """Liger's fused loss through nbkit: the same loss and gradient in chunks of 8 rows and in one chunk,
+    and one chunk of 1,024 rows holds its logits at once (the bound is honoured, not ignored)."""
+    from nbkit.savers import loss
+
+    tokens, hidden_size, vocab = 1024, 256, 32_000  # Liger's own chunks: 8 rows
+    g = torch.Generator(device="cuda").manual_seed(0)
+    hidden = torch.randn(tokens, hidden_size, device="cuda", generator=g).requires_grad_()
+    weight = torch.randn(vocab, hidden_size, device="cuda", generator=g) / hidden_size**0.5
+    labels = torch.randint(0, vocab, (tokens,), device="cuda", generator=g)
+    results = {}
+    for rows in (8, tokens):
+        hidden.grad = None
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        value = loss.linear_cross_entropy(
+            hidden, weight, labels, chunk_size=rows, shift=False, kernel=liger.fused_linear_cross_entropy
+        )
+        value.backward()
+        peak = torch.cuda.max_memory_allocated() - before
+        results[rows] = (value.detach(), hidden.grad.clone(), peak)
+    (small_loss, small_grad, small_peak), (whole_loss, whole_grad, whole_peak) = results[8], results[tokens]
+    assert relative_error(whole_loss, small_loss) < GPU_TOLERANCE
+    assert relative_error(whole_grad, small_grad) < GPU_TOLERANCE
+    logits_bytes = tokens * vocab * 4  # fp32 here
+    assert small_peak < logits_bytes / 4 < logits_bytes <= whole_peak, (small_peak, whole_peak)

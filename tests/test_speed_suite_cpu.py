@@ -3,7 +3,8 @@
 The dry run is the GPU part with tiny:qwen3-vl on the CPU: the same trainer_bench options (configs with
 +compile and +lean, 3 timed windows per shape, a bf16 part and a T4-profile part), Liger swapped for the
 plain transformers path (Liger needs CUDA) and compiled with aot_eager. unsloth cannot run on a CPU and
-must be recorded as skipped while the rest goes on.
+must be recorded as skipped while the rest goes on. And benchmarks/loss_chunks.py (the loss alone by rows
+per chunk) on the CPU, small.
 """
 
 from __future__ import annotations
@@ -110,6 +111,7 @@ def test_speed_part_dry_run_on_the_cpu(tmp_path):
             assert r["status"] == "ok", r.get("error")
             assert r["precision"] == "fp32"  # the T4 part too: fp16 needs a GPU
             assert len(r["step_times_s"]) == 1 + 3  # warm-up + timed
+            assert len(r["gc_ms"]) == 4 and all(ms >= 0 for ms in r["gc_ms"])  # GC time within each step
             assert r["window_medians_s"] == r["step_times_s"][1:]  # 3 windows of one step each
             assert r["extras"] == (["compile", "lean"] if "+" in config else [])
             assert r["loss_first"] > 0
@@ -121,3 +123,33 @@ def test_speed_part_dry_run_on_the_cpu(tmp_path):
         table = (tmp_path / f"{part}.md").read_text()
         assert "| transformers+compile+lean:1@notebook | fp32 16bit 128x2 | 1/1 |" in table
         assert "over every timed window of every run" in table
+
+
+def test_loss_chunks_script_on_the_cpu(tmp_path):
+    from benchmarks import loss_chunks
+
+    out, md = tmp_path / "loss.json", tmp_path / "loss.md"
+    argv = ["--device", "cpu", "--tokens", "300", "--vocab", "997", "--hidden", "32", "--kernels", "nbkit"]
+    argv += [
+        "--dtypes",
+        "fp32",
+        "--rows",
+        "auto,16",
+        "--warmup",
+        "1",
+        "--repeats",
+        "2",
+        "--out",
+        str(out),
+        "--md",
+        str(md),
+    ]
+    assert loss_chunks.main(argv) == 0
+    cases = json.loads(out.read_text())["cases"]
+    # 270 counted rows (every tenth ignored): one default chunk (about 256 MiB of fp32 logits), or 17 of 16 rows.
+    assert [(c["rows_spec"], c["rows"], c["chunks"]) for c in cases] == [
+        ("auto", 256 * 2**20 // (4 * 997), 1),
+        ("16", 16, 17),
+    ]
+    assert all(c["ms"] > 0 and c["peak_extra_gib"] is None for c in cases)
+    assert "| nbkit | fp32 | 300 | 16 (16) | 17 |" in md.read_text()

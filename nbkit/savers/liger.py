@@ -64,6 +64,7 @@ from torch import nn
 from nbkit import patching
 from nbkit.errors import KernelsError
 from nbkit.savers._model import add_mixin, base_model, decoder_layers, has_mixin, layer_mlp, remove_mixin
+from nbkit.savers.loss import rows_per_chunk
 
 __all__ = ["LIGER_VERSION", "SUPPORTED", "check", "disable", "enable", "fused_linear_cross_entropy", "is_enabled"]
 
@@ -270,24 +271,51 @@ def fused_linear_cross_entropy(
     num_items_in_batch: torch.Tensor | int | None,
     softcap: float | None,
     compute_dtype: torch.dtype,
+    rows: int | None = None,
 ) -> torch.Tensor:
     """nbkit.savers.loss's Kernel computed by Liger's fused linear cross-entropy.
 
-    Takes the prepared rows (hidden [N, H] on the weight's device, labels [N] already shifted).
-    Returns the fp32 loss: the summed token losses over `num_items_in_batch` when given, else over
-    the counted tokens (NaN when there are none), as nbkit's chunked loss and transformers do. The
-    logits of each chunk are computed in `compute_dtype` (the autocast dtype under autocast).
+    Takes the prepared rows (hidden [N, H] on the weight's device, labels [N] already shifted) and the
+    most rows a chunk may hold (None: about 256 MiB of the 16-bit logits Liger keeps, by
+    nbkit.savers.loss.rows_per_chunk, instead of Liger's own 1/75 of the rows; see chunk_mem_const).
+    Returns the fp32 loss: the summed token losses over `num_items_in_batch` when given, else over the
+    counted tokens (NaN when there are none), as nbkit's chunked loss and transformers do. The logits
+    of each chunk are computed in `compute_dtype` (the autocast dtype under autocast).
     """
     h = hidden.to(compute_dtype)
     w = weight.to(compute_dtype)
     b = None if bias is None else bias.to(compute_dtype)
+    rows = rows_per_chunk(w.shape[0], rows, logit_bytes=w.element_size())
     # Liger casts nothing itself: the inputs are already in the compute dtype.
     with torch.autocast(hidden.device.type, enabled=False):
         total = _functional().liger_fused_linear_cross_entropy(
-            h, w, labels, bias=b, ignore_index=ignore_index, reduction="sum", softcap=softcap
+            h,
+            w,
+            labels,
+            bias=b,
+            ignore_index=ignore_index,
+            reduction="sum",
+            softcap=softcap,
+            chunk_mem_const=chunk_mem_const(rows, h.shape[0], w.shape[0], w.shape[1]),
         )
     if num_items_in_batch is None:
         denominator = (labels != ignore_index).sum().to(torch.float32)
     else:
         denominator = torch.as_tensor(num_items_in_batch, device=total.device).to(torch.float32)
     return total.float() / denominator
+
+
+def chunk_mem_const(rows: int, tokens: int, vocab: int, hidden: int) -> int:
+    """The `chunk_mem_const` that keeps Liger's chunks at or below `rows` rows for `tokens` rows.
+
+    Liger sizes its chunks as next_power_of_2(ceil(tokens / ceil(vocab / (c * hidden)))) rows for
+    chunk_mem_const c; its default, 1, bounds a chunk's logits by tokens x hidden elements, which for a
+    152K vocabulary means chunks of 1/75 of the tokens (64 rows at 4K tokens) whatever the GPU's memory.
+    Here c is the largest whose chunks stay within the largest power of two not above `rows` (at least 1,
+    Liger's own choice, where that is smaller still).
+    """
+    power = 1 << (max(1, rows).bit_length() - 1)
+    chunks = -(-tokens // power)  # Liger's divisor ceil(vocab / (c * hidden)) must reach this, no more
+    if chunks == 1:
+        return max(1, -(-vocab // hidden))
+    return max(1, -(-vocab // ((chunks - 1) * hidden)) - 1)

@@ -5,7 +5,9 @@ A causal LM's loss needs `hidden @ lm_head.weight.T`: at 16K tokens and a 152K v
 `linear_cross_entropy` computes the same loss a chunk of rows at a time; each chunk's logits are
 turned into that chunk's gradients straight away (softmax minus one-hot), so the peak extra memory
 is about two fp32 chunks of logits and nothing of size (tokens, vocab) is ever allocated or saved.
-Rows whose label is ignored are skipped entirely (prompt and image tokens cost nothing).
+Rows whose label is ignored are skipped entirely (prompt and image tokens cost nothing). A chunk holds
+a few hundred rows (rows_per_chunk): each one reads the whole lm_head weight, so smaller chunks would
+cost more in those reads than the loss's FLOPs.
 
 Gradients are exact, not approximations: values and gradients equal transformers' `ForCausalLMLoss`
 to fp32 rounding. The weight (and bias) gradient is returned from one backward node, so it is
@@ -34,14 +36,24 @@ from torch import nn
 from nbkit import compat
 from nbkit.savers._model import base_model
 
-__all__ = ["Kernel", "apply", "is_applied", "linear_cross_entropy", "remove", "rows_per_chunk"]
+__all__ = ["BYTES_PER_LOGIT", "Kernel", "apply", "is_applied", "linear_cross_entropy", "remove", "rows_per_chunk"]
 
-# Rows per chunk are chosen so that one chunk of fp32 logits takes about this many bytes.
+# At its peak a chunk of nbkit's loop holds its fp32 logits, their 16-bit copy and the 16-bit gradient of the
+# last chunk (nbkit.plan models the loss's peak with this).
+BYTES_PER_LOGIT = 4 + 2 + 2
+# A chunk's logits take about this many bytes: rows_per_chunk's default. Each chunk reads the whole lm_head
+# weight twice (logits, then the hidden states' gradient), so a chunk needs a few hundred rows before its
+# matmuls are bound by FLOPs rather than by those reads. Measured on one H100 (benchmarks/RESULTS.md, "The
+# loss by rows per chunk"), Qwen3-VL-2B's head, forward + backward of 4K tokens: nbkit's loop 20.0 ms at
+# 512 rows against 18.8 ms in one chunk of 4.2 GiB and 42.9 ms at 64 rows; Liger's fused loss 8.8 ms at
+# 512 rows against 8.3 ms in one chunk and 32.3 ms at 64, its own choice for that vocabulary.
 _CHUNK_BYTES = 256 * 2**20
 
 # The loss of prepared rows: (hidden [N, H] on the weight's device, weight [V, H], bias [V] or None,
-# labels [N] already shifted, ignore_index, num_items_in_batch, softcap, compute dtype) -> fp32 scalar,
-# with linear_cross_entropy's normalisation and gradients (each accumulated once per backward).
+# labels [N] already shifted, ignore_index, num_items_in_batch, softcap, compute dtype, rows per chunk
+# or None) -> fp32 scalar, with linear_cross_entropy's normalisation and gradients (each accumulated
+# once per backward). A kernel keeps its chunks at or below the rows it is given; None: the kernel's
+# own default, rows_per_chunk for the bytes its logits take.
 Kernel = Callable[
     [
         torch.Tensor,
@@ -52,13 +64,15 @@ Kernel = Callable[
         torch.Tensor | int | None,
         float | None,
         torch.dtype,
+        int | None,
     ],
     torch.Tensor,
 ]
 
 
-def rows_per_chunk(vocab: int, requested: int | None = None) -> int:
-    """Rows of logits per chunk: `requested`, or as many as make one fp32 chunk about 256 MiB.
+def rows_per_chunk(vocab: int, requested: int | None = None, *, logit_bytes: int = 4) -> int:
+    """Rows of logits per chunk: `requested`, or as many as make one chunk's logits about 256 MiB at
+    `logit_bytes` per logit (4: nbkit's fp32 logits; Liger's fused loss keeps 16-bit ones, 2).
 
     nbkit.plan models the loss's peak memory with this same number.
 
@@ -69,7 +83,7 @@ def rows_per_chunk(vocab: int, requested: int | None = None) -> int:
         if requested < 1:
             raise ValueError(f"chunk_size must be a positive number of rows, not {requested}.")
         return requested
-    return max(1, _CHUNK_BYTES // (4 * vocab))
+    return max(1, _CHUNK_BYTES // (logit_bytes * vocab))
 
 
 def _chunked_pass(
@@ -197,7 +211,7 @@ def linear_cross_entropy(
         num_items_in_batch: the divisor of the summed loss (transformers' gradient-accumulation
             normalisation); None: the number of counted tokens.
         softcap: c applies `c * tanh(logits / c)` first (Gemma 2's `final_logit_softcapping`).
-        chunk_size: rows per chunk (default: rows_per_chunk, about 256 MiB of fp32 logits).
+        chunk_size: rows per chunk (default: rows_per_chunk, about 256 MiB of logits).
         shift: True predicts token t+1 from position t, exactly like transformers' causal-LM loss;
             False takes labels that are already aligned (transformers' `shift_labels`).
         kernel: computes the loss of the prepared rows instead of nbkit's chunked loop (see `Kernel`;
@@ -224,7 +238,9 @@ def linear_cross_entropy(
     labels = labels.reshape(-1)
     compute_dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else weight.dtype
     if kernel is not None:
-        return kernel(hidden, weight, bias, labels, ignore_index, num_items_in_batch, softcap, compute_dtype)
+        return kernel(
+            hidden, weight, bias, labels, ignore_index, num_items_in_batch, softcap, compute_dtype, chunk_size
+        )
     options: dict[str, Any] = dict(
         ignore_index=ignore_index,
         num_items=num_items_in_batch,

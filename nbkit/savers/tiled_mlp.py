@@ -43,6 +43,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from nbkit import emulation
 from nbkit.savers._model import add_mixin, base_model, decoder_layers, has_mixin, layer_mlp, remove_mixin
 
 __all__ = ["automatic_tokens_per_shard", "disable", "enable", "is_tiled", "shard_count", "tokens_per_shard"]
@@ -88,12 +89,9 @@ def tokens_per_shard(mlp: nn.Module) -> int | None:
     What the process may use there: the card's memory, or the emulated GPU's (nbkit.emulate).
     """
     device = next((p.device for p in mlp.parameters()), None)
-    if device is None or device.type != "cuda":
+    usable = None if device is None else emulation.usable_bytes(device)
+    if usable is None:
         return None
-    from nbkit import emulation
-
-    profile = emulation.active()
-    usable = profile.memory_gib * 2**30 if profile else torch.cuda.get_device_properties(device).total_memory
     width = getattr(mlp, "intermediate_size", None) or max(
         (m.out_features for m in mlp.modules() if isinstance(m, nn.Linear)), default=1
     )
