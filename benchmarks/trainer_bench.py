@@ -455,6 +455,7 @@ def _row(launch: Launch, row: dict, ranks: list[dict], load_s: float, first: boo
         "error": next((r["error"] for r in ranks if r.get("error")), None),
         "traceback": next((r["traceback"] for r in ranks if r.get("traceback")), None),
         "step_times_s": times,
+        "gc_ms": row.get("gc_ms"),  # this rank's garbage-collection time within each step
         "step_time_s": stats,
         "tokens_per_s_per_gpu": tokens / stats["median"] if stats else None,
         "peak_allocated_gib": [r["peak"]["allocated"] if r["peak"] else None for r in ranks],

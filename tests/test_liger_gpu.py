@@ -107,16 +107,18 @@ def _qlora_tiny_vl() -> torch.nn.Module:
 
 
 @one_gpu
+@pytest.mark.parametrize("tiled", [3, True], ids=["split", "whole-mlp"])
 @pytest.mark.parametrize("four_bit", [False, True], ids=["16bit", "4bit"])
-def test_regional_compile_with_kernels_and_every_saver_across_lengths(four_bit):
+def test_regional_compile_with_kernels_and_every_saver_across_lengths(four_bit, tiled):
     # What the transformers path of a notebook runs with compile on: Liger's kernels, every saver and the
-    # compiled regions, on batches of other lengths (a trainer pads each batch to its longest), each with the
-    # tiled MLP split in 3 (where whole compiled layers failed at 16K on an H100; on a GPU the automatic count
-    # would not split a tiny model's short sequences).
+    # compiled regions, on batches of other lengths (a trainer pads each batch to its longest). The tiled MLP
+    # split in 3 (where whole compiled layers failed at 16K on an H100; the offloaded checkpoint wraps each
+    # compiled layer), or automatic, which does not split a tiny model's short sequences on a GPU (each layer
+    # compiled with its checkpoint inside, its input offloaded from outside).
     # Each length's loss and LoRA gradients equal the same model's uncompiled ones.
     model = _qlora_tiny_vl() if four_bit else tiny_model("qwen3-vl").to("cuda")
     batches = [_on_gpu(make_batch(model, lengths, seed=3)) for lengths in ([24, 17], [40], [300])]
-    options = LIGER_CASES["liger_all"]
+    options = dict(LIGER_CASES["liger_all"], tiled_mlp=tiled)
     savers.apply(model, **options)
     eager = [loss_and_grads(model, batch) for batch in batches]
     savers.apply(model, **dict(options, compile="regional"))  # Liger's loss, inductor's fused layers

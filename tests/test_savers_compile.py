@@ -10,6 +10,7 @@ the model eager again.
 from __future__ import annotations
 
 import functools
+import math
 import shutil
 
 import pytest
@@ -87,6 +88,49 @@ def test_the_tiled_mlp_joins_its_layers_graph_until_it_splits():
     torch._dynamo.reset()
 
 
+def test_a_checkpointed_layer_compiles_with_its_checkpoint_inside():
+    # Where the tiled MLP does not split (a GPU's automatic count at common lengths), each checkpointed layer
+    # runs one compiled call with the checkpoint inside: the forward saves the layer's inputs and weights,
+    # no activation (the compiled backward recomputes the layer), and the gradients are the eager model's.
+    from nbkit.savers import checkpointing
+
+    model = tiny_model("qwen3")
+    batch = make_batch(model, [24, 17], seed=5)
+    reference_loss, reference = loss_and_grads(model, batch)
+    savers.apply(model, checkpointing="recompute", tiled_mlp=False, chunked_loss=True)
+    compiling.enable(model, backend="aot_eager")
+    layers = list(decoder_layers(model))
+    calls = []
+    for index, layer in enumerate(layers):
+        compiled = layer._nbkit_compiled_checkpoint
+
+        def counted(*args, _compiled=compiled, _index=index, **kwargs):
+            calls.append(_index)
+            return _compiled(*args, **kwargs)
+
+        layer._nbkit_compiled_checkpoint = counted
+    saved = []
+
+    def pack(tensor):
+        saved.append(tuple(tensor.shape))
+        return tensor
+
+    width = savers._model.base_model(model).config.intermediate_size
+    activation = batch["input_ids"].numel() * width  # one MLP projection's output: (batch, seq, width)
+    for _ in range(2):
+        calls.clear(), saved.clear()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            loss, grads = loss_and_grads(model, batch)
+        assert calls == list(range(len(layers)))
+        assert saved and not [s for s in saved if s[-1] == width and math.prod(s) == activation], saved
+        assert relative_error(loss, reference_loss) < TOLERANCE
+        assert_grads_match(grads, reference)
+    savers.remove(model)
+    assert not any(hasattr(layer, "_nbkit_compiled_checkpoint") for layer in layers)
+    assert not any(checkpointing.is_checkpointed(layer) for layer in layers)
+    torch._dynamo.reset()
+
+
 def test_a_compile_the_user_made_is_left_alone_and_bad_values_are_refused():
     model = tiny_model("qwen3")
     head = savers._model.base_model(model).lm_head
@@ -121,12 +165,19 @@ def test_ddp_with_regional_compile_matches_single_process(monkeypatch):
     # AOTAutograd as with inductor, without its code generation: two ranks generating C++ on CI's 2
     # shared cores took over 500 s; the tests above cover inductor's code.
     monkeypatch.setattr(compiling, "enable", functools.partial(compiling.enable, backend="aot_eager"))
-    SAVERS["compiled"] = dict(EVERY_SAVER, compile="regional")  # the ranks fork from here and see both
-    cases = [("compiled", {"find_unused_parameters": unused}) for unused in (True, False)]
+    # The ranks fork from here and see both: the tiled MLP split (the checkpoint wraps each compiled layer) and
+    # whole (each layer compiled with its checkpoint inside).
+    SAVERS["compiled"] = dict(EVERY_SAVER, compile="regional")
+    SAVERS["compiled_whole"] = dict(EVERY_SAVER, tiled_mlp=False, compile="regional")
+    cases = [
+        (saver, {"find_unused_parameters": unused})
+        for saver in ("compiled", "compiled_whole")
+        for unused in (True, False)
+    ]
     try:
         results = nbkit.launch(_run_matrix, "qwen3-vl", "cpu", cases, gpus=2, timeout=300, dashboard=False)
     finally:
-        del SAVERS["compiled"]
+        del SAVERS["compiled"], SAVERS["compiled_whole"]
     check_matrix(results, *_reference("qwen3-vl"), cases)
 
 
@@ -143,12 +194,14 @@ def _fsdp_step(savers: dict) -> tuple[dict, int]:
 @pytest.mark.parametrize(
     ("savers", "accelerate_checkpointing"),
     [
-        # nbkit's offloaded checkpointing; each layer's attention and tiled MLP compiled, inside FSDP's unit
+        # nbkit's offloaded checkpointing; each layer compiled around its split tiled MLP, inside FSDP's unit
         (dict(checkpointing="offload", tiled_mlp=3, chunked_loss=True), "false"),
+        # the same with the MLP whole: each layer compiled with its checkpoint inside
+        (dict(checkpointing="offload", tiled_mlp=False, chunked_loss=True), "false"),
         # accelerate's checkpointing (nbkit's fsdp set-up); whole layers compiled, each carrying FSDP's hooks
         (dict(checkpointing=None, tiled_mlp=False, chunked_loss=True), "true"),
     ],
-    ids=["offload-tiled", "fsdp-checkpointing-whole-layers"],
+    ids=["offload-tiled", "offload-whole-mlp", "fsdp-checkpointing-whole-layers"],
 )
 def test_fsdp_with_regional_compile_gives_the_reference_gradients(monkeypatch, savers, accelerate_checkpointing):
     # test_fsdp's check: each rank holds half of the base weights, the loss and every LoRA gradient equal

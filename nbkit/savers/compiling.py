@@ -13,14 +13,15 @@ same modules. accelerate's `compile_regions` returns `torch.compile` wrappers (O
 copied model instead, which the savers' `remove()` could not find again; its FSDP2 variant
 (`compile_regions_fsdp2`) uses the same in-place call for the same reason, for FSDP's hooks.
 
-Composes with the other savers: checkpointing wraps the compiled call (non-reentrant checkpoint and
-the offloading saved-tensor hooks run outside the compiled region; the recompute in the backward
-calls the compiled forward again); the tiled MLP is traced into its layer's graph until it splits
-(see regions()); with kernels="liger" only Liger's loss applies, the layers' RMSNorm, RoPE and
-SwiGLU being fused by inductor (nbkit.savers.liger says why). Gradients are those of the eager model
-up to floating-point order, in one process and under DDP and FSDP2 (tests/test_savers_compile.py on
-the CPU; on one H100, tests/test_liger_gpu.py with Liger's loss, every saver, 4-bit weights and
-three lengths).
+Composes with the other savers: a checkpointed layer is compiled with its non-reentrant checkpoint
+inside (nbkit.savers.checkpointing.compile_checkpointed: the compiled backward recomputes the layer,
+the offloading saved-tensor hooks run outside the compiled region), except for calls where its tiled
+MLP splits, which the checkpoint wraps from outside as for an uncompiled layer; the tiled MLP is
+traced into its layer's graph until it splits (see regions()); with kernels="liger" only Liger's
+loss applies, the layers' RMSNorm, RoPE and SwiGLU being fused by inductor (nbkit.savers.liger says
+why). Gradients are those of the eager model up to floating-point order, in one process and under
+DDP and FSDP2 (tests/test_savers_compile.py on the CPU; on one H100, tests/test_liger_gpu.py with
+Liger's loss, every saver, 4-bit weights and three lengths).
 
 Measured on one H100 (benchmarks/RESULTS.md, "Where the 1K x 4 step goes"), SFTTrainer, Qwen3-VL-2B,
 LoRA r=16, Liger's loss, Trainer's NaN check off, against unsloth in the same call: 1.00-1.03x of
@@ -36,6 +37,7 @@ from typing import Any, cast
 from torch import nn
 
 from nbkit import notices
+from nbkit.savers import checkpointing
 from nbkit.savers._model import _ENCODER_NAMES, base_model, decoder_layers
 
 __all__ = ["disable", "enable", "is_enabled", "regions"]
@@ -98,6 +100,8 @@ def enable(model: nn.Module, *, backend: str = "inductor", vision: bool = True, 
     blocks = regions(model, vision=vision)
     for block in blocks:
         block.compile(backend=backend, **options)
+        if checkpointing.is_checkpointed(block):
+            checkpointing.compile_checkpointed(block, backend=backend, **options)
         setattr(block, _MARK, True)
     # Said here because the wait comes later, where nothing else explains it: a first step that takes a
     # minute on a slow notebook CPU looks like a hang.
@@ -116,6 +120,7 @@ def disable(model: nn.Module) -> None:
             # nn.Module has compile() but no public way back; compile() only sets this attribute,
             # which nn.Module.__call__ checks on every call.
             cast(Any, block)._compiled_call_impl = None
+            checkpointing.drop_compiled(block)
             delattr(block, _MARK)
 
 

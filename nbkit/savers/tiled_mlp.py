@@ -46,7 +46,7 @@ from torch import nn
 from nbkit import emulation
 from nbkit.savers._model import add_mixin, base_model, decoder_layers, has_mixin, layer_mlp, remove_mixin
 
-__all__ = ["automatic_tokens_per_shard", "disable", "enable", "is_tiled", "shard_count", "tokens_per_shard"]
+__all__ = ["automatic_tokens_per_shard", "disable", "enable", "is_tiled", "shard_count", "splits", "tokens_per_shard"]
 
 # Off a GPU, automatic shards hold about this many hidden sizes of tokens each.
 _TOKENS_PER_SHARD_PER_HIDDEN = 2
@@ -229,11 +229,22 @@ class _TiledMLP:
         if len(args) != 1 or kwargs or not isinstance(args[0], torch.Tensor) or args[0].dim() < 2:
             return nn.Module.__call__(cast(nn.Module, self), *args, **kwargs)
         x = args[0]
-        tokens = x.numel() // x.shape[-1]
-        shards = shard_count(tokens, x.shape[-2], x.shape[-1], self._nbkit_shards, tokens_per_shard=self._nbkit_tokens)
+        shards = self._nbkit_shards_for(x)
         if shards == 1:
             return nn.Module.__call__(cast(nn.Module, self), x)
         return _run_tiled(cast(nn.Module, self), x, shards)
+
+    def _nbkit_shards_for(self, x: torch.Tensor) -> int:
+        tokens = x.numel() // x.shape[-1]
+        return shard_count(tokens, x.shape[-2], x.shape[-1], self._nbkit_shards, tokens_per_shard=self._nbkit_tokens)
+
+
+def splits(layer: nn.Module, hidden_states: torch.Tensor) -> bool:
+    """Whether the tiled MLP of decoder `layer` runs in more than one shard for a layer input shaped like
+    `hidden_states` (the MLP's input has the layer's shape). False where the MLP is not tiled.
+    """
+    mlp = layer_mlp(layer)
+    return isinstance(mlp, _TiledMLP) and hidden_states.dim() >= 2 and mlp._nbkit_shards_for(hidden_states) > 1
 
 
 def enable(model: nn.Module, *, shards: int | None = None) -> None:
