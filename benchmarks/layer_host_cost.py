@@ -41,7 +41,12 @@ OPTIONS = {
 
 
 def step_times(variant: str, layers: int, steps: int, warmup: int) -> list[float]:
-    """Build the model, apply the variant and time `warmup + steps` LoRA steps; returns the timed ones (s)."""
+    """Build the model, apply the variant and time `warmup + steps` LoRA steps; returns the timed ones (s).
+    Raises ValueError for an unknown variant.
+    """
+    name, *extras = variant.split("+")
+    if name not in ("plain", "savers") or (name == "plain" and extras) or any(e not in OPTIONS for e in extras):
+        raise ValueError(f"unknown variant {variant!r}: plain, or savers[+{'+'.join(OPTIONS)}]")
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import Qwen3Config, Qwen3ForCausalLM
@@ -63,14 +68,11 @@ def step_times(variant: str, layers: int, steps: int, warmup: int) -> list[float
     config._attn_implementation = "sdpa"
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     model = get_peft_model(Qwen3ForCausalLM(config), LoraConfig(r=4, lora_alpha=4, target_modules=targets))
-    name, *extras = variant.split("+")
     if name == "savers":
         options: dict[str, Any] = {"checkpointing": "offload", "tiled_mlp": False, "compile": None}
         for extra in extras:
             options.update(OPTIONS[extra])
         savers.apply(model, **options)
-    elif name != "plain" or extras:
-        raise ValueError(f"unknown variant {variant!r}: plain, or savers[+{'+'.join(OPTIONS)}]")
     model.train()
     ids = torch.randint(0, config.vocab_size, (4, 128))
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}

@@ -153,3 +153,16 @@ def test_loss_chunks_script_on_the_cpu(tmp_path):
     ]
     assert all(c["ms"] > 0 and c["peak_extra_gib"] is None for c in cases)
     assert "| nbkit | fp32 | 300 | 16 (16) | 17 |" in md.read_text()
+
+
+def test_layer_host_cost_script_on_the_cpu(tmp_path):
+    from benchmarks import layer_host_cost
+
+    out = tmp_path / "host.json"
+    argv = "--variants plain,savers+nockpt,savers --layers 2 --steps 2 --warmup 1".split() + ["--out", str(out)]
+    assert layer_host_cost.main(argv) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["variant"] for r in rows] == ["plain", "savers+nockpt", "savers"]
+    assert all(0 < r["min_ms"] <= r["median_ms"] for r in rows), rows
+    with pytest.raises(ValueError, match="unknown variant"):
+        layer_host_cost.step_times("savers+fast", 2, 1, 0)

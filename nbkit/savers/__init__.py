@@ -42,9 +42,10 @@ CHECKPOINTING = ("offload", "recompute", None)
 _KERNELS = ("liger", "auto", None)
 _COMPILE = ("regional", "auto", None)
 # apply()'s compile default: "auto", regional compilation wherever the model sits on one CUDA GPU. Measured on one
-# H100 (and one H200) with Liger's loss (benchmarks/RESULTS.md, "Where the 1K x 4 step goes"), against unsloth's
-# step time: 0.93-1.10x at 1K x 4 in single runs (1.25x as the median of three, a step bound by a noisy host) and
-# 1.00-1.03x at 16K in bf16, 1.12x and 1.05x under the T4 profile; 64K tokens under the T4 profile train compiled.
+# H100 with Liger's loss (benchmarks/RESULTS.md, "The loss's chunks, and layers compiled with their checkpoint
+# inside", and the section before it), against unsloth's step time: 0.91x at 1K x 4 in bf16 (median of three runs),
+# 1.00-1.03x at 16K in bf16, 1.05x at 16K under the T4 profile and 1.16-1.66x at 1K x 4 there (single runs); 64K
+# tokens under the T4 profile train compiled.
 # A model split over several GPUs (device_map) stays uncompiled: not measured, and each layer's graph would be
 # specialised per device.
 DEFAULT_COMPILE: str | None = "auto"

@@ -16,6 +16,10 @@ side CUDA stream while the next layers compute; in the backward, fetching a laye
 host-to-device copy of the layer before it (the next one the backward needs), so copies overlap with
 the recomputation. On CPU tensors the hooks keep the tensor as it is.
 
+With regional compilation (nbkit.savers.compiling) a layer is compiled with this checkpoint inside
+(compile_checkpointed): the compiled backward recomputes it, and the offloading hooks take only its
+input. Calls that would break the compiled region's graph keep the checkpoint outside.
+
 RNG: torch's checkpoint replays the CPU RNG and the RNG of the devices its tensor arguments sit on.
 The layer's inputs are moved to the layer's own device first, so dropout masks replay on the device
 where the layer runs also when a model is split over several GPUs (device_map).

@@ -23,11 +23,12 @@ why). Gradients are those of the eager model up to floating-point order, in one 
 DDP and FSDP2 (tests/test_savers_compile.py on the CPU; on one H100, tests/test_liger_gpu.py with
 Liger's loss, every saver, 4-bit weights and three lengths).
 
-Measured on one H100 (benchmarks/RESULTS.md, "Where the 1K x 4 step goes"), SFTTrainer, Qwen3-VL-2B,
-LoRA r=16, Liger's loss, Trainer's NaN check off, against unsloth in the same call: 1.00-1.03x of
-its step time at 16K x 1 in bf16 and 1.05x under the T4 profile; at 1K x 4, a step bound by host
-work whose runs spread by up to 23%, 0.93-1.10x in single runs (H200, H100), 1.25x as the median of
-three, and 1.12x under the T4 profile. 64K tokens under the T4 profile train compiled.
+Measured on one H100 (benchmarks/RESULTS.md, "The loss's chunks, and layers compiled with their checkpoint
+inside"), SFTTrainer, Qwen3-VL-2B, LoRA r=16, Liger's loss, Trainer's NaN check off, against unsloth in
+the same call: 0.91x of its step time at 1K x 4 in bf16 (median of three runs; 1.18x with the checkpoint
+around each compiled layer), 1.00-1.03x at 16K x 1 in bf16 and 1.05x under the T4 profile (the earlier
+section); under the T4 profile at 1K x 4, 1.16x and 1.66x in single runs. 64K tokens under the T4
+profile train compiled.
 """
 
 from __future__ import annotations
