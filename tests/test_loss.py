@@ -314,3 +314,14 @@ def test_model_without_lm_head_is_refused(tiny_text_path):
     model = transformers.AutoModel.from_config(transformers.AutoConfig.from_pretrained(tiny_text_path))
     with pytest.raises(ValueError, match="Qwen3Model has none.*chunked_loss=False"):
         chunked.apply(model)
+
+
+def test_a_default_chunk_holds_about_256_mib_of_logits_at_their_width():
+    """nbkit's loop keeps fp32 logits per chunk, Liger's fused loss 16-bit ones: the default chunk is about
+    256 MiB of logits either way, so Liger's has twice the rows; an explicit chunk size wins."""
+    vocab = 151_936
+    for logit_bytes in (4, 2):
+        rows = chunked.rows_per_chunk(vocab, logit_bytes=logit_bytes)
+        assert rows * vocab * logit_bytes <= 256 * 2**20 < (rows + 1) * vocab * logit_bytes
+    assert chunked.rows_per_chunk(vocab) == chunked.rows_per_chunk(vocab, logit_bytes=4)
+    assert chunked.rows_per_chunk(vocab, 7, logit_bytes=2) == 7

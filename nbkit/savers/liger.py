@@ -276,8 +276,8 @@ def fused_linear_cross_entropy(
     """nbkit.savers.loss's Kernel computed by Liger's fused linear cross-entropy.
 
     Takes the prepared rows (hidden [N, H] on the weight's device, labels [N] already shifted) and the
-    most rows a chunk may hold (None: nbkit.savers.loss.rows_per_chunk's, instead of Liger's own 1/75 of
-    the rows; see chunk_mem_const).
+    most rows a chunk may hold (None: about 256 MiB of the 16-bit logits Liger keeps, by
+    nbkit.savers.loss.rows_per_chunk, instead of Liger's own 1/75 of the rows; see chunk_mem_const).
     Returns the fp32 loss: the summed token losses over `num_items_in_batch` when given, else over the
     counted tokens (NaN when there are none), as nbkit's chunked loss and transformers do. The logits
     of each chunk are computed in `compute_dtype` (the autocast dtype under autocast).
@@ -285,7 +285,7 @@ def fused_linear_cross_entropy(
     h = hidden.to(compute_dtype)
     w = weight.to(compute_dtype)
     b = None if bias is None else bias.to(compute_dtype)
-    rows = rows_per_chunk(w.shape[0], rows)
+    rows = rows_per_chunk(w.shape[0], rows, logit_bytes=w.element_size())
     # Liger casts nothing itself: the inputs are already in the compute dtype.
     with torch.autocast(hidden.device.type, enabled=False):
         total = _functional().liger_fused_linear_cross_entropy(

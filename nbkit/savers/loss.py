@@ -41,20 +41,20 @@ __all__ = ["BYTES_PER_LOGIT", "Kernel", "apply", "is_applied", "linear_cross_ent
 # At its peak a chunk of nbkit's loop holds its fp32 logits, their 16-bit copy and the 16-bit gradient of the
 # last chunk (nbkit.plan models the loss's peak with this).
 BYTES_PER_LOGIT = 4 + 2 + 2
-# One chunk of fp32 logits takes about this many bytes: rows_per_chunk's default. Each chunk reads the whole
-# lm_head weight twice (logits, then the hidden states' gradient), so a chunk needs a few hundred rows before its
-# matmuls are bound by FLOPs rather than by those reads. Measured on one H100 (benchmarks/RESULTS.md, "The loss
-# by rows per chunk"), Qwen3-VL-2B's head, forward + backward of 4K tokens: nbkit's loop 20.0 ms at 512 rows
-# against 18.8 ms in one chunk of 4.2 GiB and 42.9 ms at 64 rows; Liger's fused loss 8.8 ms at 512 rows against
-# 8.3 ms in one chunk and 32.3 ms at 64, its own choice for that vocabulary. 441 rows for that vocabulary (256
-# for Liger, which rounds down to a power of two): larger chunks raised the peak of a 1K x 4 step under the T4
-# profile above unsloth's (5.01 against 5.00 GiB with Liger's chunks of 512 rows).
+# A chunk's logits take about this many bytes: rows_per_chunk's default. Each chunk reads the whole lm_head
+# weight twice (logits, then the hidden states' gradient), so a chunk needs a few hundred rows before its
+# matmuls are bound by FLOPs rather than by those reads. Measured on one H100 (benchmarks/RESULTS.md, "The
+# loss's chunks, and layers compiled with their checkpoint inside"), Qwen3-VL-2B's head, forward + backward of
+# 4K tokens: nbkit's loop 20.0 ms at 512 rows against 18.8 ms in one chunk of 4.2 GiB and 42.9 ms at 64 rows;
+# Liger's fused loss 8.8 ms at 512 rows (its default here: 16-bit logits) against 8.3 ms in one chunk and
+# 32.3 ms at 64, its own choice for that vocabulary.
 _CHUNK_BYTES = 256 * 2**20
 
 # The loss of prepared rows: (hidden [N, H] on the weight's device, weight [V, H], bias [V] or None,
 # labels [N] already shifted, ignore_index, num_items_in_batch, softcap, compute dtype, rows per chunk
 # or None) -> fp32 scalar, with linear_cross_entropy's normalisation and gradients (each accumulated
-# once per backward). A kernel keeps its chunks at or below the rows it is given; None: rows_per_chunk's.
+# once per backward). A kernel keeps its chunks at or below the rows it is given; None: the kernel's
+# own default, rows_per_chunk for the bytes its logits take.
 Kernel = Callable[
     [
         torch.Tensor,
@@ -71,11 +71,11 @@ Kernel = Callable[
 ]
 
 
-def rows_per_chunk(vocab: int, requested: int | None = None) -> int:
-    """Rows of logits per chunk: `requested`, or as many as make one chunk of fp32 logits about 256 MiB.
+def rows_per_chunk(vocab: int, requested: int | None = None, *, logit_bytes: int = 4) -> int:
+    """Rows of logits per chunk: `requested`, or as many as make one chunk's logits about 256 MiB at
+    `logit_bytes` per logit (4: nbkit's fp32 logits; Liger's fused loss keeps 16-bit ones, 2).
 
-    nbkit.plan models the loss's peak memory with this same number, and Liger's fused loss
-    (nbkit.savers.liger) gets the same bound.
+    nbkit.plan models the loss's peak memory with this same number.
 
     Raises:
         ValueError: for a requested size below 1.
@@ -84,7 +84,7 @@ def rows_per_chunk(vocab: int, requested: int | None = None) -> int:
         if requested < 1:
             raise ValueError(f"chunk_size must be a positive number of rows, not {requested}.")
         return requested
-    return max(1, _CHUNK_BYTES // (4 * vocab))
+    return max(1, _CHUNK_BYTES // (logit_bytes * vocab))
 
 
 def _chunked_pass(
