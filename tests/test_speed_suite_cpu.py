@@ -159,7 +159,8 @@ def test_layer_host_cost_script_on_the_cpu(tmp_path):
     from benchmarks import layer_host_cost
 
     out = tmp_path / "host.json"
-    argv = "--variants plain,savers+nockpt,savers --layers 2 --steps 2 --warmup 1".split() + ["--out", str(out)]
+    argv = ["--variants", "plain,savers+nockpt,savers", "--layers", "2", "--steps", "2", "--warmup", "1"]
+    argv += ["--out", str(out)]
     assert layer_host_cost.main(argv) == 0
     rows = json.loads(out.read_text())["rows"]
     assert [r["variant"] for r in rows] == ["plain", "savers+nockpt", "savers"]
