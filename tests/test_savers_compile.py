@@ -196,7 +196,7 @@ def _fsdp_step(savers: dict) -> tuple[dict, int]:
     [
         # nbkit's offloaded checkpointing; each layer compiled around its split tiled MLP, inside FSDP's unit
         (dict(checkpointing="offload", tiled_mlp=3, chunked_loss=True), "false"),
-        # the same with the MLP whole: each layer compiled with its checkpoint inside
+        # the same with the MLP whole: FSDP2's hooks on each layer keep the checkpoint outside the compiled layer
         (dict(checkpointing="offload", tiled_mlp=False, chunked_loss=True), "false"),
         # accelerate's checkpointing (nbkit's fsdp set-up); whole layers compiled, each carrying FSDP's hooks
         (dict(checkpointing=None, tiled_mlp=False, chunked_loss=True), "true"),

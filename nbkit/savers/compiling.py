@@ -16,7 +16,8 @@ copied model instead, which the savers' `remove()` could not find again; its FSD
 Composes with the other savers: a checkpointed layer is compiled with its non-reentrant checkpoint
 inside (nbkit.savers.checkpointing.compile_checkpointed: the compiled backward recomputes the layer,
 the offloading saved-tensor hooks run outside the compiled region), except for calls where its tiled
-MLP splits, which the checkpoint wraps from outside as for an uncompiled layer; the tiled MLP is
+MLP splits and for layers with module hooks (FSDP2's), which the checkpoint wraps from outside as for
+an uncompiled layer; the tiled MLP is
 traced into its layer's graph until it splits (see regions()); with kernels="liger" only Liger's
 loss applies, the layers' RMSNorm, RoPE and SwiGLU being fused by inductor (nbkit.savers.liger says
 why). Gradients are those of the eager model up to floating-point order, in one process and under
