@@ -91,12 +91,15 @@ def test_the_tiled_mlp_joins_its_layers_graph_until_it_splits():
 def test_a_checkpointed_layer_compiles_with_its_checkpoint_inside():
     # Where the tiled MLP does not split (a GPU's automatic count at common lengths), each checkpointed layer
     # runs one compiled call with the checkpoint inside: the forward saves the layer's inputs and weights,
-    # no activation (the compiled backward recomputes the layer), and the gradients are the eager model's.
+    # no activation (the compiled backward recomputes the layer), and the gradients are the eager model's,
+    # LoRA dropout included (the recompute replays the forward's masks).
     from nbkit.savers import checkpointing
 
-    model = tiny_model("qwen3")
+    model = tiny_model("qwen3", dropout=0.2).train()
     batch = make_batch(model, [24, 17], seed=5)
-    reference_loss, reference = loss_and_grads(model, batch)
+    reference_loss, reference = loss_and_grads(model, batch)  # seeded: the same dropout masks each time
+    assert relative_error(loss_and_grads(model.eval(), batch)[0], reference_loss) > 1e-3  # dropout is active
+    model.train()
     savers.apply(model, checkpointing="recompute", tiled_mlp=False, chunked_loss=True)
     compiling.enable(model, backend="aot_eager")
     layers = list(decoder_layers(model))
