@@ -23,7 +23,7 @@ from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from nbkit import savers
 from nbkit.offline import load_config
-from nbkit.savers._model import decoder_layers, module_device
+from nbkit.savers._model import decoder_layers
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("exact_fp32")]
 
@@ -52,8 +52,10 @@ def four_layer_path(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 def _balanced(path: str, dropout: float) -> torch.nn.Module:
     model = AutoModelForCausalLM.from_pretrained(path, device_map="balanced", dtype=torch.float32)
-    layer_devices = {module_device(layer) for layer in decoder_layers(model)}
-    assert layer_devices == {torch.device("cuda", 0), torch.device("cuda", 1)}, model.hf_device_map
+    # Each layer whole on one GPU, the layers over both.
+    layer_devices = [{p.device for p in layer.parameters()} for layer in decoder_layers(model)]
+    assert all(len(devices) == 1 for devices in layer_devices), model.hf_device_map
+    assert set().union(*layer_devices) == {torch.device("cuda", 0), torch.device("cuda", 1)}, model.hf_device_map
     return _lora(model, dropout)
 
 

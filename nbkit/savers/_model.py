@@ -6,7 +6,6 @@ Shared by every saver (checkpointing, tiled MLP, chunked loss):
 - `decoder_layers(model)`: the ModuleList of the language model's decoder layers (the vision tower of
   a VLM is never returned).
 - `layer_mlp(layer)`: the feed-forward block of one decoder layer.
-- `module_device(module)`: the single device a module lives on (None when split or offloaded).
 - `add_mixin(module, mixin)` / `remove_mixin(module, mixin)`: give one module instance extra
   behaviour by swapping its class for a cached subclass `(mixin, original class)`, and swap it back.
   Overriding `__call__` this way wraps the module's hooks and any instance-level `forward` set by
@@ -17,10 +16,9 @@ from __future__ import annotations
 
 from typing import Any, cast
 
-import torch
 from torch import nn
 
-__all__ = ["add_mixin", "base_model", "decoder_layers", "has_mixin", "layer_mlp", "module_device", "remove_mixin"]
+__all__ = ["add_mixin", "base_model", "decoder_layers", "has_mixin", "layer_mlp", "remove_mixin"]
 
 # Attribute names under which transformers VLMs keep their vision / audio encoders.
 _ENCODER_NAMES = ("visual", "vision_tower", "vision_model", "vision_encoder", "image_encoder", "audio_tower")
@@ -89,13 +87,6 @@ def layer_mlp(layer: nn.Module) -> nn.Module | None:
         if isinstance(module, nn.Module):
             return module
     return None
-
-
-def module_device(module: nn.Module) -> torch.device | None:
-    """The one device holding all of `module`'s parameters and buffers, or None (several, none, or meta)."""
-    devices = {t.device for t in module.parameters()} | {t.device for t in module.buffers()}
-    devices.discard(torch.device("meta"))
-    return devices.pop() if len(devices) == 1 else None
 
 
 _SUBCLASSES: dict[tuple[type, type], type] = {}

@@ -66,7 +66,16 @@ from nbkit.errors import KernelsError
 from nbkit.savers._model import add_mixin, base_model, decoder_layers, has_mixin, layer_mlp, remove_mixin
 from nbkit.savers.loss import rows_per_chunk
 
-__all__ = ["LIGER_VERSION", "SUPPORTED", "check", "disable", "enable", "fused_linear_cross_entropy", "is_enabled"]
+__all__ = [
+    "LIGER_VERSION",
+    "SUPPORTED",
+    "check",
+    "chunk_mem_const",
+    "disable",
+    "enable",
+    "fused_linear_cross_entropy",
+    "is_enabled",
+]
 
 LIGER_VERSION = "0.8.5"
 # model_type of the language model -> the transformers module whose apply_rotary_pos_emb its attention calls.
