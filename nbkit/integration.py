@@ -165,13 +165,10 @@ def prepare_rank(*, owns_exit: bool = True) -> None:
     the default groups, the dashboard's reporting, complete-checkpoint markers, the fixes for older
     transformers/trl, fp16-ready dtypes under TRL's SFTTrainer, grouped-query attention without flash
     attention, the FSDP set-up where the rank's environment asks for the fsdp strategy
-    (nbkit.fsdp.setup_rank), and, where nbkit ends the process itself (`owns_exit`, with os._exit),
-    teardown.
-
-    teardown keeps destroyed process groups until the process ends; a rank of an outside launcher
-    (torchrun) ends through the interpreter's own shutdown, which then destroys them late: an
-    exported script under torchrun ended once with "terminate called without an active exception"
-    (SIGABRT, CI, oldest set), so that rank does not get it.
+    (nbkit.fsdp.setup_rank), and how the rank ends (nbkit.teardown): where nbkit ends the process
+    itself (`owns_exit`, with os._exit), the teardown group keeps destroyed process groups until
+    then; a rank of an outside launcher (torchrun), which ends through the interpreter's shutdown,
+    has its groups destroyed at exit instead, before finalization could abort it.
 
     Idempotent; imports none of the patched libraries. Call it only in a training process.
 
@@ -189,6 +186,8 @@ def prepare_rank(*, owns_exit: bool = True) -> None:
     compat.enable()
     if owns_exit:
         teardown.enable()
+    else:
+        teardown.destroy_at_exit()
 
 
 def uninstall(group: str | None = None) -> None:

@@ -104,7 +104,8 @@ def launch(
             to do.
 
     Inside a distributed run already (torchrun, accelerate launch, several nodes), `fn` is called
-    directly on each rank and its value returned there (with NBKIT_STRATEGY / NBKIT_EMULATE set).
+    directly on each rank and its value returned there (with NBKIT_STRATEGY / NBKIT_EMULATE set);
+    the process groups still up when that process exits are destroyed then (nbkit.teardown).
 
     There is no `max_restarts` (accelerate's notebook_launcher has one, tested by its
     `test_fault_tolerant`): a restart re-forks the same notebook state, so what fails on one
