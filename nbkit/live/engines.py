@@ -53,8 +53,17 @@ class Engines(SetState):
         )
         # --usethreads: the schedulers run as threads of the controller, not as processes it forks,
         # which the parent watch of nbkit.live._proc would not cover (seen: 8 orphans per set).
+        # The heartbeat every 0.5 s, not 3 s: the controller finishes an engine's registration at a
+        # heartbeat after it. A set of 2 CPU ranks started in 8.5 s, 5 s of it waiting for the engines
+        # to register; 3.4 s with 0.5 s beats (medians of 5, benchmarks/live_overhead.py --starts 5).
+        # The misses allowed (here, and the engines' for the controller's pings) keep ipyparallel's
+        # default tolerances of 30 s and 175 s.
         self._cluster.start_controller_sync(
-            controller_cmd=[sys.executable, "-m", "nbkit.live._proc", parent, "ipyparallel.controller", "--usethreads"]
+            controller_cmd=[
+                *(sys.executable, "-m", "nbkit.live._proc", parent, "ipyparallel.controller", "--usethreads"),
+                f"--HeartMonitor.period={_HEARTBEAT_MS}",
+                f"--HeartMonitor.max_heartmonitor_misses={30_000 // _HEARTBEAT_MS}",
+            ]
         )
         self._client = self._cluster.connect_client_sync()
         with open(self._cluster.controller.connection_files["engine"]) as f:
@@ -73,6 +82,8 @@ class Engines(SetState):
             # No nanny process per engine: nbkit signals its engines by pid and watches them itself,
             # and a nanny notices its engine's end only later (it outlived stop() by up to a second).
             "--IPEngine.enable_nanny=False",
+            # each check waits a beat and 0.5 s (ipyparallel's rule)
+            f"--IPEngine.max_heartbeat_misses={175_000 // (_HEARTBEAT_MS + 500)}",
         ]
         # Kept on self as each starts: an interrupt or a failure while they start must end them all.
         processes = self._processes
@@ -370,6 +381,7 @@ class Engines(SetState):
 
 
 _POLL_S = 0.1  # how often the monitor looks at the engine processes
+_HEARTBEAT_MS = 500  # the controller's heartbeat period for a set nbkit starts (see _start_local)
 # Between SIGTERM and SIGKILL for an engine or the controller that nbkit started. An engine ends with
 # os._exit as soon as Python runs its SIGTERM handler (nbkit.live.engine); one busy in native code (a
 # collective waiting for a dead peer) never gets there, so the grace is short: stopping a set must
