@@ -10,13 +10,12 @@ import ast
 import json
 import os
 import runpy
-import subprocess
-import sys
 from pathlib import Path
 
 import nbformat
 import pytest
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
+from outside_launcher import torchrun
 
 from nbkit import ExportError, NbkitError
 from nbkit.export import export_script
@@ -80,14 +79,7 @@ def test_the_script_holds_what_the_cell_needs_and_nothing_else(exported):
 
 def test_runs_under_torchrun_with_two_gloo_processes(exported):
     script, out_dir = exported
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", script.name],
-        cwd=script.parent,
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
+    proc = torchrun(script, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((out_dir / "result.json").read_text())
     # ranks contribute 3 and 6; three all-reduces over 2 ranks multiply the sum by 4
@@ -293,14 +285,7 @@ def test_a_shipped_training_cell_exports_to_a_script_that_trains_under_torchrun(
     script = export_script(nb_path, cell_id, tmp_path / "train.py")
     assert "gpus=2" in _launch_line(script)  # `--gpus $gpus`, expanded from the injected parameters
 
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", script.name],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=540,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
+    proc = torchrun(script, timeout=540)
     assert proc.returncode == 0, proc.stderr[-3000:]
     # rank 0 prints the cell's value, once (under torchrun the other ranks' lines come prefixed "[rank N] ",
     # in any order relative to rank 0's)

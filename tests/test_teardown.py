@@ -6,13 +6,11 @@ nbkit/teardown.py's docstring)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+from outside_launcher import torchrun
 
 pytestmark = pytest.mark.version_independent
 
@@ -55,14 +53,7 @@ SCRIPT = textwrap.dedent(
 def test_a_torchrun_rank_that_leaves_its_group_alive_has_it_destroyed_at_exit(tmp_path: Path) -> None:
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", script.name],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
+    proc = torchrun(script, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "terminate called" not in proc.stderr
     # (the ranks share torchrun's stdout, so their lines may interleave: each is looked for as a whole)
