@@ -9,8 +9,9 @@ out), the wall time of
   (InteractiveShell.run_cell: transforms, the magic, the names it sends along, the display hook);
 - `ranks.exec("1", ranks=0)`: one rank.
 Each: the median, 10th and 90th percentile of --cells runs after 5 warm-up runs, in milliseconds,
-plus the seconds nbkit.start took (the median of --starts sets started one after another). Target: the median of a trivial %%ddp cell <= 50 ms, so that a
-cell on a live set answers about as fast as one in the kernel itself.
+plus the seconds nbkit.start took (the median of --starts sets started one after another). Target:
+the median of a trivial %%ddp cell <= 50 ms, so that a cell on a live set answers about as fast as
+one in the kernel itself.
 """
 
 from __future__ import annotations

@@ -60,7 +60,12 @@ class Engines(SetState):
         # default tolerances of 30 s and 175 s.
         self._cluster.start_controller_sync(
             controller_cmd=[
-                *(sys.executable, "-m", "nbkit.live._proc", parent, "ipyparallel.controller", "--usethreads"),
+                sys.executable,
+                "-m",
+                "nbkit.live._proc",
+                parent,
+                "ipyparallel.controller",
+                "--usethreads",
                 f"--HeartMonitor.period={_HEARTBEAT_MS}",
                 f"--HeartMonitor.max_heartmonitor_misses={30_000 // _HEARTBEAT_MS}",
             ]
