@@ -51,25 +51,7 @@ class Engines(SetState):
             cluster_file="",
             load_profile=False,
         )
-        # --usethreads: the schedulers run as threads of the controller, not as processes it forks,
-        # which the parent watch of nbkit.live._proc would not cover (seen: 8 orphans per set).
-        # The heartbeat every 0.5 s, not 3 s: the controller finishes an engine's registration at a
-        # heartbeat after it. A set of 2 CPU ranks started in 8.5 s, 5 s of it waiting for the engines
-        # to register; 3.4 s with 0.5 s beats (medians of 5, benchmarks/live_overhead.py --starts 5).
-        # The misses allowed (here, and the engines' for the controller's pings) keep ipyparallel's
-        # default tolerances of 30 s and 175 s.
-        self._cluster.start_controller_sync(
-            controller_cmd=[
-                sys.executable,
-                "-m",
-                "nbkit.live._proc",
-                parent,
-                "ipyparallel.controller",
-                "--usethreads",
-                f"--HeartMonitor.period={_HEARTBEAT_MS}",
-                f"--HeartMonitor.max_heartmonitor_misses={30_000 // _HEARTBEAT_MS}",
-            ]
-        )
+        self._cluster.start_controller_sync(controller_cmd=_controller_command(parent))
         self._client = self._cluster.connect_client_sync()
         with open(self._cluster.controller.connection_files["engine"]) as f:
             engine_info = f.read()
@@ -386,7 +368,7 @@ class Engines(SetState):
 
 
 _POLL_S = 0.1  # how often the monitor looks at the engine processes
-_HEARTBEAT_MS = 500  # the controller's heartbeat period for a set nbkit starts (see _start_local)
+_HEARTBEAT_MS = 500  # the controller's heartbeat period for a set nbkit starts (see _controller_command)
 # Between SIGTERM and SIGKILL for an engine or the controller that nbkit started. An engine ends with
 # os._exit as soon as Python runs its SIGTERM handler (nbkit.live.engine); one busy in native code (a
 # collective waiting for a dead peer) never gets there, so the grace is short: stopping a set must
@@ -504,3 +486,25 @@ def _end_group(pgid: int) -> None:
     """
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, signal.SIGKILL)
+
+
+def _controller_command(parent: str) -> list[str]:
+    """The command of the controller of a set nbkit starts, watched by nbkit.live._proc (`parent`: the notebook's pid).
+
+    --usethreads: the schedulers run as threads of the controller, not as processes it forks, which the parent
+    watch of nbkit.live._proc would not cover (seen: 8 orphans per set).
+    The heartbeat every 0.5 s, not 3 s: the controller finishes an engine's registration at a heartbeat after it.
+    A set of 2 CPU ranks started in 8.5 s, 5 s of it waiting for the engines to register; 3.4 s with 0.5 s beats
+    (medians of 5, benchmarks/live_overhead.py --starts 5). The misses allowed (here, and the engines' for the
+    controller's pings) keep ipyparallel's default tolerances of 30 s and 175 s.
+    """
+    return [
+        sys.executable,
+        "-m",
+        "nbkit.live._proc",
+        parent,
+        "ipyparallel.controller",
+        "--usethreads",
+        f"--HeartMonitor.period={_HEARTBEAT_MS}",
+        f"--HeartMonitor.max_heartmonitor_misses={30_000 // _HEARTBEAT_MS}",
+    ]
