@@ -845,6 +845,7 @@ def _prepare_rank(*, quiet: bool, rank: int, descriptors: bool) -> rankoutput.Ra
     False: that launcher owns them, and the process's exit); returns the rank's routed output, if it
     has one to drain.
     """
+    rankoutput.write_whole_lines()  # ranks that share a stdout (a script's, torchrun's) keep lines whole
     output = rankoutput.route_launched(rank, quiet, sys.stdout, sys.stderr, descriptors=descriptors)
     integration.prepare_rank(owns_exit=descriptors)
     return output

@@ -29,7 +29,8 @@ Limits, by construction:
   grants it) while holding the GIL waits until the GIL is let go. ipykernel's own capture of a
   kernel's descriptors works the same way.
 - Ranks of an outside launcher (torchrun, accelerate launch) keep their descriptors: that launcher
-  owns them (torchrun's --tee, --local-ranks-filter); only their Python-level lines are prefixed.
+  owns them (torchrun's --tee, --local-ranks-filter); only their Python-level lines are prefixed,
+  and, as for every one-shot rank, their Python streams write whole lines (`write_whole_lines`).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["LineStream", "Prefixed", "RankOutput", "Sink", "flush_c_streams", "route_launched"]
+__all__ = ["LineStream", "Prefixed", "RankOutput", "Sink", "flush_c_streams", "route_launched", "write_whole_lines"]
 
 # Where shown text goes: sink(stream name "stdout" | "stderr", text).
 Sink = Callable[[str, str], None]
@@ -84,6 +85,24 @@ def route_launched(rank: int, quiet: bool, stdout: Any, stderr: Any, *, descript
         targets[name].flush()
 
     return RankOutput(sink, descriptors=descriptors)
+
+
+def write_whole_lines() -> None:
+    """Have this process's sys.stdout and sys.stderr pass on each line as it ends, in one write.
+
+    For one-shot ranks, which share one stdout: that of the script that called nbkit.launch, or of
+    the outside launcher that runs them (rank 0 writes to it directly). torchrun starts its ranks
+    unbuffered (`python -u`), where print writes a line's text and its newline apart: another
+    rank's line could land in between (an exported script's printed result came out unparsable).
+    Block buffered (a pipe, started without -u), rank 0's lines would show only when 8 KiB
+    gathered, cut anywhere. A line written in one write (Linux keeps a pipe write of up to 4 KiB
+    whole) is never split. A stream that cannot be reconfigured (not a TextIOWrapper: a kernel's)
+    is left as it is.
+    """
+    for stream in (sys.stdout, sys.stderr):
+        if isinstance(stream, io.TextIOWrapper):
+            with contextlib.suppress(ValueError, OSError):  # closed, or not writable
+                stream.reconfigure(line_buffering=True, write_through=False)
 
 
 def _beside_descriptor(stream: Any, fd: int) -> Any:
