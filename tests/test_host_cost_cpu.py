@@ -20,6 +20,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import nbkit
 from benchmarks import host_cost
 
 # What these tests count is TRL 1.x's SFTTrainer (its compute_loss's metric gathers, its chunked_nll
@@ -39,12 +40,30 @@ def test_variants_parse():
             host_cost.parse_variant(bad)
 
 
+def _main_past_the_profiler_crash(argv: list[str]) -> int:
+    """host_cost.main, tried once more where a rank died in torch's profiler rather than in what is counted.
+
+    torch 2.13's profiler with with_stack=True, while gloo collectives run, now and then kills a rank
+    (SIGSEGV, SIGABRT) or hands back an event whose name is freed memory (UnicodeDecodeError). Without
+    nbkit, two fresh gloo processes profiling 150 windows of two DDP steps each ended that way in most of
+    about 20 runs, plain or forked, and not without collectives; this test profiles 4 windows a rank and
+    hit it in about 1 run in 30. A second try tells that crash apart from a wrong count, which fails both.
+    """
+    try:
+        return host_cost.main(argv)
+    except nbkit.LaunchError as exc:
+        # (a rank the crash left alone may fail too: "Connection closed by peer")
+        if not any("signal" in text or "UnicodeDecodeError" in text for text in exc.failures.values()):
+            raise
+        return host_cost.main(argv)
+
+
 @pytest.mark.slow
 @trl_1
 def test_counts_trl_metric_gathers_and_nbkit_reads_per_step(tmp_path):
     out, md = tmp_path / "host_cost.json", tmp_path / "host_cost.md"
     argv = ["--variants", "sft,hf+noreport", "--shape", "128x2", "--steps", "2", "--warmup", "1"]
-    assert host_cost.main([*argv, "--out", str(out), "--md", str(md)]) == 0
+    assert _main_past_the_profiler_crash([*argv, "--out", str(out), "--md", str(md)]) == 0
     rows = {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
     sft, hf = rows["sft"], rows["hf+noreport"]
 
