@@ -39,8 +39,8 @@ Per optimizer step, on rank 0, after `--warmup` steps:
   are counted alike: read the callers.
 
 On a CPU the times are CPU times of a tiny model on shared cores, not GPU timings: there the counts are the
-result. torch 2.13's profiler with with_stack=True now and then kills a rank while gloo collectives run (SIGSEGV,
-SIGABRT, or an event name read from freed memory; tests/test_host_cost_cpu.py says how often): run it again.
+result. torch 2.13's profiler with with_stack=True now and then kills a rank (SIGSEGV, SIGABRT, or an event name
+read from freed memory; benchmarks/RESULTS.md says how often): run it again.
 """
 
 from __future__ import annotations

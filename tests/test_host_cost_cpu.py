@@ -43,11 +43,11 @@ def test_variants_parse():
 def _main_past_the_profiler_crash(argv: list[str]) -> int:
     """host_cost.main, tried once more where a rank died in torch's profiler rather than in what is counted.
 
-    torch 2.13's profiler with with_stack=True, while gloo collectives run, now and then kills a rank
-    (SIGSEGV, SIGABRT) or hands back an event whose name is freed memory (UnicodeDecodeError). Without
-    nbkit, two fresh gloo processes profiling 150 windows of two DDP steps each ended that way in most of
-    about 20 runs, plain or forked, and not without collectives; this test profiles 4 windows a rank and
-    hit it in about 1 run in 30. A second try tells that crash apart from a wrong count, which fails both.
+    torch 2.13's profiler with with_stack=True, profiling window after window, now and then kills the
+    process (SIGSEGV, SIGABRT) or hands back an event whose name is freed memory (UnicodeDecodeError),
+    with or without nbkit, collectives or a process group (benchmarks/RESULTS.md, "torch's profiler with
+    with_stack=True"). This test profiles 4 windows a rank and hit it in about 1 run in 30. A second try
+    tells that crash apart from a wrong count, which fails both.
     """
     try:
         return host_cost.main(argv)
