@@ -8,15 +8,18 @@ import subprocess
 import sys
 from pathlib import Path
 
+# torchrun with 2 processes; add the script's name.
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+
+
+def rank_env() -> dict[str, str]:
+    """This process's environment with one OpenMP thread a rank (2 CPU cores in CI)."""
+    return {**os.environ, "OMP_NUM_THREADS": "1"}
+
 
 def torchrun(script: Path, *, timeout: float) -> subprocess.CompletedProcess[str]:
-    """Run `script` under torchrun with 2 processes, in its own folder, one OpenMP thread each (2 CPU
-    cores in CI); returns the finished process with its stdout and stderr as text."""
+    """Run `script` under torchrun with 2 processes, in its own folder, one OpenMP thread each;
+    returns the finished process with its stdout and stderr as text."""
     return subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", script.name],
-        cwd=script.parent,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        [*TORCHRUN, script.name], cwd=script.parent, capture_output=True, text=True, timeout=timeout, env=rank_env()
     )

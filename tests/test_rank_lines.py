@@ -6,7 +6,6 @@ unparsable under torchrun)."""
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
@@ -15,6 +14,7 @@ import threading
 from pathlib import Path
 
 import pytest
+from outside_launcher import TORCHRUN, rank_env
 
 SCRIPT = textwrap.dedent(
     """
@@ -48,7 +48,7 @@ SCRIPT = textwrap.dedent(
 # torchrun runs the script on each rank; run alone, the script's nbkit.launch starts them. Both run
 # unbuffered (torchrun starts its ranks with -u; a script may run under -u or PYTHONUNBUFFERED), where
 # print writes a line's text and its newline apart.
-LAUNCHERS = {"torchrun": ["-m", "torch.distributed.run", "--nproc_per_node", "2"], "script": ["-u"]}
+LAUNCHERS = {"torchrun": TORCHRUN, "script": [sys.executable, "-u"]}
 
 
 # nbkit.launch's own ranks start through accelerate, whose version differs between the two sets.
@@ -56,12 +56,12 @@ LAUNCHERS = {"torchrun": ["-m", "torch.distributed.run", "--nproc_per_node", "2"
 def test_one_shot_ranks_print_whole_lines_as_they_print_them(tmp_path: Path, launcher: str) -> None:
     (tmp_path / "train.py").write_text(SCRIPT)
     proc = subprocess.Popen(
-        [sys.executable, *LAUNCHERS[launcher], "train.py"],
+        [*LAUNCHERS[launcher], "train.py"],
         cwd=tmp_path,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        env=rank_env(),
     )
     stderr: list[str] = []
     threading.Thread(target=lambda: stderr.append(proc.stderr.read()), daemon=True).start()  # type: ignore[union-attr]
