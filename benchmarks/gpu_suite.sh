@@ -19,6 +19,9 @@
 #   bash benchmarks/gpu_suite.sh trainer              # SFTTrainer, 1 -> 2 GPUs, three launchers, unsloth / transformers / Liger
 #   bash benchmarks/gpu_suite.sh trainer_repeats      # SFTTrainer, unsloth 1 -> 2 GPUs at 1K x 4 and 16K x 1, repeated (median of 3 where time allows)
 #   bash benchmarks/gpu_suite.sh trainer1             # SFTTrainer on 1 GPU: unsloth vs transformers+savers vs +Liger
+#   bash benchmarks/gpu_suite.sh paths                # the same SFTTrainer code on 1 GPU and on 2 through every launcher
+#                                                     # (nbkit.launch, live set, torchrun of an exported cell, accelerate
+#                                                     # launch), host counters and a profile per launch (PATHS_* variables)
 #   bash benchmarks/gpu_suite.sh hostcost             # 1K x 4 on 2 GPUs: syncs and collectives per Trainer step, SFTTrainer vs Trainer timed
 #   bash benchmarks/gpu_suite.sh trainermem           # unsloth at 16K: peak memory by hand vs under SFTTrainer, largest allocations
 #   bash benchmarks/gpu_suite.sh fsdp                 # FSDP-QLoRA vs device_map="balanced", T4 profile (1 GPU: the dry run)
@@ -195,6 +198,17 @@ for what in "$@"; do
       limit=${LONG_LIMIT:-330}
       part long "$limit" python3 benchmarks/savers.py --seq-lens 64k --configs ${LONG_CONFIGS:-all,plain,recompute} \
         --steps 3 --warmup 1 --time-budget $((limit - 30)) --out "$OUT/long.json" --md "$OUT/long.md" ;;
+    paths)
+      # Where a rank that nbkit starts loses time against other launchers of the same training code: each launch's
+      # step times, rank 0's host counters (main-thread and process CPU, context switches, threads) and 2 profiled
+      # steps. One-GPU configurations see one GPU (CUDA_VISIBLE_DEVICES), so scaling ratios come from this call.
+      limit=${PATHS_LIMIT:-480}
+      # shellcheck disable=SC2086  # PATHS_ARGS holds several options
+      part "paths${PATHS_TAG:-}" "$limit" python3 benchmarks/trainer_bench.py \
+        --configs "${PATHS_CONFIGS:-unsloth:1@notebook,unsloth:2,unsloth:2@live,unsloth:2@torchrun,unsloth:2@accelerate}" \
+        --shapes "${PATHS_SHAPES:-1024x4}" --steps "${PATHS_STEPS:-8}" --warmup 3 --profile-steps 2 \
+        --repeats "${PATHS_REPEATS:-1}" --launch-timeout 240 --time-limit $((limit - 100)) ${PATHS_ARGS:-} \
+        --out "$OUT/paths${PATHS_TAG:-}.json" --md "$OUT/paths${PATHS_TAG:-}.md" ;;
     trainer)
       # Issue 16's comparison with the flagship's training code (TRL SFTTrainer, one small image per sample):
       # unsloth on 1 GPU in place and on 2 under nbkit.launch, transformers+peft+nbkit.savers on 2 GPUs with

@@ -38,11 +38,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def child_env(device: str) -> dict[str, str]:
+def child_env(device: str, gpus: int | None = None) -> dict[str, str]:
     """This process's environment for a launch: offline hub, unbuffered output, the repository on
     PYTHONPATH (so `benchmarks` imports in every rank), and CPU ranks for accelerate on "cpu".
+
+    On "cuda" with `gpus` given, the launch sees only the first `gpus` of this process's visible GPUs
+    (CUDA_VISIBLE_DEVICES): a one-GPU configuration runs on one GPU of a several-GPU host, as it would
+    on a one-GPU machine (Trainer wraps a model in nn.DataParallel where one process sees several GPUs,
+    which SFTTrainer refuses), so both sides of a scaling ratio come from one call on one host.
     """
     env = dict(os.environ)
+    if device == "cuda" and gpus is not None:
+        visible = env.get("CUDA_VISIBLE_DEVICES")
+        ids = [i for i in visible.split(",") if i.strip()] if visible else [str(i) for i in range(_gpu_count())]
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(ids[:gpus])
     env.update(HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
     env.setdefault("UNSLOTH_DISABLE_STATISTICS", "1")
     paths = [str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
@@ -50,6 +59,12 @@ def child_env(device: str) -> dict[str, str]:
     if device == "cpu":
         env["ACCELERATE_USE_CPU"] = "true"
     return env
+
+
+def _gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count()
 
 
 def accelerate_command(gpus: int, script: str, *script_args: str) -> list[str]:
@@ -63,10 +78,22 @@ def accelerate_command(gpus: int, script: str, *script_args: str) -> list[str]:
     return cmd + [script, *script_args]
 
 
+def torchrun_command(gpus: int, script: str, *script_args: str) -> list[str]:
+    """The torchrun command of `script` on `gpus` processes of this machine, meeting on a free port of 127.0.0.1.
+
+    torchrun, like `accelerate launch`, gives every rank OMP_NUM_THREADS=1 where the environment does
+    not set it.
+    """
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", str(gpus)]
+    cmd += ["--master_addr", "127.0.0.1", "--master_port", str(free_port())]
+    return cmd + [script, *script_args]
+
+
 def launch_from_kernel(fn: Callable[[Any], Any], spec: Any, preload: Callable[[Any], None]) -> int:
     """The whole job of a process standing in for a notebook kernel: preload(spec) (what a notebook has
     imported in earlier cells), then fn(spec) on spec.gpus ranks under the notebook launcher that
-    spec.launcher names ("nbkit": nbkit.launch, quiet and without a dashboard; "notebook": accelerate's
+    spec.launcher names ("nbkit": nbkit.launch, quiet and without a dashboard; "live": a live set,
+    nbkit.start, whose ranks run fn(spec) as a cell would, then stop; "notebook": accelerate's
     notebook_launcher), spec.launched_at set just before the call. Returns 0; a failure is recorded in
     spec.results_path (`record_launch_error`) and re-raised, so the process exits non-zero.
     """
@@ -77,6 +104,14 @@ def launch_from_kernel(fn: Callable[[Any], Any], spec: Any, preload: Callable[[A
             import nbkit
 
             nbkit.launch(fn, spec, gpus=spec.gpus, quiet=True, dashboard=False)
+        elif spec.launcher == "live":
+            import nbkit
+
+            live = nbkit.start(gpus=spec.gpus)
+            try:
+                live.run(fn, spec)
+            finally:
+                live.stop()
         else:
             from accelerate import notebook_launcher
 
@@ -87,16 +122,23 @@ def launch_from_kernel(fn: Callable[[Any], Any], spec: Any, preload: Callable[[A
     return 0
 
 
-def script_rank(fn: Callable[[Any], Any], spec: Any) -> int:
-    """The whole job of one rank of a script launch (accelerate launch, torchrun): nbkit's per-rank
-    set-up, as nbkit.launch does in its ranks (so launchers differ by the launcher alone), then
-    fn(spec). Returns 0; a failure is recorded by rank 0 in spec.results_path and re-raised.
+def script_rank(fn: Callable[[Any], Any], spec: Any, *, exported: bool = False) -> int:
+    """The whole job of one rank of a script launch (accelerate launch, torchrun), then fn(spec).
+
+    `exported` False: nbkit's default patch groups only (`nbkit.install()`: unsloth's fixes and the
+    device-map guard), the set-up a script that uses no nbkit but its fixes gets. True: what a notebook
+    cell exported by `%nbkit export` does under torchrun, `nbkit.launch(fn, spec)` inside the
+    launcher's rank, which runs nbkit's whole per-rank set-up (integration.prepare_rank) and then fn.
+    Returns 0; a failure is recorded by rank 0 in spec.results_path and re-raised.
     """
     import nbkit
 
-    nbkit.install()
     try:
-        fn(spec)
+        if exported:
+            nbkit.launch(fn, spec)
+        else:
+            nbkit.install()
+            fn(spec)
     except BaseException as exc:
         if int(os.environ.get("RANK", "0")) == 0:
             record_launch_error(spec.results_path, exc)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import math
+import os
 import statistics
 import time
 from collections.abc import Iterator, Sequence
@@ -70,6 +71,42 @@ def step_stats(times: Sequence[float]) -> dict[str, float]:
         "stdev": statistics.stdev(ordered) if len(ordered) > 1 else 0.0,
         "spread_pct": 100.0 * (p90 - p10) / median if median > 0 else 0.0,
     }
+
+
+class HostClock:
+    """What the host did between two marks, read from the kernel's own counters (no profiler).
+
+    `sample()` returns, since the previous mark: the main thread's CPU seconds, the whole process's CPU
+    seconds (every thread: autograd's, the OpenMP pool's spinning, a reader's), the main thread's
+    involuntary context switches (the scheduler took its core: a host-bound step waits for it) and
+    the process's OS thread count now. Built and sampled in the thread that drives training.
+    """
+
+    def __init__(self) -> None:
+        self._last = self._read()
+
+    @staticmethod
+    def _read() -> tuple[float, float, int]:
+        import resource
+
+        usage = resource.getrusage(getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF))
+        return time.thread_time(), time.process_time(), usage.ru_nivcsw
+
+    def sample(self) -> dict[str, float]:
+        """The counters since the last call (or since the clock was built); marks now."""
+        now = self._read()
+        thread_s, process_s, switches = (b - a for a, b in zip(self._last, now))
+        self._last = now
+        try:
+            threads = len(os.listdir("/proc/self/task"))
+        except OSError:  # not Linux
+            threads = 0
+        return {
+            "main_cpu_s": thread_s,
+            "process_cpu_s": process_s,
+            "main_involuntary_switches": switches,
+            "os_threads": threads,
+        }
 
 
 def peak_memory_gib(device: torch.device) -> dict[str, float] | None:

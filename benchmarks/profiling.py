@@ -43,11 +43,7 @@ def profile(stepper: Stepper, batch: dict[str, torch.Tensor], spec: LaunchSpec, 
     summary: dict[str, Any] = {"step_ms": wall_ms}
     device_events, host_events = split_events(averages)
     if stepper.device.type == "cuda":
-        kinds = {"nccl": 0.0, "memcpy": 0.0, "compute": 0.0}
-        for event in device_events:
-            name = event.key.lower()
-            kind = "nccl" if "nccl" in name else "memcpy" if name.startswith(("memcpy", "memset")) else "compute"
-            kinds[kind] += device_us(event) / 1000
+        kinds = kernel_ms(device_events)
         summary.update({f"{k}_ms_per_step": v / spec.profile_steps for k, v in kinds.items()})
         summary["compute_busy_pct"] = 100 * summary["compute_ms_per_step"] / wall_ms if wall_ms else 0.0
     # A step whose kernels take less than its wall time is bound by the host: the CPU side says where.
@@ -75,6 +71,34 @@ def profile(stepper: Stepper, batch: dict[str, torch.Tensor], spec: LaunchSpec, 
         prof.export_chrome_trace(str(out / f"{slug}.trace.json.gz"))
         summary["files"] = [f"{slug}.txt", f"{slug}.trace.json.gz"]
     return summary
+
+
+def summary(averages: Any, steps: int, wall_s: float, top: int = 12) -> dict[str, Any]:
+    """Per step of a profiled span of `steps` steps that took `wall_s`: the step's wall ms, GPU kernel ms
+    by kind (nccl, memcpy, compute), the host's self CPU ms in torch ops and CUDA runtime calls (all
+    threads), host syncs, and the `top` host ops by self CPU time (ms and calls per step).
+    """
+    steps = max(1, steps)
+    device_events, host_events = split_events(averages)
+    out: dict[str, Any] = {"steps": steps, "step_ms": 1000 * wall_s / steps}
+    out.update({f"{k}_ms": round(v / steps, 2) for k, v in kernel_ms(device_events).items()})
+    out["host_ops_ms"] = round(sum(e.self_cpu_time_total for e in host_events) / 1000 / steps, 2)
+    out["host_syncs"] = sum(e.count for e in host_events if e.key in HOST_SYNCS) / steps
+    busiest = sorted(host_events, key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
+    out["top_host_ops"] = [
+        {"op": e.key, "ms": round(e.self_cpu_time_total / 1000 / steps, 2), "calls": e.count / steps} for e in busiest
+    ]
+    return out
+
+
+def kernel_ms(device_events: list[Any]) -> dict[str, float]:
+    """Milliseconds of device time by kind: "nccl" (collectives), "memcpy" (copies, fills), "compute"."""
+    kinds = {"nccl": 0.0, "memcpy": 0.0, "compute": 0.0}
+    for event in device_events:
+        name = event.key.lower()
+        kind = "nccl" if "nccl" in name else "memcpy" if name.startswith(("memcpy", "memset")) else "compute"
+        kinds[kind] += device_us(event) / 1000
+    return kinds
 
 
 def split_events(averages: Any) -> tuple[list[Any], list[Any]]:

@@ -63,7 +63,7 @@ if str(ROOT) not in sys.path:  # run as a script (python benchmarks/trainer_benc
 
 import torch  # noqa: E402
 
-from benchmarks import batches, host, launching, measures  # noqa: E402
+from benchmarks import batches, host, launching, measures, profiling  # noqa: E402
 
 BACKENDS = ("unsloth", "transformers", "liger")
 # Speed options a transformers / liger configuration can add (`liger+compile+lean:1`):
@@ -74,7 +74,11 @@ BACKENDS = ("unsloth", "transformers", "liger")
 # tile4: nbkit.savers.apply(tiled_mlp=4), the MLP in 4 sequence shards at every length;
 # recompute: nbkit.savers.apply(checkpointing="recompute"), the checkpointed layer inputs stay on the GPU.
 EXTRAS = ("compile", "lean", "notile", "tile4", "recompute")
-LAUNCHERS = ("nbkit", "notebook", "accelerate")
+# nbkit: nbkit.launch; live: a live set (nbkit.start, then the function as a call); notebook: accelerate's
+# notebook_launcher; accelerate: `accelerate launch` of this file, nbkit's default patches only; torchrun:
+# torchrun of this file as an exported cell runs, nbkit.launch inside the rank (nbkit's whole rank set-up).
+LAUNCHERS = ("nbkit", "live", "notebook", "accelerate", "torchrun")
+SCRIPT_LAUNCHERS = ("accelerate", "torchrun")
 QUANTS = ("16bit", "4bit")
 LANGUAGE_LORA = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
 TEXT_LORA = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -109,6 +113,7 @@ class Launch:
     extras: list[str] = field(default_factory=list)  # EXTRAS
     windows: int = 1  # timed steps split into this many windows, each window's median reported
     compile_backend: str = "inductor"  # torch.compile's backend for the compile extra
+    profile_steps: int = 0  # steps profiled after the timed ones (torch.profiler; rank 0's summary in the row)
 
     @property
     def config(self) -> str:
@@ -203,7 +208,8 @@ class _Collator:
         return batch
 
 
-def _timer_callback(device: torch.device) -> Any:
+def _timer_callback(device: torch.device, profile_from: int | None = None) -> Any:
+    """The step timer; with `profile_from`, the steps after that many are profiled (and not timed)."""
     from transformers import TrainerCallback
 
     class StepTimer(TrainerCallback):
@@ -215,6 +221,11 @@ def _timer_callback(device: torch.device) -> Any:
             self.times: list[float] = []
             self.gc_ms: list[float] = []
             self.first_step_end: float | None = None
+            self.host: list[dict[str, float]] = []  # measures.HostClock's counters of each step
+            self.profile: dict[str, Any] | None = None
+            self._profiler: Any = None
+            self._profiled_from = 0.0
+            self._clock: measures.HostClock | None = None
             self._last: float | None = None
             self._gc = 0.0
             self._gc_started = 0.0
@@ -240,12 +251,31 @@ def _timer_callback(device: torch.device) -> Any:
             if self._last is None:
                 self._sync()
                 self._last = time.perf_counter()
+                self._clock = measures.HostClock()
+            if profile_from is not None and state.global_step == profile_from and self._profiler is None:
+                from torch.profiler import ProfilerActivity, profile
+
+                activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+                self._sync()
+                self._profiler = profile(activities=activities)
+                self._profiler.__enter__()
+                self._profiled_from = time.perf_counter()
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             self._sync()
+            if self._profiler is not None:
+                if state.global_step >= state.max_steps:
+                    wall = time.perf_counter() - self._profiled_from
+                    self._profiler.__exit__(None, None, None)
+                    self.profile = profiling.summary(
+                        self._profiler.key_averages(), state.global_step - profile_from, wall
+                    )
+                return  # profiled steps are not timed
             now = time.perf_counter()
             self.times.append(now - (now if self._last is None else self._last))
             self.gc_ms.append(round(1000 * self._gc, 2))
+            if self._clock is not None:
+                self.host.append(self._clock.sample())
             self._last, self._gc = now, 0.0
             if self.first_step_end is None:
                 self.first_step_end = time.time()
@@ -318,18 +348,25 @@ def common_config(launch: Launch) -> Any:
     return _CONFIGS[launch.model_path]
 
 
+def _graph_breaks() -> collections.Counter[str]:
+    """torch.compile's graph breaks in this process so far, by reason (none where dynamo never loaded)."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    return collections.Counter(utils.counters["graph_break"]) if utils is not None else collections.Counter()
+
+
 def _oom(exc: BaseException) -> bool:
     return isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc).lower()
 
 
 def _case(launch: Launch, model: Any, seq_len: int, batch: int, device: torch.device, steps: int) -> dict:
     """Train one shape; returns this rank's figures (status ok / oom / error)."""
-    timer = _timer_callback(device)
+    timer = _timer_callback(device, steps - launch.profile_steps if launch.profile_steps else None)
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     row: dict[str, Any] = {"seq_len": seq_len, "batch": batch}
+    breaks_before = _graph_breaks()
     trainer = None
     try:
         with tempfile.TemporaryDirectory() as out_dir:
@@ -349,6 +386,12 @@ def _case(launch: Launch, model: Any, seq_len: int, batch: int, device: torch.de
         gc.collect()
     row["step_times_s"] = timer.times
     row["gc_ms"] = timer.gc_ms
+    row["host"] = timer.host
+    # torch.compile's graph breaks during this shape's run, by reason: a break inside a compiled layer
+    # splits it into pieces, each a cache lookup and its own launches on every call.
+    row["graph_breaks"] = dict((_graph_breaks() - breaks_before).most_common(8))
+    row["profile"] = timer.profile
+    row["torch_threads"] = torch.get_num_threads()
     row["first_step_end"] = timer.first_step_end
     row["peak"] = measures.peak_memory_gib(device)
     return row
@@ -360,7 +403,7 @@ def _ladder(launch: Launch, model: Any, device: torch.device, emit: Any) -> list
     """
     rows, good, bad = [], 0, None
     for seq_len, _ in launch.shapes:
-        row = _case(launch, model, seq_len, 1, device, launch.warmup + launch.steps)
+        row = _case(launch, model, seq_len, 1, device, launch.warmup + launch.steps + launch.profile_steps)
         rows.append(row)
         emit(row)
         if row["status"] != "ok":
@@ -373,7 +416,7 @@ def _ladder(launch: Launch, model: Any, device: torch.device, emit: Any) -> list
         middle = (good + bad) // 2 // 4096 * 4096
         if middle <= good:
             break
-        row = _case(launch, model, middle, 1, device, launch.warmup + launch.steps)
+        row = _case(launch, model, middle, 1, device, launch.warmup + launch.steps + launch.profile_steps)
         rows.append(row)
         emit(row)
         good, bad = (middle, bad) if row["status"] == "ok" else (good, middle)
@@ -416,7 +459,9 @@ def run(launch: Launch) -> None:
     else:
         mine = []
         for seq_len, batch in launch.shapes:
-            mine.append(_case(launch, model, seq_len, batch, device, launch.warmup + launch.steps))
+            mine.append(
+                _case(launch, model, seq_len, batch, device, launch.warmup + launch.steps + launch.profile_steps)
+            )
             emit(mine[-1])
     if world > 1:
         everyone: list[Any] = [None] * world
@@ -456,6 +501,13 @@ def _row(launch: Launch, row: dict, ranks: list[dict], load_s: float, first: boo
         "traceback": next((r["traceback"] for r in ranks if r.get("traceback")), None),
         "step_times_s": times,
         "gc_ms": row.get("gc_ms"),  # this rank's garbage-collection time within each step
+        # Rank 0's host per timed step (medians): its main thread's CPU time against the step's wall time
+        # says whether the host thread was busy or waited; the process's CPU time, what its other threads
+        # burned; involuntary switches, how often the scheduler took the main thread's core.
+        "host": _host_medians(row.get("host") or [], len(half)),
+        "torch_threads": row.get("torch_threads"),
+        "profile": row.get("profile"),
+        "graph_breaks": row.get("graph_breaks"),
         "step_time_s": stats,
         "tokens_per_s_per_gpu": tokens / stats["median"] if stats else None,
         "peak_allocated_gib": [r["peak"]["allocated"] if r["peak"] else None for r in ranks],
@@ -469,6 +521,14 @@ def _row(launch: Launch, row: dict, ranks: list[dict], load_s: float, first: boo
     if launch.windows > 1 and stats:
         out["window_medians_s"] = window_medians(times[launch.warmup :], launch.windows)
     return out
+
+
+def _host_medians(samples: list[dict[str, float]], timed: int) -> dict[str, float]:
+    """The median of each HostClock counter over the last `timed` steps' samples ({} without samples)."""
+    samples = samples[-timed:] if timed else samples
+    if not samples:
+        return {}
+    return {key: statistics.median(s[key] for s in samples) for key in samples[0]}
 
 
 def window_medians(times: list[float], windows: int) -> list[float]:
@@ -507,15 +567,18 @@ def _launch_mode(path: str) -> int:
 
 
 def _worker_mode(path: str) -> int:
-    """One rank of `accelerate launch`: the same function the notebook launchers run."""
-    return launching.script_rank(run, Launch.from_json(Path(path).read_text()))
+    """One rank of `accelerate launch` or torchrun: the same function the notebook launchers run."""
+    launch = Launch.from_json(Path(path).read_text())
+    return launching.script_rank(run, launch, exported=launch.launcher == "torchrun")
 
 
 def _command(launch: Launch, path: Path) -> list[str]:
     me = str(Path(__file__).resolve())
-    if launch.launcher != "accelerate":
-        return [sys.executable, me, "--launch-mode", str(path)]
-    return launching.accelerate_command(launch.gpus, me, "--worker-mode", str(path))
+    if launch.launcher == "accelerate":
+        return launching.accelerate_command(launch.gpus, me, "--worker-mode", str(path))
+    if launch.launcher == "torchrun":
+        return launching.torchrun_command(launch.gpus, me, "--worker-mode", str(path))
+    return [sys.executable, me, "--launch-mode", str(path)]
 
 
 def run_launch(launch: Launch, workdir: Path, timeout: float) -> list[dict]:
@@ -529,7 +592,7 @@ def run_launch(launch: Launch, workdir: Path, timeout: float) -> list[dict]:
     path.write_text(launch.to_json())
     print(f"\n=== {launch.config} {launch.precision} {launch.quant} repeat {launch.repeat} ===", flush=True)
     start = time.monotonic()
-    command, env = _command(launch, path), launching.child_env(launch.device)
+    command, env = _command(launch, path), launching.child_env(launch.device, gpus=launch.gpus)
     reason, tail = launching.run_process(command, env, timeout, "nbkit-trainer-bench")
     wall = time.monotonic() - start
     rows, error = launching.read_rows(Path(launch.results_path))
@@ -646,6 +709,52 @@ def _same_case(a: dict, b: dict) -> bool:
     return all(a[k] == b[k] for k in ("gpus", "precision", "quant", "seq_len", "batch"))
 
 
+def _host_table(rows: list[dict]) -> list[str]:
+    """Markdown lines: rank 0's host per timed step in each run (medians; see _row's "host")."""
+    runs = [r for r in rows if r.get("host")]
+    if not runs:
+        return []
+    lines = [
+        "",
+        "Rank 0's host per timed step (medians): main thread CPU, all threads' CPU, the main thread's",
+        "involuntary context switches, OS threads, torch's intra-op threads:",
+        "",
+    ]
+    lines += [
+        "| config | case | repeat | step ms | main CPU ms | process CPU ms | switches | threads | torch threads | "
+        "graph breaks |"
+    ]
+    lines += ["|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in runs:
+        h, case = r["host"], f"{r['precision']} {r['quant']} {r['seq_len']}x{r['batch']}"
+        lines.append(
+            f"| {r['config']} | {case} | {r['repeat']} | {1000 * r['step_time_s']['median']:.0f} | "
+            f"{1000 * h['main_cpu_s']:.0f} | {1000 * h['process_cpu_s']:.0f} | {h['main_involuntary_switches']:.0f} | "
+            f"{h['os_threads']:.0f} | {r.get('torch_threads')} | {sum((r.get('graph_breaks') or {}).values())} |"
+        )
+    return lines
+
+
+def _profile_lines(rows: list[dict]) -> list[str]:
+    """Markdown lines: each run's profiled steps (rank 0, per step), its busiest host ops after."""
+    runs = [r for r in rows if r.get("profile")]
+    if not runs:
+        return []
+    lines = ["", "Profiled steps after the timed ones (rank 0, per step; the profiler slows the host):", ""]
+    lines += [
+        "| config | case | step ms | compute ms | nccl ms | memcpy ms | host ops ms | host syncs | busiest host ops (ms) |"
+    ]
+    lines += ["|---|---|---:|---:|---:|---:|---:|---:|---|"]
+    for r in runs:
+        p, case = r["profile"], f"{r['precision']} {r['quant']} {r['seq_len']}x{r['batch']}"
+        ops = ", ".join(f"{o['op']} {o['ms']:.1f}" for o in p["top_host_ops"][:6])
+        lines.append(
+            f"| {r['config']} | {case} | {p['step_ms']:.0f} | {p['compute_ms']:.1f} | {p['nccl_ms']:.1f} | "
+            f"{p['memcpy_ms']:.1f} | {p['host_ops_ms']:.1f} | {p['host_syncs']:.1f} | {ops} |"
+        )
+    return lines
+
+
 def _against_unsloth(summary: list[dict]) -> list[str]:
     """Markdown lines: each transformers configuration's step time and peak as a multiple of unsloth's."""
     rows = [e for e in summary if "vs_unsloth" in e]
@@ -684,6 +793,7 @@ def markdown(env: dict, command: str, summary: list[dict], rows: list[dict]) -> 
             f"| {e['config']} | {case} | {e['ok_runs']}/{e['runs']} | {e['tokens_per_s_per_gpu']:,.0f} | {scaling} | "
             f"{e['step_s']:.3f} | {e['spread_pct']:.1f}% | {peak} | {first} |"
         )
+    lines += _host_table(rows) + _profile_lines(rows)
     if any(e.get("samples", 0) > e.get("ok_runs", 0) for e in summary):
         lines += ["", "Step s and spread: over every timed window of every run (--windows), not per run."]
     lines += _against_unsloth(summary)
@@ -771,6 +881,12 @@ def main(argv: list[str] | None = None) -> int:
         default="inductor",
         help="torch.compile backend of +compile (aot_eager: no code generation)",
     )
+    p.add_argument(
+        "--profile-steps",
+        type=int,
+        default=0,
+        help="profile this many steps after the timed ones (rank 0: host ops, kernels, syncs per step)",
+    )
     p.add_argument("--out", default=None)
     p.add_argument("--md", default=None)
     p.add_argument("--launch-mode", help=argparse.SUPPRESS)
@@ -836,6 +952,7 @@ def main(argv: list[str] | None = None) -> int:
                     extras=extras,
                     windows=a.windows,
                     compile_backend=a.compile_backend,
+                    profile_steps=a.profile_steps,
                 )
                 skip = None
                 if a.time_limit is not None and time.monotonic() - started > a.time_limit:

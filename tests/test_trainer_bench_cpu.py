@@ -1,7 +1,7 @@
 """benchmarks/trainer_bench.py end to end on the CPU: real SFTTrainer runs of tiny:qwen3-vl.
 
-Two gloo ranks under nbkit.launch and under `accelerate launch`, one process under
-notebook_launcher; a Liger configuration, which cannot run on a CPU, must be recorded with nbkit's
+Two gloo ranks under nbkit.launch, a live set, `accelerate launch` and torchrun (an exported cell's
+rank set-up), one process under notebook_launcher; a Liger configuration, which cannot run on a CPU, must be recorded with nbkit's
 message and the run must go on. Also the configuration parser and the summary's arithmetic.
 """
 
@@ -22,7 +22,9 @@ from benchmarks import trainer_bench  # noqa: E402
 def test_configs_and_shapes_parse():
     assert trainer_bench.parse_config("unsloth:2") == ("unsloth", 2, "nbkit")
     assert trainer_bench.parse_config("liger:4@accelerate") == ("liger", 4, "accelerate")
-    for bad in ("plain:2", "unsloth:0", "unsloth:2@torchrun", "unsloth"):
+    assert trainer_bench.parse_config("unsloth:2@torchrun") == ("unsloth", 2, "torchrun")
+    assert trainer_bench.parse_config("unsloth:2@live") == ("unsloth", 2, "live")
+    for bad in ("plain:2", "unsloth:0", "unsloth:2@mpirun", "unsloth"):
         with pytest.raises(ValueError, match="backend:gpus"):
             trainer_bench.parse_config(bad)
     assert trainer_bench._shape("1024x16") == (1024, 16)
@@ -62,12 +64,13 @@ def test_summary_takes_the_median_of_repeats_and_scales_against_one_gpu():
 
 
 @pytest.mark.slow
-def test_trainer_runs_under_three_launchers_and_records_what_cannot_run(tmp_path):
+def test_trainer_runs_under_every_launcher_and_records_what_cannot_run(tmp_path):
     out, md = tmp_path / "trainer.json", tmp_path / "trainer.md"
     code = trainer_bench.main(
         [
             "--configs",
-            "transformers:2,transformers:1@notebook,transformers:2@accelerate,liger:1@notebook",
+            "transformers:2,transformers:1@notebook,transformers:2@accelerate,transformers:2@torchrun,"
+            "transformers:2@live,liger:1@notebook",
             "--shapes",
             "128x2",
             "--steps",
@@ -89,7 +92,8 @@ def test_trainer_runs_under_three_launchers_and_records_what_cannot_run(tmp_path
     assert code == 0
     report = json.loads(out.read_text())
     rows = {r["config"]: r for r in report["results"]}
-    for config in ("transformers:2@nbkit", "transformers:1@notebook", "transformers:2@accelerate"):
+    launched = ("nbkit", "live", "accelerate", "torchrun")
+    for config in ("transformers:1@notebook", *(f"transformers:2@{launcher}" for launcher in launched)):
         row = rows[config]
         assert row["status"] == "ok", row.get("error")
         assert len(row["step_times_s"]) == 4  # warm-up + timed steps, each timed by the callback
@@ -97,6 +101,9 @@ def test_trainer_runs_under_three_launchers_and_records_what_cannot_run(tmp_path
         assert row["launch_to_first_step_s"] > row["first_step_s"] > 0
         assert row["loss_first"] > 0 and row["loss_last"] > 0
         assert len(row["peak_allocated_gib"]) == row["gpus"]
+        # the host's counters of rank 0's timed steps: its main thread trained, in a process of >= 1 thread
+        assert 0 < row["host"]["main_cpu_s"] <= row["host"]["process_cpu_s"] + 1e-3
+        assert row["host"]["os_threads"] >= 1 and row["torch_threads"] >= 1
     liger = rows["liger:1@notebook"]
     assert liger["status"] == "error"
     assert "KernelsError" in liger["error"] and "need the model on CUDA GPUs" in liger["error"]
