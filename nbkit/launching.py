@@ -796,14 +796,7 @@ class _Child:
         sys.stdout, sys.stderr = self.stdout, self.stderr
         self.channel.attach(local_rank, rank)
         channel.send(channel.Started(os.getpid()))
-        import torch
-
-        # The notebook's torch thread pools do not survive fork. On CPU a child that uses more than
-        # one intra-op thread hangs in its first parallel op (landscape.md, "fork"), so it gets one.
-        # On GPUs the child keeps its threads, but the pool is rebuilt here, while this is the only
-        # thread: rebuilt lazily, two threads that start at once (autograd's device threads) can see
-        # it half-replaced and abort with "Invalid thread pool" (seen with unsloth on 2 H200s).
-        torch.set_num_threads(1 if self.use_cpu else torch.get_num_threads())
+        rankside.set_rank_threads(use_cuda=not self.use_cpu, local_world_size=distributed.world_size(), forked=True)
         output = None
         try:
             output = _prepare_rank(quiet=self.quiet, rank=rank, descriptors=True)

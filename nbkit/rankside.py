@@ -40,6 +40,7 @@ __all__ = [
     "pickle_for_notebook",
     "rank_environment",
     "rank_traceback",
+    "set_rank_threads",
     "strategy_environment",
 ]
 
@@ -165,6 +166,43 @@ def strategy_environment(strategy: str = "ddp", emulate: str | None = None) -> d
 
         values["NBKIT_EMULATE"] = lookup(emulate).name
     return values
+
+
+# --------------------------------------------------------------------------------------------
+# Rank side: its CPU threads
+# --------------------------------------------------------------------------------------------
+
+
+def set_rank_threads(*, use_cuda: bool, local_world_size: int, forked: bool = False) -> int:
+    """Size this rank's torch intra-op thread pool, once, early in the rank; returns the thread count.
+
+    OMP_NUM_THREADS, where the rank's environment sets it (the user's env=, torchrun), decides. Otherwise
+    a GPU rank gets one thread, as torchrun and `accelerate launch` give theirs: its CPU work is
+    Python and kernel launches on the main thread, and every rank keeping a pool as large as the
+    machine (2 ranks x 32 threads on a 32-core host) made the pools' spinning threads compete with
+    the ranks' main threads (benchmarks/RESULTS.md, two GPUs). A CPU rank gets its share of the cores,
+    except a rank forked from a notebook, which gets one whatever is set: with more it hangs in its
+    first parallel op (the notebook's pool does not survive fork). The count is also exported as
+    OMP_NUM_THREADS, so that accelerate does not resize a CPU rank's pool and what the rank starts
+    inherits it.
+    """
+    import torch
+
+    given = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if forked and not use_cuda:
+        threads = 1
+    elif given.isdigit() and int(given) > 0:
+        threads = int(given)
+    elif use_cuda:
+        threads = 1
+    else:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        threads = max(1, cores // max(1, local_world_size))
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+    # Set even where unchanged: a forked rank rebuilds the pool here, while it is its only thread
+    # (rebuilt lazily, two threads that start at once could see it half-replaced: "Invalid thread pool").
+    torch.set_num_threads(threads)
+    return threads
 
 
 # --------------------------------------------------------------------------------------------

@@ -107,12 +107,11 @@ def setup(plan: RankPlan) -> str:
     import torch
     import torch.distributed as dist
 
+    rankside.set_rank_threads(use_cuda=plan.use_cuda, local_world_size=plan.local_world_size)
     if plan.use_cuda:
         torch.cuda.set_device(plan.local_rank)
         device = f"cuda:{plan.local_rank}"
     else:
-        # As torchrun does: the node's cores shared among its ranks, not each rank taking them all.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // plan.local_world_size))
         device = "cpu"
     # A native crash (segfault, abort) leaves the Python stack in the log of an engine nbkit started,
     # which the notebook shows under the message naming the signal. (The engine's fd 2 is a pipe
