@@ -107,8 +107,9 @@ GROUPS: dict[str, Group] = {
         Group(
             "attention",
             "nbkit.attention",
-            "in every rank nbkit starts: grouped-query attention where flash attention cannot run (T4) uses the "
-            "memory-efficient kernel instead of seq x seq math attention",
+            "in every rank nbkit starts on a GPU without flash attention (a T4), and under a profile that turns "
+            "flash attention off: grouped-query attention uses the memory-efficient kernel instead of seq x seq "
+            "math attention",
         ),
         Group(
             "emulate",
@@ -164,21 +165,24 @@ def prepare_rank(*, owns_exit: bool = True) -> None:
     an outside launcher running an exported script): the GPU profile NBKIT_EMULATE names (nbkit.emulate),
     the default groups, the dashboard's reporting, complete-checkpoint markers, the fixes for older
     transformers/trl, fp16-ready dtypes under TRL's SFTTrainer, grouped-query attention without flash
-    attention, the FSDP set-up where the rank's environment asks for the fsdp strategy
-    (nbkit.fsdp.setup_rank), and how the rank ends (nbkit.teardown): where nbkit ends the process
-    itself (`owns_exit`, with os._exit), the teardown group keeps destroyed process groups until
-    then; a rank of an outside launcher (torchrun), which ends through the interpreter's shutdown,
-    has its groups destroyed at exit instead, before finalization could abort it.
+    attention on a GPU that lacks it (nbkit.attention.needed), the FSDP set-up where the rank's
+    environment asks for the fsdp strategy (nbkit.fsdp.setup_rank), and how the rank ends
+    (nbkit.teardown): where nbkit ends the process itself (`owns_exit`, with os._exit), the teardown
+    group keeps destroyed process groups until then; a rank of an outside launcher (torchrun), which ends
+    through the interpreter's shutdown, has its groups destroyed at exit instead, before finalization could
+    abort it.
 
     Idempotent; imports none of the patched libraries. Call it only in a training process.
 
     Raises:
         nbkit.errors.EmulationError: NBKIT_EMULATE names no profile.
     """
-    from nbkit import checkpoints, compat, emulation, fsdp, reporting, teardown
+    from nbkit import attention, checkpoints, compat, distributed, emulation, fsdp, reporting, teardown
 
     emulation.apply_from_env()  # first: a library imported later must see the profile (bf16, memory)
-    install(*DEFAULT_GROUPS, "mixed_precision", "attention")
+    install(*DEFAULT_GROUPS, "mixed_precision")
+    if attention.needed(distributed.visible_gpus(), distributed.local_rank()):
+        install("attention")
     if fsdp.requested():
         fsdp.setup_rank()
     reporting.setup_rank()
