@@ -36,7 +36,7 @@ from typing import Any
 from nbkit import callbacks, channel, dashboard, distributed, patching
 from nbkit import shell as nbkit_shell
 
-__all__ = ["DashboardCallback", "peak_memory_gib", "report", "setup_rank"]  # noqa: F822 (DashboardCallback: built on first use)
+__all__ = ["DashboardCallback", "peak_memory_gib", "report", "setup_rank", "trainer_pace"]  # noqa: F822 (DashboardCallback: built on first use)
 
 
 class _Clock:
@@ -294,6 +294,14 @@ _local = _LocalDashboard()
 # --------------------------------------------------------------------------------------------
 
 
+def trainer_pace(trainer: Any) -> dict[str, float | None]:
+    """The pace of `trainer`'s last train() as nbkit's dashboard callback clocked it on this rank
+    (`_StepReporter.pace`); {} for a Trainer without the callback (outside a rank nbkit started).
+    """
+    reporter = next((cb for cb in trainer.callback_handler.callbacks if isinstance(cb, _StepReporter)), None)
+    return reporter.pace() if reporter is not None else {}
+
+
 def _dashboard_callback() -> type:
     return callbacks.trainer_callback("DashboardCallback", _StepReporter, __name__)
 
@@ -316,6 +324,10 @@ class _StepReporter:
     def __init__(self) -> None:
         self._loss: Any = None
         self._tokens = 0
+        # The run's pace, first step apart (it holds compilation and warm-up): when train() began, and
+        # (monotonic time, tokens) at the end of each optimizer step.
+        self.began: float | None = None
+        self.steps: list[tuple[float, int]] = []
 
     def add_micro_batch(self, loss: Any, tokens: int) -> None:
         """Count one micro-batch (called from Trainer.training_step); the loss stays a tensor so
@@ -327,7 +339,25 @@ class _StepReporter:
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._loss, self._tokens = None, 0
+        self.began, self.steps = time.monotonic(), []
         report(step=state.global_step, total_steps=state.max_steps)
+
+    def pace(self) -> dict[str, float | None]:
+        """This rank's pace in the last train(): {"first_step_seconds", "seconds_per_step" and
+        "tokens_per_second" over the steps after the first (None where fewer than two steps ran)}.
+        """
+        if self.began is None or not self.steps:
+            return {"first_step_seconds": None, "seconds_per_step": None, "tokens_per_second": None}
+        first = self.steps[0][0] - self.began
+        if len(self.steps) < 2:
+            return {"first_step_seconds": first, "seconds_per_step": None, "tokens_per_second": None}
+        span = self.steps[-1][0] - self.steps[0][0]
+        tokens = sum(t for _, t in self.steps[1:])
+        return {
+            "first_step_seconds": first,
+            "seconds_per_step": span / (len(self.steps) - 1),
+            "tokens_per_second": tokens / span if span > 0 and tokens else None,
+        }
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         metrics: dict[str, Any] = {"total_steps": state.max_steps, "epoch": state.epoch}
@@ -336,6 +366,7 @@ class _StepReporter:
             metrics["learning_rate"] = scheduler.get_last_lr()[0]
         if self._tokens:
             metrics["tokens"] = self._tokens
+        self.steps.append((time.monotonic(), self._tokens))
         loss, self._loss, self._tokens = self._loss, None, 0
         report(step=state.global_step, loss=loss, **metrics)
 

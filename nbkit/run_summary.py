@@ -26,20 +26,29 @@ def training(trainer: Any, stats: Any, resumed_from: str | None) -> dict[str, An
         resumed_from: the checkpoint this call resumed from, or None.
 
     Returns:
-        {"global_step", "resumed_from", "last_loss", "seconds_per_step" (this call's steps only), "batch":
-        {"per_device", "accumulation", "processes"}, "peak_memory_gib" (as the dashboard shows it)}. Call it on
-        any rank; each returns its own peak.
+        {"global_step", "resumed_from", "last_loss", "seconds_per_step" and "tokens_per_second" (this rank's
+        steady pace: the steps after this call's first, which holds compilation and warm-up; in a rank nbkit
+        started, from the dashboard callback's clock), "first_step_seconds", "mean_seconds_per_step" (this
+        call's run time over its steps, the first included), "batch": {"per_device", "accumulation",
+        "processes"}, "peak_memory_gib" (as the dashboard shows it)}. Outside a rank nbkit started, or after a
+        single step, the steady figures fall back to the mean (tokens/s then None). Call it on any rank;
+        each returns its own figures.
     """
-    from nbkit.reporting import peak_memory_gib
+    from nbkit.reporting import peak_memory_gib, trainer_pace
 
     state = trainer.state
     steps_run = state.global_step - (int(str(resumed_from).rsplit("-", 1)[1]) if resumed_from else 0)
     losses = [entry["loss"] for entry in state.log_history if "loss" in entry]
+    mean = stats.metrics["train_runtime"] / max(1, steps_run)
+    pace = trainer_pace(trainer)
     return {
         "global_step": state.global_step,
         "resumed_from": resumed_from,
         "last_loss": losses[-1] if losses else None,
-        "seconds_per_step": stats.metrics["train_runtime"] / max(1, steps_run),
+        "seconds_per_step": pace.get("seconds_per_step") or mean,
+        "tokens_per_second": pace.get("tokens_per_second"),
+        "first_step_seconds": pace.get("first_step_seconds"),
+        "mean_seconds_per_step": mean,
         "batch": {
             "per_device": trainer.args.per_device_train_batch_size,
             "accumulation": trainer.args.gradient_accumulation_steps,

@@ -10,7 +10,7 @@ import time
 
 import pytest
 import torch
-from tiny_training import train_tiny_qwen3
+from tiny_training import tiny_qwen3_trainer, train_tiny_qwen3
 
 import nbkit
 from nbkit import dashboard, patching, reporting
@@ -98,6 +98,29 @@ def test_trainer_in_a_launch_reports_every_step_and_draws_no_bars(capfd):
     assert out.count("'grad_norm'") == 2
     assert "it/s]" not in out
     assert "nbkit: step 4/4 (100%)" in out
+
+
+def _train_with_a_slow_first_step() -> dict:
+    from transformers import TrainerCallback
+
+    class Compiling(TrainerCallback):  # the first step's compilation, as torch.compile or unsloth would take it
+        def on_step_begin(self, args, state, control, **kwargs):
+            if state.global_step == 0:
+                time.sleep(1.5)
+
+    trainer = tiny_qwen3_trainer(max_steps=6, callbacks=[Compiling()])
+    stats = trainer.train()
+    return nbkit.run_summary.training(trainer, stats, None)
+
+
+def test_the_run_summary_gives_the_steady_pace_with_the_first_step_apart():
+    figures = nbkit.launch(_train_with_a_slow_first_step, gpus=2)
+    assert figures["first_step_seconds"] >= 1.5
+    # the mean over all 6 steps carries the 1.5 s; the steady pace of steps 2-6 does not
+    assert figures["mean_seconds_per_step"] >= 1.5 / 6
+    assert figures["seconds_per_step"] < figures["mean_seconds_per_step"] - 0.15
+    # 2 sequences of 16 tokens a step on rank 0, at the steady pace
+    assert figures["tokens_per_second"] == pytest.approx(32 / figures["seconds_per_step"], rel=0.05)
 
 
 @pytest.mark.gpu

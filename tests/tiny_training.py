@@ -59,6 +59,14 @@ def train_tiny_qwen3(use_cpu: bool = True, **arguments: Any) -> list[str]:
     """4 Trainer steps (batch 2) of a random tiny Qwen3 (tiny:qwen3's config) on random tokens; returns
     the class names of the Trainer's callbacks. `arguments` go to TrainingArguments (logging_steps, ...).
     """
+    trainer = tiny_qwen3_trainer(use_cpu, **arguments)
+    callbacks = [type(c).__name__ for c in trainer.callback_handler.callbacks]
+    trainer.train()
+    return callbacks
+
+
+def tiny_qwen3_trainer(use_cpu: bool = True, callbacks: list | None = None, **arguments: Any) -> Any:
+    """The Trainer of train_tiny_qwen3 (max_steps 4 unless `arguments` say otherwise), not yet trained."""
     from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
     from nbkit.offline import load_config
@@ -67,16 +75,13 @@ def train_tiny_qwen3(use_cpu: bool = True, **arguments: Any) -> list[str]:
     model = AutoModelForCausalLM.from_config(load_config("tiny:qwen3"))
     data = [{"input_ids": torch.randint(0, 100, (16,)), "labels": torch.randint(0, 100, (16,))} for _ in range(16)]
     # Trainer creates output_dir even with save_strategy="no": somewhere temporary, not the cwd.
+    options: dict[str, Any] = {"max_steps": 4, **arguments}
     args = TrainingArguments(
         output_dir=tempfile.mkdtemp(prefix="nbkit-test-"),
-        max_steps=4,
         per_device_train_batch_size=2,
         report_to="none",
         save_strategy="no",
         use_cpu=use_cpu,
-        **arguments,
+        **options,
     )
-    trainer = Trainer(model=model, args=args, train_dataset=data)
-    callbacks = [type(c).__name__ for c in trainer.callback_handler.callbacks]
-    trainer.train()
-    return callbacks
+    return Trainer(model=model, args=args, train_dataset=data, callbacks=callbacks)
