@@ -32,6 +32,19 @@ def test_summary_rate_counts_from_the_first_token_report():
     assert summary["step"] == 2 and summary["total_steps"] == 10
 
 
+def test_summary_pace_leaves_the_first_step_out():
+    board = Board(2)
+    for rank, pace in ((1, 0.5), (0, 0.25)):  # rank 0's clock decides, whichever rank reports first
+        board.record(rank, {"step": 0, "total_steps": 10, "elapsed": 10.0})
+        board.record(rank, step_event(1, 2.0, seen=100, elapsed=40.0))  # 30 s of compilation in step 1
+        for step in range(2, 6):
+            board.record(rank, step_event(step, 1.0, seen=100 * step, elapsed=40.0 + pace * (step - 1)))
+    assert board.summary()["seconds_per_step"] == pytest.approx(0.25)
+    lone = Board(1)
+    lone.record(0, step_event(1, 2.0, seen=100, elapsed=40.0))
+    assert lone.summary()["seconds_per_step"] is None  # one step: no pace after it
+
+
 def test_tokens_per_second_is_smoothed_over_the_last_ten_seconds_of_each_rank():
     board = Board(2)
     seen = {0: 0, 1: 0}

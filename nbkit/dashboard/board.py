@@ -80,6 +80,8 @@ class Board:
         self._peaks: dict[int, tuple[float, str]] = {}
         self._losses: dict[int, dict[int, float]] = {}  # step -> {rank: loss}
         self._pace: tuple[float, int] | None = None  # (time, step) of the first step event
+        # rank -> the (elapsed, step) of its first step event after step 0, and of its latest
+        self._step_span: dict[int, tuple[tuple[float, int], tuple[float, int]]] = {}
         # rank -> its (elapsed, tokens_seen) reports: all but the window's are dropped as they age
         self._token_reports: dict[int, collections.deque[tuple[float, float]]] = {}
         # rank -> the first and the latest (tokens_seen, elapsed) it reported
@@ -95,9 +97,13 @@ class Board:
             step, loss = metrics.get("step"), metrics.get("loss")
             if is_number(loss) and isinstance(step, int):
                 self._losses.setdefault(step, {})[rank] = float(loss)
-            if isinstance(step, int) and step > 0 and self._pace is None:
-                self._pace = (now, step)
             seen, elapsed = metrics.get("tokens_seen"), metrics.get("elapsed")
+            if isinstance(step, int) and step > 0:
+                if self._pace is None:
+                    self._pace = (now, step)
+                if is_number(elapsed):
+                    mark = (float(elapsed), step)
+                    self._step_span[rank] = (self._step_span.get(rank, (mark,))[0], mark)
             if is_number(seen) and is_number(elapsed):
                 # The run's average rate counts from the first token report on: model loading and
                 # imports before training do not dilute it.
@@ -141,8 +147,10 @@ class Board:
         """What the run came to.
 
         Returns:
-            {"success", "final_loss", "step", "total_steps", "total_time" (s), "tokens_per_second"
-            (all ranks, averaged from each rank's first token report to its last), "peak_memory_gib"
+            {"success", "final_loss", "step", "total_steps", "total_time" (s), "seconds_per_step" (from
+            the first step's end to the last's: the first step, which holds compilation and warm-up, apart;
+            None before two steps), "tokens_per_second" (all ranks, averaged from each rank's first token
+            report, at its first step's end, to its last), "peak_memory_gib"
             ({rank: (GiB, device)}), "metrics" (the other numbers of rank 0's latest reports, e.g.
             eval_loss, mean_token_accuracy)}.
         """
@@ -154,12 +162,17 @@ class Board:
                     rates.append((last[0] - first[0]) / (last[1] - first[1]))
                 elif "tokens_per_second" in snap.ranks.get(rank, {}):
                     rates.append(snap.ranks[rank]["tokens_per_second"])
+            per_step = None
+            if self._step_span:  # the lowest rank's clock (rank 0's where it reports)
+                (t0, s0), (t1, s1) = self._step_span[min(self._step_span)]
+                per_step = (t1 - t0) / (s1 - s0) if s1 > s0 else None
         return {
             "success": success,
             "final_loss": snap.curve[-1][1] if snap.curve else snap.loss,
             "step": snap.step,
             "total_steps": snap.total_steps,
             "total_time": snap.elapsed,
+            "seconds_per_step": per_step,
             "tokens_per_second": sum(rates) if rates else None,
             "peak_memory_gib": snap.peak_memory_gib,
             "metrics": other_metrics(snap),

@@ -72,8 +72,10 @@ def summary_text(summary: dict[str, Any]) -> str:
         lines.append(f"  steps: {summary['step']}{total}")
     if summary["final_loss"] is not None:
         lines.append(f"  final loss: {summary['final_loss']:.4f}")
+    if summary.get("seconds_per_step") is not None:
+        lines.append(f"  seconds per step (after the first): {summary['seconds_per_step']:.3f}")
     if summary["tokens_per_second"] is not None:
-        lines.append(f"  tokens/s (all ranks): {summary['tokens_per_second']:,.0f}")
+        lines.append(f"  tokens/s (all ranks, after the first step): {summary['tokens_per_second']:,.0f}")
     for rank, (gib, device) in summary["peak_memory_gib"].items():
         lines.append(f"  peak memory rank {rank} ({device}): {gib:.2f} GiB")
     if summary.get("metrics"):
@@ -95,8 +97,10 @@ def summary_html(summary: dict[str, Any], snap: Snapshot | list[tuple[int, float
         rows.append(("steps", f"{summary['step']}{total}"))
     if summary["final_loss"] is not None:
         rows.append(("final loss", f"{summary['final_loss']:.4f}"))
+    if summary.get("seconds_per_step") is not None:
+        rows.append(("seconds per step (after the first)", f"{summary['seconds_per_step']:.3f}"))
     if summary["tokens_per_second"] is not None:
-        rows.append(("tokens/s (all ranks, whole run)", f"{summary['tokens_per_second']:,.0f}"))
+        rows.append(("tokens/s (all ranks, after the first step)", f"{summary['tokens_per_second']:,.0f}"))
     for rank, (gib, device) in summary["peak_memory_gib"].items():
         rows.append((f"peak memory, rank {rank} ({_memory_kind(device)})", f"{gib:.2f} GiB"))
     if summary.get("metrics"):
