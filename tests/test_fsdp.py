@@ -175,6 +175,46 @@ def test_trainer_trains_sharded_and_saves_the_adapter(tiny_text_path, tmp_path):
     assert saved and all("lora_" in key and "_checkpoint_wrapped_module" not in key for key in saved), list(saved)
 
 
+def _sharding_watched() -> dict:
+    """In each rank: shard the tiny model, noting at the root's sharding (the last unit accelerate shards) which
+    frozen base weights as loaded are still alive, and which layer each decoder layer prefetches."""
+    import weakref
+
+    import torch.distributed.fsdp as torch_fsdp
+
+    model = tiny_model("qwen3")
+    loaded = {name: weakref.ref(p) for name, p in model.named_parameters() if not p.requires_grad}
+    alive: list[list[str]] = []
+    original = torch_fsdp.fully_shard
+
+    def watching(module, *args, **kwargs):
+        if module is model:
+            alive.append([name for name, ref in loaded.items() if ref() is not None])
+        return original(module, *args, **kwargs)
+
+    torch_fsdp.fully_shard = watching  # accelerate imports fully_shard from here when it prepares
+    try:
+        sharded = fsdp.shard(model)
+    finally:
+        torch_fsdp.fully_shard = original
+    states = [layer._get_fsdp_state() for layer in fsdp._decoder_layer_units(sharded)]
+    prefetched = [[states.index(s) for s in state._states_to_forward_prefetch] for state in states]
+    return {"alive": alive, "loaded": sorted(loaded), "prefetched": prefetched}
+
+
+def test_sharding_frees_the_loaded_weights_as_it_goes_and_prefetches_the_next_layer():
+    """Without efficient loading (a 4-bit model's case: each rank loads the whole model on its GPU), no rank holds
+    every loaded layer and all their shards at once; in the forward each layer gathers the next one's weights."""
+    env = {**FSDP_ENV, "FSDP_CPU_RAM_EFFICIENT_LOADING": "false"}
+    result = nbkit.launch(_sharding_watched, gpus=2, env=env, timeout=300)
+    assert any(".layers." in name for name in result["loaded"])
+    (alive,) = result["alive"]
+    # What the root shards itself (the final norm) and the embeddings accelerate holds while it finishes.
+    assert all(".layers." not in name for name in alive), alive
+    layers = len(result["prefetched"])
+    assert layers >= 2 and result["prefetched"] == [[i + 1] for i in range(layers - 1)] + [[]]
+
+
 def test_settings_are_accelerates_fsdp2_environment():
     env = fsdp.FsdpSettings().environment()
     assert env["ACCELERATE_USE_FSDP"] == "true" and env["FSDP_VERSION"] == "2"
