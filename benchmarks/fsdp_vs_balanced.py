@@ -11,11 +11,18 @@ sequence length and examples per optimizer step:
 
 Both use nbkit's chunked loss (no full logits), the planner's assumption. `--t4` is the T4 profile: fp16,
 each GPU capped at 15 GiB (torch's per-process memory fraction; NBKIT_EMULATE=T4 is also set for what the
-ranks read of it). Per run: the median step time over the timed steps (benchmarks.measures.step_stats; the
-first `--warmup` steps are left out), tokens/s over all GPUs, peak allocated memory per GPU, and the
-planner's estimate of that peak (Plan.fsdp_breakdown / model_parallel_gib without the CUDA overhead).
-With `--gpus 1` it is a dry run: FSDP with world size 1 against the model on one GPU, which also checks
-the planner's per-rank FSDP estimate against the measured peak (target: within 15%).
+ranks read of it). The ranks get nbkit's allocator settings (nbkit.rankside.allocator_environment); the
+balanced process is given the same, so that both sides run on the same allocator. The sequences come from a
+pool of one step's worth, drawn again every step, so that a run that trains shows a falling loss.
+
+Per run: the median step time over the timed steps (benchmarks.measures.step_stats; the first `--warmup`
+steps are left out), tokens/s over all GPUs, the losses and gradient norms Trainer logged, and per GPU the
+peak allocated memory while loading and sharding (up to Trainer's on_train_begin) and while training, the
+peak reserved memory and the allocator's retries (cache flushes when an allocation did not fit), against
+the planner's estimates of both peaks (Plan.fsdp_load_gib and Plan.fsdp_breakdown / model_parallel_gib,
+without the CUDA overhead); and nvidia-smi's utilisation of every GPU sampled every 100 ms over the timed
+steps: the mean per GPU and the share of samples with all GPUs above 50%.
+With `--gpus 1` it is a dry run: FSDP with world size 1 against the model on one GPU.
 
     python3 benchmarks/fsdp_vs_balanced.py --model random:qwen3-14b --gpus 2 --t4 --seq-len 1024 --batch 1 \
         --out $OUT/fsdp_vs_balanced.json --md $OUT/fsdp_vs_balanced.md
@@ -28,9 +35,14 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import os
+import shutil
+import subprocess
 import sys
 import tempfile
+import threading
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -43,9 +55,14 @@ import torch  # noqa: E402
 
 from benchmarks import batches, host, measures  # noqa: E402
 from benchmarks.trainer_bench import TEXT_LORA, _timer_callback  # noqa: E402
+from nbkit import rankside  # noqa: E402
 
 T4_MEMORY_GIB = 15.0
 LORA_RANK = 16
+LEARNING_RATE = 1e-3
+# nvidia-smi's sampling period (ms), and the utilisation above which a GPU counts as busy.
+SAMPLE_MS = 100
+BUSY_PERCENT = 50
 
 
 @dataclass(frozen=True)
@@ -107,23 +124,24 @@ def _train(run: Run, path: str, per_step: int) -> dict:
 
     cuda = torch.cuda.is_available()  # without: a CPU smoke run (gloo ranks, no peaks)
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
-    model = _model(run, path)
-    config = AutoConfig.from_pretrained(path)
-    count = per_step * run.steps
-    data = [
-        {k: v[0] for k, v in batches.synthetic_batch(config, run.seq_len, 1, "cpu", seed=i).items()}
-        for i in range(count)
-    ]
-    timer = _timer_callback(device)
     devices = [torch.device("cuda", i) for i in range(run.gpus)] if run.mode == "balanced" and cuda else [device]
     for each in devices:
         measures.reset_memory(each)
+    model = _model(run, path)
+    config = AutoConfig.from_pretrained(path)
+    pool = [
+        {k: v[0] for k, v in batches.synthetic_batch(config, run.seq_len, 1, "cpu", seed=i).items()}
+        for i in range(per_step * (int(os.environ.get("WORLD_SIZE", "1")) if run.mode == "fsdp" else 1))
+    ]
+    data = pool * run.steps  # the same sequences again every step: the loss falls where training works
+    timer = _timer_callback(device)
+    phases = _phases_callback(devices, run.warmup)
     with tempfile.TemporaryDirectory() as out:
         args = TrainingArguments(
             output_dir=out,
             max_steps=run.steps,
             per_device_train_batch_size=per_step,
-            learning_rate=2e-4,
+            learning_rate=LEARNING_RATE,
             logging_steps=1,
             save_strategy="no",
             report_to=[],
@@ -133,9 +151,57 @@ def _train(run: Run, path: str, per_step: int) -> dict:
             seed=0,
             use_cpu=not cuda,
         )
-        Trainer(model=model, args=args, train_dataset=data, callbacks=[timer]).train()
-    peaks = [measures.peak_memory_gib(each) for each in devices]
-    return {"step_times_s": timer.times, "peak": peaks}
+        trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[timer, phases])
+        trainer.train()
+    logged = [e for e in trainer.state.log_history if "loss" in e]
+    return {
+        "step_times_s": timer.times,
+        "losses": [e["loss"] for e in logged],
+        "grad_norms": [e.get("grad_norm") for e in logged],
+        "window": phases.window,
+        "memory": [{**phases.loading[i], **_train_memory(each)} if cuda else None for i, each in enumerate(devices)],
+    }
+
+
+def _train_memory(device: torch.device) -> dict[str, float]:
+    """Peak allocated and reserved GiB on `device` since on_train_begin, and the allocator's retries."""
+    stats = torch.cuda.memory_stats(device)
+    return {
+        "train_allocated": torch.cuda.max_memory_allocated(device) / 2**30,
+        "train_reserved": torch.cuda.max_memory_reserved(device) / 2**30,
+        "alloc_retries": int(stats.get("num_alloc_retries", 0)),
+    }
+
+
+def _phases_callback(devices: list[torch.device], warmup: int) -> Any:
+    """A TrainerCallback that keeps, per device, the peak memory of loading and sharding (Trainer shards before
+    on_train_begin) and then resets the peak counters (not the cache: a fragmented cache is part of the
+    result); and the wall-clock window of the timed steps (after `warmup` steps), for the utilisation samples.
+    """
+    from transformers import TrainerCallback
+
+    class Phases(TrainerCallback):
+        def __init__(self) -> None:
+            self.loading: list[dict[str, float]] = [{} for _ in devices]
+            self.window: list[float] = []
+
+        def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            for i, each in enumerate(devices):
+                if each.type == "cuda":
+                    self.loading[i] = {
+                        "load_allocated": torch.cuda.max_memory_allocated(each) / 2**30,
+                        "load_reserved": torch.cuda.max_memory_reserved(each) / 2**30,
+                    }
+                    torch.cuda.reset_peak_memory_stats(each)
+
+        def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if state.global_step == warmup:
+                self.window = [time.time()]
+
+        def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            self.window = [*self.window[:1], time.time()]
+
+    return Phases()
 
 
 def _fsdp_rank(run: Run, path: str) -> list[dict]:
@@ -153,35 +219,101 @@ def _measure(run: Run) -> dict:
 
     path = nbkit.resolve_model(run.model)
     row: dict[str, Any] = asdict(run) | {"precision": run.precision}
+    sampler = _UtilisationSampler()
     try:
-        if run.mode == "fsdp":
-            env = {"NBKIT_STRATEGY": "fsdp", **({"NBKIT_EMULATE": "T4"} if run.t4 else {})}
-            ranks = nbkit.launch(_fsdp_rank, run, path, gpus=run.gpus, env=env, timeout=3600, dashboard=False)
-        else:
-            if run.t4 and torch.cuda.is_available():
-                for index in range(run.gpus):
-                    _cap(index)
-            ranks = [_train(run, path, run.batch * run.gpus)]
+        with sampler:
+            if run.mode == "fsdp":
+                env = {"NBKIT_STRATEGY": "fsdp", **({"NBKIT_EMULATE": "T4"} if run.t4 else {})}
+                ranks = nbkit.launch(_fsdp_rank, run, path, gpus=run.gpus, env=env, timeout=3600, dashboard=False)
+            else:
+                if run.t4 and torch.cuda.is_available():
+                    for index in range(run.gpus):
+                        _cap(index)
+                ranks = [_train(run, path, run.batch * run.gpus)]
     except Exception as exc:  # recorded: the other side still runs
         oom = "out of memory" in str(exc).lower()
         return row | {"status": "oom" if oom else "error", "error": f"{type(exc).__name__}: {exc}"[-2000:]}
     finally:
         gc.collect()
-    times = ranks[0]["step_times_s"][run.warmup :]
-    stats = measures.step_stats(times)
-    peaks = [p["allocated"] for rank in ranks for p in rank["peak"] if p is not None]
+    first = ranks[0]
+    stats = measures.step_stats(first["step_times_s"][run.warmup :])
+    memory = [m for rank in ranks for m in rank["memory"] if m is not None]
+    losses = first["losses"]
     return row | {
         "status": "ok",
         "median_step_s": stats["median"],
         "step_stats": stats,
         "tokens_per_s": run.seq_len * run.batch * run.gpus / stats["median"],  # the same tokens per step in both
-        "peak_allocated_gib": peaks,
-        "planned_gib": _planned(run),
+        "losses": losses,
+        "grad_norms": first["grad_norms"],
+        "trains": bool(losses) and all(math.isfinite(x) and x > 0 for x in losses) and losses[-1] < losses[0],
+        "memory": memory,
+        "peak_allocated_gib": [max(m["load_allocated"], m["train_allocated"]) for m in memory],
+        "utilisation": sampler.summary(*first["window"]) if len(first["window"]) == 2 else None,
+        **_planned(run),
     }
 
 
-def _planned(run: Run) -> float:
-    """The planner's peak allocated memory per GPU for this run (its estimate less the CUDA overhead)."""
+class _UtilisationSampler:
+    """nvidia-smi's utilisation of every GPU, every SAMPLE_MS ms, while the `with` block runs (nothing
+    where there is no nvidia-smi). It runs in this process and never touches CUDA.
+    """
+
+    def __init__(self) -> None:
+        self.samples: list[tuple[float, list[int]]] = []  # (time, utilisation % of each GPU)
+        self._process: subprocess.Popen[str] | None = None
+        self._reader: threading.Thread | None = None
+
+    def __enter__(self) -> _UtilisationSampler:
+        exe = shutil.which("nvidia-smi")
+        if exe is not None:
+            query = [
+                exe,
+                "--query-gpu=index,utilization.gpu",
+                "--format=csv,noheader,nounits",
+                f"--loop-ms={SAMPLE_MS}",
+            ]
+            self._process = subprocess.Popen(query, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+            self._reader = threading.Thread(target=self._read, daemon=True)
+            self._reader.start()
+        return self
+
+    def _read(self) -> None:
+        assert self._process is not None and self._process.stdout is not None
+        current: list[int] = []
+        for line in self._process.stdout:
+            index, _, busy = line.partition(",")
+            if not busy.strip().isdigit():
+                continue
+            if index.strip() == "0" and current:
+                self.samples.append((time.time(), current))
+                current = []
+            current.append(int(busy))
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._process is not None:
+            self._process.terminate()
+            self._process.wait(timeout=10)
+        if self._reader is not None:
+            self._reader.join(timeout=10)
+
+    def summary(self, start: float, end: float) -> dict[str, Any] | None:
+        """Mean utilisation per GPU and the share of samples with every GPU above BUSY_PERCENT, within [start, end]."""
+        inside = [busy for at, busy in self.samples if start <= at <= end]
+        if not inside:
+            return None
+        gpus = min(len(busy) for busy in inside)
+        return {
+            "samples": len(inside),
+            "mean_percent": [round(sum(b[i] for b in inside) / len(inside), 1) for i in range(gpus)],
+            "all_busy_share": round(sum(all(x > BUSY_PERCENT for x in b[:gpus]) for b in inside) / len(inside), 3),
+        }
+
+
+def _planned(run: Run) -> dict[str, float | None]:
+    """The planner's peak allocated memory per GPU for this run while training and (FSDP in 4-bit) while loading
+    (its estimates less the CUDA overhead), and the larger of the two.
+    """
     import nbkit
 
     plan = nbkit.plan(
@@ -195,8 +327,18 @@ def _planned(run: Run) -> float:
         checkpointing="recompute",
     )
     if run.mode == "fsdp":
-        return plan.fsdp_gib - plan.fsdp_breakdown["overhead"]
-    return plan.model_parallel_gib - plan.breakdown["overhead"]
+        train = plan.fsdp_gib - plan.fsdp_breakdown["overhead"]
+        load = None if plan.fsdp_load_gib is None else _allocated(plan.fsdp_load_gib)
+    else:
+        train, load = plan.model_parallel_gib - plan.breakdown["overhead"], None
+    return {"planned_train_gib": train, "planned_load_gib": load, "planned_gib": max(train, load or 0.0)}
+
+
+def _allocated(total_gib: float) -> float:
+    """A planner figure without its CUDA overhead (the context and the allocator's slack)."""
+    from nbkit import planner
+
+    return (total_gib - planner.CUDA_CONTEXT_GIB) / (1 + planner.ALLOCATOR_SLACK)
 
 
 def markdown(rows: list[dict], command: str, env: dict) -> str:
@@ -209,25 +351,48 @@ def markdown(rows: list[dict], command: str, env: dict) -> str:
         f"torch {v['torch']}, transformers {v['transformers']}, accelerate {v['accelerate']}, peft {v['peft']}, "
         f"bitsandbytes {v['bitsandbytes']}, nbkit {v['nbkit']}.",
         "",
-        "| run | model | GPUs | weights | seq x batch/GPU | s/step (median) | tokens/s (all GPUs) | peak GiB per GPU | "
-        "planned GiB | status |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| run | model | GPUs | weights | seq x batch/GPU | s/step (median) | tokens/s (all GPUs) | loss first -> last | "
+        "peak GiB per GPU: loading / training (planned) | allocator retries | GPU busy % (all > 50%) | status |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
-        ok = r["status"] == "ok"
-        peak = ", ".join(f"{p:.2f}" for p in r.get("peak_allocated_gib", [])) if ok else "-"
+        weights = f"{'4-bit' if r['load_in_4bit'] else '16-bit'} {r['precision']}"
+        if r["status"] != "ok":
+            lines.append(
+                f"| {r['mode']} | {r['model']} | {r['gpus']} | {weights} | {r['seq_len']} x {r['batch']} | - | - | - | - | - | - | "
+                f"{r['status']}: {r.get('error', '')[:160]} |"
+            )
+            continue
         lines.append(
-            f"| {r['mode']} | {r['model']} | {r['gpus']} | {'4-bit' if r['load_in_4bit'] else '16-bit'} "
-            f"{r['precision']} | {r['seq_len']} x {r['batch']} | "
-            f"{r['median_step_s']:.3f} | {r['tokens_per_s']:,.0f} | {peak} | {r['planned_gib']:.2f} | ok |"
-            if ok
-            else f"| {r['mode']} | {r['model']} | {r['gpus']} | {'4-bit' if r['load_in_4bit'] else '16-bit'} | "
-            f"{r['seq_len']} x {r['batch']} | - | - | - | - | {r['status']}: {r.get('error', '')[:120]} |"
+            f"| {r['mode']} | {r['model']} | {r['gpus']} | {weights} | {r['seq_len']} x {r['batch']} | {r['median_step_s']:.3f} | "
+            f"{r['tokens_per_s']:,.0f} | {_losses(r['losses'])} | {_memory(r)} | "
+            f"{', '.join(str(m['alloc_retries']) for m in r['memory']) or '-'} | {_busy(r['utilisation'])} | "
+            f"{'trains' if r['trains'] else 'does not train'} |"
         )
     fsdp, balanced = ({r["mode"]: r for r in rows if r["status"] == "ok"}.get(m) for m in ("fsdp", "balanced"))
     if fsdp and balanced:
         lines += ["", f"FSDP / balanced tokens/s: {fsdp['tokens_per_s'] / balanced['tokens_per_s']:.2f}x."]
+    for r in rows:
+        if r["status"] == "ok" and r["peak_allocated_gib"]:
+            error = r["planned_gib"] / max(r["peak_allocated_gib"]) - 1
+            lines.append(f"{r['mode']}: the planner's peak {r['planned_gib']:.2f} GiB is {error:+.0%} of the measured.")
     return "\n".join(lines) + "\n"
+
+
+def _losses(losses: list[float]) -> str:
+    return f"{losses[0]:.3f} -> {losses[-1]:.3f}" if losses else "-"
+
+
+def _memory(r: dict) -> str:
+    measured = "; ".join(f"{m['load_allocated']:.2f} / {m['train_allocated']:.2f}" for m in r["memory"]) or "-"
+    load = "-" if r["planned_load_gib"] is None else f"{r['planned_load_gib']:.2f}"
+    return f"{measured} ({load} / {r['planned_train_gib']:.2f})"
+
+
+def _busy(utilisation: dict | None) -> str:
+    if not utilisation:
+        return "-"
+    return f"{', '.join(f'{x:.0f}' for x in utilisation['mean_percent'])} ({utilisation['all_busy_share']:.0%})"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -248,6 +413,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--warmup must be below --steps (the median needs timed steps)")
     rows = []
     for mode in args.modes.split(","):
+        if mode == "balanced":  # the allocator settings nbkit gives its ranks, for a like-for-like comparison
+            os.environ.update(rankside.allocator_environment(os.environ))
         run = Run(
             mode, args.model, args.gpus, args.seq_len, args.batch, args.steps, args.warmup, args.four_bit, args.t4
         )

@@ -289,7 +289,8 @@ def test_qlora_settings_store_4bit_weights_in_the_compute_dtype(dtype):
 
 
 def test_fsdp_vs_balanced_script_runs_on_cpu_ranks(tmp_path):
-    """benchmarks/fsdp_vs_balanced.py's FSDP side on 2 gloo ranks: a row with the harness's median and a table."""
+    """benchmarks/fsdp_vs_balanced.py on the CPU: FSDP on 2 gloo ranks and the balanced process, rows with the
+    harness's median, losses that fall, and a table."""
     import json
     import sys
     from pathlib import Path
@@ -298,9 +299,13 @@ def test_fsdp_vs_balanced_script_runs_on_cpu_ranks(tmp_path):
     from benchmarks import fsdp_vs_balanced
 
     out, md = tmp_path / "rows.json", tmp_path / "rows.md"
-    argv = ["--model", "tiny:qwen3", "--gpus", "2", "--16bit", "--seq-len", "32", "--steps", "3", "--warmup", "1"]
-    assert fsdp_vs_balanced.main([*argv, "--modes", "fsdp", "--out", str(out), "--md", str(md)]) == 0
-    (row,) = [json.loads(line) for line in out.read_text().splitlines()]
-    assert row["status"] == "ok" and row["mode"] == "fsdp" and row["tokens_per_s"] > 0
-    assert row["step_stats"]["median"] == row["median_step_s"] and row["planned_gib"] > 0
-    assert "| fsdp | tiny:qwen3 | 2 |" in md.read_text()
+    argv = ["--model", "tiny:qwen3", "--gpus", "2", "--16bit", "--seq-len", "32", "--steps", "4", "--warmup", "1"]
+    assert fsdp_vs_balanced.main([*argv, "--modes", "fsdp,balanced", "--out", str(out), "--md", str(md)]) == 0
+    fsdp_row, balanced = [json.loads(line) for line in out.read_text().splitlines()]
+    for row, mode in ((fsdp_row, "fsdp"), (balanced, "balanced")):
+        assert row["status"] == "ok" and row["mode"] == mode and row["tokens_per_s"] > 0
+        assert row["step_stats"]["median"] == row["median_step_s"] and row["planned_gib"] > 0
+        assert len(row["losses"]) == 4 and row["trains"], row["losses"]
+        assert f"| {mode} | tiny:qwen3 | 2 |" in md.read_text()
+    # The same sequences per optimizer step: two FSDP ranks train as the one balanced process does.
+    assert fsdp_row["losses"] == pytest.approx(balanced["losses"], rel=1e-4)
