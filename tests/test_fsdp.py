@@ -199,13 +199,20 @@ def _sharding_watched() -> dict:
         torch_fsdp.fully_shard = original
     states = [layer._get_fsdp_state() for layer in fsdp._decoder_layer_units(sharded)]
     prefetched = [[states.index(s) for s in state._states_to_forward_prefetch] for state in states]
-    return {"alive": alive, "loaded": sorted(loaded), "prefetched": prefetched}
+    policy = states[0]._mp_policy
+    return {
+        "alive": alive,
+        "loaded": sorted(loaded),
+        "prefetched": prefetched,
+        "dtypes": (str(policy.param_dtype), str(policy.reduce_dtype)),
+    }
 
 
 def test_sharding_frees_the_loaded_weights_as_it_goes_and_prefetches_the_next_layer():
     """Without efficient loading (a 4-bit model's case: each rank loads the whole model on its GPU), no rank holds
-    every loaded layer and all their shards at once; in the forward each layer gathers the next one's weights."""
-    env = {**FSDP_ENV, "FSDP_CPU_RAM_EFFICIENT_LOADING": "false"}
+    every loaded layer and all their shards at once; in the forward each layer gathers the next one's weights;
+    under 16-bit mixed precision the gradients are reduced in fp32."""
+    env = {**FSDP_ENV, "FSDP_CPU_RAM_EFFICIENT_LOADING": "false", "ACCELERATE_MIXED_PRECISION": "bf16"}
     result = nbkit.launch(_sharding_watched, gpus=2, env=env, timeout=300)
     assert any(".layers." in name for name in result["loaded"])
     (alive,) = result["alive"]
@@ -213,6 +220,7 @@ def test_sharding_frees_the_loaded_weights_as_it_goes_and_prefetches_the_next_la
     assert all(".layers." not in name for name in alive), alive
     layers = len(result["prefetched"])
     assert layers >= 2 and result["prefetched"] == [[i + 1] for i in range(layers - 1)] + [[]]
+    assert result["dtypes"] == ("torch.bfloat16", "torch.float32")
 
 
 def test_settings_are_accelerates_fsdp2_environment():
