@@ -154,10 +154,14 @@ def _train(run: Run, path: str, per_step: int) -> dict:
         trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[timer, phases])
         trainer.train()
     logged = [e for e in trainer.state.log_history if "loss" in e]
+    scaler = trainer.accelerator.scaler
     return {
         "step_times_s": timer.times,
         "losses": [e["loss"] for e in logged],
         "grad_norms": [e.get("grad_norm") for e in logged],
+        # fp16: the loss scale after the run (65536 halved once per skipped step) and the allocator settings
+        "loss_scale": None if scaler is None else scaler.get_scale(),
+        "alloc_conf": os.environ.get(rankside.ALLOC_CONF),
         "window": phases.window,
         "memory": [{**phases.loading[i], **_train_memory(each)} if cuda else None for i, each in enumerate(devices)],
     }
@@ -246,6 +250,8 @@ def _measure(run: Run) -> dict:
         "tokens_per_s": run.seq_len * run.batch * run.gpus / stats["median"],  # the same tokens per step in both
         "losses": losses,
         "grad_norms": first["grad_norms"],
+        "loss_scale": first["loss_scale"],
+        "alloc_conf": [rank["alloc_conf"] for rank in ranks],
         "trains": bool(losses) and all(math.isfinite(x) and x > 0 for x in losses) and losses[-1] < losses[0],
         "memory": memory,
         "peak_allocated_gib": [max(m["load_allocated"], m["train_allocated"]) for m in memory],
