@@ -174,8 +174,10 @@ def allocator_environment(environ: Mapping[str, str]) -> dict[str, str]:
 
     The settings given in `environ` are kept: PYTORCH_CUDA_ALLOC_CONF, or where that is unset
     PYTORCH_ALLOC_CONF (torch reads them in that order), gets ",expandable_segments:True" appended
-    unless it names expandable_segments already or another allocator backend (cudaMallocAsync, whose
-    own pool has no such option). Pure: reads only `environ`.
+    unless it names expandable_segments already, another allocator backend (cudaMallocAsync, whose
+    own pool has no such option), or max_split_size_mb (the user's own answer to fragmentation; with
+    expandable segments torch's allocator then lets reserved memory grow: pytorch issue 123548).
+    Pure: reads only `environ`.
     """
     name = ALLOC_CONF if environ.get(ALLOC_CONF) is not None else _ALLOC_CONF_FALLBACK
     current = (environ.get(name) or "").strip()
@@ -183,7 +185,7 @@ def allocator_environment(environ: Mapping[str, str]) -> dict[str, str]:
     for item in current.split(","):
         key, _, value = item.partition(":")
         given.setdefault(key.strip(), value.strip())
-    if "expandable_segments" in given or given.get("backend", "native") != "native":
+    if {"expandable_segments", "max_split_size_mb"} & given.keys() or given.get("backend", "native") != "native":
         return {}
     if not current:
         name = ALLOC_CONF

@@ -34,10 +34,12 @@ def test_cpu_ranks_get_no_allocator_settings():
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_the_notebooks_settings_are_kept_and_merged(monkeypatch, strategy):
-    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128,roundup_power2_divisions:[256:1,>:4]")
+    monkeypatch.setenv(
+        "PYTORCH_CUDA_ALLOC_CONF", "garbage_collection_threshold:0.6,roundup_power2_divisions:[256:1,>:4]"
+    )
     env = rankside.rank_environment(use_cpu=False, strategy=strategy)
     assert env["PYTORCH_CUDA_ALLOC_CONF"] == (
-        "max_split_size_mb:128,roundup_power2_divisions:[256:1,>:4],expandable_segments:True"
+        "garbage_collection_threshold:0.6,roundup_power2_divisions:[256:1,>:4],expandable_segments:True"
     )
 
 
@@ -49,14 +51,20 @@ def test_settings_given_to_the_launch_are_kept_and_merged():
 
 
 def test_the_newer_variable_is_merged_where_only_it_is_set(monkeypatch):
-    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "max_split_size_mb:256")
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "pinned_use_cuda_host_register:True")
     env = rankside.rank_environment(use_cpu=False)
-    assert env["PYTORCH_ALLOC_CONF"] == "max_split_size_mb:256,expandable_segments:True"
+    assert env["PYTORCH_ALLOC_CONF"] == "pinned_use_cuda_host_register:True,expandable_segments:True"
     assert "PYTORCH_CUDA_ALLOC_CONF" not in env  # torch would read it first and ignore the user's
 
 
 @pytest.mark.parametrize(
-    "value", ["expandable_segments:False", "max_split_size_mb:64, expandable_segments:True", "backend:cudaMallocAsync"]
+    "value",
+    [
+        "expandable_segments:False",
+        "garbage_collection_threshold:0.8, expandable_segments:True",
+        "backend:cudaMallocAsync",
+        "max_split_size_mb:128",  # with expandable segments torch lets reserved memory grow (pytorch issue 123548)
+    ],
 )
 def test_a_users_own_choice_is_left_alone(monkeypatch, value):
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", value)
