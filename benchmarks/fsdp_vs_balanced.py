@@ -7,7 +7,8 @@ sequence length and examples per optimizer step:
   activation checkpointing), each rank training `--batch` sequences per step; 4-bit weights stored in the
   compute dtype (nbkit.fsdp.qlora_config) so that FSDP shards them;
 - `balanced`: one process, `device_map="balanced"` over the same N GPUs (unsloth's way for large models on
-  Kaggle's 2x T4), `--batch` x N sequences per step, the GPUs taking turns.
+  Kaggle's 2x T4), `--batch` x N sequences per step, the GPUs taking turns; under `--t4` this process runs
+  `nbkit.emulate("T4")`, as notebooks/model_parallel.ipynb does with its `emulate` parameter.
 
 Both use nbkit's chunked loss (no full logits), the planner's assumption. `--t4` is the T4 profile: fp16,
 each GPU capped at 15 GiB (torch's per-process memory fraction; NBKIT_EMULATE=T4 is also set for what the
@@ -230,9 +231,8 @@ def _measure(run: Run) -> dict:
                 env = {"NBKIT_STRATEGY": "fsdp", **({"NBKIT_EMULATE": "T4"} if run.t4 else {})}
                 ranks = nbkit.launch(_fsdp_rank, run, path, gpus=run.gpus, env=env, timeout=3600, dashboard=False)
             else:
-                if run.t4 and torch.cuda.is_available():
-                    for index in range(run.gpus):
-                        _cap(index)
+                if run.t4:  # as the model_parallel notebook does under the T4 profile (its `emulate` parameter)
+                    nbkit.emulate("T4")
                 ranks = [_train(run, path, run.batch * run.gpus)]
     except Exception as exc:  # recorded: the other side still runs
         oom = "out of memory" in str(exc).lower()

@@ -28,8 +28,18 @@ def _split_map(layers: int) -> dict[str, int]:
     return placement
 
 
+@pytest.fixture(params=[None, "T4"], ids=["gpu", "t4_profile"])
+def profile(request):
+    """The GPU as it is, and under the T4 profile (no flash attention, no TF32), as the notebook's emulate runs it."""
+    import nbkit
+
+    nbkit.emulate(request.param)
+    yield request.param
+    nbkit.emulate(None)
+
+
 @pytest.mark.parametrize("four_bit", [False, True], ids=["16bit", "4bit"])
-def test_a_model_split_over_two_gpus_trains_in_fp16(tiny_text_path, tmp_path, four_bit):
+def test_a_model_split_over_two_gpus_trains_in_fp16(tiny_text_path, tmp_path, four_bit, profile):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoConfig, AutoModelForCausalLM, Trainer, TrainingArguments
 
