@@ -544,7 +544,9 @@ def _lean_fsdp2_preparation(original: Callable[..., Any]) -> Callable[..., Any]:
     FSDP2 gathers a layer's weights when its forward starts; that overlaps the previous layer's compute
     only while the CPU runs ahead of the GPU. Naming the next layer as each layer's forward prefetch
     issues its all-gather as soon as the layer starts (one more layer's weights in memory; the backward
-    already prefetches one layer by itself, and checkpointed recomputation gathers through it).
+    already prefetches one layer by itself, and checkpointed recomputation gathers through it). The last
+    layer keeps its gathered weights after its forward: its backward follows right after the loss, so
+    freeing them would only gather them again where nothing can hide the wait.
 
     Under mixed precision accelerate reduces the gradients in the compute dtype. In fp16 (T4s) a LoRA
     gradient times the loss scale may overflow in the sum over ranks and a small one vanishes, and bf16
@@ -567,12 +569,24 @@ def _lean_fsdp2_preparation(original: Callable[..., Any]) -> Callable[..., Any]:
                 prepared = original(accelerator, model)
             finally:
                 model.__dict__.pop("state_dict", None)
-        layers = _decoder_layer_units(prepared)
+        layers = _weight_units(_decoder_layer_units(prepared))
         for layer, following in itertools.pairwise(layers):
             layer.set_modules_to_forward_prefetch([following])
+        if layers and plugin.reshard_after_forward:
+            layers[-1].set_reshard_after_forward(False, recurse=False)
         return prepared
 
     return fsdp2_prepare_model
+
+
+def _weight_units(units: list[Any]) -> list[Any]:
+    """The units among `units` that hold weights themselves: accelerate's activation checkpointing wraps each
+    decoder layer in a CheckpointWrapper that becomes an FSDP unit of its own, with no weights, around the
+    layer's unit (prefetching the wrapper would gather nothing).
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    return [u for u in units if not any(isinstance(m, FSDPModule) for m in itertools.islice(u.modules(), 1, None))]
 
 
 def _no_state_dict(*args: Any, **kwargs: Any) -> dict[str, Any]:
@@ -584,7 +598,8 @@ patch(
     reason="accelerate keeps a state dict of the whole unsharded model alive while it shards, read only for "
     "16-bit efficient loading: a 4-bit rank held its full model and all its shards at once (14.1 GiB per GPU for "
     "a 14B model on 2 GPUs); FSDP2 overlaps a layer's all-gather with the previous layer's compute only when "
-    "the CPU runs ahead, so each layer names the next one for forward prefetch; and the (LoRA) gradients are "
+    "the CPU runs ahead, so each layer names the next one for forward prefetch (and the last layer stays gathered "
+    "into its backward); and the (LoRA) gradients are "
     "reduced in fp32, not in the 16-bit compute dtype, where fp16's loss-scaled sums overflow",
     upstream="none filed yet: accelerate/utils/fsdp_utils.py fsdp2_prepare_model (original_sd taken "
     "unconditionally; forward_prefetch refused for FSDP2)",

@@ -181,6 +181,7 @@ def _sharding_watched() -> dict:
     import weakref
 
     import torch.distributed.fsdp as torch_fsdp
+    from torch.distributed.tensor import DTensor
 
     model = tiny_model("qwen3")
     loaded = {name: weakref.ref(p) for name, p in model.named_parameters() if not p.requires_grad}
@@ -197,30 +198,40 @@ def _sharding_watched() -> dict:
         sharded = fsdp.shard(model)
     finally:
         torch_fsdp.fully_shard = original
-    states = [layer._get_fsdp_state() for layer in fsdp._decoder_layer_units(sharded)]
+    layers = fsdp._weight_units(fsdp._decoder_layer_units(sharded))
+    states = [layer._get_fsdp_state() for layer in layers]
     prefetched = [[states.index(s) for s in state._states_to_forward_prefetch] for state in states]
     policy = states[0]._mp_policy
+    batch = make_batch(sharded, [12], seed=0)
+    loss = sharded(**batch, use_cache=False).loss
+    # Between the forward and the backward: which layers still hold their gathered (plain, not sharded) weights.
+    gathered = [not any(isinstance(p, DTensor) for p in layer.parameters()) for layer in layers]
+    loss.backward()
     return {
         "alive": alive,
         "loaded": sorted(loaded),
         "prefetched": prefetched,
         "dtypes": (str(policy.param_dtype), str(policy.reduce_dtype)),
+        "gathered_after_forward": gathered,
+        "layers": sharded.config.num_hidden_layers,
     }
 
 
 def test_sharding_frees_the_loaded_weights_as_it_goes_and_prefetches_the_next_layer():
     """Without efficient loading (a 4-bit model's case: each rank loads the whole model on its GPU), no rank holds
-    every loaded layer and all their shards at once; in the forward each layer gathers the next one's weights;
-    under 16-bit mixed precision the gradients are reduced in fp32."""
+    every loaded layer and all their shards at once; in the forward each layer gathers the next one's weights and
+    the last keeps its own for the backward; under 16-bit mixed precision the gradients are reduced in fp32."""
     env = {**FSDP_ENV, "FSDP_CPU_RAM_EFFICIENT_LOADING": "false", "ACCELERATE_MIXED_PRECISION": "bf16"}
     result = nbkit.launch(_sharding_watched, gpus=2, env=env, timeout=300)
     assert any(".layers." in name for name in result["loaded"])
     (alive,) = result["alive"]
     # What the root shards itself (the final norm) and the embeddings accelerate holds while it finishes.
     assert all(".layers." not in name for name in alive), alive
-    layers = len(result["prefetched"])
+    layers = result["layers"]
     assert layers >= 2 and result["prefetched"] == [[i + 1] for i in range(layers - 1)] + [[]]
     assert result["dtypes"] == ("torch.bfloat16", "torch.float32")
+    # The last layer keeps its gathered weights from its forward into its backward, which follows at once.
+    assert result["gathered_after_forward"] == [False] * (layers - 1) + [True]
 
 
 def test_settings_are_accelerates_fsdp2_environment():
