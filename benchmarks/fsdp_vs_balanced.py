@@ -79,6 +79,7 @@ class Run:
     warmup: int
     load_in_4bit: bool
     t4: bool
+    profile_dir: str | None = None  # profile the last step (left out of the median) and write rank 0's table here
 
     @property
     def precision(self) -> str:
@@ -137,6 +138,7 @@ def _train(run: Run, path: str, per_step: int) -> dict:
     data = pool * run.steps  # the same sequences again every step: the loss falls where training works
     timer = _timer_callback(device)
     phases = _phases_callback(devices, run.warmup)
+    profiler = _profile_callback(devices, run)
     with tempfile.TemporaryDirectory() as out:
         args = TrainingArguments(
             output_dir=out,
@@ -152,7 +154,7 @@ def _train(run: Run, path: str, per_step: int) -> dict:
             seed=0,
             use_cpu=not cuda,
         )
-        trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[timer, phases])
+        trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[timer, phases, profiler])
         trainer.train()
     logged = [e for e in trainer.state.log_history if "loss" in e]
     scaler = trainer.accelerator.scaler
@@ -164,6 +166,7 @@ def _train(run: Run, path: str, per_step: int) -> dict:
         "loss_scale": None if scaler is None else scaler.get_scale(),
         "alloc_conf": os.environ.get(rankside.ALLOC_CONF),
         "window": phases.window,
+        "profile": profiler.summary,
         "memory": [{**phases.loading[i], **_train_memory(each)} if cuda else None for i, each in enumerate(devices)],
     }
 
@@ -176,6 +179,65 @@ def _train_memory(device: torch.device) -> dict[str, float]:
         "train_reserved": torch.cuda.max_memory_reserved(device) / 2**30,
         "alloc_retries": int(stats.get("num_alloc_retries", 0)),
     }
+
+
+def _profile_callback(devices: list[torch.device], run: Run) -> Any:
+    """A TrainerCallback that profiles the last step where run.profile_dir is set: milliseconds of GPU kernels by
+    kind (NCCL, copies, compute) summed over this process's GPUs against the step's wall time, and on rank 0 (or
+    the balanced process) the op table in run.profile_dir. A profiler that fails is recorded, not raised.
+    """
+    from transformers import TrainerCallback
+
+    from benchmarks.profiling import device_us, split_events
+
+    class StepProfile(TrainerCallback):
+        def __init__(self) -> None:
+            self.summary: dict[str, Any] | None = None
+            self._profiler: Any = None
+            self._start = 0.0
+
+        def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if run.profile_dir is None or state.global_step != run.steps - 1:
+                return
+            from torch.profiler import ProfilerActivity, profile
+
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if devices[0].type == "cuda" else [])
+            try:
+                self._profiler = profile(activities=activities)
+                self._profiler.__enter__()
+            except Exception as exc:  # recorded: the run goes on without it
+                self.summary, self._profiler = {"error": f"{type(exc).__name__}: {exc}"}, None
+            self._start = time.perf_counter()
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if self._profiler is None:
+                return
+            try:
+                for each in devices:
+                    if each.type == "cuda":
+                        torch.cuda.synchronize(each)
+                wall_ms = (time.perf_counter() - self._start) * 1000
+                self._profiler.__exit__(None, None, None)
+                self.summary = _kernel_summary(self._profiler.key_averages(), wall_ms, len(devices))
+                if int(os.environ.get("RANK", "0")) == 0:
+                    out = Path(str(run.profile_dir))
+                    out.mkdir(parents=True, exist_ok=True)
+                    table = self._profiler.key_averages().table(sort_by="self_device_time_total", row_limit=30)
+                    (out / f"{run.mode}.txt").write_text(json.dumps(self.summary, indent=1) + "\n" + table + "\n")
+            except Exception as exc:  # recorded: the run goes on without it
+                self.summary = {"error": f"{type(exc).__name__}: {exc}"}
+            self._profiler = None
+
+    def _kernel_summary(averages: Any, wall_ms: float, gpus: int) -> dict[str, Any]:
+        kinds = {"nccl": 0.0, "memcpy": 0.0, "compute": 0.0}
+        for event in split_events(averages)[0]:
+            name = event.key.lower()
+            kind = "nccl" if "nccl" in name else "memcpy" if name.startswith(("memcpy", "memset")) else "compute"
+            kinds[kind] += device_us(event) / 1000
+        busy = 100 * kinds["compute"] / (wall_ms * gpus) if wall_ms else 0.0
+        return {"step_ms": wall_ms, **{f"{k}_ms": round(v, 1) for k, v in kinds.items()}, "compute_busy_pct": busy}
+
+    return StepProfile()
 
 
 def _phases_callback(devices: list[torch.device], warmup: int) -> Any:
@@ -240,7 +302,8 @@ def _measure(run: Run) -> dict:
     finally:
         gc.collect()
     first = ranks[0]
-    stats = measures.step_stats(first["step_times_s"][run.warmup :])
+    timed = first["step_times_s"][run.warmup : -1 if run.profile_dir else None]  # the profiled step is left out
+    stats = measures.step_stats(timed)
     memory = [m for rank in ranks for m in rank["memory"] if m is not None]
     losses = first["losses"]
     return row | {
@@ -251,6 +314,7 @@ def _measure(run: Run) -> dict:
         "losses": losses,
         "grad_norms": first["grad_norms"],
         "loss_scale": first["loss_scale"],
+        "profile": [rank["profile"] for rank in ranks],
         "alloc_conf": [rank["alloc_conf"] for rank in ranks],
         "trains": bool(losses) and all(math.isfinite(x) and x > 0 for x in losses) and losses[-1] < losses[0],
         "memory": memory,
@@ -382,6 +446,16 @@ def markdown(rows: list[dict], command: str, env: dict) -> str:
         if r["status"] == "ok" and r["peak_allocated_gib"]:
             error = r["planned_gib"] / max(r["peak_allocated_gib"]) - 1
             lines.append(f"{r['mode']}: the planner's peak {r['planned_gib']:.2f} GiB is {error:+.0%} of the measured.")
+    for r in rows:
+        for rank, profile in enumerate(r.get("profile") or []):
+            if profile and "error" not in profile:
+                lines.append(
+                    f"{r['mode']} process {rank}, profiled last step: {profile['step_ms']:.0f} ms, GPU kernels "
+                    f"{profile['compute_ms']:.0f} ms compute, {profile['nccl_ms']:.0f} ms NCCL, "
+                    f"{profile['memcpy_ms']:.0f} ms copies (compute {profile['compute_busy_pct']:.0f}% of its GPUs' time)."
+                )
+            elif profile:
+                lines.append(f"{r['mode']} process {rank}: profiler failed: {profile['error'][:160]}")
     return "\n".join(lines) + "\n"
 
 
@@ -414,15 +488,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--modes", default="fsdp,balanced", help="which runs, in order (fsdp first: no CUDA before it)")
     p.add_argument("--out", type=Path, required=True, help="JSON lines, one per run")
     p.add_argument("--md", type=Path, help="markdown table")
+    p.add_argument("--profile-dir", help="profile each run's last step (left out of the median); op tables here")
     args = p.parse_args(argv)
-    if args.warmup >= args.steps:
-        p.error("--warmup must be below --steps (the median needs timed steps)")
+    if args.warmup >= args.steps - (1 if args.profile_dir else 0):
+        p.error("--warmup must be below --steps (the median needs timed steps; a profiled last step is not one)")
     rows = []
     for mode in args.modes.split(","):
         if mode == "balanced":  # the allocator settings nbkit gives its ranks, for a like-for-like comparison
             os.environ.update(rankside.allocator_environment(os.environ))
         run = Run(
-            mode, args.model, args.gpus, args.seq_len, args.batch, args.steps, args.warmup, args.four_bit, args.t4
+            mode,
+            args.model,
+            args.gpus,
+            args.seq_len,
+            args.batch,
+            args.steps,
+            args.warmup,
+            args.four_bit,
+            args.t4,
+            None if args.profile_dir is None else str(args.profile_dir),
         )
         row = _measure(run)
         rows.append(row)

@@ -256,8 +256,8 @@ for what in "$@"; do
     fsdp2)
       # Two GPUs, one call (~7-9 minutes on 2x H100): the random Qwen3-14B checkpoint (29.5 GB) is built in the
       # background while the split-model fp16 GPU test runs, then FSDP-QLoRA against the balanced split under the
-      # T4 profile: Qwen3-14B shapes in 4-bit, 1K x 1 per GPU (the balanced process 1K x 2), 8 steps, 3 of them
-      # warm-up. Qwen3-32B shapes do not fit one such call: in 4-bit each FSDP rank loads 18.4 GiB (the planner)
+      # T4 profile: Qwen3-14B shapes in 4-bit, 1K x 1 per GPU (the balanced process 1K x 2), 8 steps: 3 of warm-up,
+      # 4 timed, the last profiled (kernel time by kind; rank 0's op table in fsdp2_profile/). Qwen3-32B shapes do not fit one such call: in 4-bit each FSDP rank loads 18.4 GiB (the planner)
       # before it shards, over a T4's 15, and its checkpoint is 65.5 GB. SUITE_DRY_RUN=1: tiny:qwen3, 16-bit, CPU.
       model=${FSDP2_MODEL:-random:qwen3-14b}
       bench=(--gpus 2 --t4 --seq-len 1024 --batch 1 --steps 8 --warmup 3)
@@ -269,7 +269,7 @@ for what in "$@"; do
       part fsdp2_tests 200 python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests/test_model_parallel_gpu.py
       wait
       part fsdp2 "${FSDP2_LIMIT:-300}" python3 benchmarks/fsdp_vs_balanced.py --model "$model" "${bench[@]}" \
-        --out "$OUT/fsdp2.json" --md "$OUT/fsdp2.md" ;;
+        --profile-dir "$OUT/fsdp2_profile" --out "$OUT/fsdp2.json" --md "$OUT/fsdp2.md" ;;
     speed|speed_bf16|speed_t4)
       # One GPU, one process each (notebook_launcher in place), SFTTrainer, one image per sample: unsloth against
       # transformers+peft+nbkit.savers with Liger's kernels, regional compilation of the decoder layers and vision
