@@ -7,15 +7,23 @@ sequence length and examples per optimizer step:
   activation checkpointing), each rank training `--batch` sequences per step; 4-bit weights stored in the
   compute dtype (nbkit.fsdp.qlora_config) so that FSDP shards them;
 - `balanced`: one process, `device_map="balanced"` over the same N GPUs (unsloth's way for large models on
-  Kaggle's 2x T4), `--batch` x N sequences per step, the GPUs taking turns.
+  Kaggle's 2x T4), `--batch` x N sequences per step, the GPUs taking turns; under `--t4` this process runs
+  `nbkit.emulate("T4")`, as notebooks/model_parallel.ipynb does with its `emulate` parameter.
 
 Both use nbkit's chunked loss (no full logits), the planner's assumption. `--t4` is the T4 profile: fp16,
 each GPU capped at 15 GiB (torch's per-process memory fraction; NBKIT_EMULATE=T4 is also set for what the
-ranks read of it). Per run: the median step time over the timed steps (benchmarks.measures.step_stats; the
-first `--warmup` steps are left out), tokens/s over all GPUs, peak allocated memory per GPU, and the
-planner's estimate of that peak (Plan.fsdp_breakdown / model_parallel_gib without the CUDA overhead).
-With `--gpus 1` it is a dry run: FSDP with world size 1 against the model on one GPU, which also checks
-the planner's per-rank FSDP estimate against the measured peak (target: within 15%).
+ranks read of it). The ranks get nbkit's allocator settings (nbkit.rankside.allocator_environment); the
+balanced process is given the same, so that both sides run on the same allocator. The sequences come from a
+pool of one step's worth, drawn again every step, so that a run that trains shows a falling loss.
+
+Per run: the median step time over the timed steps (benchmarks.measures.step_stats; the first `--warmup`
+steps are left out), tokens/s over all GPUs, the losses and gradient norms Trainer logged, and per GPU the
+peak allocated memory while loading and sharding (up to Trainer's on_train_begin) and while training, the
+peak reserved memory and the allocator's retries (cache flushes when an allocation did not fit), against
+the planner's estimates of both peaks (Plan.fsdp_load_gib and Plan.fsdp_breakdown / model_parallel_gib,
+without the CUDA overhead); and nvidia-smi's utilisation of every GPU sampled every 100 ms over the timed
+steps: the mean per GPU and the share of samples with all GPUs above 50%.
+With `--gpus 1` it is a dry run: FSDP with world size 1 against the model on one GPU.
 
     python3 benchmarks/fsdp_vs_balanced.py --model random:qwen3-14b --gpus 2 --t4 --seq-len 1024 --batch 1 \
         --out $OUT/fsdp_vs_balanced.json --md $OUT/fsdp_vs_balanced.md
@@ -28,9 +36,14 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import os
+import shutil
+import subprocess
 import sys
 import tempfile
+import threading
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -43,9 +56,14 @@ import torch  # noqa: E402
 
 from benchmarks import batches, host, measures  # noqa: E402
 from benchmarks.trainer_bench import TEXT_LORA, _timer_callback  # noqa: E402
+from nbkit import rankside  # noqa: E402
 
 T4_MEMORY_GIB = 15.0
 LORA_RANK = 16
+LEARNING_RATE = 1e-3
+# nvidia-smi's sampling period (ms), and the utilisation above which a GPU counts as busy.
+SAMPLE_MS = 100
+BUSY_PERCENT = 50
 
 
 @dataclass(frozen=True)
@@ -61,6 +79,7 @@ class Run:
     warmup: int
     load_in_4bit: bool
     t4: bool
+    profile_dir: str | None = None  # profile the last step (left out of the median) and write rank 0's table here
 
     @property
     def precision(self) -> str:
@@ -107,23 +126,25 @@ def _train(run: Run, path: str, per_step: int) -> dict:
 
     cuda = torch.cuda.is_available()  # without: a CPU smoke run (gloo ranks, no peaks)
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
-    model = _model(run, path)
-    config = AutoConfig.from_pretrained(path)
-    count = per_step * run.steps
-    data = [
-        {k: v[0] for k, v in batches.synthetic_batch(config, run.seq_len, 1, "cpu", seed=i).items()}
-        for i in range(count)
-    ]
-    timer = _timer_callback(device)
     devices = [torch.device("cuda", i) for i in range(run.gpus)] if run.mode == "balanced" and cuda else [device]
     for each in devices:
         measures.reset_memory(each)
+    model = _model(run, path)
+    config = AutoConfig.from_pretrained(path)
+    pool = [
+        {k: v[0] for k, v in batches.synthetic_batch(config, run.seq_len, 1, "cpu", seed=i).items()}
+        for i in range(per_step * (int(os.environ.get("WORLD_SIZE", "1")) if run.mode == "fsdp" else 1))
+    ]
+    data = pool * run.steps  # the same sequences again every step: the loss falls where training works
+    timer = _timer_callback(device)
+    phases = _phases_callback(devices, run.warmup)
+    profiler = _profile_callback(devices, run)
     with tempfile.TemporaryDirectory() as out:
         args = TrainingArguments(
             output_dir=out,
             max_steps=run.steps,
             per_device_train_batch_size=per_step,
-            learning_rate=2e-4,
+            learning_rate=LEARNING_RATE,
             logging_steps=1,
             save_strategy="no",
             report_to=[],
@@ -133,9 +154,121 @@ def _train(run: Run, path: str, per_step: int) -> dict:
             seed=0,
             use_cpu=not cuda,
         )
-        Trainer(model=model, args=args, train_dataset=data, callbacks=[timer]).train()
-    peaks = [measures.peak_memory_gib(each) for each in devices]
-    return {"step_times_s": timer.times, "peak": peaks}
+        trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[timer, phases, profiler])
+        trainer.train()
+    logged = [e for e in trainer.state.log_history if "loss" in e]
+    scaler = trainer.accelerator.scaler
+    return {
+        "step_times_s": timer.times,
+        "losses": [e["loss"] for e in logged],
+        "grad_norms": [e.get("grad_norm") for e in logged],
+        # fp16: the loss scale after the run (65536 halved once per skipped step) and the allocator settings
+        "loss_scale": None if scaler is None else scaler.get_scale(),
+        "alloc_conf": os.environ.get(rankside.ALLOC_CONF),
+        "window": phases.window,
+        "profile": profiler.summary,
+        "memory": [{**phases.loading[i], **_train_memory(each)} if cuda else None for i, each in enumerate(devices)],
+    }
+
+
+def _train_memory(device: torch.device) -> dict[str, float]:
+    """Peak allocated and reserved GiB on `device` since on_train_begin, and the allocator's retries."""
+    stats = torch.cuda.memory_stats(device)
+    return {
+        "train_allocated": torch.cuda.max_memory_allocated(device) / 2**30,
+        "train_reserved": torch.cuda.max_memory_reserved(device) / 2**30,
+        "alloc_retries": int(stats.get("num_alloc_retries", 0)),
+    }
+
+
+def _profile_callback(devices: list[torch.device], run: Run) -> Any:
+    """A TrainerCallback that profiles the last step where run.profile_dir is set: milliseconds of GPU kernels by
+    kind (NCCL, copies, compute) summed over this process's GPUs against the step's wall time, and on rank 0 (or
+    the balanced process) the op table in run.profile_dir. A profiler that fails is recorded, not raised.
+    """
+    from transformers import TrainerCallback
+
+    from benchmarks.profiling import device_us, split_events
+
+    class StepProfile(TrainerCallback):
+        def __init__(self) -> None:
+            self.summary: dict[str, Any] | None = None
+            self._profiler: Any = None
+            self._start = 0.0
+
+        def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if run.profile_dir is None or state.global_step != run.steps - 1:
+                return
+            from torch.profiler import ProfilerActivity, profile
+
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if devices[0].type == "cuda" else [])
+            try:
+                self._profiler = profile(activities=activities)
+                self._profiler.__enter__()
+            except Exception as exc:  # recorded: the run goes on without it
+                self.summary, self._profiler = {"error": f"{type(exc).__name__}: {exc}"}, None
+            self._start = time.perf_counter()
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if self._profiler is None:
+                return
+            try:
+                for each in devices:
+                    if each.type == "cuda":
+                        torch.cuda.synchronize(each)
+                wall_ms = (time.perf_counter() - self._start) * 1000
+                self._profiler.__exit__(None, None, None)
+                self.summary = _kernel_summary(self._profiler.key_averages(), wall_ms, len(devices))
+                if int(os.environ.get("RANK", "0")) == 0:
+                    out = Path(str(run.profile_dir))
+                    out.mkdir(parents=True, exist_ok=True)
+                    table = self._profiler.key_averages().table(sort_by="self_device_time_total", row_limit=30)
+                    (out / f"{run.mode}.txt").write_text(json.dumps(self.summary, indent=1) + "\n" + table + "\n")
+            except Exception as exc:  # recorded: the run goes on without it
+                self.summary = {"error": f"{type(exc).__name__}: {exc}"}
+            self._profiler = None
+
+    def _kernel_summary(averages: Any, wall_ms: float, gpus: int) -> dict[str, Any]:
+        kinds = {"nccl": 0.0, "memcpy": 0.0, "compute": 0.0}
+        for event in split_events(averages)[0]:
+            name = event.key.lower()
+            kind = "nccl" if "nccl" in name else "memcpy" if name.startswith(("memcpy", "memset")) else "compute"
+            kinds[kind] += device_us(event) / 1000
+        busy = 100 * kinds["compute"] / (wall_ms * gpus) if wall_ms else 0.0
+        return {"step_ms": wall_ms, **{f"{k}_ms": round(v, 1) for k, v in kinds.items()}, "compute_busy_pct": busy}
+
+    return StepProfile()
+
+
+def _phases_callback(devices: list[torch.device], warmup: int) -> Any:
+    """A TrainerCallback that keeps, per device, the peak memory of loading and sharding (Trainer shards before
+    on_train_begin) and then resets the peak counters (not the cache: a fragmented cache is part of the
+    result); and the wall-clock window of the timed steps (after `warmup` steps), for the utilisation samples.
+    """
+    from transformers import TrainerCallback
+
+    class Phases(TrainerCallback):
+        def __init__(self) -> None:
+            self.loading: list[dict[str, float]] = [{} for _ in devices]
+            self.window: list[float] = []
+
+        def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            for i, each in enumerate(devices):
+                if each.type == "cuda":
+                    self.loading[i] = {
+                        "load_allocated": torch.cuda.max_memory_allocated(each) / 2**30,
+                        "load_reserved": torch.cuda.max_memory_reserved(each) / 2**30,
+                    }
+                    torch.cuda.reset_peak_memory_stats(each)
+
+        def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if state.global_step == warmup:
+                self.window = [time.time()]
+
+        def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            self.window = [*self.window[:1], time.time()]
+
+    return Phases()
 
 
 def _fsdp_rank(run: Run, path: str) -> list[dict]:
@@ -153,35 +286,104 @@ def _measure(run: Run) -> dict:
 
     path = nbkit.resolve_model(run.model)
     row: dict[str, Any] = asdict(run) | {"precision": run.precision}
+    sampler = _UtilisationSampler()
     try:
-        if run.mode == "fsdp":
-            env = {"NBKIT_STRATEGY": "fsdp", **({"NBKIT_EMULATE": "T4"} if run.t4 else {})}
-            ranks = nbkit.launch(_fsdp_rank, run, path, gpus=run.gpus, env=env, timeout=3600, dashboard=False)
-        else:
-            if run.t4 and torch.cuda.is_available():
-                for index in range(run.gpus):
-                    _cap(index)
-            ranks = [_train(run, path, run.batch * run.gpus)]
+        with sampler:
+            if run.mode == "fsdp":
+                env = {"NBKIT_STRATEGY": "fsdp", **({"NBKIT_EMULATE": "T4"} if run.t4 else {})}
+                ranks = nbkit.launch(_fsdp_rank, run, path, gpus=run.gpus, env=env, timeout=3600, dashboard=False)
+            else:
+                if run.t4:  # as the model_parallel notebook does under the T4 profile (its `emulate` parameter)
+                    nbkit.emulate("T4")
+                ranks = [_train(run, path, run.batch * run.gpus)]
     except Exception as exc:  # recorded: the other side still runs
         oom = "out of memory" in str(exc).lower()
         return row | {"status": "oom" if oom else "error", "error": f"{type(exc).__name__}: {exc}"[-2000:]}
     finally:
         gc.collect()
-    times = ranks[0]["step_times_s"][run.warmup :]
-    stats = measures.step_stats(times)
-    peaks = [p["allocated"] for rank in ranks for p in rank["peak"] if p is not None]
+    first = ranks[0]
+    timed = first["step_times_s"][run.warmup : -1 if run.profile_dir else None]  # the profiled step is left out
+    stats = measures.step_stats(timed)
+    memory = [m for rank in ranks for m in rank["memory"] if m is not None]
+    losses = first["losses"]
     return row | {
         "status": "ok",
         "median_step_s": stats["median"],
         "step_stats": stats,
         "tokens_per_s": run.seq_len * run.batch * run.gpus / stats["median"],  # the same tokens per step in both
-        "peak_allocated_gib": peaks,
-        "planned_gib": _planned(run),
+        "losses": losses,
+        "grad_norms": first["grad_norms"],
+        "loss_scale": first["loss_scale"],
+        "profile": [rank["profile"] for rank in ranks],
+        "alloc_conf": [rank["alloc_conf"] for rank in ranks],
+        "trains": bool(losses) and all(math.isfinite(x) and x > 0 for x in losses) and losses[-1] < losses[0],
+        "memory": memory,
+        "peak_allocated_gib": [max(m["load_allocated"], m["train_allocated"]) for m in memory],
+        "utilisation": sampler.summary(*first["window"]) if len(first["window"]) == 2 else None,
+        **_planned(run),
     }
 
 
-def _planned(run: Run) -> float:
-    """The planner's peak allocated memory per GPU for this run (its estimate less the CUDA overhead)."""
+class _UtilisationSampler:
+    """nvidia-smi's utilisation of every GPU, every SAMPLE_MS ms, while the `with` block runs (nothing
+    where there is no nvidia-smi). It runs in this process and never touches CUDA.
+    """
+
+    def __init__(self) -> None:
+        self.samples: list[tuple[float, list[int]]] = []  # (time, utilisation % of each GPU)
+        self._process: subprocess.Popen[str] | None = None
+        self._reader: threading.Thread | None = None
+
+    def __enter__(self) -> _UtilisationSampler:
+        exe = shutil.which("nvidia-smi")
+        if exe is not None:
+            query = [
+                exe,
+                "--query-gpu=index,utilization.gpu",
+                "--format=csv,noheader,nounits",
+                f"--loop-ms={SAMPLE_MS}",
+            ]
+            self._process = subprocess.Popen(query, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+            self._reader = threading.Thread(target=self._read, daemon=True)
+            self._reader.start()
+        return self
+
+    def _read(self) -> None:
+        assert self._process is not None and self._process.stdout is not None
+        current: list[int] = []
+        for line in self._process.stdout:
+            index, _, busy = line.partition(",")
+            if not busy.strip().isdigit():
+                continue
+            if index.strip() == "0" and current:
+                self.samples.append((time.time(), current))
+                current = []
+            current.append(int(busy))
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._process is not None:
+            self._process.terminate()
+            self._process.wait(timeout=10)
+        if self._reader is not None:
+            self._reader.join(timeout=10)
+
+    def summary(self, start: float, end: float) -> dict[str, Any] | None:
+        """Mean utilisation per GPU and the share of samples with every GPU above BUSY_PERCENT, within [start, end]."""
+        inside = [busy for at, busy in self.samples if start <= at <= end]
+        if not inside:
+            return None
+        gpus = min(len(busy) for busy in inside)
+        return {
+            "samples": len(inside),
+            "mean_percent": [round(sum(b[i] for b in inside) / len(inside), 1) for i in range(gpus)],
+            "all_busy_share": round(sum(all(x > BUSY_PERCENT for x in b[:gpus]) for b in inside) / len(inside), 3),
+        }
+
+
+def _planned(run: Run) -> dict[str, float | None]:
+    """The planner's peak allocated memory per GPU for this run while training and (FSDP in 4-bit) while loading
+    (its estimates less the CUDA overhead), and the larger of the two.
+    """
     import nbkit
 
     plan = nbkit.plan(
@@ -195,8 +397,18 @@ def _planned(run: Run) -> float:
         checkpointing="recompute",
     )
     if run.mode == "fsdp":
-        return plan.fsdp_gib - plan.fsdp_breakdown["overhead"]
-    return plan.model_parallel_gib - plan.breakdown["overhead"]
+        train = plan.fsdp_gib - plan.fsdp_breakdown["overhead"]
+        load = None if plan.fsdp_load_gib is None else _allocated(plan.fsdp_load_gib)
+    else:
+        train, load = plan.model_parallel_gib - plan.breakdown["overhead"], None
+    return {"planned_train_gib": train, "planned_load_gib": load, "planned_gib": max(train, load or 0.0)}
+
+
+def _allocated(total_gib: float) -> float:
+    """A planner figure without its CUDA overhead (the context and the allocator's slack)."""
+    from nbkit import planner
+
+    return (total_gib - planner.CUDA_CONTEXT_GIB) / (1 + planner.ALLOCATOR_SLACK)
 
 
 def markdown(rows: list[dict], command: str, env: dict) -> str:
@@ -209,25 +421,58 @@ def markdown(rows: list[dict], command: str, env: dict) -> str:
         f"torch {v['torch']}, transformers {v['transformers']}, accelerate {v['accelerate']}, peft {v['peft']}, "
         f"bitsandbytes {v['bitsandbytes']}, nbkit {v['nbkit']}.",
         "",
-        "| run | model | GPUs | weights | seq x batch/GPU | s/step (median) | tokens/s (all GPUs) | peak GiB per GPU | "
-        "planned GiB | status |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| run | model | GPUs | weights | seq x batch/GPU | s/step (median) | tokens/s (all GPUs) | loss first -> last | "
+        "peak GiB per GPU: loading / training (planned) | allocator retries | GPU busy % (all > 50%) | status |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
-        ok = r["status"] == "ok"
-        peak = ", ".join(f"{p:.2f}" for p in r.get("peak_allocated_gib", [])) if ok else "-"
+        weights = f"{'4-bit' if r['load_in_4bit'] else '16-bit'} {r['precision']}"
+        if r["status"] != "ok":
+            lines.append(
+                f"| {r['mode']} | {r['model']} | {r['gpus']} | {weights} | {r['seq_len']} x {r['batch']} | - | - | - | - | - | - | "
+                f"{r['status']}: {r.get('error', '')[:160]} |"
+            )
+            continue
         lines.append(
-            f"| {r['mode']} | {r['model']} | {r['gpus']} | {'4-bit' if r['load_in_4bit'] else '16-bit'} "
-            f"{r['precision']} | {r['seq_len']} x {r['batch']} | "
-            f"{r['median_step_s']:.3f} | {r['tokens_per_s']:,.0f} | {peak} | {r['planned_gib']:.2f} | ok |"
-            if ok
-            else f"| {r['mode']} | {r['model']} | {r['gpus']} | {'4-bit' if r['load_in_4bit'] else '16-bit'} | "
-            f"{r['seq_len']} x {r['batch']} | - | - | - | - | {r['status']}: {r.get('error', '')[:120]} |"
+            f"| {r['mode']} | {r['model']} | {r['gpus']} | {weights} | {r['seq_len']} x {r['batch']} | {r['median_step_s']:.3f} | "
+            f"{r['tokens_per_s']:,.0f} | {_losses(r['losses'])} | {_memory(r)} | "
+            f"{', '.join(str(m['alloc_retries']) for m in r['memory']) or '-'} | {_busy(r['utilisation'])} | "
+            f"{'trains' if r['trains'] else 'does not train'} |"
         )
     fsdp, balanced = ({r["mode"]: r for r in rows if r["status"] == "ok"}.get(m) for m in ("fsdp", "balanced"))
     if fsdp and balanced:
         lines += ["", f"FSDP / balanced tokens/s: {fsdp['tokens_per_s'] / balanced['tokens_per_s']:.2f}x."]
+    for r in rows:
+        if r["status"] == "ok" and r["peak_allocated_gib"]:
+            error = r["planned_gib"] / max(r["peak_allocated_gib"]) - 1
+            lines.append(f"{r['mode']}: the planner's peak {r['planned_gib']:.2f} GiB is {error:+.0%} of the measured.")
+    for r in rows:
+        for rank, profile in enumerate(r.get("profile") or []):
+            if profile and "error" not in profile:
+                lines.append(
+                    f"{r['mode']} process {rank}, profiled last step: {profile['step_ms']:.0f} ms, GPU kernels "
+                    f"{profile['compute_ms']:.0f} ms compute, {profile['nccl_ms']:.0f} ms NCCL, "
+                    f"{profile['memcpy_ms']:.0f} ms copies (compute {profile['compute_busy_pct']:.0f}% of its GPUs' time)."
+                )
+            elif profile:
+                lines.append(f"{r['mode']} process {rank}: profiler failed: {profile['error'][:160]}")
     return "\n".join(lines) + "\n"
+
+
+def _losses(losses: list[float]) -> str:
+    return f"{losses[0]:.3f} -> {losses[-1]:.3f}" if losses else "-"
+
+
+def _memory(r: dict) -> str:
+    measured = "; ".join(f"{m['load_allocated']:.2f} / {m['train_allocated']:.2f}" for m in r["memory"]) or "-"
+    load = "-" if r["planned_load_gib"] is None else f"{r['planned_load_gib']:.2f}"
+    return f"{measured} ({load} / {r['planned_train_gib']:.2f})"
+
+
+def _busy(utilisation: dict | None) -> str:
+    if not utilisation:
+        return "-"
+    return f"{', '.join(f'{x:.0f}' for x in utilisation['mean_percent'])} ({utilisation['all_busy_share']:.0%})"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -243,13 +488,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--modes", default="fsdp,balanced", help="which runs, in order (fsdp first: no CUDA before it)")
     p.add_argument("--out", type=Path, required=True, help="JSON lines, one per run")
     p.add_argument("--md", type=Path, help="markdown table")
+    p.add_argument("--profile-dir", help="profile each run's last step (left out of the median); op tables here")
     args = p.parse_args(argv)
-    if args.warmup >= args.steps:
-        p.error("--warmup must be below --steps (the median needs timed steps)")
+    if args.warmup >= args.steps - (1 if args.profile_dir else 0):
+        p.error("--warmup must be below --steps (the median needs timed steps; a profiled last step is not one)")
     rows = []
     for mode in args.modes.split(","):
+        if mode == "balanced":  # the allocator settings nbkit gives its ranks, for a like-for-like comparison
+            os.environ.update(rankside.allocator_environment(os.environ))
         run = Run(
-            mode, args.model, args.gpus, args.seq_len, args.batch, args.steps, args.warmup, args.four_bit, args.t4
+            mode,
+            args.model,
+            args.gpus,
+            args.seq_len,
+            args.batch,
+            args.steps,
+            args.warmup,
+            args.four_bit,
+            args.t4,
+            None if args.profile_dir is None else str(args.profile_dir),
         )
         row = _measure(run)
         rows.append(row)

@@ -25,6 +25,7 @@
 #   bash benchmarks/gpu_suite.sh hostcost             # 1K x 4 on 2 GPUs: syncs and collectives per Trainer step, SFTTrainer vs Trainer timed
 #   bash benchmarks/gpu_suite.sh trainermem           # unsloth at 16K: peak memory by hand vs under SFTTrainer, largest allocations
 #   bash benchmarks/gpu_suite.sh fsdp                 # FSDP-QLoRA vs device_map="balanced", T4 profile (1 GPU: the dry run)
+#   bash benchmarks/gpu_suite.sh fsdp2                # 2 GPUs, one call (~7-9 min): Qwen3-14B shapes in 4-bit, FSDP vs balanced, T4 profile
 #   bash benchmarks/gpu_suite.sh speed                # 1 GPU: unsloth vs transformers+savers+Liger+regional compile, bf16 and T4 profile (~9.8 min)
 #   bash benchmarks/gpu_suite.sh speed_bf16 / speed_t4  # the same, one precision per call (up to ~9 minutes each)
 #   bash benchmarks/gpu_suite.sh profile1k            # 1 GPU, 1K x 4: each backend's step taken apart (host, kernels), profiled
@@ -69,8 +70,8 @@ part() {  # part NAME SECONDS COMMAND...
   echo "=== $name: exit $? after $((SECONDS - start))s"
 }
 
-model_part() {  # model_part MODEL SECONDS: build MODEL's random checkpoint once, before the runs that load it
-  part speed_model "$2" python3 -c "import nbkit; print(nbkit.resolve_model('$1'))"
+model_part() {  # model_part MODEL SECONDS [NAME]: build MODEL's random checkpoint once, before the runs that load it
+  part "${3:-speed_model}" "$2" python3 -c "import nbkit; print(nbkit.resolve_model('$1'))"
 }
 
 for what in "$@"; do
@@ -266,6 +267,23 @@ for what in "$@"; do
             --t4 --seq-len 1024 --batch 1 --out "$OUT/fsdp_vs_balanced.json" --md "$OUT/fsdp_vs_balanced-${model#random:}.md"
         done
       fi ;;
+    fsdp2)
+      # Two GPUs, one call (~7-9 minutes on 2x H100): the random Qwen3-14B checkpoint (29.5 GB) is built in the
+      # background while the split-model fp16 GPU test runs, then FSDP-QLoRA against the balanced split under the
+      # T4 profile: Qwen3-14B shapes in 4-bit, 1K x 1 per GPU (the balanced process 1K x 2), 8 steps: 3 of warm-up,
+      # 4 timed, the last profiled (kernel time by kind; rank 0's op table in fsdp2_profile/). Qwen3-32B shapes do not fit one such call: in 4-bit each FSDP rank loads 18.4 GiB (the planner)
+      # before it shards, over a T4's 15, and its checkpoint is 65.5 GB. SUITE_DRY_RUN=1: tiny:qwen3, 16-bit, CPU.
+      model=${FSDP2_MODEL:-random:qwen3-14b}
+      bench=(--gpus 2 --t4 --seq-len 1024 --batch 1 --steps 8 --warmup 3)
+      if [ -n "${SUITE_DRY_RUN:-}" ]; then
+        model=tiny:qwen3
+        bench=(--gpus 2 --16bit --seq-len 64 --steps 4 --warmup 1)
+      fi
+      model_part "$model" "${FSDP2_BUILD_LIMIT:-240}" fsdp2_model &
+      part fsdp2_tests 200 python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests/test_model_parallel_gpu.py
+      wait
+      part fsdp2 "${FSDP2_LIMIT:-300}" python3 benchmarks/fsdp_vs_balanced.py --model "$model" "${bench[@]}" \
+        --profile-dir "$OUT/fsdp2_profile" --out "$OUT/fsdp2.json" --md "$OUT/fsdp2.md" ;;
     speed|speed_bf16|speed_t4)
       # One GPU, one process each (notebook_launcher in place), SFTTrainer, one image per sample: unsloth against
       # transformers+peft+nbkit.savers with Liger's kernels, regional compilation of the decoder layers and vision

@@ -19,11 +19,16 @@ What the estimate assumes (the setup of benchmarks/planner_accuracy.py, which me
   loss (no full logits).
 Under FSDP (nbkit.fsdp's set-up: accelerate's FSDP2, full sharding, activation checkpointing) a rank
 holds 1/N of the weights and of the LoRA weights, gradients and AdamW states, plus the gathered full
-weights of FSDP_GATHERED_LAYERS layers and the output embedding (kept gathered from the end of the
-forward to the start of the backward); its activations are those of its own batch, with layer inputs
-kept on the GPU ("recompute"; None: no checkpointing). In 4-bit a rank first loads and quantises the
-whole model on its own GPU and shards it only afterwards, so "fsdp" also needs that copy to fit one GPU
-(16-bit weights load in CPU memory).
+weights of FSDP_GATHERED_LAYERS layers (computing, prefetched, and FSDP2's all-gather buffer) and the
+output embedding (kept gathered from the end of the forward to the start of the backward); in 4-bit
+the packed weights are sharded but their quantisation state is on every rank. Its activations are
+those of its own batch, with layer inputs kept on the GPU ("recompute"; None: no checkpointing). In
+4-bit a rank first loads and quantises the whole model on its own GPU and shards it only afterwards
+(`Plan.fsdp_load_gib`: the quantised model and then the fp32 LoRA weights; the "fsdp" patch group frees
+each loaded layer as its shard is made, so no rank holds the model and its shards at once), so "fsdp"
+also needs that copy to fit one GPU (16-bit weights load in CPU memory). A run's peak is the larger of
+the two; the FSDP figures are estimated, not yet measured on 2 GPUs (benchmarks/RESULTS.md, "FSDP-QLoRA
+on two GPUs").
 The per-token byte counts below come from recording every tensor autograd saves (saved_tensors_hooks,
 unique storages) on CPU in decoder layers with peft LoRA under bf16 autocast: for Qwen3-VL-2B's
 shapes, 112 KiB per token per layer without the tiled MLP (tests/test_planner.py checks the formula
@@ -90,9 +95,16 @@ ALLOCATOR_SLACK = 0.08
 SAFETY_MARGIN = 0.05
 # A "balanced" device map is uneven (embeddings and lm_head on the end GPUs, whole layers only).
 MODEL_PARALLEL_IMBALANCE = 1.15
-# FSDP gathers one transformer layer's full weights for its forward/backward and prefetches the next:
-# two layers' worth on top of the rank's shard (torch's FSDP2 default prefetch depth is one unit).
-FSDP_GATHERED_LAYERS = 2
+# FSDP gathers one transformer layer's full weights for its forward/backward and prefetches the next one
+# (nbkit.fsdp names it in the forward; the backward does so by itself), and FSDP2 receives each all-gather
+# into one flat buffer that it then copies out into the layer's weights: while the next layer lands, three
+# layers' worth on top of the rank's shard.
+FSDP_GATHERED_LAYERS = 3
+# NF4 under FSDP (nbkit.fsdp.qlora_config: double quantisation, packed weights stored in a 16-bit dtype):
+# the packed half byte per weight is a parameter and is sharded; the quantisation state (one uint8 absmax
+# per 64-weight block, one fp32 scale per 256 blocks) is not a parameter, so every rank keeps all of it.
+NF4_PACKED_BYTES_PER_WEIGHT = 0.5
+NF4_DOUBLE_QUANT_STATE_BYTES_PER_WEIGHT = 1 / 64 + 4 / (64 * 256)
 # The per-step cost measured on an H200 host (benchmarks/RESULTS.md, "1K x 4 taken apart": unsloth,
 # Qwen3-VL-2B shapes, LoRA r=16, bf16; 1K x 4 in 0.145-0.156 s, 1K x 16 in 0.394 s): a fixed host
 # part per step, about proportional to the decoder layers (kernel launches), and GPU work per token,
@@ -466,6 +478,7 @@ class _Counts:
     bytes_16bit: int  # every parameter at 2 bytes, except those the model keeps in fp32
     bytes_4bit: float  # nn.Linear weights (not the output embedding) as NF4, the rest as above
     largest_linear: int  # elements of the biggest quantizable weight (dequantised one at a time)
+    quantized: int  # elements of all quantizable weights (every nn.Linear but the output embedding)
     lora_parameters: int
     lora_modules: tuple[str, ...]
     qk_norm: bool  # per-head RMSNorm on queries and keys (Qwen3), which saves fp32 copies of q and k
@@ -514,6 +527,7 @@ def _count_on_meta(config: Any, lora_rank: int) -> _Counts:
         bytes_16bit=bytes_16,
         bytes_4bit=bytes_4,
         largest_linear=max(quantized.values(), default=0),
+        quantized=sum(quantized.values()),
         lora_parameters=lora_params,
         lora_modules=tuple(m for m in LORA_TARGET_MODULES if m in lora_modules),
         qk_norm=any(name.endswith(".q_norm") for name, _ in model.named_modules()),
@@ -683,7 +697,8 @@ def _estimate(
     ddp_buckets = DDP_BUCKET_BYTES_PER_PARAM if gpus > 1 and split == 1 else 0
     lora = float(counts.lora_parameters * (LORA_BYTES_PER_PARAM + ddp_buckets))
     if fsdp_shards:
-        weights = weights / fsdp_shards + _fsdp_gathered(counts, s, config, weights)
+        sharded, replicated = _fsdp_weights(counts, load_in_4bit)
+        weights = sharded / fsdp_shards + replicated + _fsdp_gathered(counts, s, config, sharded)
         lora = float(counts.lora_parameters * LORA_BYTES_PER_PARAM) / fsdp_shards
     if split > 1:
         share = MODEL_PARALLEL_IMBALANCE / split
@@ -691,6 +706,26 @@ def _estimate(
     return _Estimate(
         float(weights), float(lora), float(persistent), float(layer_phase), float(loss_phase), float(vision_phase)
     )
+
+
+def _fsdp_weights(counts: _Counts, load_in_4bit: bool) -> tuple[float, float]:
+    """(bytes FSDP shards over the ranks, bytes every rank keeps whole) of the model's weights: in 4-bit the
+    packed weights are parameters and sharded, their quantisation state is not (see NF4_PACKED_BYTES_PER_WEIGHT).
+    """
+    if not load_in_4bit:
+        return float(counts.bytes_16bit), 0.0
+    packed = counts.bytes_4bit - (NF4_BYTES_PER_WEIGHT - NF4_PACKED_BYTES_PER_WEIGHT) * counts.quantized
+    return packed, NF4_DOUBLE_QUANT_STATE_BYTES_PER_WEIGHT * counts.quantized
+
+
+def _fsdp_load(counts: _Counts) -> float:
+    """Peak bytes while a 4-bit fsdp rank loads: the whole quantised model on its GPU, one 16-bit weight
+    being quantised, and then the LoRA weights (fp32) that peft adds there before anything is sharded.
+    Sharding itself frees each loaded layer as its shard is made (nbkit.fsdp's "fsdp" group), so the
+    shards never sit beside the whole model.
+    """
+    packed, state = _fsdp_weights(counts, True)
+    return packed + state + max(2.0 * counts.largest_linear, 4.0 * counts.lora_parameters)
 
 
 def _fsdp_gathered(counts: _Counts, s: _Shape, config: Any, weights: float) -> float:
@@ -740,11 +775,7 @@ def _plan(
     ).bytes_per_gpu()
     # In 4-bit an fsdp rank loads and quantises the whole model on its own GPU, one 16-bit weight at a time,
     # and shards it only afterwards (nbkit.fsdp.device_map): that copy must fit the GPU first.
-    fsdp_load = (
-        _Estimate(counts.bytes_4bit + 2.0 * counts.largest_linear, 0, 0, 0, 0, 0).bytes_per_gpu()[1]
-        if load_in_4bit
-        else None
-    )
+    fsdp_load = _Estimate(_fsdp_load(counts), 0, 0, 0, 0, 0).bytes_per_gpu()[1] if load_in_4bit else None
     if total <= usable:
         strategy = "ddp"
     elif gpus > 1 and fsdp_total <= usable and (fsdp_load is None or fsdp_load <= usable):

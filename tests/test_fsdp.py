@@ -175,6 +175,65 @@ def test_trainer_trains_sharded_and_saves_the_adapter(tiny_text_path, tmp_path):
     assert saved and all("lora_" in key and "_checkpoint_wrapped_module" not in key for key in saved), list(saved)
 
 
+def _sharding_watched() -> dict:
+    """In each rank: shard the tiny model, noting at the root's sharding (the last unit accelerate shards) which
+    frozen base weights as loaded are still alive, and which layer each decoder layer prefetches."""
+    import weakref
+
+    import torch.distributed.fsdp as torch_fsdp
+    from torch.distributed.tensor import DTensor
+
+    model = tiny_model("qwen3")
+    loaded = {name: weakref.ref(p) for name, p in model.named_parameters() if not p.requires_grad}
+    alive: list[list[str]] = []
+    original = torch_fsdp.fully_shard
+
+    def watching(module, *args, **kwargs):
+        if module is model:
+            alive.append([name for name, ref in loaded.items() if ref() is not None])
+        return original(module, *args, **kwargs)
+
+    torch_fsdp.fully_shard = watching  # accelerate imports fully_shard from here when it prepares
+    try:
+        sharded = fsdp.shard(model)
+    finally:
+        torch_fsdp.fully_shard = original
+    layers = fsdp._weight_units(fsdp._decoder_layer_units(sharded))
+    states = [layer._get_fsdp_state() for layer in layers]
+    prefetched = [[states.index(s) for s in state._states_to_forward_prefetch] for state in states]
+    policy = states[0]._mp_policy
+    batch = make_batch(sharded, [12], seed=0)
+    loss = sharded(**batch, use_cache=False).loss
+    # Between the forward and the backward: which layers still hold their gathered (plain, not sharded) weights.
+    gathered = [not any(isinstance(p, DTensor) for p in layer.parameters()) for layer in layers]
+    loss.backward()
+    return {
+        "alive": alive,
+        "loaded": sorted(loaded),
+        "prefetched": prefetched,
+        "dtypes": (str(policy.param_dtype), str(policy.reduce_dtype)),
+        "gathered_after_forward": gathered,
+        "layers": sharded.config.num_hidden_layers,
+    }
+
+
+def test_sharding_frees_the_loaded_weights_as_it_goes_and_prefetches_the_next_layer():
+    """Without efficient loading (a 4-bit model's case: each rank loads the whole model on its GPU), no rank holds
+    every loaded layer and all their shards at once; in the forward each layer gathers the next one's weights and
+    the last keeps its own for the backward; under 16-bit mixed precision the gradients are reduced in fp32."""
+    env = {**FSDP_ENV, "FSDP_CPU_RAM_EFFICIENT_LOADING": "false", "ACCELERATE_MIXED_PRECISION": "bf16"}
+    result = nbkit.launch(_sharding_watched, gpus=2, env=env, timeout=300)
+    assert any(".layers." in name for name in result["loaded"])
+    (alive,) = result["alive"]
+    # What the root shards itself (the final norm) and the embeddings accelerate holds while it finishes.
+    assert all(".layers." not in name for name in alive), alive
+    layers = result["layers"]
+    assert layers >= 2 and result["prefetched"] == [[i + 1] for i in range(layers - 1)] + [[]]
+    assert result["dtypes"] == ("torch.bfloat16", "torch.float32")
+    # The last layer keeps its gathered weights from its forward into its backward, which follows at once.
+    assert result["gathered_after_forward"] == [False] * (layers - 1) + [True]
+
+
 def test_settings_are_accelerates_fsdp2_environment():
     env = fsdp.FsdpSettings().environment()
     assert env["ACCELERATE_USE_FSDP"] == "true" and env["FSDP_VERSION"] == "2"
@@ -249,7 +308,8 @@ def test_qlora_settings_store_4bit_weights_in_the_compute_dtype(dtype):
 
 
 def test_fsdp_vs_balanced_script_runs_on_cpu_ranks(tmp_path):
-    """benchmarks/fsdp_vs_balanced.py's FSDP side on 2 gloo ranks: a row with the harness's median and a table."""
+    """benchmarks/fsdp_vs_balanced.py on the CPU: FSDP on 2 gloo ranks and the balanced process, rows with the
+    harness's median, losses that fall, and a table."""
     import json
     import sys
     from pathlib import Path
@@ -258,9 +318,17 @@ def test_fsdp_vs_balanced_script_runs_on_cpu_ranks(tmp_path):
     from benchmarks import fsdp_vs_balanced
 
     out, md = tmp_path / "rows.json", tmp_path / "rows.md"
-    argv = ["--model", "tiny:qwen3", "--gpus", "2", "--16bit", "--seq-len", "32", "--steps", "3", "--warmup", "1"]
-    assert fsdp_vs_balanced.main([*argv, "--modes", "fsdp", "--out", str(out), "--md", str(md)]) == 0
-    (row,) = [json.loads(line) for line in out.read_text().splitlines()]
-    assert row["status"] == "ok" and row["mode"] == "fsdp" and row["tokens_per_s"] > 0
-    assert row["step_stats"]["median"] == row["median_step_s"] and row["planned_gib"] > 0
-    assert "| fsdp | tiny:qwen3 | 2 |" in md.read_text()
+    argv = ["--model", "tiny:qwen3", "--gpus", "2", "--16bit", "--seq-len", "32", "--steps", "4", "--warmup", "1"]
+    argv += ["--profile-dir", str(tmp_path / "profile")]
+    assert fsdp_vs_balanced.main([*argv, "--modes", "fsdp,balanced", "--out", str(out), "--md", str(md)]) == 0
+    fsdp_row, balanced = [json.loads(line) for line in out.read_text().splitlines()]
+    for row, mode in ((fsdp_row, "fsdp"), (balanced, "balanced")):
+        assert row["status"] == "ok" and row["mode"] == mode and row["tokens_per_s"] > 0
+        assert row["step_stats"]["median"] == row["median_step_s"] and row["planned_gib"] > 0
+        assert len(row["losses"]) == 4 and row["trains"], row["losses"]
+        assert f"| {mode} | tiny:qwen3 | 2 |" in md.read_text()
+        # The last step is profiled (and left out of the median).
+        assert all(p is not None and "error" not in p and p["step_ms"] > 0 for p in row["profile"]), row["profile"]
+        assert (tmp_path / "profile" / f"{mode}.txt").is_file()
+    # The same sequences per optimizer step: two FSDP ranks train as the one balanced process does.
+    assert fsdp_row["losses"] == pytest.approx(balanced["losses"], rel=1e-4)

@@ -114,6 +114,25 @@ def test_bf16_inputs_accumulate_in_fp32():
     assert _rel(grads[0], ref_grads[0]) < 3e-2
 
 
+@pytest.mark.parametrize("loss_scale", [1.0, 65536.0])
+def test_fp16_gradients_are_finite_and_exact_under_a_loss_scale(loss_scale):
+    """fp16 training (a T4) scales the loss by 65536 at first and divides the gradients afterwards; the gradient of
+    each hidden state is about 1/tokens of the logits' and must not vanish or overflow in fp16 on its way."""
+    tokens, hidden_size, vocab = 8192, 16, 97
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randn(1, tokens, hidden_size, generator=g)
+    weight = torch.randn(vocab, hidden_size, generator=g) / hidden_size**0.5
+    labels = torch.randint(0, vocab, (1, tokens), generator=g)
+    h64 = hidden.double().requires_grad_()
+    (reference,) = torch.autograd.grad(_reference(h64, weight.double(), None, labels), (h64,))
+
+    h16 = hidden.half().requires_grad_()
+    loss = chunked.linear_cross_entropy(h16, weight.half(), labels)
+    (scaled,) = torch.autograd.grad(loss * loss_scale, (h16,))
+    assert scaled.dtype == torch.float16 and torch.isfinite(scaled).all()
+    assert _rel(scaled.double() / loss_scale, reference) < 1e-2
+
+
 def test_never_allocates_full_logits():
     rows = 6
     hidden, weight, bias, labels = _inputs()

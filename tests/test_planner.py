@@ -472,4 +472,33 @@ def test_fsdp_in_4bit_is_chosen_only_where_a_rank_can_load_the_quantised_model()
     assert seventy_b.fsdp_gib <= seventy_b.usable_gib < seventy_b.fsdp_load_gib
     assert seventy_b.strategy == "model_parallel"
     text = str(seventy_b)
-    assert "each FSDP rank first loads and quantises the whole model on its own GPU, about 43.9 GiB" in text, text
+    loads = f"each FSDP rank first loads and quantises the whole model on its own GPU, about {seventy_b.fsdp_load_gib:.1f} GiB"
+    assert loads in text, text
+
+
+def test_fsdp_in_4bit_shards_the_packed_weights_and_keeps_the_quantisation_state_on_every_rank():
+    """What a 4-bit FSDP rank holds, counted from the model on the meta device: its share of the packed weights
+    (half a byte per quantised weight, 16-bit elsewhere), the whole double-quantisation state (not a parameter, so
+    never sharded), three decoder layers gathered (the one computing, the prefetched next one and the all-gather
+    buffer it is copied out of) and the output embedding kept gathered from the end of the forward into the
+    backward. Loading holds the whole quantised model and then the fp32 LoRA weights, and no shard beside them."""
+    config = qwen3_8b()
+    plans = {gpus: nbkit.plan(config, gpus=gpus, gpu_memory_gib=80, seq_len=1024, load_in_4bit=True) for gpus in (2, 4)}
+    model = planner._build_on_meta(config)
+    output = model.get_output_embeddings()
+    quantised = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not output)
+    packed = 0.5 * quantised + 2 * (sum(p.numel() for p in model.parameters()) - quantised)
+    state = quantised * (1 / 64 + 4 / (64 * 256))
+    embedding = 2 * config.vocab_size * config.hidden_size
+    layer = (packed - 2 * embedding) / config.num_hidden_layers  # untied: input and output embeddings
+    gib = 2**30
+    two, four = (plans[g].fsdp_breakdown["weights"] * gib for g in (2, 4))
+    assert two - four == pytest.approx(packed / 4, rel=1e-9)  # only the packed weights are sharded
+    assert four == pytest.approx(packed / 4 + state + 3 * layer + embedding, rel=1e-9)
+    lora = 16 * sum(
+        m.in_features + m.out_features for n, m in model.named_modules() if n.endswith(planner.LORA_TARGET_MODULES)
+    )
+    load = {g: plans[g].fsdp_load_gib for g in (2, 4)}
+    assert load[2] == load[4]  # each rank loads the whole model, however many ranks share it afterwards
+    allocated = (load[2] - planner.CUDA_CONTEXT_GIB) / (1 + planner.ALLOCATOR_SLACK) * gib
+    assert allocated == pytest.approx(packed + state + 4 * lora, rel=1e-9)  # fp32 LoRA outweighs one fp16 weight

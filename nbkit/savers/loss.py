@@ -99,11 +99,15 @@ def _chunked_pass(
     rows: int,
     compute_dtype: torch.dtype,
     want: tuple[bool, bool, bool],
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
     """Loss and (as `want` asks) the gradients for hidden [N, H], weight and bias, one chunk at a time.
 
     labels [N] are already shifted and on hidden's device. Returns (loss, grad_hidden, grad_weight,
-    grad_bias) with the gradients of a backward that starts from d(loss) = 1.
+    grad_bias, denominator) with the gradients of a backward that starts from d(loss) = 1, except that
+    grad_hidden is not yet divided by the denominator (the counted tokens or num_items): in fp16 a
+    gradient of size 1/denominator falls below the smallest normal number (6e-5) at a few thousand
+    tokens and loses its digits before fp16 training's loss scale could lift it. The backward divides,
+    in fp32, together with the loss scale.
     """
     want_hidden, want_weight, want_bias = want
     device = hidden.device
@@ -133,27 +137,27 @@ def _chunked_pass(
         total += (lse - logits.gather(1, target)).sum()
         if not any(want):
             continue
-        # d loss / d logits = (softmax - one_hot) / denominator, built in place in the logits buffer.
+        # d loss / d logits = (softmax - one_hot) / denominator, built in place in the logits buffer; the
+        # division waits until after the 16-bit matmuls (see the docstring), the weight's and bias's in fp32.
         grad_logits = logits.sub_(lse).exp_()
         grad_logits.scatter_add_(1, target, torch.full_like(target, -1, dtype=torch.float32))
-        grad_logits.mul_(scale)
         if softcap is not None:
             # d(c * tanh(x / c)) / dx = 1 - tanh(x / c)^2
             grad_logits.mul_(tanh.square_().neg_().add_(1))
             del tanh
         if grad_bias is not None:
-            grad_bias += grad_logits.sum(0)
+            grad_bias += grad_logits.sum(0).mul_(scale)
         grad_logits = grad_logits.to(compute_dtype)
         if grad_hidden is not None:
             grad_hidden.index_copy_(0, index, (grad_logits @ w).to(hidden.dtype))
         if grad_weight is not None:
-            grad_weight += (grad_logits.t() @ h).float()
+            grad_weight += (grad_logits.t() @ h).float().mul_(scale)
     loss = total / denominator
     if grad_weight is not None:
         grad_weight = grad_weight.to(weight.dtype)
     if grad_bias is not None and bias is not None:
         grad_bias = grad_bias.to(bias.dtype)
-    return loss, grad_hidden, grad_weight, grad_bias
+    return loss, grad_hidden, grad_weight, grad_bias, denominator
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -171,15 +175,21 @@ class _LinearCrossEntropy(torch.autograd.Function):
         want = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2])
         # The compute dtype was fixed by the caller; autocast must not cast a second time in here.
         with torch.autocast(hidden.device.type, enabled=False):
-            loss, grad_hidden, grad_weight, grad_bias = _chunked_pass(
+            loss, grad_hidden, grad_weight, grad_bias, denominator = _chunked_pass(
                 hidden, weight, bias, labels, want=want, **options
             )
-        ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
+        ctx.save_for_backward(grad_hidden, grad_weight, grad_bias, denominator)
         return loss
 
     @staticmethod
     def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        grads = tuple(None if g is None else g * grad_loss.to(g.dtype) for g in ctx.saved_tensors)
+        grad_hidden, grad_weight, grad_bias, denominator = ctx.saved_tensors
+        # In fp32: under fp16 training grad_loss is the loss scale (65536 at first), which fp16 cannot hold.
+        factors = (grad_loss.float() / denominator, grad_loss.float(), grad_loss.float())
+        grads = tuple(
+            None if g is None else (g.float() * f.to(g.device)).to(g.dtype)
+            for g, f in zip((grad_hidden, grad_weight, grad_bias), factors, strict=True)
+        )
         return (*grads, None, None)
 
 
