@@ -57,6 +57,13 @@ FAILURE_HINTS = (
         "needs this; nbkit.configure(unsloth_vlm_ddp_checkpointing='unsloth') before loading the model "
         "trains such data with unsloth's slower DDP checkpointing instead.",
     ),
+    (
+        "CUDA out of memory",
+        "A rank ran out of GPU memory (the others were stopped with it): train with a smaller "
+        "per_device_train_batch_size or max_seq_length (gradient accumulation keeps the effective batch), "
+        "gradient checkpointing, or the model in 4-bit; nbkit.plan(model, gpus=N, seq_len=...) estimates "
+        "what fits.",
+    ),
     ("Watchdog caught collective operation timeout", _NCCL_ADVICE),
     ("NCCL communicator was aborted", _NCCL_ADVICE),
     ("ProcessGroupNCCL's watchdog got stuck", _NCCL_ADVICE),

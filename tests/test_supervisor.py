@@ -203,6 +203,15 @@ def _watchdog_timeout() -> None:
     dist.barrier()
 
 
+def _out_of_gpu_memory() -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    if dist.get_rank() == 1:  # the text of torch's OutOfMemoryError on a GPU
+        raise RuntimeError("CUDA out of memory. Tried to allocate 4096.00 GiB. GPU 1 has a total capacity of 79.19 GiB")
+    dist.barrier()
+
+
 def _aborts() -> None:
     import torch.distributed as dist
 
@@ -212,10 +221,18 @@ def _aborts() -> None:
     dist.barrier()
 
 
-@pytest.mark.parametrize("fn", [_watchdog_timeout, _aborts])
-def test_a_rank_that_nccls_watchdog_ended_is_named_with_nccl_and_what_to_do(fn):
+@pytest.mark.parametrize(
+    ("fn", "says"),
+    [
+        (_watchdog_timeout, ("NCCL's watchdog ended the rank", "nccl_timeout")),
+        (_aborts, ("died from signal SIGABRT", "NCCL's watchdog ended the rank", "nccl_timeout")),
+        (_out_of_gpu_memory, ("A rank ran out of GPU memory", "nbkit.plan(")),
+    ],
+    ids=["watchdog-timeout", "sigabrt", "out-of-gpu-memory"],
+)
+def test_a_gpu_failure_is_named_with_its_rank_its_cause_and_what_to_do(fn, says):
     with pytest.raises(nbkit.LaunchError) as caught:
         nbkit.launch(fn, gpus=2, dashboard=False)
     message = str(caught.value)
     assert message.startswith("rank 1 "), message
-    assert "NCCL's watchdog ended the rank" in message and "nccl_timeout" in message, message
+    assert all(phrase in message for phrase in says), message
