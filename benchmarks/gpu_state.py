@@ -1,5 +1,6 @@
 """What the visible GPUs hold now (memory in use, processes with a context on them), read through NVML
-(nvidia-ml-py), which creates no CUDA context: the process that asks can still fork ranks.
+(nvidia-ml-py, or nvidia-smi where it is missing), which creates no CUDA context: the process that asks can
+still fork ranks.
 
 Two users: the GPU fault matrix (tests/faults/test_gpu_faults.py, test_gpu_kernel_faults.py) compares a
 sample taken before a case with one taken after it, where a process or memory still held is a leftover;
@@ -9,6 +10,8 @@ gpu_soak.py records one per cycle.
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
 import time
 from dataclasses import asdict, dataclass
 
@@ -31,11 +34,11 @@ class GpuSample:
 
     @classmethod
     def take(cls) -> GpuSample | None:
-        """The GPUs now; None where NVML or an NVIDIA GPU is missing (a CPU machine)."""
+        """The GPUs now; None where neither NVML (nvidia-ml-py) nor nvidia-smi finds an NVIDIA GPU."""
         try:
             import pynvml
         except ImportError:
-            return None
+            return _from_nvidia_smi()
         try:
             pynvml.nvmlInit()
         except pynvml.NVMLError:
@@ -82,6 +85,25 @@ def still_held(before: GpuSample | None, within: float = 10.0) -> dict[str, list
         if not held or time.monotonic() > deadline:
             return held
         time.sleep(0.2)
+
+
+def _from_nvidia_smi() -> GpuSample | None:
+    """The same sample from nvidia-smi's CSV (memory per GPU; the processes of every GPU), where the NVML
+    bindings are not installed.
+    """
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return None
+
+    def query(*args: str) -> list[str]:
+        out = subprocess.run([exe, *args, "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=30)
+        return [line.strip() for line in out.stdout.splitlines() if line.strip()] if out.returncode == 0 else []
+
+    used = query("--query-gpu=memory.used")
+    if not used:
+        return None
+    pids = frozenset(int(line) for line in query("--query-compute-apps=pid") if line.isdigit())
+    return GpuSample(tuple(float(used[i]) for i in _visible_indices(len(used))), pids)
 
 
 def _visible_indices(count: int) -> list[int]:

@@ -112,6 +112,15 @@ trainer.train()
 _ANSWER = _SETUP + "t = torch.ones(1, device=dev) * (nbkit.rank() + 1)\ndist.all_reduce(t)\nint(t.item())\n"
 
 
+def _error_within(mode: str, fault: str) -> float:
+    """Seconds from the fault to the error. A live rank that raises stays up, so its peer waits inside the
+    collective's kernel, where no Python signal handler runs: the set ends once the peer missed its
+    interrupt (nbkit.live.calls: 1 s for the failure to settle, 2 s for the interrupt), within 5 s."""
+    if mode == "live" and fault in ("raises", "oom"):
+        return DEATH_TO_ERROR_S + 3.0
+    return DEATH_TO_ERROR_S
+
+
 def _cell(body: str, **values: str) -> str:
     """`body` after the set-up, with `values` (STAMP, PATH, ...) defined first as text."""
     names = "".join(f"{name} = {value!r}\n" for name, value in values.items())
@@ -133,6 +142,7 @@ def gpus(request: pytest.FixtureRequest) -> Iterator[GpuSample | None]:
     if request.node.callspec.params.get("mode") != "live":
         request.getfixturevalue("leftovers")
     before = GpuSample.take()
+    assert before is not None or not ON_GPUS, "neither NVML nor nvidia-smi answers: nothing could check the GPUs"
     yield before
     running = nbkit.live.current()
     if running is not None:
@@ -174,7 +184,7 @@ def test_a_rank_that_fails_is_named_within_2_s_and_frees_its_gpu(mode, fault, tm
     assert time.monotonic() - started < START_S
     assert "rank 1" in message and any(says in message for says in _SAYS[fault]), message
     assert "rank 0" not in message.split("\n")[0], message  # the cause, not the peer it left waiting
-    assert noticed - float(stamp.read_text()) < DEATH_TO_ERROR_S, message
+    assert noticed - float(stamp.read_text()) < _error_within(mode, fault), message
     _check_rerun(mode, gpus)
 
 

@@ -65,6 +65,7 @@ def _prepare(kernel: Kernel, tiny_text_path: str, out: Path) -> None:
 def gpus() -> Iterator[GpuSample | None]:
     """The GPUs before the case (None on CPU ranks); nothing may hold either of them after it."""
     before = GpuSample.take()
+    assert before is not None or not ON_GPUS, "neither NVML nor nvidia-smi answers: nothing could check the GPUs"
     yield before
     assert still_held(before) == {}
 
