@@ -169,7 +169,7 @@ def _error_of(mode: str, cell: str, timeout: float | None = None) -> nbkit.Nbkit
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("fault", [*_FAULTS, "trainer"])
-def test_a_rank_that_fails_is_named_within_2_s_and_frees_its_gpu(mode, fault, tmp_path, gpus, tiny_text_path):
+def test_a_rank_that_fails_is_named_at_once_and_frees_its_gpu(mode, fault, tmp_path, gpus, tiny_text_path):
     stamp = tmp_path / "died_at"
     if fault == "trainer":
         cell = _cell(_TRAINER, STAMP=str(stamp), REPO=REPO, PATH=tiny_text_path, OUT=str(tmp_path / "out"))
