@@ -203,3 +203,32 @@ def test_a_rank_that_hangs_before_a_collective_ends_at_the_timeout(mode, tmp_pat
     assert HANG_TIMEOUT_S <= took < HANG_TIMEOUT_S + 5 + (SPAWN_START_S if mode == "spawn" else 0), took
     assert f"timeout ({HANG_TIMEOUT_S} s)" in message and "collective" in message, message
     _check_rerun(mode, gpus)
+
+
+NCCL_TIMEOUT_S = 5
+
+
+@pytest.mark.skipif(not ON_GPUS, reason="NCCL's watchdog: GPU ranks only")
+@pytest.mark.parametrize("mode", ["fork", "live"])
+def test_nccls_watchdog_ends_a_rank_whose_peer_never_comes_and_the_error_says_so(mode, gpus, monkeypatch):
+    # No nbkit timeout here: only the process group's own (nbkit.configure(nccl_timeout=...) for a live set,
+    # the cell's init_process_group for a one-shot run) ends rank 0, through NCCL's async error handling.
+    monkeypatch.setenv("NBKIT_NCCL_TIMEOUT", str(NCCL_TIMEOUT_S))
+    cell = (
+        "import datetime, time, torch, nbkit, torch.distributed as dist\n"
+        "torch.cuda.set_device(nbkit.device())\n"
+        "if not dist.is_initialized():\n"
+        f"    dist.init_process_group('nccl', timeout=datetime.timedelta(seconds={NCCL_TIMEOUT_S}))\n"
+        "t = torch.ones(1, device=nbkit.device())\n"
+        "dist.all_reduce(t)\n"  # both ranks: NCCL's communicator is up before rank 1 stops coming
+        "if nbkit.rank() == 1:\n    time.sleep(3600)\n"
+        "dist.all_reduce(t)\nfloat(t[0])\n"
+    )
+    if mode == "live":
+        _run(mode, _ANSWER)
+    start = time.monotonic()
+    message = str(_error_of(mode, cell))
+    took = time.monotonic() - start
+    assert "rank 0" in message and "NCCL's watchdog ended the rank" in message, message
+    assert took < NCCL_TIMEOUT_S + 5 + (0 if mode == "live" else 10), took  # one-shot: + the ranks' start
+    _check_rerun(mode, gpus)
