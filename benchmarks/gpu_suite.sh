@@ -75,10 +75,11 @@ part() {  # part NAME SECONDS COMMAND...
 # The seconds are estimates from earlier runs of each file on 2x H100 / H200 (benchmarks/RESULTS.md) and
 # from the fault matrix's CPU dry run; `bash benchmarks/gpu_suite.sh tests` runs every part.
 TEST_PARTS=(
-  # the fault matrix through the API (18 cases: forked, spawned, live; ~6 minutes), the guard's GPU launches
+  # the fault matrix through the API (18 cases: forked, spawned, live; NCCL's watchdog: 2; ~6 minutes), the
+  # guard's GPU launches (~15 s)
   "tests_faults 480 tests/faults/test_gpu_faults.py tests/test_guard.py"
   # the fault matrix in a kernel during trainer.train() (6 cases, ~3 minutes)
-  "tests_kernel 300 tests/faults/test_gpu_kernel_faults.py"
+  "tests_kernel 270 tests/faults/test_gpu_kernel_faults.py"
   # the short files (~3 minutes)
   "tests_a 420 tests/test_loss_gpu.py tests/test_magics.py tests/test_attention.py tests/test_emulation.py
    tests/test_live_set.py tests/test_reporting.py tests/test_fsdp_gpu.py"
@@ -134,7 +135,7 @@ for what in "$@"; do
       # 20 live sets in a row on 2 GPUs: start, load tiny:qwen3, 3 DDP steps, stop; GPU memory, GPU processes
       # and this process's children after each (~10 s a cycle). SUITE_DRY_RUN=1: 3 cycles on CPU ranks.
       cycles=${SOAK_CYCLES:-20}; [ -z "${SUITE_DRY_RUN:-}" ] || cycles=3
-      part soak 330 python3 benchmarks/gpu_soak.py --cycles "$cycles" --out "$OUT/gpu_soak.json" ;;
+      part soak 300 python3 benchmarks/gpu_soak.py --cycles "$cycles" --out "$OUT/gpu_soak.json" ;;
     planner)
       part planner 150 python3 benchmarks/planner_accuracy.py --out "$OUT/planner_accuracy.json" ;;
     matrix)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import types
 
@@ -124,7 +125,9 @@ def test_import_nbkit_makes_the_triton_probe_context_free_before_torchao_can_cal
         "print(has_triton.__module__, has_triton.__wrapped__.__module__, has_triton(),\n"
         "      torch.cuda.get_device_capability.__module__, os.environ['PYTORCH_NVML_BASED_CUDA_CHECK'])"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    # Without the variable this test process has from its own `import nbkit` (conftest.py): set by the child's.
+    env = {k: v for k, v in os.environ.items() if k != "PYTORCH_NVML_BASED_CUDA_CHECK"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env).stdout
     # nbkit's replacements, around torch's own (on this machine without a GPU they defer to torch),
     # and torch's NVML-based availability check, which does not poison fork.
     assert out.split() == ["nbkit.forksafety", "torch.utils._triton", "False", "nbkit.forksafety", "1"]
