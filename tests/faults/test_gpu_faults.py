@@ -139,10 +139,11 @@ def _run(mode: str, cell: str, timeout: float | None = None) -> object:
 def gpus(request: pytest.FixtureRequest) -> Iterator[GpuSample | None]:
     """The GPUs before the case (None on CPU ranks); afterwards any live set is stopped and nothing may
     still hold either GPU. Fork and spawn cases get the CPU matrix's leftover checks too."""
-    if request.node.callspec.params.get("mode") != "live":
-        request.getfixturevalue("leftovers")
+    # Read first: whatever NVML keeps open in this process once it has been used is not the case's leftover.
     before = GpuSample.take()
     assert before is not None or not ON_GPUS, "neither NVML nor nvidia-smi answers: nothing could check the GPUs"
+    if request.node.callspec.params.get("mode") != "live":
+        request.getfixturevalue("leftovers")
     yield before
     running = nbkit.live.current()
     if running is not None:
