@@ -2,7 +2,10 @@
 # Run nbkit's GPU work on an offline GPU host, one part or several per call, results under $OUT.
 #
 #   bash benchmarks/gpu_suite.sh env model planner    # versions, build random:qwen3-vl-2b, planner accuracy
-#   bash benchmarks/gpu_suite.sh tests                # gpu-marked tests
+#   bash benchmarks/gpu_suite.sh tests                # every gpu-marked test: the parts below in turn (~40 min)
+#   bash benchmarks/gpu_suite.sh tests_faults         # one part of them (under 9 min each; TEST_PARTS below):
+#     tests_kernel tests_a tests_b tests_c tests_notebooks tests_gguf  # SUITE_DRY_RUN=1: collected on the CPU
+#   bash benchmarks/gpu_suite.sh soak                 # 20 live sets in a row on 2 GPUs: memory and processes per cycle (~4 min)
 #   bash benchmarks/gpu_suite.sh matrix               # the 1K/16K launcher/backend matrix
 #   bash benchmarks/gpu_suite.sh savers               # memory savers 8K-64K
 #   bash benchmarks/gpu_suite.sh t4 t4notebooks       # T4 profile, one GPU: longest sequence per path, notebooks
@@ -70,6 +73,40 @@ part() {  # part NAME SECONDS COMMAND...
   echo "=== $name: exit $? after $((SECONDS - start))s"
 }
 
+# The gpu-marked tests in parts that each end within 9 minutes on 2 GPUs: "NAME LIMIT PYTEST-ARGS...", one
+# pytest process per PYTEST-ARGS (a file, or file:-k:expression for some of its tests), since files that
+# launch ranks need a process without a CUDA context and files that test on the GPU directly create one.
+# The seconds are estimates from earlier runs of each file on 2x H100 / H200 (benchmarks/RESULTS.md) and
+# from the fault matrix's CPU dry run; `bash benchmarks/gpu_suite.sh tests` runs every part.
+TEST_PARTS=(
+  # the fault matrix through the API (18 cases: forked, spawned, live; NCCL's watchdog: 2; ~6 minutes), the
+  # guard's GPU launches (~15 s)
+  "tests_faults 480 tests/faults/test_gpu_faults.py tests/test_guard.py"
+  # the fault matrix in a kernel during trainer.train() (6 cases, ~3 minutes)
+  "tests_kernel 270 tests/faults/test_gpu_kernel_faults.py"
+  # the short files (~3 minutes)
+  "tests_a 420 tests/test_loss_gpu.py tests/test_magics.py tests/test_attention.py tests/test_emulation.py
+   tests/test_live_set.py tests/test_reporting.py tests/test_fsdp_gpu.py tests/test_model_parallel_gpu.py"
+  # 2 GPUs equal 1 with nbkit and unsloth (~3 minutes), the offline models (~1.5), the savers (~1.5)
+  "tests_b 530 tests/test_gpu_ddp.py tests/test_offline.py tests/test_savers_gpu.py"
+  # Liger's kernels and regional compilation (~4 minutes), nbkit's loss on an unsloth model (~2)
+  "tests_c 530 tests/test_liger_gpu.py tests/test_unsloth_loss_gpu.py"
+  # the flagship notebook on two T4-capped GPUs, 16-bit by the planner and 4-bit (~3.5 minutes each)
+  "tests_notebooks 530 tests/test_notebooks_gpu.py:-k:trains_on_two"
+  # the flagship saving merged weights and GGUF with unsloth (the test allows itself 20 minutes: alone here,
+  # it may still not finish within one call)
+  "tests_gguf 540 tests/test_notebooks_gpu.py:-k:gguf"
+)
+
+test_part() {  # test_part NAME SECONDS PYTEST-ARGS...: see TEST_PARTS; SUITE_DRY_RUN=1 collects instead
+  local name=$1 limit=$2; shift 2
+  local mode=(-rs --durations=0)
+  [ -z "${SUITE_DRY_RUN:-}" ] || mode=(--collect-only)
+  part "$name" "$limit" bash -c 'status=0; mode=$1; shift; for args in "$@"; do
+      python3 -m pytest -m gpu -q -p no:cacheprovider $mode ${args//:/ } || status=1; done; exit $status' \
+    _ "${mode[*]}" "$@"
+}
+
 model_part() {  # model_part MODEL SECONDS [NAME]: build MODEL's random checkpoint once, before the runs that load it
   part "${3:-speed_model}" "$2" python3 -c "import nbkit; print(nbkit.resolve_model('$1'))"
 }
@@ -85,10 +122,24 @@ for what in "$@"; do
     model)
       part model 150 python3 -c "import time, nbkit; t = time.time(); print(nbkit.resolve_model('random:qwen3-vl-2b'), round(time.time() - t, 1), 's')" ;;
     tests)
-      # One pytest process per file: files that launch ranks need a process without a CUDA
-      # context, and files that test on the GPU directly create one.
-      part tests 480 bash -c 'status=0; for f in $(grep -l "pytest.mark.gpu\|mark.gpu" tests/test_*.py); do
-        python3 -m pytest -m gpu -q -rs -p no:cacheprovider "$f" || status=1; done; exit $status' ;;
+      # Every part below in turn (about 40 minutes), then any gpu-marked file no part names.
+      for entry in "${TEST_PARTS[@]}"; do test_part $entry; done
+      rest=()
+      for f in $(grep -l "mark.gpu" tests/test_*.py tests/faults/test_*.py); do
+        printf ' %s\n' "${TEST_PARTS[@]}" | grep -qF " $f" || rest+=("$f")
+      done
+      [ ${#rest[@]} -eq 0 ] || test_part tests_rest 540 "${rest[@]}" ;;
+    tests_*)
+      found=
+      for entry in "${TEST_PARTS[@]}"; do
+        [ "${entry%% *}" = "$what" ] && { found=1; test_part $entry; }
+      done
+      [ -n "$found" ] || echo "unknown part: $what" >&2 ;;
+    soak)
+      # 20 live sets in a row on 2 GPUs: start, load tiny:qwen3, 3 DDP steps, stop; GPU memory, GPU processes
+      # and this process's children after each (~10 s a cycle). SUITE_DRY_RUN=1: 3 cycles on CPU ranks.
+      cycles=${SOAK_CYCLES:-20}; [ -z "${SUITE_DRY_RUN:-}" ] || cycles=3
+      part soak 300 python3 benchmarks/gpu_soak.py --cycles "$cycles" --out "$OUT/gpu_soak.json" ;;
     planner)
       part planner 150 python3 benchmarks/planner_accuracy.py --out "$OUT/planner_accuracy.json" ;;
     matrix)

@@ -56,6 +56,10 @@ SETTINGS: dict[str, Setting] = {
     "host_address": Setting("NBKIT_HOST_ADDRESS", ""),
     # Set by nbkit.live for each engine it starts: the file a native crash's stack is written to.
     "live_log": Setting("NBKIT_LIVE_LOG", ""),
+    # Seconds a collective of GPU ranks may wait for a peer before NCCL's watchdog ends the rank (the
+    # process group's timeout where nbkit creates the group: a live set's; torch's own default for NCCL).
+    # nbkit names a rank that dies within a second either way; this ends a rank whose peer hangs.
+    "nccl_timeout": Setting("NBKIT_NCCL_TIMEOUT", "600", number=True),
 }
 
 
@@ -87,7 +91,7 @@ def configure(**settings: str) -> dict[str, str]:
             "error"; see nbkit.guard), unsloth_vlm_ddp_checkpointing ("reentrant" or "unsloth"; see
             docs/unsloth_patches.md, fix 4), dashboard ("auto", "html", "widget", "text" or "off"),
             dashboard_interval (seconds between text lines), cache (a folder for nbkit's offline
-            models).
+            models), nccl_timeout (seconds a GPU rank's collective waits for a peer).
 
     Returns:
         All settings as they now stand.

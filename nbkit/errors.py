@@ -81,6 +81,9 @@ _PEER_LOSS_MARKERS = (
     "Connection reset by peer",
     "Broken pipe",
     "remote process exited or there was a network error",
+    # NCCL (GPU ranks): the watchdog aborted this rank's communicator, or timed its collective out.
+    "NCCL communicator was aborted",
+    "Watchdog caught collective operation timeout",
 )
 
 

@@ -18,6 +18,10 @@ from nbkit import distributed, patching
 
 __all__ = ["ForkBlocker", "fork_blocker", "install"]
 
+# Whether torchao was imported before `import nbkit` installed the context-free queries: only then
+# can its import-time device query be what created a CUDA context (None until install() runs).
+_imported_before_nbkit: frozenset[str] | None = None
+
 
 @dataclass(frozen=True)
 class ForkBlocker:
@@ -82,11 +86,12 @@ def _likely_cuda_cause() -> str:
         ),
         (
             "torchao",
-            "torchao was imported before nbkit (transformers and peft import it wherever it is "
-            "installed, and its import queries the GPU); `import nbkit` first makes that harmless",
+            "torchao was imported before nbkit (transformers, peft and trl import it wherever it is "
+            "installed, as unsloth installs it, and its import queries the GPU); `import nbkit` in the "
+            "first cell, before them, makes that harmless",
         ),
     ):
-        if module in sys.modules:
+        if module in sys.modules and (module != "torchao" or module in (_imported_before_nbkit or ())):
             return why
     return (
         "a tensor or model was put on a GPU, or a CUDA query such as torch.cuda.get_device_name() "
@@ -177,6 +182,9 @@ def install() -> None:
     """
     import os
 
+    global _imported_before_nbkit
+    if _imported_before_nbkit is None:  # the first install(), at `import nbkit`
+        _imported_before_nbkit = frozenset(name for name in ("torchao",) if name in sys.modules)
     os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
 
     patching.apply("forksafety")

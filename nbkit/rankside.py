@@ -5,7 +5,7 @@ Both sides of the process boundary use this module, each for its own part of one
 - notebook side, before anything starts: how many ranks (`count_ranks`: one count, one CPU limit,
   one message for nbkit.launch, %%ddp and nbkit.start alike) and the environment every rank gets
   (`rank_environment`: NBKIT_LAUNCHED, ACCELERATE_USE_CPU, GLOO_SOCKET_IFNAME, NBKIT_STRATEGY,
-  NBKIT_EMULATE, and torch's allocator settings on GPUs);
+  NBKIT_EMULATE, and on GPUs torch's allocator settings and NCCL's error handling);
 - rank side: rank 0's value pickled for the notebook (`pickle_for_notebook`: tensors on the CPU, so
   the notebook never initialises CUDA) and an exception as the traceback the user should see
   (`rank_traceback`: nbkit's own frames above the user's code left out);
@@ -39,6 +39,7 @@ __all__ = [
     "cpu_rank_limit",
     "cpu_reduction",
     "load_value",
+    "nccl_environment",
     "pickle_for_notebook",
     "rank_environment",
     "rank_traceback",
@@ -147,7 +148,9 @@ def rank_environment(
     (`use_cpu`): ACCELERATE_USE_CPU=true, so accelerate, transformers' Trainer and TRL run real gloo
     DDP across the processes instead of N independent runs, and, where the ranks meet on this
     machine (`loopback`) under Linux, GLOO_SOCKET_IFNAME=lo unless this process sets it already.
-    With CUDA: torch's allocator settings with expandable segments (allocator_environment).
+    With CUDA: torch's allocator settings with expandable segments (allocator_environment), and
+    NCCL's error handling (nccl_environment), so a collective that waits for a peer past the process
+    group's timeout ends its rank instead of hanging.
     `extra` (the user's env=) comes last and wins. Computed in the notebook process; fork mode sets
     it around the fork only (the notebook's own environment is put back), a live rank applies it to
     itself before it first uses CUDA.
@@ -157,6 +160,8 @@ def rank_environment(
         values["ACCELERATE_USE_CPU"] = "true"
         if loopback and sys.platform.startswith("linux"):
             values["GLOO_SOCKET_IFNAME"] = os.environ.get("GLOO_SOCKET_IFNAME", "lo")
+    else:
+        values.update(nccl_environment())
     values.update(extra or {})
     if not use_cpu:
         values.update(allocator_environment({**os.environ, **values}))
@@ -191,6 +196,32 @@ def allocator_environment(environ: Mapping[str, str]) -> dict[str, str]:
     if not current:
         name = ALLOC_CONF
     return {name: ",".join(part for part in (current, "expandable_segments:True") if part)}
+
+
+# How NCCL's watchdog (a thread in every GPU rank) ends a collective that waits too long or failed.
+# The ranks inherit everything else the notebook's environment holds (NCCL_NVLS_ENABLE and the like).
+_NCCL_ERROR_HANDLING = {
+    # 1: abort the communicator, then end the process. torch's default (3) ends it without aborting,
+    # so the collective's kernel can stay on the GPU while the process exits and the GPU stays held.
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+    # The flight recorder's dump on a timeout writes a file per rank to /tmp and waits for the other
+    # ranks' dumps before the abort; nbkit's message names the rank already. Set it to 1 to debug a desync.
+    "TORCH_NCCL_DUMP_ON_TIMEOUT": "0",
+    # The monitor ends a rank whose watchdog itself stopped (stuck in an NCCL or CUDA call, such as an
+    # abort whose peer is gone) after this many seconds; torch's 480 leaves a notebook waiting 8 minutes.
+    # The watchdog beats several times a second, so a minute without a beat is no slow step.
+    "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": "60",
+}
+# TORCH_NCCL_BLOCKING_WAIT stays off: it makes every collective's wait hold the host until the GPU has
+# finished it, losing DDP's overlap of communication and compute, and the watchdog above catches the
+# same timeouts without that cost.
+
+
+def nccl_environment() -> dict[str, str]:
+    """The part of rank_environment for GPU ranks: NCCL's error handling (_NCCL_ERROR_HANDLING),
+    each variable only where this process does not set it already (a user's choice stands).
+    """
+    return {name: value for name, value in _NCCL_ERROR_HANDLING.items() if name not in os.environ}
 
 
 def strategy_environment(strategy: str = "ddp", emulate: str | None = None) -> dict[str, str]:

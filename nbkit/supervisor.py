@@ -28,6 +28,16 @@ from nbkit.errors import RankError
 
 __all__ = ["FAILURE_HINTS", "ExitStatus", "exit_status", "hang_hint", "kill", "pid_alive", "render_failures", "stop"]
 
+# What a GPU rank's collective ends with when NCCL's watchdog stopped it (rankside.nccl_environment).
+_NCCL_ADVICE = (
+    "NCCL's watchdog ended the rank: one of its collectives (all-reduce, barrier, broadcast) waited for "
+    "a peer past the process group's timeout, or NCCL failed. Look at what the other ranks did at that "
+    "step: a rank that died or raised first is the cause; a rank that skipped a collective or ran a "
+    "different number of steps leaves its peers waiting. Where one rank legitimately takes longer (saving "
+    "a checkpoint on rank 0 only), give the others a longer timeout: nbkit.configure(nccl_timeout=SECONDS) "
+    "before starting a live set, TrainingArguments(ddp_timeout=SECONDS) for Trainer."
+)
+
 # (text in a rank's error, what it means and what to do): added to the message of such a failure.
 FAILURE_HINTS = (
     (
@@ -47,6 +57,16 @@ FAILURE_HINTS = (
         "needs this; nbkit.configure(unsloth_vlm_ddp_checkpointing='unsloth') before loading the model "
         "trains such data with unsloth's slower DDP checkpointing instead.",
     ),
+    (
+        "CUDA out of memory",
+        "A rank ran out of GPU memory (the others were stopped with it): train with a smaller "
+        "per_device_train_batch_size or max_seq_length (gradient accumulation keeps the effective batch), "
+        "gradient checkpointing, or the model in 4-bit; nbkit.plan(model, gpus=N, seq_len=...) estimates "
+        "what fits.",
+    ),
+    ("Watchdog caught collective operation timeout", _NCCL_ADVICE),
+    ("NCCL communicator was aborted", _NCCL_ADVICE),
+    ("ProcessGroupNCCL's watchdog got stuck", _NCCL_ADVICE),
 )
 
 _CRASH_SIGNALS = {getattr(signal, name) for name in ("SIGSEGV", "SIGBUS", "SIGABRT", "SIGILL", "SIGFPE")}
@@ -101,10 +121,13 @@ class ExitStatus:
                 "memory (the OOM killer): use a smaller batch or fewer dataloader workers."
             )
         if self.signal in _CRASH_SIGNALS:
-            return (
+            crash = (
                 "A crash in native code (a C/C++/CUDA extension, or a library built for another CPU or "
                 "driver); the rank's own output shows where, when Python's fault handler got to print."
             )
+            if self.signal == signal.SIGABRT:  # how NCCL's watchdog ends a GPU rank
+                return f"{crash} On GPUs, SIGABRT may instead mean that {_NCCL_ADVICE}"
+            return crash
         if self.signal is not None:
             return "The signal came from outside the rank's code: another program, or the machine, stopped the rank."
         return (

@@ -14,6 +14,10 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 # Tests fork processes after tokenizing; the Rust thread pool must not be live across a fork.
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
 
+# nbkit first, as a notebook must: test modules import transformers at collection, which imports torchao
+# wherever it is installed (with unsloth), and torchao's import asks the GPU for its properties; without
+# nbkit's context-free queries in place that creates a CUDA context here, and no launch can fork.
+import nbkit  # noqa: F401, I001  (before torch and everything that imports transformers)
 import torch
 from version_split import RECORDER, Record, versioned_modules
 from versioned_imports.sitecustomize import VersionedImports

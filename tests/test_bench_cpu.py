@@ -203,3 +203,21 @@ def test_accumulated_micro_batches_give_the_update_of_their_mean(tiny_text_path)
         updates.append(model.lm_head.weight.detach() - before)
     assert updates[0].abs().max() > 0
     torch.testing.assert_close(updates[1], updates[0])  # the same batch three times, each a third: one step's update
+
+
+def test_gpu_soak_cycles_live_sets_and_finds_nothing_left(tmp_path):
+    # The GPU soak's dry run: CPU ranks, 2 cycles, in a process of its own as on the GPU host.
+    out = tmp_path / "soak.json"
+    run = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "gpu_soak.py"), "--cycles", "2", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(out.read_text())
+    records = result["records"]
+    assert result["flat"] and len(records) == 2
+    assert [r["losses_rank0"] for r in records] == [records[0]["losses_rank0"]] * 2  # seeded: the same steps
+    assert len(records[0]["losses_rank0"]) == 3 and all(r["device_rank0"] == "cpu" for r in records)
+    assert all(r["process"]["children"] == 0 and not r["left_since_first_cycle"] for r in records)

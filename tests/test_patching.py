@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import types
 
@@ -124,7 +125,53 @@ def test_import_nbkit_makes_the_triton_probe_context_free_before_torchao_can_cal
         "print(has_triton.__module__, has_triton.__wrapped__.__module__, has_triton(),\n"
         "      torch.cuda.get_device_capability.__module__, os.environ['PYTORCH_NVML_BASED_CUDA_CHECK'])"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    # Without the variable this test process has from its own `import nbkit` (conftest.py): set by the child's.
+    env = {k: v for k, v in os.environ.items() if k != "PYTORCH_NVML_BASED_CUDA_CHECK"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env).stdout
     # nbkit's replacements, around torch's own (on this machine without a GPU they defer to torch),
     # and torch's NVML-based availability check, which does not poison fork.
     assert out.split() == ["nbkit.forksafety", "torch.utils._triton", "False", "nbkit.forksafety", "1"]
+
+
+_ORDER_PROBE = """
+import os, sys
+
+def pytest_collection_finish(session):
+    order = list(sys.modules)
+    with open(os.environ["ORDER_OUT"], "w") as f:
+        f.write(str(order.index("nbkit") < order.index("transformers")))
+"""
+
+
+def test_the_test_process_imports_nbkit_before_transformers_as_a_notebook_must(tmp_path):
+    # transformers imports torchao wherever it is installed (with unsloth), and torchao's import asks
+    # the GPU for its properties, creating a CUDA context in the process that then cannot fork ranks,
+    # unless nbkit's context-free queries are in place first. test_guard.py imports transformers at
+    # collection (through test_planner), before its own `import nbkit`.
+    import subprocess
+    from pathlib import Path
+
+    (tmp_path / "order_probe.py").write_text(_ORDER_PROBE)
+    tests = Path(__file__).parent
+    result = tmp_path / "nbkit_first"
+    env = {**__import__("os").environ, "PYTHONPATH": f"{tmp_path}:{tests.parent}", "ORDER_OUT": str(result)}
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "order_probe", str(tests / "test_guard.py")],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tests.parent,
+        timeout=300,
+    ).stdout
+    assert result.read_text() == "True", out
+
+
+@pytest.mark.parametrize("torchao_first", [True, False])
+def test_a_cuda_context_is_blamed_on_torchao_only_where_it_was_imported_before_nbkit(torchao_first):
+    import subprocess
+
+    stand_in = "import sys, types; sys.modules['torchao'] = types.ModuleType('torchao')\n"
+    code = (stand_in if torchao_first else "") + "import nbkit\n" + ("" if torchao_first else stand_in)
+    code += "from nbkit import forksafety; print(forksafety._likely_cuda_cause())"
+    cause = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert cause.startswith("torchao was imported before nbkit") is torchao_first, cause

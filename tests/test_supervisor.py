@@ -143,3 +143,96 @@ def test_stop_with_no_grace_kills_at_once_and_without_a_first_signal_only_waits(
     assert time.monotonic() - start < 1
     leaving = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.5); raise SystemExit(0)"])
     assert supervisor.stop({0: leaving}, grace_s=30, first=None) == {0: ExitStatus(code=0)}
+
+
+# What the machine's environment holds for NCCL, as a GPU host sets it (NVLink multicast off): every
+# process nbkit starts must inherit it, whichever way it starts them.
+_MACHINE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+_READ_ENV = f"import os\n{{k: os.environ.get(k) for k in {sorted(_MACHINE_ENV)!r}}}\n"
+
+
+def _read_env() -> dict:
+    return {k: os.environ.get(k) for k in sorted(_MACHINE_ENV)}
+
+
+def _env_forked() -> dict:
+    return nbkit.launch(_read_env, gpus=2, dashboard=False)
+
+
+def _env_spawned() -> dict:
+    return spawning.run_source(_READ_ENV, {}, gpus=2, dashboard=False)
+
+
+def _env_live() -> dict:
+    ranks = nbkit.start(gpus=2)
+    try:
+        return ranks.exec(_READ_ENV)
+    finally:
+        ranks.stop()
+
+
+@pytest.mark.parametrize("run", [_env_forked, _env_spawned, _env_live], ids=["fork", "spawn", "live"])
+def test_the_notebooks_environment_reaches_every_rank(run, monkeypatch):
+    for name, value in _MACHINE_ENV.items():
+        monkeypatch.setenv(name, value)
+    assert run() == _MACHINE_ENV
+
+
+def test_gpu_ranks_get_nccls_error_handling_unless_the_notebook_chose_its_own(monkeypatch):
+    from nbkit import rankside
+
+    for name in ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC"):
+        monkeypatch.delenv(name, raising=False)
+    gpu = rankside.rank_environment(use_cpu=False)
+    assert gpu["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1" and gpu["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "0"
+    assert gpu["TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC"] == "60" and "TORCH_NCCL_BLOCKING_WAIT" not in gpu
+    assert not any(k.startswith("TORCH_NCCL") for k in rankside.rank_environment(use_cpu=True))
+    monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")  # the user's choice, inherited as it is
+    assert "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in rankside.rank_environment(use_cpu=False)
+
+
+def _watchdog_timeout() -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    if dist.get_rank() == 1:  # the text torch's ProcessGroupNCCL raises for a collective past its timeout
+        raise RuntimeError(
+            "[Rank 1] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=4, OpType=ALLREDUCE, "
+            "NumelIn=1, NumelOut=1, Timeout(ms)=5000) ran for 5012 milliseconds before timing out."
+        )
+    dist.barrier()
+
+
+def _out_of_gpu_memory() -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    if dist.get_rank() == 1:  # the text of torch's OutOfMemoryError on a GPU
+        raise RuntimeError("CUDA out of memory. Tried to allocate 4096.00 GiB. GPU 1 has a total capacity of 79.19 GiB")
+    dist.barrier()
+
+
+def _aborts() -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    if dist.get_rank() == 1:
+        os.abort()  # what NCCL's watchdog does to a rank whose collective timed out
+    dist.barrier()
+
+
+@pytest.mark.parametrize(
+    ("fn", "says"),
+    [
+        (_watchdog_timeout, ("NCCL's watchdog ended the rank", "nccl_timeout")),
+        (_aborts, ("died from signal SIGABRT", "NCCL's watchdog ended the rank", "nccl_timeout")),
+        (_out_of_gpu_memory, ("A rank ran out of GPU memory", "nbkit.plan(")),
+    ],
+    ids=["watchdog-timeout", "sigabrt", "out-of-gpu-memory"],
+)
+def test_a_gpu_failure_is_named_with_its_rank_its_cause_and_what_to_do(fn, says):
+    with pytest.raises(nbkit.LaunchError) as caught:
+        nbkit.launch(fn, gpus=2, dashboard=False)
+    message = str(caught.value)
+    assert message.startswith("rank 1 "), message
+    assert all(phrase in message for phrase in says), message

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import datetime
 import faulthandler
 import gc
 import linecache
@@ -134,6 +135,9 @@ def setup(plan: RankPlan) -> str:
         init_method=f"tcp://{plan.master_addr}:{plan.master_port}",
         rank=plan.rank,
         world_size=plan.world_size,
+        # NCCL's watchdog ends a rank whose collective waits longer (rankside.nccl_environment); gloo keeps
+        # torch's default, its collectives fail as soon as a peer's connection closes.
+        timeout=datetime.timedelta(seconds=float(setting("nccl_timeout"))) if plan.use_cuda else None,
     )
     # A live rank's output is shown or not per call (see _call), so only the rest of a launched
     # rank's set-up applies here.
