@@ -17,6 +17,7 @@ import pytest
 
 import nbkit
 from nbkit import spawning, supervisor
+from nbkit.rank_options import RankOptions
 from nbkit.supervisor import ExitStatus
 
 # rank 1 dies as the OOM killer ends a process, while rank 0 waits for it in a collective
@@ -40,7 +41,7 @@ def _forked() -> str:
 
 def _spawned() -> str:
     with pytest.raises(nbkit.LaunchError) as caught:
-        spawning.run_source(_CELL, {}, gpus=2, dashboard=False)
+        spawning.run_source(_CELL, {}, RankOptions(gpus=2, dashboard=False))
     return str(caught.value)
 
 
