@@ -175,10 +175,11 @@ def prepare_rank(*, owns_exit: bool = True) -> None:
     Raises:
         nbkit.errors.EmulationError: NBKIT_EMULATE names no profile.
     """
-    from nbkit import checkpoints, compat, emulation, fsdp, reporting, teardown
+    from nbkit import checkpoints, compat, config, emulation, fsdp, reporting, teardown
 
     emulation.apply_from_env()  # first: a library imported later must see the profile (bf16, memory)
     install(*DEFAULT_GROUPS, "mixed_precision", "attention")
+    config.settle_fsdp_flag()  # before any library reads it: one answer to "does this rank shard?"
     if fsdp.requested():
         fsdp.setup_rank()
     reporting.setup_rank()
