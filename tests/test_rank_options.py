@@ -180,13 +180,16 @@ def test_the_strategy_nbkit_sets_wins_over_env_in_the_ranks(capfd):
     assert view["use_fsdp"] == "true" and view["fsdp_rank"] and view["guard_steps_aside"]
 
 
-def test_a_live_set_checks_its_calls_as_one_shot_runs_do():
+def test_a_live_set_checks_its_calls_as_one_shot_runs_do(capfd):
     one_shot = {
         "5": _message(lambda: nbkit.launch(print, gpus=2, timeout="5")),
         0: _message(lambda: nbkit.launch(print, gpus=2, timeout=0)),
     }
-    live = nbkit.start(gpus=2)
+    # nbkit.start(env=...) too: the strategy given wins over env's, with a notice
+    live = nbkit.start(gpus=2, env={config.STRATEGY: "fsdp"}, strategy="ddp")
+    assert "env sets NBKIT_STRATEGY=fsdp, and strategy='ddp' is given" in capfd.readouterr().err
     try:
+        assert live.exec(f"import os\nos.environ[{config.STRATEGY!r}]") == "ddp"
         for timeout, said in one_shot.items():
             assert _message(lambda: live.exec("1", timeout=timeout)) == said
             assert _message(lambda: live.run(int, timeout=timeout)) == said
