@@ -170,8 +170,8 @@ def settle_fsdp_flag() -> None:
     if said != settled:
         notices.logger(__name__).warning(
             f"nbkit: {USE_FSDP}={written} in this rank's environment, and the rank's strategy is {strategy()!r}: "
-            f"nbkit set {USE_FSDP}={'true' if settled else 'false'}. Choose FSDP with strategy='fsdp' "
-            "(%%ddp --strategy fsdp), not with the variable."
+            f"nbkit set {USE_FSDP}={'true' if settled else 'false'}, as the strategy decides whether ranks shard: "
+            f"pass strategy='fsdp' (%%ddp --strategy fsdp) to shard, and leave {USE_FSDP} unset."
         )
     os.environ[USE_FSDP] = "true" if settled else "false"
 
