@@ -15,14 +15,15 @@ this module and of the other plumbing between a rank's entry point and the cell.
 from __future__ import annotations
 
 import linecache
+import numbers
 from collections.abc import Iterable
 from typing import Any
 
-from nbkit import cells, distributed, forksafety, one_gpu, rankside
-from nbkit.ddp_options import OptionsError
-from nbkit.errors import LiveError
+from nbkit import cells, distributed, forksafety, one_gpu
+from nbkit.errors import LiveError, OptionsError, OptionTypeError
+from nbkit.rank_options import RankOptions
 
-__all__ = ["run_cell"]
+__all__ = ["run_cell", "run_cell_with"]
 
 
 def run_cell(
@@ -34,7 +35,7 @@ def run_cell(
     all_ranks: bool = False,
     env: dict[str, str] | None = None,
     spawn: bool = False,
-    ranks: Iterable[int] | None = None,
+    ranks: int | Iterable[int] | None = None,
     resend: bool | Iterable[str] = False,
     strategy: str | None = None,
     emulate: str | None = None,
@@ -56,7 +57,7 @@ def run_cell(
         (gpus, env, spawn, strategy and emulate start processes: refused while a live set runs.)
         timeout: seconds before every rank is stopped (a live set: ended).
         all_ranks: show every rank's output, not only the lowest one's.
-        ranks: a live set only: run on these ranks (None: every rank).
+        ranks: a live set only: run on this rank or these ranks (None: every rank).
         resend: a live set only: names to send again although the ranks hold them (True: all).
         filename: the name the ranks' tracebacks give the code; registered in linecache.
         dashboard: show the ranks' reports (one-shot runs; a live set always does).
@@ -66,11 +67,37 @@ def run_cell(
 
     Raises:
         CellSyntaxError: the code does not parse (before anything runs).
-        OptionsError (a ValueError): an option that does not fit: process options on a live set,
-            a rank the set does not have, `ranks` without a live set.
+        OptionsError (a ValueError): an option that does not fit: one out of range or of the wrong
+            type (nbkit.rank_options, the same message as nbkit.launch / nbkit.start give), process
+            options on a live set, a rank the set does not have, `ranks` without a live set.
         LiveError: a rank failed on the live set, or a live set ended after a failure and its
             names are gone (nbkit.live.forget_ended() makes cells one-shot again).
         LaunchError, BringAlongError, and what nbkit.launch / spawning.run_source raise.
+    """
+    options = RankOptions.build(
+        gpus=gpus,
+        timeout=timeout,
+        env=env,
+        strategy=strategy,
+        emulate=emulate,
+        all_ranks=all_ranks,
+        dashboard=dashboard,
+        spawn=spawn,
+    )
+    return run_cell_with(code, namespace, options, ranks=ranks, resend=resend, filename=filename)
+
+
+def run_cell_with(
+    code: str,
+    namespace: dict[str, Any],
+    options: RankOptions,
+    *,
+    ranks: int | Iterable[int] | None = None,
+    resend: bool | Iterable[str] = False,
+    filename: str = "<ddp cell>",
+) -> Any:
+    """run_cell with the ranks' set-up as one value (what the %%ddp magic calls); returns and raises as
+    run_cell does.
     """
     from nbkit import live
 
@@ -79,8 +106,8 @@ def run_cell(
     linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
     current = live.current()
     if current is not None:
-        _refuse_setup(current, gpus=gpus, env=env, spawn=spawn, strategy=strategy, emulate=emulate)
-        return _on_live_set(current, code, namespace, ranks, timeout, all_ranks, resend, filename)
+        _refuse_setup(current, options)
+        return _on_live_set(current, code, namespace, ranks, options, resend, filename)
     _refuse_after_a_set_ended(live.ended())
     if ranks is not None:
         raise OptionsError(
@@ -88,21 +115,12 @@ def run_cell(
             "%ddp start (its processes stay up across cells), or leave --rank out: a one-shot %%ddp runs "
             "on every rank."
         )
-    options = {
-        "gpus": gpus,
-        "timeout": timeout,
-        "quiet": not all_ranks,
-        "env": env,
-        "dashboard": dashboard,
-        "strategy": rankside.check_strategy(strategy or "ddp"),
-        "emulate": emulate,
-    }
-    return _one_shot(code, namespace, filename, spawn, options)
+    return _one_shot(code, namespace, filename, options)
 
 
-def _refuse_setup(live_set: Any, **setup: Any) -> None:
-    """OptionsError naming the options in `setup` that were given: a live set's processes are set up."""
-    refused = [f"--{option}" for option, given in setup.items() if given]
+def _refuse_setup(live_set: Any, options: RankOptions) -> None:
+    """OptionsError naming the process options given: a live set's processes are set up."""
+    refused = [f"--{option}" for option in options.process_options()]
     if refused:
         raise OptionsError(
             f"{', '.join(refused)} set up processes, and a live set of {live_set.world_size} rank(s) is "
@@ -126,13 +144,12 @@ def _on_live_set(
     live_set: Any,
     code: str,
     namespace: dict[str, Any],
-    ranks: Iterable[int] | None,
-    timeout: float | None,
-    all_ranks: bool,
+    ranks: int | Iterable[int] | None,
+    options: RankOptions,
     resend: bool | Iterable[str],
     filename: str,
 ) -> Any:
-    chosen = sorted(set(ranks)) if ranks is not None else None
+    chosen = _chosen_ranks(ranks)
     bad = [r for r in chosen or () if r >= live_set.world_size]
     if bad:
         raise OptionsError(
@@ -143,24 +160,39 @@ def _on_live_set(
         code,
         ranks=chosen if chosen is not None else "all",
         names=live_set.names_for(code, namespace),
-        timeout=timeout,
-        all_ranks=all_ranks,
+        timeout=options.timeout,
+        all_ranks=options.all_ranks,
         filename=filename,
         resend=resend if isinstance(resend, bool) else list(resend),
     )
 
 
-def _one_shot(code: str, namespace: dict[str, Any], filename: str, spawn: bool, options: dict[str, Any]) -> Any:
+def _chosen_ranks(ranks: Any) -> list[int] | None:
+    """`ranks` (one rank, several, or None for every rank) as a sorted list; OptionsError for anything else."""
+    if ranks is None:
+        return None
+    if isinstance(ranks, numbers.Integral):
+        listed = [ranks]
+    else:
+        listed = list(ranks) if isinstance(ranks, Iterable) and not isinstance(ranks, str) else []
+    whole = all(isinstance(r, numbers.Integral) and not isinstance(r, bool) for r in listed)
+    if not listed or not whole or min(listed) < 0:
+        error = OptionsError if listed and whole else OptionTypeError
+        raise error(f"ranks must be a rank number (0 and up) or a list of them, or None for every rank; got {ranks!r}.")
+    return sorted({int(r) for r in listed})
+
+
+def _one_shot(code: str, namespace: dict[str, Any], filename: str, options: RankOptions) -> Any:
     from nbkit import spawning
-    from nbkit.launching import launch
+    from nbkit.launching import launch_with
 
     visible = distributed.visible_gpus()
     if len(visible) == 1:  # Colab: what one-shot cells do there, once
         one_gpu.say_once("one-shot", visible[0].name)
-    blocker = None if spawn else forksafety.fork_blocker()
-    if spawn or blocker is not None:
+    blocker = None if options.spawn else forksafety.fork_blocker()
+    if options.spawn or blocker is not None:
         return spawning.run_source(
-            code, namespace, filename=filename, reason=blocker or "asked for with --spawn", **options
+            code, namespace, options, filename=filename, reason=blocker or "asked for with --spawn"
         )
 
     def run_ddp_cell() -> Any:
@@ -168,4 +200,4 @@ def _one_shot(code: str, namespace: dict[str, Any], filename: str, spawn: bool, 
         # sees them all, and what it assigns stays in the rank.
         return cells.run_cell(code, namespace, filename)
 
-    return launch(run_ddp_cell, **options)
+    return launch_with(options, run_ddp_cell)

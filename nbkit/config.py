@@ -1,10 +1,15 @@
-"""nbkit's settings: every NBKIT_* environment variable nbkit reads is declared and read here.
+"""nbkit's settings: every NBKIT_* and ACCELERATE_* environment variable nbkit reads is read here.
 
 Each setting lives in an environment variable, so launched processes (forked or freshly started)
 see what the notebook configured without anything being passed along. `nbkit.configure(...)`
 changes them for this process and every process it launches afterwards; `setting(name)` reads one.
 (NBKIT_LAUNCHED is written, not read, by nbkit: nbkit.launch sets it to 1 in every rank it starts,
 for the user's code to see.)
+
+Besides the settings, a rank reads what nbkit put into its environment (nbkit.rank_options): the
+strategy (`strategy()`, NBKIT_STRATEGY) and the GPU profile (`emulated()`, NBKIT_EMULATE); and
+accelerate's ACCELERATE_USE_FSDP, read one way by `flag()` and settled by `settle_fsdp_flag()`, so
+that nbkit, transformers and accelerate agree whether a rank shards (`fsdp_rank()`).
 """
 
 from __future__ import annotations
@@ -14,7 +19,35 @@ import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
-__all__ = ["SETTINGS", "Setting", "configure", "environment", "setting"]
+from nbkit import notices
+
+__all__ = [
+    "EMULATE",
+    "SETTINGS",
+    "STRATEGY",
+    "USE_FSDP",
+    "Setting",
+    "configure",
+    "emulated",
+    "environment",
+    "flag",
+    "fsdp_rank",
+    "setting",
+    "settle_fsdp_flag",
+    "strategy",
+]
+
+# What nbkit puts into the environment of the ranks it starts (nbkit.rank_options), read in the rank.
+STRATEGY = "NBKIT_STRATEGY"
+EMULATE = "NBKIT_EMULATE"
+# accelerate's switch for FSDP (`accelerate launch --use_fsdp`, and nbkit.fsdp in an fsdp rank).
+USE_FSDP = "ACCELERATE_USE_FSDP"
+
+# The spellings accelerate's str_to_bool takes for true and false (accelerate.utils.environment).
+# Written out rather than imported: importing accelerate pulls in torch, and this module is read at
+# `import nbkit` in the notebook.
+_TRUE = ("1", "y", "yes", "t", "true", "on")
+_FALSE = ("0", "n", "no", "f", "false", "off")
 
 
 @dataclass(frozen=True)
@@ -81,6 +114,70 @@ def setting(name: str) -> str:
     if problem:
         raise ValueError(f"{spec.env}={os.environ.get(spec.env)!r} is not valid for nbkit's {name}; {problem}.")
     return value.lower() if spec.choices is not None else value
+
+
+def flag(name: str) -> bool | None:
+    """A boolean environment variable read as accelerate reads its flags: True for 1/y/yes/t/true/on,
+    False for 0/n/no/f/false/off (any case, surrounding spaces ignored), None where it is unset or empty.
+
+    Raises:
+        ValueError: for any other value, naming the variable and the spellings it takes.
+    """
+    value = os.environ.get(name, "").strip().lower()
+    if not value:
+        return None
+    if value in _TRUE or value in _FALSE:
+        return value in _TRUE
+    raise ValueError(
+        f"{name}={os.environ[name]!r} is neither true nor false; use one of {', '.join(_TRUE)} or {', '.join(_FALSE)}."
+    )
+
+
+def strategy() -> str | None:
+    """The strategy nbkit started this rank with (NBKIT_STRATEGY: "ddp" or "fsdp", lower-cased), or None
+    where it is unset (not a rank of nbkit's, or one of an outside launcher that named none).
+    """
+    return os.environ.get(STRATEGY, "").strip().lower() or None
+
+
+def emulated() -> str | None:
+    """The GPU profile named for this process (NBKIT_EMULATE, as written), or None where it is unset or empty."""
+    return os.environ.get(EMULATE, "").strip() or None
+
+
+def fsdp_rank() -> bool:
+    """Whether this process shards under FSDP, the one reading nbkit uses everywhere: where nbkit set a
+    strategy (NBKIT_STRATEGY), that strategy decides; elsewhere ACCELERATE_USE_FSDP (`flag`) does.
+    """
+    chosen = strategy()
+    if chosen is not None:
+        return chosen == "fsdp"
+    return bool(flag(USE_FSDP))
+
+
+def settle_fsdp_flag() -> None:
+    """Write ACCELERATE_USE_FSDP, where it is set, as "true" or "false" by `fsdp_rank()`, with a notice
+    where that changes what it says.
+
+    accelerate's Accelerator takes only "true" for FSDP while transformers (and `flag`) take 1, yes or
+    on as well: settled before either reads it, every reader in the rank comes to `fsdp_rank()`'s answer.
+    Called in every rank nbkit starts (nbkit.integration.prepare_rank).
+    """
+    written = os.environ.get(USE_FSDP, "").strip()
+    if not written:
+        return
+    settled = fsdp_rank()
+    try:
+        said = flag(USE_FSDP)
+    except ValueError:
+        said = None
+    if said != settled:
+        notices.logger(__name__).warning(
+            f"nbkit: {USE_FSDP}={written} in this rank's environment, and the rank's strategy is {strategy()!r}: "
+            f"nbkit set {USE_FSDP}={'true' if settled else 'false'}, as the strategy decides whether ranks shard: "
+            f"pass strategy='fsdp' (%%ddp --strategy fsdp) to shard, and leave {USE_FSDP} unset."
+        )
+    os.environ[USE_FSDP] = "true" if settled else "false"
 
 
 def configure(**settings: str) -> dict[str, str]:

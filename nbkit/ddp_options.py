@@ -4,7 +4,11 @@ One spec serves the magic (nbkit.magics) and the script exporter (nbkit.export),
 magic accepts is read the same way by both, and `import nbkit.export` never imports IPython.
 
     opts = parse("--gpus 2 --out loss --env A=1 B=2")
-    opts.gpus, opts.out, opts.env          # 2, "loss", {"A": "1", "B": "2"}
+    opts.setup.gpus, opts.out, opts.setup.env_dict()     # 2, "loss", {"A": "1", "B": "2"}
+
+The options that set up the ranks (--gpus, --timeout, --env, --strategy, --emulate, --all-ranks,
+--spawn) become one nbkit.rank_options.RankOptions, checked there as nbkit.launch checks its arguments
+(the same messages); `parse_start` returns one for `%ddp start`.
 
 `--rank N [N ...]` runs the cell on those ranks of the live set only (`%ddp start`); a one-shot
 %%ddp (no live set) rejects it (nbkit.magics), since its processes end with the cell and a cell
@@ -12,7 +16,7 @@ that runs on some of them only would leave the others waiting. `--resend [NAME .
 names to the live set's ranks again although they hold those objects already (a one-shot %%ddp
 always uses the current values, so there it changes nothing). `--strategy {ddp,fsdp}` and
 `--emulate PROFILE` reach the ranks' environment (nbkit.rankside.rank_environment) of a one-shot run;
-on a running live set they are refused, as --gpus is. `parse_start` reads the line of `%ddp start`.
+on a running live set they are refused, as --gpus is.
 
 `-h` anywhere raises HelpShown with the option list (one line per option), which the magics print;
 `usage()` and `start_usage()` give the same text for their docstrings (`%%ddp?`, `%ddp?`).
@@ -22,19 +26,18 @@ from __future__ import annotations
 
 import argparse
 import keyword
-import math
 import shlex
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from nbkit.errors import NbkitError
+from nbkit.errors import OptionsError
+from nbkit.rank_options import RankOptions
 
 __all__ = [
     "DdpOptions",
     "HelpShown",
     "OptionParser",
     "OptionsError",
-    "StartOptions",
     "parse",
     "parse_env",
     "parse_start",
@@ -45,12 +48,6 @@ __all__ = [
 PROG = "%%ddp"
 
 
-class OptionsError(NbkitError, ValueError):
-    """A %%ddp line that cannot be read, or an option that does not fit (a --rank the live set does
-    not have); the message names the option and what it takes.
-    """
-
-
 class HelpShown(Exception):
     """-h was given: `text` is the option list to show, and nothing runs."""
 
@@ -59,45 +56,23 @@ class HelpShown(Exception):
         self.text = text
 
 
-@dataclass
+@dataclass(frozen=True)
 class DdpOptions:
     """What a %%ddp line asks for.
 
     Attributes:
-        gpus: processes to run (None: one per visible GPU).
+        setup: how the ranks are set up (--gpus, --timeout, --env, --strategy, --emulate, --all-ranks,
+            --spawn), checked.
         out: notebook name to store rank 0's value under, or None.
-        timeout: seconds after which every rank is stopped, or None.
-        all_ranks: show every rank's output, not only rank 0's.
-        env: environment variables for the processes.
-        spawn: start fresh processes even where forking would work.
         ranks: run on these ranks of the live set only (None: every rank).
         resend: notebook names to send to the live set's ranks even though they hold that object
             already (after a change made in place); [] for every name the cell reads; None: none.
-        strategy: "ddp" or "fsdp" for the processes a one-shot run starts (None: not given).
-        emulate: a GPU profile name for those processes to emulate (None: not given).
     """
 
-    gpus: int | None = None
+    setup: RankOptions = field(default_factory=RankOptions)
     out: str | None = None
-    timeout: float | None = None
-    all_ranks: bool = False
-    env: dict[str, str] = field(default_factory=dict)
-    spawn: bool = False
     ranks: list[int] | None = None
     resend: list[str] | None = None
-    strategy: str | None = None
-    emulate: str | None = None
-
-
-@dataclass
-class StartOptions:
-    """What a `%ddp start` line asks for (the arguments of nbkit.start)."""
-
-    gpus: int | None = None
-    timeout: float | None = None
-    env: dict[str, str] = field(default_factory=dict)
-    strategy: str = "ddp"
-    emulate: str | None = None
 
 
 class _OneLinePerOption(argparse.HelpFormatter):
@@ -142,7 +117,7 @@ def _process_options(parser: argparse.ArgumentParser) -> None:
         help="environment variables for the processes",
     )
     parser.add_argument(
-        "--strategy", choices=("ddp", "fsdp"), default=None, help="how the ranks share the model (default: ddp)"
+        "--strategy", default=None, metavar="{ddp,fsdp}", help="how the ranks share the model (default: ddp)"
     )
     parser.add_argument("--emulate", default=None, metavar="PROFILE", help="GPU profile for the ranks to emulate")
 
@@ -188,15 +163,10 @@ def parse(line: str) -> DdpOptions:
     Takes the line as the user typed it (after IPython has expanded `$name` and `{expr}`).
     Returns a DdpOptions. Raises OptionsError naming the option for anything it cannot read: an
     unknown option, a value of the wrong type, an --out that is not a Python name, an --env item
-    without "=", a timeout that is not a positive number, a --gpus below 1, or a --strategy other
-    than ddp and fsdp; HelpShown for -h.
+    without "=", and what RankOptions refuses (a timeout that is not a positive number, a --gpus
+    below 1, a --strategy other than ddp and fsdp, a profile nbkit does not have); HelpShown for -h.
     """
-    try:
-        words = shlex.split(line)
-    except ValueError as exc:
-        raise OptionsError(f"{PROG}: cannot read the line ({exc}).") from None
-    ns = _parser().parse_args(words)
-    _check_common(ns)
+    ns = _parser().parse_args(_words(line, PROG))
     if ns.rank is not None and any(r < 0 for r in ns.rank):
         raise OptionsError(f"--rank takes rank numbers (0 and up); got {' '.join(map(str, ns.rank))}.")
     bad = [n for n in ns.resend or () if not n.isidentifier()]
@@ -205,44 +175,38 @@ def parse(line: str) -> DdpOptions:
     if ns.out is not None and (not ns.out.isidentifier() or keyword.iskeyword(ns.out)):
         raise OptionsError(f"--out needs a Python name to store the value under; {ns.out!r} is not one.")
     return DdpOptions(
-        gpus=ns.gpus,
+        setup=_setup(ns, all_ranks=ns.all_ranks, spawn=ns.spawn),
         out=ns.out,
-        timeout=ns.timeout,
-        all_ranks=ns.all_ranks,
-        env=parse_env(item for group in ns.env for item in group),
-        spawn=ns.spawn,
         ranks=sorted(set(ns.rank)) if ns.rank is not None else None,
         resend=ns.resend,
-        strategy=ns.strategy,
-        emulate=ns.emulate,
     )
 
 
-def parse_start(line: str) -> StartOptions:
+def parse_start(line: str) -> RankOptions:
     """The options of a `%ddp start` line: --gpus N, --timeout S, --env KEY=VALUE ..., --strategy, --emulate.
 
     Raises OptionsError and HelpShown as parse() does.
     """
+    return _setup(_start_parser().parse_args(_words(line, "%ddp start")))
+
+
+def _words(line: str, prog: str) -> list[str]:
     try:
-        words = shlex.split(line)
+        return shlex.split(line)
     except ValueError as exc:
-        raise OptionsError(f"%ddp start: cannot read the line ({exc}).") from None
-    ns = _start_parser().parse_args(words)
-    _check_common(ns)
-    return StartOptions(
+        raise OptionsError(f"{prog}: cannot read the line ({exc}).") from None
+
+
+def _setup(ns: argparse.Namespace, **more: bool) -> RankOptions:
+    """The ranks' set-up a parsed line asks for, checked by RankOptions."""
+    return RankOptions.build(
         gpus=ns.gpus,
         timeout=ns.timeout,
         env=parse_env(item for group in ns.env for item in group),
-        strategy=ns.strategy or "ddp",
+        strategy=ns.strategy,
         emulate=ns.emulate,
+        **more,
     )
-
-
-def _check_common(ns: argparse.Namespace) -> None:
-    if ns.gpus is not None and ns.gpus < 1:
-        raise OptionsError(f"--gpus takes a whole number of at least 1; got {ns.gpus}.")
-    if ns.timeout is not None and not (math.isfinite(ns.timeout) and ns.timeout > 0):
-        raise OptionsError(f"--timeout takes a number of seconds above 0; got {ns.timeout}.")
 
 
 def parse_env(items: Iterable[str]) -> dict[str, str]:

@@ -33,12 +33,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from nbkit import notices, patching
+from nbkit import config, notices, patching
 from nbkit.errors import EmulationError
 
 __all__ = ["ENV", "PROFILES", "Profile", "active", "apply_from_env", "emulate", "lookup", "usable_bytes"]
 
-ENV = "NBKIT_EMULATE"
+ENV = config.EMULATE
 
 _log = notices.logger(__name__)
 
@@ -94,7 +94,7 @@ def active() -> Profile | None:
     Raises:
         EmulationError: NBKIT_EMULATE names no profile.
     """
-    name = os.environ.get(ENV, "").strip()
+    name = config.emulated()
     return lookup(name) if name else None
 
 

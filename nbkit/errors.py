@@ -28,6 +28,8 @@ __all__ = [
     "LaunchError",
     "LiveError",
     "NbkitError",
+    "OptionTypeError",
+    "OptionsError",
     "RankError",
     "StrategyError",
 ]
@@ -151,7 +153,17 @@ class BringAlongError(NbkitError, ValueError):
         self.name = name
 
 
-class EmulationError(NbkitError, ValueError):
+class OptionsError(NbkitError, ValueError):
+    """An option that does not fit (nbkit.launch, nbkit.start, nbkit.run_cell, a %%ddp line, export): the
+    message names the option and what to pass.
+    """
+
+
+class OptionTypeError(OptionsError, TypeError):
+    """An option of the wrong type (timeout="5", env="A=1"); a TypeError as well as an OptionsError."""
+
+
+class EmulationError(OptionsError):
     """A GPU profile to emulate (`nbkit.emulate(name)`, NBKIT_EMULATE) that nbkit does not have; the
     message names the profiles it has.
     """

@@ -48,6 +48,7 @@ from typing import Any
 
 from nbkit import cells, ddp_options
 from nbkit.errors import ExportError
+from nbkit.rank_options import RankOptions
 
 __all__ = ["export_script"]
 
@@ -115,14 +116,13 @@ def export_script(notebook_path: str | os.PathLike[str], cell: str | int, out: s
     options = parts[-1].options
     if start_line is not None:
         start = _start_options(start_line, statements, where)
-        options = dataclasses.replace(
-            options,
-            gpus=start.gpus,
-            env={**start.env, **options.env},
-            timeout=options.timeout or start.timeout,
-            strategy=start.strategy,
-            emulate=start.emulate,
+        setup = dataclasses.replace(
+            start,
+            env=(*start.env, *options.setup.env),
+            timeout=options.setup.timeout or start.timeout,
+            all_ranks=options.setup.all_ranks,
         )
+        options = dataclasses.replace(options, setup=setup)
     exported = {f"cell {part.cell} (%%ddp)" for part in parts}
     skipped = [item for item in skipped if item not in exported]
     needed = cells.free_names([node for part in parts for node in part.tree.body])
@@ -181,7 +181,7 @@ def _live_set(nb_cells: list[Any]) -> tuple[str | None, list[int]]:
     return start_line, ran
 
 
-def _start_options(line: str, statements: list[_Statement], where: str) -> ddp_options.StartOptions:
+def _start_options(line: str, statements: list[_Statement], where: str) -> RankOptions:
     """The options of the `%ddp start` line above the cell, expanded as a %%ddp line is."""
     if "$" in line or "{" in line:
         line = _expand(line, statements, where)
@@ -296,7 +296,9 @@ def _without_none_values(line: str) -> str:
     None means the default, as it does for nbkit.launch).
     """
     defaults_none = {
-        "--" + f.name.replace("_", "-") for f in dataclasses.fields(ddp_options.DdpOptions) if f.default is None
+        "--" + f.name.replace("_", "-")
+        for f in (*dataclasses.fields(ddp_options.DdpOptions), *dataclasses.fields(RankOptions))
+        if f.default is None
     }
     try:
         words = shlex.split(line)
@@ -494,7 +496,8 @@ def _render(
     taken: set[str],
     script: str,
 ) -> str:
-    gpus = options.gpus
+    setup = options.setup
+    gpus = setup.gpus
     n = gpus if gpus is not None else "<GPUs>"
     forks = f"{gpus} processes" if gpus is not None else "one process per visible GPU"
     doc = [
@@ -509,7 +512,7 @@ def _render(
     if skipped:
         doc += ["", "Not exported (notebook only): " + ", ".join(skipped) + "."]
     out = ["#!/usr/bin/env python", '"""' + "\n".join(doc) + '\n"""', ""]
-    env = options.env
+    env = setup.env_dict()
     if env:
         out.append("import os")
         out += [f"os.environ.setdefault({k!r}, {v!r})  # %%ddp --env" for k, v in env.items()]
@@ -528,14 +531,14 @@ def _render(
     else:
         out += _live_functions(function, parts, taken)
     call = [f"gpus={gpus!r}"]
-    if options.timeout is not None:
-        call.append(f"timeout={options.timeout!r}")
-    if not options.all_ranks:
+    if setup.timeout is not None:
+        call.append(f"timeout={setup.timeout!r}")
+    if not setup.all_ranks:
         call.append("quiet=True")
-    if options.strategy not in (None, "ddp"):
-        call.append(f"strategy={options.strategy!r}")
-    if options.emulate is not None:
-        call.append(f"emulate={options.emulate!r}")
+    if setup.strategy not in (None, "ddp"):
+        call.append(f"strategy={setup.strategy!r}")
+    if setup.emulate is not None:
+        call.append(f"emulate={setup.emulate!r}")
     result = options.out or "result"
     out += [
         'if __name__ == "__main__":',

@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from nbkit import distributed
+from nbkit import config, distributed
 from nbkit.errors import StrategyError
 from nbkit.patching import patch
 
@@ -62,7 +62,7 @@ __all__ = [
 ]
 
 # The variable nbkit.launch / nbkit.start / the magics put into the ranks' environment.
-STRATEGY_VARIABLE = "NBKIT_STRATEGY"
+STRATEGY_VARIABLE = config.STRATEGY
 # Seconds a generation on a sharded model waits for every rank to call it before it is refused.
 EVERY_RANK_TIMEOUT_S = 30.0
 
@@ -109,7 +109,7 @@ class FsdpSettings:
 
 def requested() -> bool:
     """Whether this process is a rank of the fsdp strategy (NBKIT_STRATEGY=fsdp in its environment)."""
-    return os.environ.get(STRATEGY_VARIABLE, "").strip().lower() == "fsdp"
+    return config.strategy() == "fsdp"
 
 
 def setup_rank(settings: FsdpSettings | None = None) -> None:
@@ -224,13 +224,15 @@ def shard(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
         The sharded model (each parameter a DTensor holding this rank's shard).
 
     Raises:
-        StrategyError: this process is not an fsdp rank (no ACCELERATE_USE_FSDP in its environment).
+        StrategyError: this process is not an fsdp rank (nbkit.config.fsdp_rank(): the fsdp strategy, or
+            ACCELERATE_USE_FSDP where no strategy is set).
     """
-    if os.environ.get("ACCELERATE_USE_FSDP", "").lower() != "true":
+    if not config.fsdp_rank():
         raise StrategyError(
             "nbkit.fsdp.shard() needs an fsdp rank: start the ranks with the fsdp strategy "
             f"({STRATEGY_VARIABLE}=fsdp in their environment), or call nbkit.fsdp.setup_rank() first."
         )
+    config.settle_fsdp_flag()  # accelerate's Accelerator takes only "true" for FSDP
     from accelerate import Accelerator
 
     accelerator = Accelerator()

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from nbkit import distributed, fsdp, notices
-from nbkit.config import setting
+from nbkit.config import fsdp_rank, setting
 from nbkit.errors import DeviceMapError
 from nbkit.patching import patch
 
@@ -211,7 +211,7 @@ def _placement_managed_elsewhere(args: dict[str, Any]) -> bool:
     """DeepSpeed ZeRO-3, FSDP and tensor parallelism place (and shard) the weights themselves."""
     if any(args.get(name) is not None for name in ("tp_plan", "tp_size", "distributed_config", "device_mesh")):
         return True
-    if os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true"):
+    if fsdp_rank():
         return True
     try:
         from transformers.integrations import is_deepspeed_zero3_enabled

@@ -177,12 +177,13 @@ def prepare_rank(*, owns_exit: bool = True) -> None:
     Raises:
         nbkit.errors.EmulationError: NBKIT_EMULATE names no profile.
     """
-    from nbkit import attention, checkpoints, compat, distributed, emulation, fsdp, reporting, teardown
+    from nbkit import attention, checkpoints, compat, config, distributed, emulation, fsdp, reporting, teardown
 
     emulation.apply_from_env()  # first: a library imported later must see the profile (bf16, memory)
     install(*DEFAULT_GROUPS, "mixed_precision")
     if attention.needed(distributed.visible_gpus(), distributed.local_rank()):
         install("attention")
+    config.settle_fsdp_flag()  # before any library reads it: one answer to "does this rank shard?"
     if fsdp.requested():
         fsdp.setup_rank()
     reporting.setup_rank()

@@ -26,7 +26,6 @@ import io
 import logging
 import math
 import multiprocessing
-import numbers
 import os
 import signal
 import socket
@@ -37,13 +36,14 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from nbkit import channel, distributed, forksafety, integration, notices, patching, rankoutput, rankside
+from nbkit import channel, config, distributed, forksafety, integration, notices, patching, rankoutput, rankside
 from nbkit import dashboard as dashboards
 from nbkit.config import environment
 from nbkit.errors import LaunchError, RankError
+from nbkit.rank_options import RankOptions
 from nbkit.supervisor import ExitStatus, exit_status, hang_hint, kill, render_failures, stop
 
-__all__ = ["LaunchError", "launch"]
+__all__ = ["LaunchError", "launch", "launch_with"]
 
 # Notices about a launch (an interrupt, ranks stopped after returning): the nbkit logger shows them
 # under the cell (warnings on stderr), filterable as every nbkit notice is.
@@ -98,10 +98,11 @@ def launch(
             run timed out, or rank 0's value could not be sent back. The message leads with the
             rank that failed first and how, and holds its traceback. Every rank is stopped and
             every resource of the launch (pipes, the rendezvous socket, threads) released first.
-        RuntimeError / ValueError / TypeError: the run could not start (an argument out of range,
-            CUDA already initialised here, an Accelerator created here, more GPUs than exist, a
-            function that cannot run in a child); nothing was started and the message says what
-            to do.
+        OptionsError (a ValueError; OptionTypeError, a TypeError too): an option out of range or of
+            the wrong type, named with what to pass (nbkit.rank_options), before anything starts.
+        RuntimeError / ValueError / TypeError: the run could not start (CUDA already initialised here,
+            an Accelerator created here, more GPUs than exist, a function that cannot run in a
+            child); nothing was started and the message says what to do.
 
     Inside a distributed run already (torchrun, accelerate launch, several nodes), `fn` is called
     directly on each rank and its value returned there (with NBKIT_STRATEGY / NBKIT_EMULATE set);
@@ -115,19 +116,36 @@ def launch(
     `for attempt in range(3): try: return nbkit.launch(...) except nbkit.LaunchError: ...`
     (every failed launch leaves nothing behind, so the next one starts at once).
     """
+    options = RankOptions.build(
+        gpus=gpus,
+        timeout=timeout,
+        all_ranks=not quiet,
+        env=env,
+        dashboard=dashboard,
+        strategy=strategy,
+        emulate=emulate,
+    )
+    return launch_with(options, fn, *args, **kwargs)
+
+
+def launch_with(options: RankOptions, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """nbkit.launch with its options as one value (what nbkit.run_cell and spawn's launcher process call).
+
+    Returns and raises as nbkit.launch does.
+    """
     if distributed.is_distributed():
-        _join_outside_launcher(strategy, emulate)
+        _join_outside_launcher(options)
         return fn(*args, **kwargs)
 
     _check_function(fn)
-    timeout = check_timeout(timeout)
     has_cuda = _has_cuda()
-    use_cuda, nprocs = rankside.count_ranks(gpus, distributed.visible_gpus() if has_cuda else [], api="nbkit.launch")
-    rank_env = rankside.rank_environment(use_cpu=not use_cuda, strategy=strategy or "ddp", emulate=emulate, extra=env)
+    visible = distributed.visible_gpus() if has_cuda else []
+    use_cuda, nprocs = rankside.count_ranks(options.gpus, visible, api="nbkit.launch")
+    rank_env = rankside.rank_environment(options, use_cpu=not use_cuda)
     _check_can_fork()
-    run = _Run(nprocs, None, timeout)
-    child = _Child(fn, args, kwargs, run.pipes, quiet=quiet, use_cpu=not use_cuda)
-    return _run_ranks(run, child, env=rank_env, dashboard=dashboard)
+    run = _Run(nprocs, None, options.timeout)
+    child = _Child(fn, args, kwargs, run.pipes, quiet=not options.all_ranks, use_cpu=not use_cuda)
+    return _run_ranks(run, child, env=rank_env, dashboard=options.dashboard)
 
 
 def _run_ranks(run: _Run, child: _Child, *, env: dict[str, str], dashboard: bool) -> Any:
@@ -150,14 +168,13 @@ def _run_ranks(run: _Run, child: _Child, *, env: dict[str, str], dashboard: bool
 # --------------------------------------------------------------------------------------------
 
 
-def _join_outside_launcher(strategy: str | None, emulate: str | None) -> None:
+def _join_outside_launcher(options: RankOptions) -> None:
     """Set up this process as a rank of an outside launcher (torchrun running an exported script): what
-    the launch call names is set; a strategy it leaves at its default stays as that launcher's
-    environment has it.
+    the launch call names is set; a strategy it leaves out stays as that launcher's environment has it.
     """
-    given = rankside.strategy_environment(strategy or "ddp", emulate)
-    if strategy is None:
-        del given["NBKIT_STRATEGY"]
+    given = options.strategy_environment()
+    if options.strategy is None:
+        del given[config.STRATEGY]
     os.environ.update(given)
     _prepare_rank(quiet=False, rank=distributed.rank(), descriptors=False)
 
@@ -186,21 +203,6 @@ def _check_function(fn: Callable[..., Any]) -> None:
             "nbkit.launch forks one process per GPU, and this platform cannot fork (Windows). Export the "
             "training code as a script (%nbkit export) and run it with torchrun or accelerate launch."
         )
-
-
-def check_timeout(timeout: Any) -> float | None:
-    """`timeout` as seconds (float), or None; raises TypeError/ValueError, saying what is accepted,
-    for anything but a finite number > 0 or None (strings, booleans, 0, negatives, NaN, inf).
-    """
-    if timeout is None:
-        return None
-    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
-        raise TypeError(
-            f"timeout must be a number of seconds (or None for no limit); got {type(timeout).__name__} {timeout!r}."
-        )
-    if not math.isfinite(timeout) or timeout <= 0:
-        raise ValueError(f"timeout must be a finite number of seconds above 0 (or None for no limit); got {timeout!r}.")
-    return float(timeout)
 
 
 def _check_can_fork() -> None:

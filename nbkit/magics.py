@@ -154,9 +154,7 @@ class NbkitMagics(Magics):
         if command == "start":
             opts = _parsed(ddp_options.parse_start, rest)
             if opts is not None:
-                ranks = live.start(
-                    gpus=opts.gpus, timeout=opts.timeout, env=opts.env, strategy=opts.strategy, emulate=opts.emulate
-                )
+                ranks = live.start_with(opts)
                 devices = ", ".join(sorted({r.device for r in ranks.status().ranks}))
                 print(f"nbkit: live set of {ranks.world_size} rank(s) on {devices}; %%ddp cells now run on it.")
         elif command in ("stop", "status"):
@@ -180,7 +178,7 @@ class NbkitMagics(Magics):
         or use --resend NAME (--resend alone: every name the cell reads). Names the ranks' cells defined
         are never replaced by notebook objects. See nbkit.magics for the rest.
         """
-        from nbkit.cellrun import run_cell
+        from nbkit.cellrun import run_cell_with
 
         args = _parsed(ddp_options.parse, line)
         if args is None:
@@ -191,18 +189,12 @@ class NbkitMagics(Magics):
         # Registered in linecache, so tracebacks of the ranks show the cell's lines.
         filename = shell.compile.cache(source, shell.execution_count)
         try:
-            value = run_cell(
+            value = run_cell_with(
                 source,
                 shell.user_ns,
-                gpus=args.gpus,
-                timeout=args.timeout,
-                all_ranks=args.all_ranks,
-                env=args.env,
-                spawn=args.spawn,
+                args.setup,
                 ranks=args.ranks,
                 resend=True if args.resend == [] else args.resend or False,
-                strategy=args.strategy,
-                emulate=args.emulate,
                 filename=filename,
             )
         except OptionsError as exc:

@@ -18,23 +18,22 @@ The rest of a rank's set-up is nbkit.integration.prepare_rank, which every path 
 from __future__ import annotations
 
 import io
-import numbers
 import os
 import pickle
 import sys
 import traceback
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nbkit.errors import LaunchError
 
+if TYPE_CHECKING:
+    from nbkit.rank_options import RankOptions
+
 __all__ = [
     "ALLOC_CONF",
-    "STRATEGIES",
     "CpuPickler",
     "allocator_environment",
-    "check_gpus",
-    "check_strategy",
     "count_ranks",
     "cpu_rank_limit",
     "cpu_reduction",
@@ -44,15 +43,11 @@ __all__ = [
     "rank_environment",
     "rank_traceback",
     "set_rank_threads",
-    "strategy_environment",
 ]
 
 # torch's caching-allocator settings: the variable torch reads first, and the one it reads where that is unset.
 ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
 _ALLOC_CONF_FALLBACK = "PYTORCH_ALLOC_CONF"
-
-# How the ranks share the model: "ddp" (a full copy on every rank) or "fsdp" (sharded).
-STRATEGIES = ("ddp", "fsdp")
 
 _NBKIT_DIR = os.path.dirname(os.path.abspath(__file__))
 # The files whose frames stand between a rank's entry point and the user's code in every path:
@@ -68,22 +63,6 @@ _PLUMBING = frozenset(
 # --------------------------------------------------------------------------------------------
 
 
-def check_gpus(gpus: Any) -> int | None:
-    """`gpus` as an int, or None; raises ValueError for anything but a whole number >= 1 or None."""
-    if gpus is None:
-        return None
-    if not isinstance(gpus, numbers.Integral) or isinstance(gpus, bool) or gpus < 1:
-        raise ValueError(f"gpus must be a positive whole number or None (all visible GPUs); got {gpus!r}.")
-    return int(gpus)
-
-
-def check_strategy(strategy: Any) -> str:
-    """`strategy` if it is one of STRATEGIES; ValueError naming them otherwise."""
-    if strategy not in STRATEGIES:
-        raise ValueError(f"strategy must be one of {', '.join(map(repr, STRATEGIES))}; got {strategy!r}.")
-    return str(strategy)
-
-
 def cpu_rank_limit() -> int:
     """The most CPU ranks nbkit starts on a machine without CUDA: the CPU count, at least 8.
 
@@ -95,19 +74,18 @@ def cpu_rank_limit() -> int:
     return max(8, os.cpu_count() or 1)
 
 
-def count_ranks(gpus: Any, visible: Sequence[Any], *, api: str) -> tuple[bool, int]:
+def count_ranks(gpus: int | None, visible: Sequence[Any], *, api: str) -> tuple[bool, int]:
     """(whether the ranks use CUDA, how many ranks) for `gpus` on a machine showing `visible` GPUs.
 
-    Takes `gpus` as the user gave it (None: one rank per visible GPU), the visible GPUs
+    Takes `gpus` as RankOptions checked it (None: one rank per visible GPU), the visible GPUs
     (distributed.visible_gpus(): [] without CUDA) and the call's name for the messages
     ("nbkit.launch", "nbkit.start"). Runs in the notebook process, before anything starts.
 
     Raises:
-        ValueError: gpus is not a whole number >= 1, asks for more GPUs than are visible, or, without
-            a GPU, for more CPU ranks than cpu_rank_limit().
+        ValueError: gpus asks for more GPUs than are visible, or, without a GPU, for more CPU ranks than
+            cpu_rank_limit().
         RuntimeError: gpus=None on a machine without a GPU.
     """
-    gpus = check_gpus(gpus)
     if not visible:
         if gpus is None:
             raise RuntimeError(
@@ -133,36 +111,29 @@ def count_ranks(gpus: Any, visible: Sequence[Any], *, api: str) -> tuple[bool, i
     return True, gpus
 
 
-def rank_environment(
-    *,
-    use_cpu: bool,
-    strategy: str = "ddp",
-    emulate: str | None = None,
-    extra: Mapping[str, str] | None = None,
-    loopback: bool = True,
-) -> dict[str, str]:
+def rank_environment(options: RankOptions, *, use_cpu: bool, loopback: bool = True) -> dict[str, str]:
     """The environment variables nbkit gives every rank (on top of torchrun's RANK, WORLD_SIZE, ...).
 
-    NBKIT_LAUNCHED=1 (nbkit's code in the rank knows it is one); NBKIT_STRATEGY (`strategy`) and
-    NBKIT_EMULATE (`emulate`, when given) for what the ranks do with them. Without CUDA
-    (`use_cpu`): ACCELERATE_USE_CPU=true, so accelerate, transformers' Trainer and TRL run real gloo
-    DDP across the processes instead of N independent runs, and, where the ranks meet on this
-    machine (`loopback`) under Linux, GLOO_SOCKET_IFNAME=lo unless this process sets it already.
-    With CUDA: torch's allocator settings with expandable segments (allocator_environment), and
-    NCCL's error handling (nccl_environment), so a collective that waits for a peer past the process
-    group's timeout ends its rank instead of hanging.
-    `extra` (the user's env=) comes last and wins. Computed in the notebook process; fork mode sets
-    it around the fork only (the notebook's own environment is put back), a live rank applies it to
-    itself before it first uses CUDA.
+    NBKIT_LAUNCHED=1 (nbkit's code in the rank knows it is one); NBKIT_STRATEGY and NBKIT_EMULATE
+    (`options.strategy_environment()`) for what the ranks do with them. Without CUDA (`use_cpu`):
+    ACCELERATE_USE_CPU=true, so accelerate, transformers' Trainer and TRL run real gloo DDP across the
+    processes instead of N independent runs, and, where the ranks meet on this machine (`loopback`)
+    under Linux, GLOO_SOCKET_IFNAME=lo unless this process sets it already. With CUDA: NCCL's error
+    handling (nccl_environment), so a collective that waits for a peer past the process group's timeout
+    ends its rank instead of hanging, and torch's allocator settings with expandable segments
+    (allocator_environment, merged into the user's). The user's `options.env` comes on top, but for the
+    strategy and the profile, which RankOptions settled already. Computed in the notebook process; fork
+    mode sets it around the fork only (the notebook's own environment is put back), a live rank applies
+    it to itself before it first uses CUDA.
     """
-    values = {"NBKIT_LAUNCHED": "1", **strategy_environment(strategy, emulate)}
+    values = {"NBKIT_LAUNCHED": "1"}
     if use_cpu:
         values["ACCELERATE_USE_CPU"] = "true"
         if loopback and sys.platform.startswith("linux"):
             values["GLOO_SOCKET_IFNAME"] = os.environ.get("GLOO_SOCKET_IFNAME", "lo")
     else:
         values.update(nccl_environment())
-    values.update(extra or {})
+    values = {**values, **options.env_dict(), **options.strategy_environment()}
     if not use_cpu:
         values.update(allocator_environment({**os.environ, **values}))
     return values
@@ -222,21 +193,6 @@ def nccl_environment() -> dict[str, str]:
     each variable only where this process does not set it already (a user's choice stands).
     """
     return {name: value for name, value in _NCCL_ERROR_HANDLING.items() if name not in os.environ}
-
-
-def strategy_environment(strategy: str = "ddp", emulate: str | None = None) -> dict[str, str]:
-    """NBKIT_STRATEGY and (when `emulate` is given) NBKIT_EMULATE: the part of rank_environment that
-    ranks of an outside launcher (torchrun running an exported script) get too, from nbkit.launch
-    in the rank. Raises ValueError for a strategy not in STRATEGIES, EmulationError (a ValueError) for
-    a profile nbkit.emulation does not have.
-    """
-    values = {"NBKIT_STRATEGY": check_strategy(strategy)}
-    if emulate is not None:
-        # Checked here, before any process starts, so a misspelt profile fails in the notebook.
-        from nbkit.emulation import lookup
-
-        values["NBKIT_EMULATE"] = lookup(emulate).name
-    return values
 
 
 # --------------------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ none of the cell's values (secrets included) on disk. The ranks' reports reach t
 dashboard, rank 0's value comes back, and a failing rank raises the same LaunchError as fork mode.
 Output of the ranks appears in the notebook.
 
-    value = run_source("model = train(lr)\\nmodel.score", globals(), gpus=2)
+    value = run_source("model = train(lr)\\nmodel.score", globals(), RankOptions(gpus=2))
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ from typing import Any
 from nbkit import cells, dashboard, distributed, forksafety, launching, notices, rankside, supervisor
 from nbkit.errors import LaunchError, RankError
 from nbkit.notebook_names import BroughtAlong, bring_along
+from nbkit.rank_options import RankOptions
 
 __all__ = ["run_source"]
 
@@ -66,53 +67,30 @@ _LAUNCHER_SLACK_S = 60.0
 def run_source(
     source: str,
     namespace: Mapping[str, Any],
+    options: RankOptions,
     *,
-    gpus: int | None = None,
-    timeout: float | None = None,
-    quiet: bool = False,
-    env: Mapping[str, str] | None = None,
-    dashboard: bool = True,
     filename: str = "<ddp cell>",
     reason: str | forksafety.ForkBlocker | None = None,
-    strategy: str = "ddp",
-    emulate: str | None = None,
 ) -> Any:
-    """Run `source` (plain Python, as a notebook cell) on `gpus` fresh processes; return rank 0's
+    """Run `source` (plain Python, as a notebook cell) on `options.gpus` fresh processes; return rank 0's
     value of its last expression (None if it ends with a statement).
 
     Takes the names of earlier cells from `namespace` (see the module doc for what is brought
-    along); gpus/timeout/quiet/env/dashboard/strategy/emulate as in nbkit.launch. Prints one line saying that
-    spawn mode runs, why (`reason`), and what is brought along.
+    along) and the ranks' set-up as checked already (RankOptions: gpus, timeout, env, strategy,
+    emulate, all_ranks, dashboard, as in nbkit.launch). Prints one line saying that spawn mode runs,
+    why (`reason`), and what is brought along.
 
     Raises CellSyntaxError (the source does not parse), BringAlongError (a needed name cannot be
-    pickled), TypeError/ValueError (gpus or timeout out of range), all before anything starts;
-    LaunchError (a rank failed, the run timed out, or the launcher process died), KeyboardInterrupt
-    (interrupted: every process was stopped), and the ValueError/RuntimeError nbkit.launch raises
-    when it cannot start (for instance more GPUs than exist).
+    pickled), both before anything starts; LaunchError (a rank failed, the run timed out, or the
+    launcher process died), KeyboardInterrupt (interrupted: every process was stopped), and the
+    ValueError/RuntimeError nbkit.launch raises when it cannot start (for instance more GPUs than exist).
     """
-    timeout = launching.check_timeout(timeout)
-    gpus = rankside.check_gpus(gpus)
-    strategy = rankside.check_strategy(strategy)
-    # the profile too, here, before the launcher process starts (by its own name from here on)
-    emulate = rankside.strategy_environment(strategy, emulate).get("NBKIT_EMULATE")
     cells.parse(source, filename)  # a cell that does not parse fails here, pointing at its line
     brought = bring_along(source, namespace)
     why = f" Why: {str(reason).rstrip('.')}." if reason else ""
     names = ", ".join(brought.reached) or "nothing"
     _log.info(f"nbkit: running in fresh processes (spawn mode).{why} Brought along: {names}.")
-    job = _Job(
-        source=source,
-        filename=filename,
-        brought=brought,
-        sys_path=list(sys.path),
-        gpus=gpus,
-        timeout=timeout,
-        quiet=quiet,
-        env=dict(env or {}),
-        dashboard=dashboard,
-        strategy=strategy,
-        emulate=emulate,
-    )
+    job = _Job(source=source, filename=filename, brought=brought, sys_path=list(sys.path), options=options)
     return _Coordinator(job).run()
 
 
@@ -129,13 +107,7 @@ class _Job:
     filename: str
     brought: BroughtAlong
     sys_path: list[str]
-    gpus: int | None
-    timeout: float | None
-    quiet: bool
-    env: dict[str, str]
-    dashboard: bool
-    strategy: str
-    emulate: str | None
+    options: RankOptions
 
 
 @dataclass(frozen=True)
@@ -229,7 +201,7 @@ class _Coordinator:
                 proc.stdin.close()
 
     def _wait(self, reader: Connection, proc: subprocess.Popen) -> _Outcome | None:
-        timeout = self.job.timeout
+        timeout = self.job.options.timeout
         deadline = None if timeout is None else time.monotonic() + timeout + _LAUNCHER_SLACK_S
         while True:
             if reader.poll(0.2):
@@ -255,7 +227,7 @@ class _Coordinator:
 
     def _dashboard_message(self, message: dashboard.DashboardOpened | dashboard.DashboardEvent) -> None:
         if isinstance(message, dashboard.DashboardOpened):
-            self.board = dashboard.create(message.nprocs, enabled=self.job.dashboard)
+            self.board = dashboard.create(message.nprocs, enabled=self.job.options.dashboard)
         elif self.board is not None:
             try:
                 self.board.event(message.rank, message.metrics)
@@ -341,17 +313,7 @@ def _coordinate() -> None:
     dashboard.relay_to(conn)
     outcome: _Outcome
     try:
-        value = launching.launch(
-            _run_rank,
-            job,
-            gpus=job.gpus,
-            timeout=job.timeout,
-            quiet=job.quiet,
-            env=job.env,
-            dashboard=job.dashboard,
-            strategy=job.strategy,
-            emulate=job.emulate,
-        )
+        value = launching.launch_with(job.options, _run_rank, job)
         outcome = _Finished(value)
     except LaunchError as exc:
         outcome = _Failed(str(exc), exc.failures, exc.errors, exc.timed_out)

@@ -145,7 +145,7 @@ def test_a_launch_under_an_unknown_profile_fails_naming_the_known_ones(monkeypat
 def test_launch_and_start_refuse_an_unknown_profile_before_starting_anything():
     # the emulate= argument (and %ddp start --emulate, %%ddp --emulate) is checked in the notebook
     for call in (lambda: nbkit.launch(_one, gpus=2, emulate="K80"), lambda: nbkit.start(gpus=2, emulate="K80")):
-        with pytest.raises(EmulationError, match=r"no GPU profile 'K80'.*profiles are T4"):
+        with pytest.raises(EmulationError, match=r"emulate must name a GPU profile, one of 'T4' .*; got 'K80'"):
             call()
 
 

@@ -176,9 +176,10 @@ def test_a_parameter_left_at_none_means_the_default(tmp_path):
 
 
 def test_strategy_and_emulate_reach_the_launch_call_of_the_script(tmp_path):
+    # the profile under its own name, as the export checked it
     nb_path = _one_cell_notebook(tmp_path, "%%ddp --gpus 2 --strategy fsdp --emulate t4\n1")
     script = export_script(nb_path, "train", tmp_path / "train.py")
-    assert _launch_line(script) == "result = nbkit.launch(ddp_cell, gpus=2, quiet=True, strategy='fsdp', emulate='t4')"
+    assert _launch_line(script) == "result = nbkit.launch(ddp_cell, gpus=2, quiet=True, strategy='fsdp', emulate='T4')"
 
 
 def test_the_notebook_is_never_written_over(tmp_path, monkeypatch):

@@ -108,6 +108,10 @@ def test_a_torch_cpp_warning_of_rank_1_is_hidden_or_prefixed_like_its_prints(cap
 def _fail_on_rank1(pid_dir: str) -> None:
     Path(pid_dir, str(os.getpid())).touch()
     if nbkit.rank() == 1:
+        # once rank 0 has written its pid too: on a loaded machine rank 0 was stopped before it did
+        deadline = time.monotonic() + 60
+        while len(list(Path(pid_dir).iterdir())) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
         raise ValueError("batch 7 has no labels")
     time.sleep(60)  # rank 0 would go on; the launcher must stop it
 

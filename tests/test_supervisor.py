@@ -17,6 +17,7 @@ import pytest
 
 import nbkit
 from nbkit import spawning, supervisor
+from nbkit.rank_options import RankOptions
 from nbkit.supervisor import ExitStatus
 
 # rank 1 dies as the OOM killer ends a process, while rank 0 waits for it in a collective
@@ -40,7 +41,7 @@ def _forked() -> str:
 
 def _spawned() -> str:
     with pytest.raises(nbkit.LaunchError) as caught:
-        spawning.run_source(_CELL, {}, gpus=2, dashboard=False)
+        spawning.run_source(_CELL, {}, RankOptions(gpus=2, dashboard=False))
     return str(caught.value)
 
 
@@ -183,12 +184,12 @@ def test_gpu_ranks_get_nccls_error_handling_unless_the_notebook_chose_its_own(mo
 
     for name in ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC"):
         monkeypatch.delenv(name, raising=False)
-    gpu = rankside.rank_environment(use_cpu=False)
+    gpu = rankside.rank_environment(RankOptions(), use_cpu=False)
     assert gpu["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1" and gpu["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "0"
     assert gpu["TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC"] == "60" and "TORCH_NCCL_BLOCKING_WAIT" not in gpu
-    assert not any(k.startswith("TORCH_NCCL") for k in rankside.rank_environment(use_cpu=True))
+    assert not any(k.startswith("TORCH_NCCL") for k in rankside.rank_environment(RankOptions(), use_cpu=True))
     monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")  # the user's choice, inherited as it is
-    assert "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in rankside.rank_environment(use_cpu=False)
+    assert "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in rankside.rank_environment(RankOptions(), use_cpu=False)
 
 
 def _watchdog_timeout() -> None:

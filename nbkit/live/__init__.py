@@ -11,6 +11,26 @@ wire); nbkit.live.engine is the code that runs inside each rank (the engine's si
 
 from __future__ import annotations
 
-from nbkit.live.notebook import LiveRanks, LiveStatus, RankStatus, connect, current, ended, forget_ended, start
+from nbkit.live.notebook import (
+    LiveRanks,
+    LiveStatus,
+    RankStatus,
+    connect,
+    current,
+    ended,
+    forget_ended,
+    start,
+    start_with,
+)
 
-__all__ = ["LiveRanks", "LiveStatus", "RankStatus", "connect", "current", "ended", "forget_ended", "start"]
+__all__ = [
+    "LiveRanks",
+    "LiveStatus",
+    "RankStatus",
+    "connect",
+    "current",
+    "ended",
+    "forget_ended",
+    "start",
+    "start_with",
+]

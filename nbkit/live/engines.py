@@ -34,7 +34,7 @@ class Engines(SetState):
 
         def _pump(self, wait: float) -> None: ...
 
-    def _start_local(self, count: int, use_cuda: bool, env: dict[str, str], startup_timeout: float) -> None:
+    def _start_local(self, count: int, use_cuda: bool, startup_timeout: float) -> None:
         import ipyparallel as ipp
 
         registry.running = self
@@ -96,11 +96,9 @@ class Engines(SetState):
         self.world_size, self.nnodes = count, 1
         threading.Thread(target=self._monitor, name="nbkit-live-monitor", daemon=True).start()
         port = rank_side.free_port("127.0.0.1")
-        self._setup_ranks("127.0.0.1", port, use_cuda, env, startup_timeout)
+        self._setup_ranks("127.0.0.1", port, use_cuda, startup_timeout)
 
-    def _connect(
-        self, client: Any, engines: list[int] | None, env: dict[str, str], notebook_address: str, startup_timeout: float
-    ) -> None:
+    def _connect(self, client: Any, engines: list[int] | None, notebook_address: str, startup_timeout: float) -> None:
         registry.running = self
         self._client = client
         ids = sorted(engines if engines is not None else client.ids)
@@ -125,7 +123,7 @@ class Engines(SetState):
         self._relay = Relay(notebook_address)
         master = self._ranks[0]
         port = client[master.engine].apply_async(rank_side.free_port, master.info.address).get(timeout=startup_timeout)
-        self._setup_ranks(master.info.address, port, use_cuda, env, startup_timeout)
+        self._setup_ranks(master.info.address, port, use_cuda, startup_timeout)
 
     def _wait_for_engines(
         self, count: int, timeout: float, processes: list[subprocess.Popen]
@@ -164,10 +162,12 @@ class Engines(SetState):
         master_addr: str,
         port: int,
         use_cuda: bool,
-        env: dict[str, str],
         startup_timeout: float,
     ) -> None:
         assert self._relay is not None
+        env = rankside.rank_environment(
+            self._options, use_cpu=not use_cuda, loopback=master_addr in ("127.0.0.1", "localhost")
+        )
         local_sizes: dict[int, int] = {}
         for r in self._ranks:
             local_sizes[r.node_rank] = local_sizes.get(r.node_rank, 0) + 1
@@ -186,13 +186,7 @@ class Engines(SetState):
                 authkey=self._relay.authkey,
                 use_cuda=use_cuda,
                 owned=self._owned,
-                env=rankside.rank_environment(
-                    use_cpu=not use_cuda,
-                    strategy=self._strategy,
-                    emulate=self._emulate,
-                    extra=env,
-                    loopback=master_addr in ("127.0.0.1", "localhost"),
-                ),
+                env=env,
             )
             results.append(self._client[r.engine].apply_async(rank_side.setup, plan))
         connecting = _Arrivals(range(self.world_size), startup_timeout, step=2)

@@ -56,8 +56,19 @@ from nbkit.live.cell_output import CellOutput
 from nbkit.live.engines import Engines
 from nbkit.live.messages import Outcome
 from nbkit.live.sending import Sending, _refuse_notebook_only
+from nbkit.rank_options import RankOptions, check_timeout
 
-__all__ = ["LiveRanks", "LiveStatus", "RankStatus", "connect", "current", "ended", "forget_ended", "start"]
+__all__ = [
+    "LiveRanks",
+    "LiveStatus",
+    "RankStatus",
+    "connect",
+    "current",
+    "ended",
+    "forget_ended",
+    "start",
+    "start_with",
+]
 
 
 def current() -> LiveRanks | None:
@@ -134,7 +145,7 @@ def start(
     env: Mapping[str, str] | None = None,
     *,
     startup_timeout: float = 180.0,
-    strategy: str = "ddp",
+    strategy: str | None = None,
     emulate: str | None = None,
 ) -> LiveRanks:
     """Start a live set on this machine: one process per GPU that stays up until stopped.
@@ -146,8 +157,10 @@ def start(
             a call that passes it ends the set. None: no limit.
         env: extra environment variables for the ranks.
         startup_timeout: seconds to wait for the processes to start and join the process group.
-        strategy: as for nbkit.launch ("ddp" or "fsdp"; NBKIT_STRATEGY in the ranks).
+        strategy: as for nbkit.launch ("ddp" or "fsdp"; None: "ddp"; NBKIT_STRATEGY in the ranks).
         emulate: as for nbkit.launch (NBKIT_EMULATE in the ranks; checked here).
+        (gpus, timeout, env, strategy and emulate are checked as nbkit.launch checks them, with the
+        same messages: nbkit.rank_options.)
 
     Returns:
         The LiveRanks (also `nbkit.live.current()`). On a machine with one GPU it says once (an INFO
@@ -156,21 +169,26 @@ def start(
     Raises:
         LiveError: a live set is already running in this process, or the processes failed to start
             (the message holds what they printed); nothing is left running.
-        ValueError: gpus is not a positive whole number, more GPUs are asked for than exist, more CPU
-            ranks than rankside.cpu_rank_limit(), strategy is not "ddp" or "fsdp", or emulate names no
-            profile (EmulationError).
+        OptionsError (a ValueError; OptionTypeError, a TypeError too): an option out of range or of the
+            wrong type; EmulationError: emulate names no profile.
+        ValueError: more GPUs are asked for than exist, or more CPU ranks than rankside.cpu_rank_limit().
         RuntimeError: gpus=None on a machine without a GPU.
     """
+    options = RankOptions.build(gpus=gpus, timeout=timeout, env=env, strategy=strategy, emulate=emulate)
+    return start_with(options, startup_timeout=startup_timeout)
+
+
+def start_with(options: RankOptions, *, startup_timeout: float = 180.0) -> LiveRanks:
+    """nbkit.start with its options as one value (what `%ddp start` calls); returns and raises as start does."""
     _check_none_live()
     visible = distributed.visible_gpus()
-    use_cuda, count = rankside.count_ranks(gpus, visible, api="nbkit.start")
-    rankside.strategy_environment(strategy, emulate)  # checks both before anything starts
+    use_cuda, count = rankside.count_ranks(options.gpus, visible, api="nbkit.start")
     forget_ended()
     if len(visible) == 1:  # Colab
         one_gpu.say_once("live", visible[0].name)
-    ranks = LiveRanks(timeout=timeout, strategy=strategy, emulate=emulate)
+    ranks = LiveRanks(options)
     try:
-        ranks._start_local(count, use_cuda, dict(env or {}), startup_timeout)
+        ranks._start_local(count, use_cuda, startup_timeout)
     except BaseException:  # an interrupt (Ctrl-C) too: every process started so far ends
         ranks._stopped = True  # the monitor must not take the killed engines for a set that ended
         ranks._shutdown(kill=True)
@@ -186,7 +204,7 @@ def connect(
     env: Mapping[str, str] | None = None,
     notebook_address: str = "127.0.0.1",
     startup_timeout: float = 180.0,
-    strategy: str = "ddp",
+    strategy: str | None = None,
     emulate: str | None = None,
 ) -> LiveRanks:
     """Make a live set of ipyparallel engines started outside nbkit (several machines).
@@ -218,8 +236,8 @@ def connect(
     names; an engine stuck in a collective answers only when that collective fails (gloo: its
     timeout) and is better restarted (the message says which ranks).
     """
+    options = RankOptions.build(timeout=timeout, env=env, strategy=strategy, emulate=emulate)
     _check_none_live()
-    rankside.strategy_environment(strategy, emulate)
     forget_ended()
     import ipyparallel as ipp
 
@@ -227,11 +245,9 @@ def connect(
         client = ipp.Client(client)
     elif isinstance(client, ipp.Cluster):
         client = client.connect_client_sync()
-    ranks = LiveRanks(timeout=timeout, strategy=strategy, emulate=emulate)
+    ranks = LiveRanks(options)
     try:
-        ranks._connect(
-            client, list(engines) if engines is not None else None, dict(env or {}), notebook_address, startup_timeout
-        )
+        ranks._connect(client, list(engines) if engines is not None else None, notebook_address, startup_timeout)
     except BaseException:
         ranks._release_engines(wait=10.0)  # those that joined the group leave it: a retry can join
         ranks._shutdown(kill=False)
@@ -269,6 +285,7 @@ class LiveRanks(Sending, Calls, CellOutput, Engines):
         """
         import cloudpickle
 
+        timeout = check_timeout(timeout)
         payload = cloudpickle.dumps((fn, args, kwargs))
         return self._run_call(rank_side.run_function, (payload,), self._targets("all"), timeout, show=None)
 
@@ -297,7 +314,8 @@ class LiveRanks(Sending, Calls, CellOutput, Engines):
                 `resend`. Functions and classes defined in the notebook are the exception: they are sent
                 every time, with the notebook values they read at that moment (they are small, and a
                 notebook name they read may have been rebound since).
-            timeout: seconds before the set is ended (default: the set's timeout).
+            timeout: seconds before the set is ended (default: the set's timeout); checked as
+                nbkit.start checks it.
             all_ranks: show the output of every rank it runs on (prefixed "[rank N] " but rank 0's),
                 not only the lowest one's.
             filename: the name tracebacks give the code (default "<live cell N>").
@@ -314,6 +332,7 @@ class LiveRanks(Sending, Calls, CellOutput, Engines):
                 names), or the set ended.
             ValueError: `ranks` names a rank the set does not have.
         """
+        timeout = check_timeout(timeout)
         targets = self._targets(ranks)
         tree = cells.parse(code, filename or "<live cell>")
         _refuse_notebook_only(code, tree)

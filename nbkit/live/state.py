@@ -13,6 +13,7 @@ from typing import Any
 
 from nbkit.live.messages import CallDone, EngineInfo, Training
 from nbkit.live.relay import Relay
+from nbkit.rank_options import RankOptions
 
 
 @dataclass
@@ -29,9 +30,9 @@ class _Rank:
 class SetState:
     """What every part of a live set reads and writes (attributes only)."""
 
-    def __init__(self, *, timeout: float | None = None, strategy: str = "ddp", emulate: str | None = None):
-        self.timeout = timeout
-        self._strategy, self._emulate = strategy, emulate  # NBKIT_STRATEGY / NBKIT_EMULATE in the ranks
+    def __init__(self, options: RankOptions):
+        self._options = options  # how the ranks are set up (gpus, env, strategy, emulate, timeout)
+        self.timeout = options.timeout  # the default limit of each call
         self.world_size = 0
         self.nnodes = 0
         self._ranks: list[_Rank] = []

@@ -15,6 +15,7 @@ import nbkit
 from nbkit import ddp_options, rankside, spawning
 from nbkit.errors import BringAlongError, CellSyntaxError
 from nbkit.planner import plan
+from nbkit.rank_options import RankOptions
 
 pytestmark = pytest.mark.usefixtures("leftovers")
 
@@ -41,7 +42,7 @@ def test_timeout_is_refused_before_anything_starts(tmp_path, timeout, error, tex
         nbkit.launch(_touch, str(ran), gpus=2, timeout=timeout)
     assert text in str(caught.value)
     with pytest.raises(error, match="timeout must be"):
-        spawning.run_source("1", {}, gpus=2, timeout=timeout)
+        nbkit.run_cell("1", {}, gpus=2, timeout=timeout, spawn=True)
     assert time.monotonic() - start < 5
     assert not ran.exists()
 
@@ -51,7 +52,7 @@ def test_gpus_must_be_a_whole_number_of_at_least_one(gpus):
     with pytest.raises(ValueError, match=r"gpus must be a positive whole number or None .*; got"):
         nbkit.launch(print, gpus=gpus)
     with pytest.raises(ValueError, match="gpus must be a positive whole number"):
-        spawning.run_source("1", {}, gpus=gpus)
+        nbkit.run_cell("1", {}, gpus=gpus, spawn=True)
 
 
 @pytest.mark.parametrize(
@@ -75,7 +76,7 @@ def test_cpu_ranks_are_capped_instead_of_forking_a_thousand(start_ranks):
 
 def test_spawn_mode_points_at_the_line_that_does_not_parse():
     with pytest.raises(CellSyntaxError) as caught:
-        spawning.run_source("x = 1\nif x:\n    y = (2,\n", {}, gpus=2)
+        spawning.run_source("x = 1\nif x:\n    y = (2,\n", {}, RankOptions(gpus=2))
     error = caught.value
     assert isinstance(error, ValueError) and isinstance(error, nbkit.NbkitError)
     assert error.lineno == 3
@@ -89,7 +90,7 @@ def test_spawn_mode_names_a_value_it_cannot_send():
     import threading
 
     with pytest.raises(BringAlongError, match="cannot bring 'lock' along.*cannot be pickled"):
-        spawning.run_source("lock.locked()", {"lock": threading.Lock()}, gpus=2)
+        spawning.run_source("lock.locked()", {"lock": threading.Lock()}, RankOptions(gpus=2))
 
 
 @pytest.mark.parametrize(
@@ -121,7 +122,7 @@ def test_plan_of_a_model_that_does_not_exist_offline_is_one_message():
 @pytest.mark.parametrize(
     ("line", "text"),
     [
-        ("--gpus 0", "--gpus takes a whole number of at least 1"),
+        ("--gpus 0", "gpus must be a positive whole number"),
         ("--timeout 0", "timeout"),
         ("--timeout -5", "timeout"),
         ("--timeout nan", "timeout"),

@@ -17,6 +17,7 @@ import pytest
 
 import nbkit
 from nbkit import spawning
+from nbkit.rank_options import RankOptions
 
 pytestmark = pytest.mark.usefixtures("leftovers")
 
@@ -28,7 +29,7 @@ _GROUP = "import os, signal, time, nbkit, torch, torch.distributed as dist\ndist
 
 
 def _run(source: str, namespace: dict | None = None, **options) -> object:
-    return spawning.run_source(source, namespace or {}, gpus=2, dashboard=False, **options)
+    return spawning.run_source(source, namespace or {}, RankOptions(gpus=2, dashboard=False, **options))
 
 
 def _rerun() -> None:
