@@ -59,6 +59,7 @@ def test_the_settings_users_configure_are_declared():
 _COMPUTED_READS = {
     ("distributed.py", "_env_int"): lambda: ("RANK", "LOCAL_RANK", "WORLD_SIZE"),  # torchrun's
     ("diagnostics.py", "_secrets"): lambda: importlib.import_module("nbkit.diagnostics").SECRET_NAMES,
+    ("rankside.py", "nccl_environment"): lambda: importlib.import_module("nbkit.rankside")._NCCL_ERROR_HANDLING,
 }
 
 

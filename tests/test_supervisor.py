@@ -161,7 +161,7 @@ def _env_forked() -> dict:
 
 
 def _env_spawned() -> dict:
-    return spawning.run_source(_READ_ENV, {}, gpus=2, dashboard=False)
+    return spawning.run_source(_READ_ENV, {}, RankOptions(gpus=2, dashboard=False))
 
 
 def _env_live() -> dict:
