@@ -28,6 +28,7 @@ __all__ = [
     "LaunchError",
     "LiveError",
     "NbkitError",
+    "ProcessGroupError",
     "RankError",
     "StrategyError",
 ]
@@ -202,5 +203,12 @@ class StrategyError(NbkitError, ValueError):
     """
 
 
+class ProcessGroupError(NbkitError, RuntimeError):
+    """A cell asked for a process group other than the default one nbkit set up for it (another backend);
+    the message names both.
+    """
+
+
 class DatasetError(NbkitError, OSError):
     """A dataset that could not be loaded (or lacks the columns asked for); the message names it and what to check."""
+

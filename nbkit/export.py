@@ -540,9 +540,11 @@ def _render(
     out += [
         'if __name__ == "__main__":',
         "    import nbkit",
+        "    from nbkit.cell_group import joined",
         "",
-        "    # Under torchrun / accelerate launch this runs the function on each rank directly.",
-        f"    {result} = nbkit.launch({function}, {', '.join(call)})",
+        "    # Under torchrun / accelerate launch this runs the function on each rank directly; either way",
+        "    # it runs in the default process group, set up before it as for the %%ddp cell.",
+        f"    {result} = nbkit.launch(joined({function}), {', '.join(call)})",
         f"    if nbkit.is_main() and {result} is not None:",
         f"        print({result})",
         "",

@@ -75,6 +75,12 @@ GROUPS: dict[str, Group] = {
             "removes stay referenced until the rank ends, so a DDP model freed after them cannot hang the rank",
         ),
         Group(
+            "cell_group",
+            "nbkit.cell_group",
+            "in every rank nbkit starts: a cell's own dist.init_process_group() keeps the default group nbkit "
+            "set up for the cell (a live set's, or the one joined before a one-shot or exported cell)",
+        ),
+        Group(
             "launch",
             "nbkit.launching",
             "only while nbkit.launch starts its ranks through accelerate's notebook_launcher",
@@ -178,7 +184,7 @@ def prepare_rank(*, owns_exit: bool = True) -> None:
     from nbkit import checkpoints, compat, emulation, fsdp, reporting, teardown
 
     emulation.apply_from_env()  # first: a library imported later must see the profile (bf16, memory)
-    install(*DEFAULT_GROUPS, "mixed_precision", "attention")
+    install(*DEFAULT_GROUPS, "mixed_precision", "attention", "cell_group")
     if fsdp.requested():
         fsdp.setup_rank()
     reporting.setup_rank()

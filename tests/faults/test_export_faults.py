@@ -102,7 +102,7 @@ def test_bad_exports_fail_fast_with_one_message_and_the_corrected_command_works_
     # The corrected command right after the failures: the script, with $procs from the parameters.
     exported, usable = nb.cells[-2], nb.cells[-1]
     assert status[len(nb.cells) - 2] == "ok" and f"nbkit: wrote {script}" in exported.outputs[0]["text"]
-    assert "total = nbkit.launch(ddp_cell, gpus=2, quiet=True)" in script.read_text()
+    assert "total = nbkit.launch(joined(ddp_cell), gpus=2, quiet=True)" in script.read_text()
     assert usable.outputs[0]["data"]["text/plain"] == "42"  # the kernel is still usable
 
 

@@ -76,3 +76,21 @@ def run_on(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Callable[
 def test_a_notebook_name_that_shadows_a_builtin_is_the_notebooks_value(run_on):
     setup = "".join(f"{name} = {value!r}\n" for name, value in SHADOWING.items())
     assert run_on(setup, SHADOWING_CELL) == "outputs/lora|a prompt"
+
+
+def test_a_collective_finds_the_default_process_group(run_on):
+    assert run_on("import torch, torch.distributed as dist", "t = torch.ones(1)\ndist.all_reduce(t)\nt.item()") == "2.0"
+
+
+def test_a_cell_that_sets_up_its_own_group_works_on_every_path(run_on):
+    cell = (
+        "dist.init_process_group('gloo')\nt = torch.ones(1) * (dist.get_rank() + 1)\ndist.all_reduce(t)\n"
+        "from transformers import TrainingArguments\nargs = TrainingArguments('out', use_cpu=True, report_to=[])\n"
+        "(t.item(), args.world_size)"
+    )
+    assert run_on("import torch, torch.distributed as dist", cell) == "(3.0, 2)"
+
+
+def test_a_cell_that_asks_for_another_backend_is_told_which_group_it_has(run_on):
+    with pytest.raises(Exception, match=r"init_process_group\('nccl'\): this cell runs in the default process group"):
+        run_on("import torch.distributed as dist", "dist.init_process_group('nccl')")
