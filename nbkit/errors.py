@@ -20,6 +20,7 @@ __all__ = [
     "BringAlongError",
     "CellSyntaxError",
     "CheckpointError",
+    "DatasetArgumentError",
     "DatasetError",
     "DeviceMapError",
     "EmulationError",
@@ -212,3 +213,8 @@ class ProcessGroupError(NbkitError, RuntimeError):
 class DatasetError(NbkitError, OSError):
     """A dataset that could not be loaded (or lacks the columns asked for); the message names it and what to check."""
 
+
+class DatasetArgumentError(DatasetError, ValueError):
+    """An argument of nbkit.data that cannot name rows or a split (a count below 1, a split with a slice);
+    the message names the argument and what to pass.
+    """
