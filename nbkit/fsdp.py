@@ -495,6 +495,44 @@ patch(
 )(_placeholders_not_copies)
 
 
+def _sharded_model_kept(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Patch factory: Accelerator's FSDP2 preparation takes a model that is sharded already as it is.
+
+    accelerate returns such a model unchanged from fsdp2_prepare_model, but only after looking up the
+    transformer layer classes for activation checkpointing and auto-wrap, which fully_shard has renamed
+    (Qwen3DecoderLayer is FSDPQwen3DecoderLayer now): training again, resuming after a stop, or a new
+    Trainer of trainer.model failed with "Could not find the transformer layer class". The layers keep
+    the checkpointing and sharding of the first preparation; the optimizer and the rest are prepared as
+    accelerate prepares them, and the optimizer already holds the sharded parameters.
+    """
+
+    @functools.wraps(original)
+    def _prepare_fsdp2(self: Any, *args: Any) -> Any:
+        from torch.distributed.fsdp import FSDPModule
+
+        models = [obj for obj in args if isinstance(obj, torch.nn.Module)]
+        if not models or not isinstance(getattr(models[-1], "_orig_mod", models[-1]), FSDPModule):
+            return original(self, *args)
+        result = [obj if isinstance(obj, torch.nn.Module) else self._prepare_one(obj, first_pass=True) for obj in args]
+        result = [obj if isinstance(obj, torch.nn.Module) else self._prepare_one(obj) for obj in result]
+        if not any(model is models[-1] for model in self._models):
+            self._models.append(models[-1])
+        return tuple(result)
+
+    return _prepare_fsdp2
+
+
+patch(
+    "accelerate.accelerator:Accelerator._prepare_fsdp2",
+    reason="accelerate looks up the transformer layer classes of a model that FSDP2 has sharded already (renamed "
+    "FSDP<Layer>) before it would return it unchanged, so training an FSDP model again, resuming after a stop or a "
+    "new Trainer of trainer.model failed with 'Could not find the transformer layer class'",
+    upstream="none filed yet: accelerate/accelerator.py _prepare_fsdp2 applies activation checkpointing before "
+    "fsdp2_prepare_model's check for an FSDPModule",
+    group="fsdp",
+)(_sharded_model_kept)
+
+
 def _checked_generate(original: Callable[..., Any]) -> Callable[..., Any]:
     """Patch factory: generate on a sharded model first checks that every rank called it (see generate())."""
 
