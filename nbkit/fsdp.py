@@ -545,6 +545,39 @@ def _checked_generate(original: Callable[..., Any]) -> Callable[..., Any]:
     return generate
 
 
+def _checked_save(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Patch factory: save_pretrained of a sharded model without a gathered state dict is refused before
+    anything is written (see save_adapter).
+    """
+
+    @functools.wraps(original)
+    def save_pretrained(self: Any, save_directory: Any, *args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("state_dict") is None and _is_sharded(self):
+            raise StrategyError(
+                f"save_pretrained({str(save_directory)!r}) of a sharded (FSDP) model: each rank holds only its shard "
+                "of the weights, which save_pretrained cannot write (nothing was written). Gather and save with "
+                "nbkit.fsdp.save_adapter(model, path) on every rank (%%ddp without --rank), or "
+                "trainer.save_model(path) on every rank; rank 0 writes the files."
+            )
+        return original(self, save_directory, *args, **kwargs)
+
+    return save_pretrained
+
+
+for _target in (
+    "transformers.modeling_utils:PreTrainedModel.save_pretrained",
+    "peft.peft_model:PeftModel.save_pretrained",
+):
+    patch(
+        _target,
+        reason="save_pretrained of a sharded model without a gathered state dict failed with 'Attempted to access the "
+        "data pointer on an invalid python storage' after writing README.md, on every rank or on rank 0 alone; this "
+        "refuses it before anything is written, saying how to save",
+        upstream="none filed yet: transformers and peft save the local DTensor shards as if they were whole tensors",
+        group="fsdp",
+    )(_checked_save)
+
+
 def _is_sharded(model: torch.nn.Module) -> bool:
     from torch.distributed.tensor import DTensor
 

@@ -126,7 +126,8 @@ GROUPS: dict[str, Group] = {
             "fsdp",
             "nbkit.fsdp",
             "in ranks of the fsdp strategy (NBKIT_STRATEGY=fsdp): peft's adapter keys under FSDP2's activation "
-            "checkpointing, generation on a sharded model refused on some ranks only, no zero-filled copy of the "
+            "checkpointing, generation on a sharded model refused on some ranks only, save_pretrained of a sharded "
+            "model refused before it writes, a sharded model trained again as it is, no zero-filled copy of the "
             "model in the RAM of ranks that do not read the checkpoint, and accelerate's FSDP state on ranks "
             "without CUDA",
         ),
