@@ -33,12 +33,13 @@ def backend() -> str:
 def join() -> None:
     """Join the default process group of the launch this rank is part of (its environment: RANK,
     WORLD_SIZE, MASTER_ADDR, MASTER_PORT), on this rank's GPU where it has one; a no-op where the
-    group exists already or outside a launch. Call it on every rank, before the cell runs.
+    group exists already or outside a launch. A launch of one rank gets a group of one, as a live set
+    of one rank has. Call it on every rank, before the cell runs.
     """
     import torch
     import torch.distributed as dist
 
-    if not dist.is_available() or dist.is_initialized() or not distributed.is_distributed():
+    if not dist.is_available() or dist.is_initialized() or not distributed.launched():
         return
     if backend() == "nccl":
         torch.cuda.set_device(distributed.local_rank())

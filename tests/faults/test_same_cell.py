@@ -94,3 +94,8 @@ def test_a_cell_that_sets_up_its_own_group_works_on_every_path(run_on):
 def test_a_cell_that_asks_for_another_backend_is_told_which_group_it_has(run_on):
     with pytest.raises(Exception, match=r"init_process_group\('nccl'\): this cell runs in the default process group"):
         run_on("import torch.distributed as dist", "dist.init_process_group('nccl')")
+
+
+def test_a_one_rank_cell_finds_a_group_of_one_as_on_a_live_set_of_one():
+    cell = "import torch, torch.distributed as dist\nt = torch.ones(1)\ndist.all_reduce(t)\n(t.item(), dist.get_world_size())"
+    assert nbkit.run_cell(cell, {}, gpus=1, dashboard=False) == (1.0, 1)
