@@ -47,6 +47,8 @@ _EXPORTS: dict[str, str] = {
     "CheckpointError": "nbkit.errors",
     "StrategyError": "nbkit.errors",
     "DatasetError": "nbkit.errors",
+    "DatasetArgumentError": "nbkit.errors",
+    "ProcessGroupError": "nbkit.errors",
     # where this process stands
     "rank": "nbkit.distributed",
     "local_rank": "nbkit.distributed",

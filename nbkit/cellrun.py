@@ -19,7 +19,7 @@ import numbers
 from collections.abc import Iterable
 from typing import Any
 
-from nbkit import cells, distributed, forksafety, one_gpu
+from nbkit import cell_group, cells, distributed, forksafety, one_gpu
 from nbkit.errors import LiveError, OptionsError, OptionTypeError
 from nbkit.rank_options import RankOptions
 
@@ -197,7 +197,9 @@ def _one_shot(code: str, namespace: dict[str, Any], filename: str, options: Rank
 
     def run_ddp_cell() -> Any:
         # In a forked rank `namespace` is the rank's own copy of the notebook's names: the cell
-        # sees them all, and what it assigns stays in the rank.
+        # sees them all, and what it assigns stays in the rank. It runs in the default process
+        # group, as on a live set.
+        cell_group.join()
         return cells.run_cell(code, namespace, filename)
 
     return launch_with(options, run_ddp_cell)

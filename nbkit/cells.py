@@ -9,7 +9,6 @@ needed but that do not exist as "not ours" (builtins, or defined by the code its
 from __future__ import annotations
 
 import ast
-import builtins
 import sys
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -57,14 +56,15 @@ def free_names(code: str | list[ast.stmt]) -> set[str]:
 
     A name read at module level before the code binds it counts; a name read inside a function
     the code defines counts unless the code binds it anywhere at module level (the function may
-    only run after that). Builtins are left out.
+    only run after that). Builtin names count too: whether `dir` is the builtin or a value the
+    notebook bound is the caller's question (the notebook's binding wins, as it does in the notebook).
     """
     stmts = ast.parse(code).body if isinstance(code, str) else code
     bound: set[str] = set()
     free: set[str] = set()
     later: set[str] = set()
     _sequential(stmts, bound, free, later)
-    return {n for n in free | (later - bound) if not hasattr(builtins, n)}
+    return free | (later - bound)
 
 
 # Compound statements: the expressions of their header, the targets it binds, their bodies.

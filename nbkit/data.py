@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from nbkit.errors import DatasetError
+from nbkit.errors import DatasetArgumentError, DatasetError
 
 __all__ = ["SYNTHETIC", "chat_dataset", "image_text_dataset"]
 
@@ -45,11 +45,13 @@ def image_text_dataset(
         A `datasets.Dataset` (PIL images in "image", strings in "text"). Runs in the calling process.
 
     Raises:
+        DatasetArgumentError: `n` is not a whole number of at least 1, or `split` is not a split's name.
         DatasetError: the hub dataset could not be loaded (the message names it and what to check: the name,
-            the connection, HF_HUB_OFFLINE, a token), or it lacks the columns.
+            the connection, HF_HUB_OFFLINE, a token), has no split `split`, or lacks the columns.
     """
     import datasets
 
+    _check(n, split)
     if name == SYNTHETIC:
         from nbkit.synthetic import vision_dataset
 
@@ -84,8 +86,9 @@ def chat_dataset(name: str, n: int, *, split: str = "train", seed: int = 0) -> l
         `[{"messages": [{"role": "user", ...}, {"role": "assistant", ...}]}, ...]`, in the calling process.
 
     Raises:
-        DatasetError: as image_text_dataset, for a dataset that cannot be loaded or has no "messages" column.
+        DatasetArgumentError, DatasetError: as image_text_dataset, or for a dataset without a "messages" column.
     """
+    _check(n, split)
     if name == SYNTHETIC:
         from nbkit.synthetic import text_dataset
 
@@ -96,11 +99,32 @@ def chat_dataset(name: str, n: int, *, split: str = "train", seed: int = 0) -> l
     return [{"messages": messages[:2]} for messages in loaded["messages"]]
 
 
+def _check(n: Any, split: Any) -> None:
+    """Refuse, before anything loads, what `datasets` would read as other rows (`n=-3` is `train[:-3]`) or
+    blame on the hub (`n=0`, `n=2.5`).
+    """
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise DatasetArgumentError(
+            f"n={n!r}: nbkit.data takes how many rows to load, a whole number of at least 1 (e.g. n=1000)."
+        )
+    if not isinstance(split, str) or not split or any(c in split for c in "[]:%"):
+        raise DatasetArgumentError(
+            f"split={split!r}: pass the name of a split, e.g. split='train' or split='test'; n says how many "
+            "of its rows (nbkit.data takes the first n)."
+        )
+
+
 def _load(name: str, split: str, n: int) -> Any:
     import datasets
 
     try:
         return datasets.load_dataset(name, split=f"{split}[:{n}]")
+    except ValueError as error:
+        if "Unknown split" not in str(error):  # datasets' words for a split the dataset does not have
+            raise DatasetError(_unreachable(name, error)) from error
+        raise DatasetError(
+            f"The dataset {name!r} has no split {split!r} ({str(error).strip()[:300]}): pass split= one of those."
+        ) from error
     except Exception as error:  # the hub's, fsspec's and datasets' own errors: any of them means "not loaded"
         raise DatasetError(_unreachable(name, error)) from error
 

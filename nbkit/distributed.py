@@ -20,6 +20,7 @@ __all__ = [
     "device",
     "is_distributed",
     "is_main",
+    "launched",
     "local_rank",
     "precision",
     "rank",
@@ -54,6 +55,14 @@ def world_size() -> int:
 def is_main() -> bool:
     """True on global rank 0 and outside distributed runs: the process that saves and prints."""
     return rank() == 0
+
+
+def launched() -> bool:
+    """True in a process a launcher started as a rank (nbkit.launch, torchrun, accelerate launch), even
+    the only one: RANK, WORLD_SIZE and MASTER_ADDR are in its environment, which torch's env://
+    initialisation of a process group reads.
+    """
+    return all(os.environ.get(name) for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR"))
 
 
 def is_distributed() -> bool:

@@ -20,6 +20,7 @@ __all__ = [
     "BringAlongError",
     "CellSyntaxError",
     "CheckpointError",
+    "DatasetArgumentError",
     "DatasetError",
     "DeviceMapError",
     "EmulationError",
@@ -30,6 +31,7 @@ __all__ = [
     "NbkitError",
     "OptionTypeError",
     "OptionsError",
+    "ProcessGroupError",
     "RankError",
     "StrategyError",
 ]
@@ -217,5 +219,17 @@ class StrategyError(NbkitError, ValueError):
     """
 
 
+class ProcessGroupError(NbkitError, RuntimeError):
+    """A cell asked for a process group other than the default one nbkit set up for it (another backend);
+    the message names both.
+    """
+
+
 class DatasetError(NbkitError, OSError):
     """A dataset that could not be loaded (or lacks the columns asked for); the message names it and what to check."""
+
+
+class DatasetArgumentError(DatasetError, ValueError):
+    """An argument of nbkit.data that cannot name rows or a split (a count below 1, a split with a slice);
+    the message names the argument and what to pass.
+    """

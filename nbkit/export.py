@@ -84,32 +84,38 @@ class _Statement:
     parameters: bool
 
 
-def export_script(notebook_path: str | os.PathLike[str], cell: str | int, out: str | os.PathLike[str]) -> Path:
-    """Write the cell `cell` of the notebook at `notebook_path`, with what it needs, to `out`.
+def export_script(
+    notebook_path: str | os.PathLike[str], cell: str | int, out: str | os.PathLike[str], *, force: bool = False
+) -> Path:
+    """Write the %%ddp cell `cell` of the notebook at `notebook_path`, with what it needs, to `out`.
 
     Takes `cell` as a tag, a cell id, or an index into the notebook's cells (0 = first; digits in
     a string count as an index). Returns the path written. Raises ExportError (a ValueError) for
-    a missing notebook, an `out` that is the notebook itself, a cell that cannot be found (the
-    message lists the %%ddp cells and tags), a %%ddp line that uses a name which is not a
-    parameter or does not parse, and a cell whose body is not valid Python or needs IPython.
-    Writes nothing when it raises.
+    a missing notebook, an `out` that is the notebook itself, a folder, or a file nbkit did not
+    export (unless `force`), a cell that cannot be found (the message lists the %%ddp cells and
+    tags) or is not a %%ddp cell, a %%ddp line that uses a name which is not a parameter or does
+    not parse or names no GPU profile to emulate, and a cell whose body is not valid Python or
+    needs IPython. Writes nothing when it raises.
     """
     import nbformat
 
     nb_path, out_path = Path(notebook_path), Path(out)
     if not nb_path.is_file():
         raise ExportError(f"No notebook at {nb_path}: save the notebook first and give its path.")
-    if _same_file(nb_path, out_path):
-        raise ExportError(
-            f"{out_path} is the notebook being exported: writing the script there would replace the notebook. "
-            "Give the script its own name, e.g. -o train.py."
-        )
+    _check_out(nb_path, out_path, force)
     notebook = nbformat.read(nb_path, as_version=4)
     index = _find_cell(notebook.cells, cell)
     target = notebook.cells[index]
     where = f"Cell {index} of {nb_path.name}"
     if target.cell_type != "code":
         raise ExportError(f"{where} is a {target.cell_type} cell, not code.")
+    magic_line, _ = _split_cell_magic(target.source)
+    if magic_line is None or magic_line.split()[0] != "%%ddp":
+        raise ExportError(
+            f"{where} is not a %%ddp cell: export writes a %%ddp cell as a training script that runs it on every "
+            f"rank. Give a %%ddp cell (at indices {_ddp_cells(notebook.cells) or 'none'}), or put %%ddp at the top "
+            "of this one."
+        )
     statements, skipped = _earlier_statements(notebook.cells[:index])
     start_line, earlier = _live_set(notebook.cells[:index])
     parts = [_Part.read(i, notebook.cells[i].source, statements, nb_path.name) for i in [*earlier, index]]
@@ -191,6 +197,31 @@ def _start_options(line: str, statements: list[_Statement], where: str) -> RankO
         raise ExportError(f"{where}: the `%ddp start` line above it: {exc}") from None
 
 
+# The first lines of every script export_script writes: what it may replace without --force.
+_HEADER = '#!/usr/bin/env python\n"""Exported by nbkit from '
+
+
+def _check_out(nb_path: Path, out_path: Path, force: bool) -> None:
+    """ExportError for an `out` the script must not be written to: the notebook, a folder, or a file nbkit
+    did not export (unless `force`).
+    """
+    if _same_file(nb_path, out_path):
+        raise ExportError(
+            f"{out_path} is the notebook being exported: writing the script there would replace the notebook. "
+            "Give the script its own name, e.g. -o train.py."
+        )
+    if out_path.is_dir():
+        raise ExportError(f"{out_path} is a folder: give the script's file name, e.g. -o {out_path / 'train.py'}.")
+    if out_path.exists() and not force:
+        with open(out_path, errors="replace") as existing:
+            ours = existing.read(len(_HEADER)) == _HEADER
+        if not ours:
+            raise ExportError(
+                f"{out_path} exists and nbkit did not export it: writing the script would replace it. Give another "
+                "name, or pass --force (force=True) to replace it."
+            )
+
+
 def _same_file(a: Path, b: Path) -> bool:
     """Whether the paths name one file (through links, relative parts, or a second hard link)."""
     if b.exists():
@@ -219,13 +250,18 @@ def _find_cell(nb_cells: list[Any], wanted: str | int) -> int:
     by_id = [i for i, c in enumerate(nb_cells) if c.get("id") == wanted]
     if by_id:
         return by_id[0]
-    ddp = [i for i, c in enumerate(nb_cells) if c.cell_type == "code" and c.source.lstrip().startswith("%%ddp")]
+    ddp = _ddp_cells(nb_cells)
     tags = sorted({t for c in nb_cells for t in c.get("metadata", {}).get("tags", [])})
     raise ExportError(
         f"No cell with the tag or id {wanted!r}. %%ddp cells are at indices {ddp or 'none'} (0 = first cell); "
         f"tags in this notebook: {', '.join(tags) or 'none'}. Tag the cell (View > Cell Toolbar > Tags in "
         "Jupyter) or give its index."
     )
+
+
+def _ddp_cells(nb_cells: list[Any]) -> list[int]:
+    """The indices of the notebook's %%ddp cells."""
+    return [i for i, c in enumerate(nb_cells) if c.cell_type == "code" and c.source.lstrip().startswith("%%ddp")]
 
 
 def _split_cell_magic(source: str) -> tuple[str | None, str]:
@@ -543,9 +579,11 @@ def _render(
     out += [
         'if __name__ == "__main__":',
         "    import nbkit",
+        "    from nbkit.cell_group import joined",
         "",
-        "    # Under torchrun / accelerate launch this runs the function on each rank directly.",
-        f"    {result} = nbkit.launch({function}, {', '.join(call)})",
+        "    # Under torchrun / accelerate launch this runs the function on each rank directly; either way",
+        "    # it runs in the default process group, set up before it as for the %%ddp cell.",
+        f"    {result} = nbkit.launch(joined({function}), {', '.join(call)})",
         f"    if nbkit.is_main() and {result} is not None:",
         f"        print({result})",
         "",

@@ -505,6 +505,44 @@ patch(
 )(_placeholders_not_copies)
 
 
+def _sharded_model_kept(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Patch factory: Accelerator's FSDP2 preparation takes a model that is sharded already as it is.
+
+    accelerate returns such a model unchanged from fsdp2_prepare_model, but only after looking up the
+    transformer layer classes for activation checkpointing and auto-wrap, which fully_shard has renamed
+    (Qwen3DecoderLayer is FSDPQwen3DecoderLayer now): training again, resuming after a stop, or a new
+    Trainer of trainer.model failed with "Could not find the transformer layer class". The layers keep
+    the checkpointing and sharding of the first preparation; the optimizer and the rest are prepared as
+    accelerate prepares them, and the optimizer already holds the sharded parameters.
+    """
+
+    @functools.wraps(original)
+    def _prepare_fsdp2(self: Any, *args: Any) -> Any:
+        from torch.distributed.fsdp import FSDPModule
+
+        models = [obj for obj in args if isinstance(obj, torch.nn.Module)]
+        if not models or not isinstance(getattr(models[-1], "_orig_mod", models[-1]), FSDPModule):
+            return original(self, *args)
+        result = [obj if isinstance(obj, torch.nn.Module) else self._prepare_one(obj, first_pass=True) for obj in args]
+        result = [obj if isinstance(obj, torch.nn.Module) else self._prepare_one(obj) for obj in result]
+        if not any(model is models[-1] for model in self._models):
+            self._models.append(models[-1])
+        return tuple(result)
+
+    return _prepare_fsdp2
+
+
+patch(
+    "accelerate.accelerator:Accelerator._prepare_fsdp2",
+    reason="accelerate looks up the transformer layer classes of a model that FSDP2 has sharded already (renamed "
+    "FSDP<Layer>) before it would return it unchanged, so training an FSDP model again, resuming after a stop or a "
+    "new Trainer of trainer.model failed with 'Could not find the transformer layer class'",
+    upstream="none filed yet: accelerate/accelerator.py _prepare_fsdp2 applies activation checkpointing before "
+    "fsdp2_prepare_model's check for an FSDPModule",
+    group="fsdp",
+)(_sharded_model_kept)
+
+
 def _checked_generate(original: Callable[..., Any]) -> Callable[..., Any]:
     """Patch factory: generate on a sharded model first checks that every rank called it (see generate())."""
 
@@ -515,6 +553,39 @@ def _checked_generate(original: Callable[..., Any]) -> Callable[..., Any]:
         return original(self, *args, **kwargs)
 
     return generate
+
+
+def _checked_save(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Patch factory: save_pretrained of a sharded model without a gathered state dict is refused before
+    anything is written (see save_adapter).
+    """
+
+    @functools.wraps(original)
+    def save_pretrained(self: Any, save_directory: Any, *args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("state_dict") is None and _is_sharded(self):
+            raise StrategyError(
+                f"save_pretrained({str(save_directory)!r}) of a sharded (FSDP) model: each rank holds only its shard "
+                "of the weights, which save_pretrained cannot write (nothing was written). Gather and save with "
+                "nbkit.fsdp.save_adapter(model, path) on every rank (%%ddp without --rank), or "
+                "trainer.save_model(path) on every rank; rank 0 writes the files."
+            )
+        return original(self, save_directory, *args, **kwargs)
+
+    return save_pretrained
+
+
+for _target in (
+    "transformers.modeling_utils:PreTrainedModel.save_pretrained",
+    "peft.peft_model:PeftModel.save_pretrained",
+):
+    patch(
+        _target,
+        reason="save_pretrained of a sharded model without a gathered state dict failed with 'Attempted to access the "
+        "data pointer on an invalid python storage' after writing README.md, on every rank or on rank 0 alone; this "
+        "refuses it before anything is written, saying how to save",
+        upstream="none filed yet: transformers and peft save the local DTensor shards as if they were whole tensors",
+        group="fsdp",
+    )(_checked_save)
 
 
 def _is_sharded(model: torch.nn.Module) -> bool:

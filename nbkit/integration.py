@@ -75,6 +75,12 @@ GROUPS: dict[str, Group] = {
             "removes stay referenced until the rank ends, so a DDP model freed after them cannot hang the rank",
         ),
         Group(
+            "cell_group",
+            "nbkit.cell_group",
+            "in every rank nbkit starts: a cell's own dist.init_process_group() keeps the default group nbkit "
+            "set up for the cell (a live set's, or the one joined before a one-shot or exported cell)",
+        ),
+        Group(
             "launch",
             "nbkit.launching",
             "only while nbkit.launch starts its ranks through accelerate's notebook_launcher",
@@ -121,7 +127,8 @@ GROUPS: dict[str, Group] = {
             "fsdp",
             "nbkit.fsdp",
             "in ranks of the fsdp strategy (NBKIT_STRATEGY=fsdp): peft's adapter keys under FSDP2's activation "
-            "checkpointing, generation on a sharded model refused on some ranks only, no zero-filled copy of the "
+            "checkpointing, generation on a sharded model refused on some ranks only, save_pretrained of a sharded "
+            "model refused before it writes, a sharded model trained again as it is, no zero-filled copy of the "
             "model in the RAM of ranks that do not read the checkpoint, and accelerate's FSDP state on ranks "
             "without CUDA",
         ),
@@ -180,7 +187,7 @@ def prepare_rank(*, owns_exit: bool = True) -> None:
     from nbkit import attention, checkpoints, compat, config, distributed, emulation, fsdp, reporting, teardown
 
     emulation.apply_from_env()  # first: a library imported later must see the profile (bf16, memory)
-    install(*DEFAULT_GROUPS, "mixed_precision")
+    install(*DEFAULT_GROUPS, "mixed_precision", "cell_group")
     if attention.needed(distributed.visible_gpus(), distributed.local_rank()):
         install("attention")
     config.settle_fsdp_flag()  # before any library reads it: one answer to "does this rank shard?"

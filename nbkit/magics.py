@@ -115,6 +115,7 @@ def _export_parser() -> argparse.ArgumentParser:
     parser.add_argument("notebook", help="the saved .ipynb file")
     parser.add_argument("cell", help="the cell: a tag, a cell id, or its index (0 = first cell)")
     parser.add_argument("-o", "--out", required=True, help="the script to write, e.g. train.py")
+    parser.add_argument("--force", action="store_true", help="replace OUT even if nbkit did not export it")
     return parser
 
 
@@ -279,7 +280,7 @@ def _export(words: list[str]) -> None:
     if args is None:
         return
     try:
-        path = export_script(args.notebook, args.cell, args.out)
+        path = export_script(args.notebook, args.cell, args.out, force=args.force)
     except (ValueError, FileNotFoundError) as exc:
         raise UsageError(str(exc)) from None
     print(

@@ -5,9 +5,11 @@ Fork mode needs neither: a forked rank has every notebook name already.
 
 Which names: those the cell's code reads (nbkit.cells.free_names) that the notebook binds, whatever
 they are called, `_private` names included (a cell that reads `_cfg` needs it on the rank, or it
-fails there with NameError), except IPython's own (In, Out, `_`, `__`, `_i3`, `_5`, get_ipython,
-exit, quit, open, dunders), which are the kernel's and mean nothing in a rank; a live set also keeps
-the names its own cells defined (the ranks' model is never replaced by a notebook object).
+fails there with NameError), and names of builtins the notebook rebinds (`dir = "outputs"`: the
+cell reads the notebook's value, as it does in the notebook), except IPython's own (In, Out, `_`,
+`__`, `_i3`, `_5`, get_ipython, exit, quit, open, dunders) and a builtin's own value (ipykernel's
+`input`), which are the kernel's and mean nothing in a rank; a live set also keeps the names its own
+cells defined (the ranks' model is never replaced by a notebook object).
 
 How: cloudpickle, by value, through NotebookPickler: notebook functions and classes travel with
 their code and the notebook values they read; tensors arrive on the CPU (a notebook's CUDA tensor
@@ -20,6 +22,7 @@ keep their own globals, so the names the set's cells defined stay the ranks'.
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import io
 import linecache
@@ -37,13 +40,17 @@ from nbkit.errors import BringAlongError
 
 __all__ = ["BroughtAlong", "NotebookPickler", "bring_along", "needed", "pickle_value", "sent_each_time", "travels"]
 
+_NO_BUILTIN = object()
 # IPython's own names in a notebook namespace (history, output cache, helpers, the kernel's open()).
 _IPYTHON_NAME = re.compile(r"^(In|Out|get_ipython|exit|quit|open|_(i+|\d+|i\d+|oh|ih|dh)?|__+|__\w+__)$")
 
 
-def travels(name: str) -> bool:
-    """Whether notebook name `name` may travel to the ranks (False for IPython's own names)."""
-    return not _IPYTHON_NAME.match(name)
+def travels(name: str, value: Any) -> bool:
+    """Whether notebook name `name` bound to `value` may travel to the ranks: False for IPython's own
+    names and for a builtin's own value (the rank has its own builtins; the kernel's `input` is the
+    kernel's).
+    """
+    return not _IPYTHON_NAME.match(name) and value is not getattr(builtins, name, _NO_BUILTIN)
 
 
 def needed(
@@ -53,7 +60,7 @@ def needed(
     `kept` names (a live set's own) never do. Raises CellSyntaxError when source does not parse.
     """
     tree = cells.parse(code, "<cell>").body if isinstance(code, str) else code
-    return sorted(n for n in cells.free_names(tree) - set(kept) if n in namespace and travels(n))
+    return sorted(n for n in cells.free_names(tree) - set(kept) if n in namespace and travels(n, namespace[n]))
 
 
 def sent_each_time(value: Any) -> bool:

@@ -54,7 +54,14 @@ _NBKIT_DIR = os.path.dirname(os.path.abspath(__file__))
 # the forked rank's wrapper, spawn mode's rank, the live rank's call, and running a cell.
 _PLUMBING = frozenset(
     os.path.join(_NBKIT_DIR, *parts)
-    for parts in (("launching.py",), ("spawning.py",), ("cells.py",), ("cellrun.py",), ("live", "engine.py"))
+    for parts in (
+        ("launching.py",),
+        ("spawning.py",),
+        ("cells.py",),
+        ("cellrun.py",),
+        ("cell_group.py",),
+        ("live", "engine.py"),
+    )
 )
 
 

@@ -44,7 +44,7 @@ from multiprocessing import Pipe
 from multiprocessing.connection import Connection
 from typing import Any
 
-from nbkit import cells, dashboard, distributed, forksafety, launching, notices, rankside, supervisor
+from nbkit import cell_group, cells, dashboard, distributed, forksafety, launching, notices, rankside, supervisor
 from nbkit.errors import LaunchError, RankError
 from nbkit.notebook_names import BroughtAlong, bring_along
 from nbkit.rank_options import RankOptions
@@ -331,6 +331,7 @@ def _run_rank(job: _Job) -> bytes | None:
     # rank 0's value is pickled with references to notebook classes as __main__.Name: found here
     sys.modules["__main__"] = main
     job.brought.load_into(main.__dict__)
+    cell_group.join()  # the cell's default process group, as on a live set
     value = cells.run_cell(job.source, main.__dict__, job.filename)
     # Pickled here, unpickled in the notebook, where the notebook's own classes exist (the
     # launcher process in between has none of them).

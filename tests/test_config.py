@@ -58,6 +58,7 @@ def test_the_settings_users_configure_are_declared():
 # Reads of the environment whose variable is computed, by (file, function): the variables each reads.
 _COMPUTED_READS = {
     ("distributed.py", "_env_int"): lambda: ("RANK", "LOCAL_RANK", "WORLD_SIZE"),  # torchrun's
+    ("distributed.py", "launched"): lambda: ("RANK", "WORLD_SIZE", "MASTER_ADDR"),  # torch's env:// rendezvous
     ("diagnostics.py", "_secrets"): lambda: importlib.import_module("nbkit.diagnostics").SECRET_NAMES,
     ("rankside.py", "nccl_environment"): lambda: importlib.import_module("nbkit.rankside")._NCCL_ERROR_HANDLING,
 }

@@ -74,7 +74,7 @@ def test_the_script_holds_what_the_cell_needs_and_nothing_else(exported):
     assert "nvidia-smi" not in text and "load_ext" not in text
     assert "cell 4 (%%bash)" in text  # skipped cells are listed
     assert '    note = """two\nlines"""' in text  # the string's value is not indented
-    assert "total = nbkit.launch(ddp_cell, gpus=2, quiet=True)" in text
+    assert "total = nbkit.launch(joined(ddp_cell), gpus=2, quiet=True)" in text
 
 
 def test_runs_under_torchrun_with_two_gloo_processes(exported):
@@ -131,7 +131,7 @@ def test_the_ddp_line_is_expanded_from_the_parameters_as_ipython_expands_it(tmp_
     script = export_script(nb_path, "train", tmp_path / "train.py")
 
     text = script.read_text()
-    assert "total = nbkit.launch(ddp_cell, gpus=3, timeout=90.0, quiet=True)" in text
+    assert "total = nbkit.launch(joined(ddp_cell), gpus=3, timeout=90.0, quiet=True)" in text
     assert "os.environ.setdefault('LABEL', 'run-a')" in text
     assert "os.environ.setdefault('PRICE', '$5')" in text  # $$ is a literal $
     assert "os.environ.setdefault('SET', '{1,2}')" in text  # {{ }} are literal braces
@@ -171,7 +171,7 @@ def test_a_parameter_left_at_none_means_the_default(tmp_path):
         tmp_path, "%%ddp --gpus $gpus --timeout $limit\n1", parameters="gpus = None\nlimit = None"
     )
     script = export_script(nb_path, "train", tmp_path / "train.py")
-    assert _launch_line(script) == "result = nbkit.launch(ddp_cell, gpus=None, quiet=True)"
+    assert _launch_line(script) == "result = nbkit.launch(joined(ddp_cell), gpus=None, quiet=True)"
     assert "one process per visible GPU" in script.read_text()
 
 
@@ -179,7 +179,10 @@ def test_strategy_and_emulate_reach_the_launch_call_of_the_script(tmp_path):
     # the profile under its own name, as the export checked it
     nb_path = _one_cell_notebook(tmp_path, "%%ddp --gpus 2 --strategy fsdp --emulate t4\n1")
     script = export_script(nb_path, "train", tmp_path / "train.py")
-    assert _launch_line(script) == "result = nbkit.launch(ddp_cell, gpus=2, quiet=True, strategy='fsdp', emulate='T4')"
+    assert (
+        _launch_line(script)
+        == "result = nbkit.launch(joined(ddp_cell), gpus=2, quiet=True, strategy='fsdp', emulate='T4')"
+    )
 
 
 def test_the_notebook_is_never_written_over(tmp_path, monkeypatch):
@@ -317,7 +320,7 @@ def test_a_live_set_cell_exports_with_the_cells_that_ran_before_it_on_the_set(tm
     nb_path = tmp_path / "live.ipynb"
     nbformat.write(nb, nb_path)
     script = export_script(nb_path, "train", tmp_path / "train.py").read_text()
-    assert "nbkit.launch(ddp_cell, gpus=2, quiet=True)" in script  # --gpus from the %ddp start line
+    assert "nbkit.launch(joined(ddp_cell), gpus=2, quiet=True)" in script  # --gpus from the %ddp start line
     assert "os.environ.setdefault('A', '1')" in script
     assert "cells 4, 5, 6 run in order" in script and "ignored" not in script
     assert "global base, math" in script and "if nbkit.rank() in (0,):" in script

@@ -79,6 +79,11 @@ def test_load_shard_train_and_save_in_separate_cells(tmp_path):
         assert len(answers[0]) == 7, answers  # every rank generated: 4 prompt tokens and 3 new ones
         live.exec("fsdp.save_adapter(model, out)", names={"out": str(tmp_path)})
         assert (tmp_path / "adapter_model.safetensors").stat().st_size > 0
+        # save_pretrained cannot write a sharded model's shards: refused before anything is written, saying how.
+        for ranks in ("all", 0):
+            with pytest.raises(LiveError, match=r"of a sharded \(FSDP\) model.*nothing was written.*save_adapter"):
+                live.exec("model.save_pretrained(plain)", ranks=ranks, names={"plain": str(tmp_path / "plain")})
+            assert not (tmp_path / "plain").exists()
     finally:
         live.stop()
 

@@ -20,6 +20,16 @@ def test_the_names_a_cell_reads_travel_private_ones_too_but_not_ipythons():
         notebook_names.needed("x = (1,", {"x": 1})
 
 
+def test_a_builtin_the_notebook_rebinds_travels_and_the_kernels_own_builtins_do_not():
+    import builtins
+
+    namespace = {"dir": "outputs", "input": "a prompt", "len": len, "print": builtins.print, "open": open}
+    code = "print(len(dir), input)\nopen(dir)\ndef f():\n    return sorted(dir)"
+    # `len` and `print` bound to the builtins themselves (ipykernel's `input` lives in builtins) stay the rank's
+    assert notebook_names.needed(code, namespace) == ["dir", "input"]
+    assert notebook_names.needed("dir = 'x'\nprint(dir)", namespace) == []  # the cell binds it first
+
+
 def test_spawn_and_a_live_set_pickle_a_notebook_function_with_the_values_it_reads():
     namespace: dict = {"scale": 3}
     exec("def times(x):\n    return x * scale", namespace)

@@ -44,7 +44,20 @@ class Calls(SetState):
                 f"The live set has ended: {self._ended} Start a new one (%ddp start / nbkit.start()).", ended=True
             )
         if self._stopped:
-            raise LiveError("The live set was stopped. Start a new one (%ddp start / nbkit.start()).", ended=True)
+            raise LiveError(_STOPPED, ended=True)
+
+    def _check_not_gone(self, targets: list[int]) -> None:
+        """Raise the LiveError of a set that a failure ended or that stop() ended (from any thread) while
+        a call on `targets` waited: the call cannot finish, and waiting would hang.
+        """
+        if self._ended is not None:
+            raise LiveError(self._ended_text(), ended=True)
+        if self._stopped:
+            raise LiveError(
+                f"LiveRanks.stop() ended the live set while this call ran on rank(s) {_join(targets)}: its ranks "
+                f"are gone, and the call did not finish. {_STOPPED}",
+                ended=True,
+            )
 
     def _run_call(
         self,
@@ -111,8 +124,7 @@ class Calls(SetState):
         try:
             while True:
                 self._pump(0.01)
-                if self._ended is not None:
-                    raise LiveError(self._ended_text(), ended=True)
+                self._check_not_gone(targets)
                 unfinished = [r for r in targets if r not in self._done]
                 now = time.monotonic()
                 if ar.ready():
@@ -154,6 +166,8 @@ class Calls(SetState):
             f"the call did not finish within its timeout ({timeout:g} s); rank(s) {_join(unfinished)} were still "
             f"running. {supervisor.hang_hint(self._some_ranks_hint(targets))}"
         )
+        if self._ended is None:  # stop() came first, from another thread
+            self._check_not_gone(targets)
         raise LiveError(self._ended_text(), ended=True, timed_out=True)
 
     def _some_ranks_hint(self, targets: list[int]) -> str:
@@ -176,7 +190,7 @@ class Calls(SetState):
         hard = False  # a second press during a pending stop: interrupt as for any other code
         said_stopping = False
         grace_until = time.monotonic() + _INTERRUPT_GRACE_S
-        while self._ended is None:
+        while self._ended is None and not self._stopped:
             try:
                 self._pump(0.01)
                 if all(r in self._done for r in targets) and ar.ready():
@@ -220,7 +234,7 @@ class Calls(SetState):
                     self._interrupt([r for r in targets if r not in self._done])
                     grace_until = time.monotonic() + _INTERRUPT_GRACE_S
                 # else: a further press while the ranks are being interrupted
-        raise LiveError(self._ended_text(), ended=True)
+        self._check_not_gone(targets)
 
     def _unanswered_text(self, targets: list[int], still: list[int]) -> str:
         """Why ranks `still` did not end the call within the grace after an interrupt: the code caught the
@@ -301,6 +315,8 @@ class Calls(SetState):
             ended=ended,
         )
 
+
+_STOPPED = "The live set was stopped. Start a new one (%ddp start / nbkit.start())."
 
 # How long ranks that have not finished get after another rank failed, before they are interrupted
 # (they may still be finishing on their own), and after an interrupt, before the set is ended.

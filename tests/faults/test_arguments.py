@@ -4,7 +4,9 @@ process starts (the leftovers fixture checks that none did), in well under a sec
 
 from __future__ import annotations
 
+import json
 import math
+import re
 import time
 from pathlib import Path
 
@@ -13,7 +15,7 @@ from faultkit import assert_reruns
 
 import nbkit
 from nbkit import ddp_options, rankside, spawning
-from nbkit.errors import BringAlongError, CellSyntaxError
+from nbkit.errors import BringAlongError, CellSyntaxError, DatasetArgumentError, DatasetError
 from nbkit.planner import plan
 from nbkit.rank_options import RankOptions
 
@@ -132,3 +134,32 @@ def test_plan_of_a_model_that_does_not_exist_offline_is_one_message():
 def test_ddp_cell_options_out_of_range(line, text):
     with pytest.raises(ddp_options.OptionsError, match=text):
         ddp_options.parse(line)
+
+
+@pytest.fixture
+def ten_rows(tmp_path: Path) -> str:
+    """A local dataset of 10 rows (the datasets library reads it as a hub dataset, without the hub)."""
+    rows = [{"image": f"i{i}", "text": f"t{i}", "messages": [{"role": "user", "content": str(i)}]} for i in range(10)]
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(tmp_path)
+
+
+# datasets' progress bars start tqdm's monitor thread once, for the process: tqdm's, not a leftover of the case.
+@pytest.mark.leftovers_ignore("threads")
+@pytest.mark.parametrize("n", [-3, 0, 2.5, True, "10", None])
+@pytest.mark.parametrize("load", ["image_text_dataset", "chat_dataset"])
+def test_a_dataset_count_that_is_not_rows_is_refused_naming_n(ten_rows, load, n):
+    for name in (ten_rows, "synthetic"):
+        with pytest.raises(DatasetArgumentError, match=rf"n={re.escape(repr(n))}: nbkit.data takes how many rows"):
+            getattr(nbkit.data, load)(name, n)
+    assert len(getattr(nbkit.data, load)(ten_rows, 3)) == 3
+
+
+@pytest.mark.leftovers_ignore("threads")  # tqdm's monitor, as above
+def test_a_split_the_dataset_does_not_have_is_named_not_blamed_on_the_hub(ten_rows):
+    with pytest.raises(DatasetError) as caught:
+        nbkit.data.chat_dataset(ten_rows, 3, split="test")
+    message = str(caught.value)
+    assert "has no split 'test'" in message and "'train'" in message and "Internet" not in message
+    with pytest.raises(DatasetArgumentError, match=r"split='train\[:5\]': pass the name of a split"):
+        nbkit.data.image_text_dataset(ten_rows, 3, split="train[:5]")

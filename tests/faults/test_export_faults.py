@@ -48,8 +48,12 @@ def _cell_seconds(cell: nbformat.NotebookNode) -> float:
 def test_bad_exports_fail_fast_with_one_message_and_the_corrected_command_works_at_once(tmp_path, kernel_name):
     source = _source_notebook(tmp_path / "experiment.ipynb")
     unparameterised = _source_notebook(tmp_path / "other.ipynb", TRAIN.replace("$procs", "$n_gpus"))
+    a100 = _source_notebook(tmp_path / "a100.ipynb", TRAIN.replace("--out", "--emulate A100 --out"))
     original = source.read_bytes()
     script = tmp_path / "train.py"
+    notes = tmp_path / "notes.py"
+    notes.write_text("# the user's own file\n")
+    (tmp_path / "scripts").mkdir()
     cases = {
         "over the notebook": (
             f"%nbkit export {source} train -o {source}",
@@ -73,11 +77,33 @@ def test_bad_exports_fail_fast_with_one_message_and_the_corrected_command_works_
             f"%nbkit export {unparameterised} train -o {script}",
             "Cell 1 of other.ipynb: the %%ddp line uses 'n_gpus', which is not a parameter of the notebook.",
         ),
+        "over a file nbkit did not write": (
+            f"%nbkit export {source} train -o {notes}",
+            f"{notes} exists and nbkit did not export it: writing the script would replace it. Give another name, "
+            "or pass --force (force=True) to replace it.",
+        ),
+        "a folder": (
+            f"%nbkit export {source} train -o {tmp_path}/scripts",
+            f"{tmp_path}/scripts is a folder: give the script's file name, e.g. -o {tmp_path}/scripts/train.py.",
+        ),
+        "a cell that is not %%ddp": (
+            f"%nbkit export {source} 0 -o {script}",
+            "Cell 0 of experiment.ipynb is not a %%ddp cell: export writes a %%ddp cell as a training script that "
+            "runs it on every rank. Give a %%ddp cell (at indices [1]), or put %%ddp at the top of this one.",
+        ),
+        "a GPU profile nbkit does not have": (
+            f"%nbkit export {a100} train -o {script}",
+            "Cell 1 of a100.ipynb: emulate must name a GPU profile, one of 'T4'",
+        ),
     }
     nb = new_notebook()
     nb.cells = [new_code_cell("%load_ext nbkit")]
     nb.cells += [new_code_cell(line) for line, _ in cases.values()]
-    nb.cells += [new_code_cell(f"%nbkit export {source} train -o {script}"), new_code_cell("6 * 7")]
+    nb.cells += [
+        new_code_cell(f"%nbkit export {source} train -o {notes} --force"),
+        new_code_cell(f"%nbkit export {source} train -o {script}"),
+        new_code_cell("6 * 7"),
+    ]
     status: dict[int, str] = {}
     NotebookClient(
         nb,
@@ -98,11 +124,20 @@ def test_bad_exports_fail_fast_with_one_message_and_the_corrected_command_works_
         assert shown.startswith("UsageError: ") and message in shown and shown.count("\n") == 1, f"{name}: {shown}"
         assert _cell_seconds(cell) < 10, name
     assert source.read_bytes() == original  # never written over
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["experiment.ipynb", "other.ipynb", "train.py"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "a100.ipynb",
+        "experiment.ipynb",
+        "notes.py",
+        "other.ipynb",
+        "scripts",
+        "train.py",
+    ]
+    assert list((tmp_path / "scripts").iterdir()) == []
+    assert status[len(nb.cells) - 3] == "ok" and notes.read_text().startswith("#!/usr/bin/env python")  # --force
     # The corrected command right after the failures: the script, with $procs from the parameters.
     exported, usable = nb.cells[-2], nb.cells[-1]
     assert status[len(nb.cells) - 2] == "ok" and f"nbkit: wrote {script}" in exported.outputs[0]["text"]
-    assert "total = nbkit.launch(ddp_cell, gpus=2, quiet=True)" in script.read_text()
+    assert "total = nbkit.launch(joined(ddp_cell), gpus=2, quiet=True)" in script.read_text()
     assert usable.outputs[0]["data"]["text/plain"] == "42"  # the kernel is still usable
 
 

@@ -191,3 +191,37 @@ def test_rank_0_cell_waiting_in_a_collective_is_named(kernel):
     out = kernel.run("%%ddp --rank 0 --timeout 3\nimport torch.distributed as dist\ndist.barrier()")
     says = ("did not finish within its timeout (3 s)", "a cell run on rank(s) 0 only called a collective")
     ended_the_set(out, procs, *says, within_s=3 + MARGIN_S)
+
+
+def test_an_fsdp_set_resumes_and_trains_again_after_a_stop(kernel):
+    # After the stop button, accelerate is handed the model FSDP2 sharded already: resuming, training again and a
+    # new Trainer of trainer.model must take it as it is (they failed looking for its renamed layer classes).
+    stopped = kernel.run("if nbkit.live.current() is not None:\n    nbkit.live.current().stop()")
+    assert stopped["error"] is None, stopped
+    try:
+        started = kernel.run("nbkit.start(gpus=2, strategy='fsdp')\nout = out + '/fsdp'")
+        assert started["error"] is None, started
+        made = kernel.run(_TRAINER.replace('save_strategy="no", ', ""))  # a checkpoint every 2 steps
+        assert made["error"] is None, made
+        out = kernel.run("%%ddp\ntrainer.train()", interrupt_on="training")
+        said = re.search(r"training stopped at step (\d+) on every rank", out["stderr"])
+        assert out["error"] is not None and out["error"][0] == "KeyboardInterrupt" and said, out
+        step = int(said.group(1))
+        resumed = kernel.run(
+            "%%ddp\ntrainer.args.max_steps = trainer.state.global_step + 2\n"
+            "trainer.train(resume_from_checkpoint=True).global_step",
+            timeout=120,
+        )
+        assert resumed["error"] is None and resumed["result"] == str(step + 2), resumed
+        again = kernel.run(
+            "%%ddp\nfrom transformers import Trainer\n"
+            "trainer.args.max_steps = 2\nstate = trainer.train()\n"
+            "fresh = Trainer(model=trainer.model, args=trainer.args, train_dataset=trainer.train_dataset)\n"
+            "(state.global_step, fresh.train().global_step, type(fresh.model).__name__)",
+            timeout=120,
+        )
+        assert again["error"] is None and again["result"] == "(2, 2, 'FSDPPeftModel')", again
+    finally:
+        kernel.run(
+            "if nbkit.live.current() is not None:\n    nbkit.live.current().stop()\nout = out.removesuffix('/fsdp')"
+        )
