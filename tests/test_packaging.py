@@ -128,13 +128,14 @@ def test_tested_versions_are_the_constraint_files_and_the_lower_bounds():
     assert diagnostics.TESTED_VERSIONS["trl"][1] == "1.15.0"
 
 
-def test_readme_links_into_the_repository_are_relative_and_resolve():
-    text = (REPO / "README.md").read_text()
-    links = re.findall(r"\]\(([^)\s]+)\)", text)
-    relative = [link.split("#")[0] for link in links if not link.startswith(("https://", "http://", "#"))]
-    assert relative, "the README links to the notebooks and docs of this repository"
-    missing = [link for link in relative if not (REPO / link).exists()]
-    assert missing == []
+def test_readme_and_docs_links_into_the_repository_are_relative_and_resolve():
+    for page in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
+        links = re.findall(r"\]\(([^)\s]+)\)", page.read_text())
+        relative = [link.split("#")[0] for link in links if not link.startswith(("https://", "http://", "#"))]
+        if page.name == "README.md":
+            assert relative, "the README links to the notebooks and docs of this repository"
+        missing = [link for link in relative if link and not (page.parent / link).exists()]
+        assert missing == [], page
 
 
 def test_no_install_line_or_link_names_an_address_the_project_does_not_control():

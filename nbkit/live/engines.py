@@ -482,7 +482,7 @@ def _end_group(pgid: int) -> None:
     multiprocessing's spawn and fork children, and theirs), which stay in the engine's group, as nbkit
     starts each engine in a session of its own. (Linux gives no new process the number of a group that
     still has members, so the number cannot name another group.) A process that left the group
-    (setsid, start_new_session=True) is out of reach: see README.
+    (setsid, start_new_session=True) is out of reach: see docs/guide.md.
     """
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, signal.SIGKILL)
