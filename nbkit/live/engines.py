@@ -168,6 +168,10 @@ class Engines(SetState):
         startup_timeout: float,
     ) -> None:
         assert self._relay is not None
+        from nbkit import dashboard
+
+        # How this notebook shows the dashboard: the ranks print Trainer's log lines only without a live panel.
+        env = {"NBKIT_DASHBOARD": dashboard.display_mode(), **env}
         local_sizes: dict[int, int] = {}
         for r in self._ranks:
             local_sizes[r.node_rank] = local_sizes.get(r.node_rank, 0) + 1
