@@ -105,6 +105,12 @@ GROUPS: dict[str, Group] = {
             "even under fp16, which the fp16 GradScaler cannot unscale",
         ),
         Group(
+            "trainer_defaults",
+            "nbkit.trainer_defaults",
+            "in every rank nbkit starts: Trainer's find_unused_parameters for a peft model as for the model it "
+            "wraps, and no pinned memory without an accelerator, where the user left them at their defaults",
+        ),
+        Group(
             "attention",
             "nbkit.attention",
             "in every rank nbkit starts: grouped-query attention where flash attention cannot run (T4) uses the "
@@ -164,11 +170,12 @@ def prepare_rank(*, owns_exit: bool = True) -> None:
     an outside launcher running an exported script): the GPU profile NBKIT_EMULATE names (nbkit.emulate),
     the default groups, the dashboard's reporting, complete-checkpoint markers, the fixes for older
     transformers/trl, fp16-ready dtypes under TRL's SFTTrainer, grouped-query attention without flash
-    attention, the FSDP set-up where the rank's environment asks for the fsdp strategy
-    (nbkit.fsdp.setup_rank), and how the rank ends (nbkit.teardown): where nbkit ends the process
-    itself (`owns_exit`, with os._exit), the teardown group keeps destroyed process groups until
-    then; a rank of an outside launcher (torchrun), which ends through the interpreter's shutdown,
-    has its groups destroyed at exit instead, before finalization could abort it.
+    attention, Trainer's DDP and data loader defaults chosen for the model and machine, the FSDP set-up
+    where the rank's environment asks for the fsdp strategy (nbkit.fsdp.setup_rank), and how the rank
+    ends (nbkit.teardown): where nbkit ends the process itself (`owns_exit`, with os._exit), the
+    teardown group keeps destroyed process groups until then; a rank of an outside launcher
+    (torchrun), which ends through the interpreter's shutdown, has its groups destroyed at exit
+    instead, before finalization could abort it.
 
     Idempotent; imports none of the patched libraries. Call it only in a training process.
 
@@ -178,7 +185,7 @@ def prepare_rank(*, owns_exit: bool = True) -> None:
     from nbkit import checkpoints, compat, emulation, fsdp, reporting, teardown
 
     emulation.apply_from_env()  # first: a library imported later must see the profile (bf16, memory)
-    install(*DEFAULT_GROUPS, "mixed_precision", "attention")
+    install(*DEFAULT_GROUPS, "mixed_precision", "attention", "trainer_defaults")
     if fsdp.requested():
         fsdp.setup_rank()
     reporting.setup_rank()

@@ -804,6 +804,8 @@ class _Child:
         # thread: rebuilt lazily, two threads that start at once (autograd's device threads) can see
         # it half-replaced and abort with "Invalid thread pool" (seen with unsloth on 2 H200s).
         torch.set_num_threads(1 if self.use_cpu else torch.get_num_threads())
+        if self.use_cpu:  # where accelerate looks: unset, it gives the rank more threads and warns in every cell
+            os.environ["OMP_NUM_THREADS"] = "1"
         output = None
         try:
             output = _prepare_rank(quiet=self.quiet, rank=rank, descriptors=True)

@@ -273,7 +273,8 @@ def test_every_group_installs_and_uninstalls_exactly_in_a_launched_rank():
     # what nbkit.launch sets up in every rank, before the user's function runs (forksafety: the
     # fixture reverted it in this process, which the rank was forked from; launch: applied in this
     # process while it starts the ranks, so a forked rank finds it applied)
-    expected = {"checkpoints", "guard", "reporting", "launch", "compat", "teardown", "attention"} - _versioned_out()
+    expected = {"checkpoints", "guard", "reporting", "launch", "compat", "teardown", "attention", "trainer_defaults"}
+    expected -= _versioned_out()
     expected |= {"mixed_precision"} if trl_imported else set()
     assert r["applied_by_launch"] == sorted(expected)
     _check_each_group(r["results"], acting=set(integration.GROUPS) - {"unsloth_savers"})

@@ -111,8 +111,11 @@ def setup(plan: RankPlan) -> str:
         torch.cuda.set_device(plan.local_rank)
         device = f"cuda:{plan.local_rank}"
     else:
-        # As torchrun does: the node's cores shared among its ranks, not each rank taking them all.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // plan.local_world_size))
+        # As torchrun does: the node's cores shared among its ranks, not each rank taking them all. Said in
+        # OMP_NUM_THREADS too, where accelerate looks (unset, it picks its own count and warns in every cell).
+        threads = max(1, (os.cpu_count() or 1) // plan.local_world_size)
+        torch.set_num_threads(threads)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
         device = "cpu"
     # A native crash (segfault, abort) leaves the Python stack in the log of an engine nbkit started,
     # which the notebook shows under the message naming the signal. (The engine's fd 2 is a pipe
