@@ -207,6 +207,8 @@ class NbkitMagics(Magics):
             )
         except OptionsError as exc:
             raise UsageError(str(exc)) from None
+        except KeyboardInterrupt as interrupt:
+            raise _one_line(interrupt) from None
         if args.out is not None:
             shell.user_ns[args.out] = value
         if cell.rstrip().endswith(";"):  # IPython's "no output" convention
@@ -228,6 +230,15 @@ class NbkitMagics(Magics):
                 "export NOTEBOOK CELL_OR_TAG -o OUT.py  (%nbkit plan -h for options)"
             )
         handlers[command](rest)
+
+
+def _one_line(interrupt: KeyboardInterrupt) -> KeyboardInterrupt:
+    """The stop button's interrupt of a %%ddp cell, shown by the notebook as one line: nbkit has already said
+    what it stopped, and the traceback through nbkit's waiting code would add ~60 lines of nothing the user
+    can act on. (IPython shows what an exception's `_render_traceback_` returns in place of its traceback.)
+    """
+    setattr(interrupt, "_render_traceback_", lambda: ["KeyboardInterrupt"])  # noqa: B010 (not a declared attribute)
+    return interrupt.with_traceback(None)
 
 
 def _stop() -> str:
