@@ -46,6 +46,7 @@ _EXPORTS: dict[str, str] = {
     "EmulationError": "nbkit.errors",
     "CheckpointError": "nbkit.errors",
     "StrategyError": "nbkit.errors",
+    "RanksError": "nbkit.errors",
     "DatasetError": "nbkit.errors",
     # where this process stands
     "rank": "nbkit.distributed",

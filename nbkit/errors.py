@@ -29,6 +29,7 @@ __all__ = [
     "LiveError",
     "NbkitError",
     "RankError",
+    "RanksError",
     "StrategyError",
 ]
 
@@ -146,6 +147,19 @@ class BringAlongError(NbkitError, ValueError):
             "mode shares every name)."
         )
         self.name = name
+
+
+class RanksError(NbkitError, ValueError):
+    """`gpus` asks for ranks this machine cannot give: none asked for and no GPU visible, more GPUs than are
+    visible, or more CPU processes than the limit. The message names the API's argument (gpus=N).
+
+    Attributes:
+        magic_text: the same in the words of the magics' option (--gpus N), for %ddp start and %%ddp.
+    """
+
+    def __init__(self, message: str, magic_text: str = ""):
+        super().__init__(message)
+        self.magic_text = magic_text or message
 
 
 class EmulationError(NbkitError, ValueError):

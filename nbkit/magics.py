@@ -53,7 +53,8 @@ holds the routing between live set, fork and spawn) and stores --out; `-h` after
     --rank is refused here: the processes end with the cell, and a cell that runs on some of them
     only would leave the others waiting in their first collective.
 
-%nbkit doctor                       nbkit.doctor(): GPUs, CUDA state, versions, problems and fixes
+%nbkit doctor [--gpus N]            nbkit.doctor(): GPUs, CUDA state, versions, problems and fixes; --gpus:
+                                    the ranks you will start (without a GPU, CPU processes: no error)
 %nbkit plan MODEL [--seq-len N] [--batch-size N] [--4bit] [--gpus N] [--gpu-memory GIB] [--lora-rank R]
             [--gpu-model NAME] [--effective-batch N]
                                     nbkit.plan(...), printed; with --effective-batch also the Trainer
@@ -67,8 +68,9 @@ holds the routing between live set, fork and spawn) and stores --out; `-h` after
 from __future__ import annotations
 
 import argparse
+import contextlib
 import shlex
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from IPython.core.error import UsageError
@@ -76,6 +78,7 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 
 from nbkit import ddp_options
 from nbkit.ddp_options import HelpShown, OptionParser, OptionsError
+from nbkit.errors import EmulationError, RanksError
 
 __all__ = ["NbkitMagics", "register", "unregister"]
 
@@ -92,6 +95,17 @@ def unregister(ipython: Any) -> None:
     manager.magics["line"].pop("ddp", None)
     manager.magics["line"].pop("nbkit", None)
     manager.registry.pop(NbkitMagics.__name__, None)
+
+
+def _doctor_parser() -> argparse.ArgumentParser:
+    parser = OptionParser("%nbkit doctor")
+    parser.add_argument(
+        "--gpus",
+        type=lambda text: None if text == "None" else int(text),  # a parameter cell's None, expanded as $gpus
+        metavar="N",
+        help="the ranks you will start: without a GPU, N CPU processes (no GPU is then not an error)",
+    )
+    return parser
 
 
 def _plan_parser() -> argparse.ArgumentParser:
@@ -154,9 +168,10 @@ class NbkitMagics(Magics):
         if command == "start":
             opts = _parsed(ddp_options.parse_start, rest)
             if opts is not None:
-                ranks = live.start(
-                    gpus=opts.gpus, timeout=opts.timeout, env=opts.env, strategy=opts.strategy, emulate=opts.emulate
-                )
+                with _as_usage():
+                    ranks = live.start(
+                        gpus=opts.gpus, timeout=opts.timeout, env=opts.env, strategy=opts.strategy, emulate=opts.emulate
+                    )
                 devices = ", ".join(sorted({r.device for r in ranks.status().ranks}))
                 print(f"nbkit: live set of {ranks.world_size} rank(s) on {devices}; %%ddp cells now run on it.")
         elif command in ("stop", "status"):
@@ -191,22 +206,21 @@ class NbkitMagics(Magics):
         # Registered in linecache, so tracebacks of the ranks show the cell's lines.
         filename = shell.compile.cache(source, shell.execution_count)
         try:
-            value = run_cell(
-                source,
-                shell.user_ns,
-                gpus=args.gpus,
-                timeout=args.timeout,
-                all_ranks=args.all_ranks,
-                env=args.env,
-                spawn=args.spawn,
-                ranks=args.ranks,
-                resend=True if args.resend == [] else args.resend or False,
-                strategy=args.strategy,
-                emulate=args.emulate,
-                filename=filename,
-            )
-        except OptionsError as exc:
-            raise UsageError(str(exc)) from None
+            with _as_usage():
+                value = run_cell(
+                    source,
+                    shell.user_ns,
+                    gpus=args.gpus,
+                    timeout=args.timeout,
+                    all_ranks=args.all_ranks,
+                    env=args.env,
+                    spawn=args.spawn,
+                    ranks=args.ranks,
+                    resend=True if args.resend == [] else args.resend or False,
+                    strategy=args.strategy,
+                    emulate=args.emulate,
+                    filename=filename,
+                )
         except KeyboardInterrupt as interrupt:
             raise _one_line(interrupt) from None
         if args.out is not None:
@@ -216,9 +230,7 @@ class NbkitMagics(Magics):
         return value
 
     @line_magic
-    @_with_options(
-        lambda: OptionParser("%nbkit doctor").format_help(), _plan_parser().format_help, _export_parser().format_help
-    )
+    @_with_options(_doctor_parser().format_help, _plan_parser().format_help, _export_parser().format_help)
     def nbkit(self, line: str) -> None:
         """%nbkit doctor | plan MODEL [options] | export NOTEBOOK CELL_OR_TAG -o OUT (see nbkit.magics)."""
         words = shlex.split(line)
@@ -230,6 +242,21 @@ class NbkitMagics(Magics):
                 "export NOTEBOOK CELL_OR_TAG -o OUT.py  (%nbkit plan -h for options)"
             )
         handlers[command](rest)
+
+
+@contextlib.contextmanager
+def _as_usage() -> Iterator[None]:
+    """A mistake in a magic's line that the API it calls finds, as IPython's one-line UsageError naming the
+    magic's option: the API's errors name its own arguments (gpus=N), where the magic's user types --gpus N.
+    """
+    try:
+        yield
+    except OptionsError as exc:
+        raise UsageError(str(exc)) from None
+    except RanksError as exc:
+        raise UsageError(exc.magic_text) from None
+    except EmulationError as exc:
+        raise UsageError(f"--emulate: {exc}") from None
 
 
 def _one_line(interrupt: KeyboardInterrupt) -> KeyboardInterrupt:
@@ -268,8 +295,9 @@ def _status() -> str:
 def _doctor(words: list[str]) -> None:
     from nbkit.diagnostics import doctor
 
-    if _parsed(OptionParser("%nbkit doctor").parse_args, words) is not None:
-        print(doctor())
+    args = _parsed(_doctor_parser().parse_args, words)
+    if args is not None:
+        print(doctor(gpus=args.gpus))
 
 
 def _plan(words: list[str]) -> None:

@@ -85,13 +85,17 @@ def run_source(
     spawn mode runs, why (`reason`), and what is brought along.
 
     Raises CellSyntaxError (the source does not parse), BringAlongError (a needed name cannot be
-    pickled), TypeError/ValueError (gpus or timeout out of range), all before anything starts;
+    pickled), TypeError/ValueError (gpus or timeout out of range), RanksError (gpus asks for ranks this
+    machine cannot give), all before anything starts;
     LaunchError (a rank failed, the run timed out, or the launcher process died), KeyboardInterrupt
     (interrupted: every process was stopped), and the ValueError/RuntimeError nbkit.launch raises
     when it cannot start (for instance more GPUs than exist).
     """
     timeout = launching.check_timeout(timeout)
     gpus = rankside.check_gpus(gpus)
+    # Counted here too, before the launcher process starts: a gpus this machine cannot give is the RanksError
+    # of fork mode (which %%ddp shows as a usage error), not text relayed from the launcher.
+    rankside.count_ranks(gpus, distributed.visible_gpus() if launching._has_cuda() else [], api="nbkit.launch")
     strategy = rankside.check_strategy(strategy)
     # the profile too, here, before the launcher process starts (by its own name from here on)
     emulate = rankside.strategy_environment(strategy, emulate).get("NBKIT_EMULATE")
