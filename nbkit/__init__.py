@@ -91,6 +91,7 @@ _SUBMODULES = (
     "fsdp",
     "integration",
     "live",
+    "models",
     "offline",
     "patching",
     "run_summary",
