@@ -133,7 +133,8 @@ GROUPS: dict[str, Group] = {
         Group(
             "offline",
             "nbkit.offline",
-            "when nbkit.offline builds a Qwen3-VL processor on a machine without torchvision",
+            "in every rank nbkit starts, and when nbkit.offline builds a Qwen3-VL processor, on a machine "
+            "without torchvision: AutoProcessor and nbkit.offline.load_processor build an image-and-text processor",
         ),
     )
 }
@@ -170,12 +171,12 @@ def prepare_rank(*, owns_exit: bool = True) -> None:
     an outside launcher running an exported script): the GPU profile NBKIT_EMULATE names (nbkit.emulate),
     the default groups, the dashboard's reporting, complete-checkpoint markers, the fixes for older
     transformers/trl, fp16-ready dtypes under TRL's SFTTrainer, grouped-query attention without flash
-    attention, Trainer's DDP and data loader defaults chosen for the model and machine, the FSDP set-up
-    where the rank's environment asks for the fsdp strategy (nbkit.fsdp.setup_rank), and how the rank
-    ends (nbkit.teardown): where nbkit ends the process itself (`owns_exit`, with os._exit), the
-    teardown group keeps destroyed process groups until then; a rank of an outside launcher
-    (torchrun), which ends through the interpreter's shutdown, has its groups destroyed at exit
-    instead, before finalization could abort it.
+    attention, Trainer's DDP and data loader defaults chosen for the model and machine, processors
+    without torchvision, the FSDP set-up where the rank's environment asks for the fsdp strategy
+    (nbkit.fsdp.setup_rank), and how the rank ends (nbkit.teardown): where nbkit ends the process
+    itself (`owns_exit`, with os._exit), the teardown group keeps destroyed process groups until
+    then; a rank of an outside launcher (torchrun), which ends through the interpreter's shutdown,
+    has its groups destroyed at exit instead, before finalization could abort it.
 
     Idempotent; imports none of the patched libraries. Call it only in a training process.
 
@@ -185,7 +186,7 @@ def prepare_rank(*, owns_exit: bool = True) -> None:
     from nbkit import checkpoints, compat, emulation, fsdp, reporting, teardown
 
     emulation.apply_from_env()  # first: a library imported later must see the profile (bf16, memory)
-    install(*DEFAULT_GROUPS, "mixed_precision", "attention", "trainer_defaults")
+    install(*DEFAULT_GROUPS, "mixed_precision", "attention", "trainer_defaults", "offline")
     if fsdp.requested():
         fsdp.setup_rank()
     reporting.setup_rank()

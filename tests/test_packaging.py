@@ -37,8 +37,9 @@ INSTALL_CELL = 2  # the first code cell of every notebook, after the title and "
 # Modules nbkit imports only where they are there, each behind a check, and so never requires:
 # unsloth is an optional backend (its extra), bitsandbytes comes with unsloth or the quant extra,
 # torchvision is optional for transformers, and the platforms' secret stores exist only on Kaggle/Colab.
-# datasets comes with the peft and unsloth extras (nbkit.data needs it, the notebooks' data); tqdm with
-# huggingface_hub (the live ranks' text bars patch tqdm.auto, skipped where it does not import).
+# datasets and peft come with the peft and unsloth extras (nbkit.data needs datasets, the notebooks' data;
+# nbkit.models' transformers backend adds LoRA with peft); tqdm with huggingface_hub (the live ranks' text bars
+# patch tqdm.auto, skipped where it does not import).
 OPTIONAL_IMPORTS = {
     "unsloth",
     "unsloth_zoo",
@@ -48,6 +49,7 @@ OPTIONAL_IMPORTS = {
     "google",
     "liger_kernel",
     "datasets",
+    "peft",
     "tqdm",
 }
 
