@@ -141,7 +141,8 @@ def test_notebook_trains_saves_and_answers_on_cpu(name: str, tmp_path: Path) -> 
 
     text = _text(nb)
     assert f"nbkit: no checkpoint in {run_dir} yet; starting fresh." in text
-    assert library_warnings(text) == [], "warnings the ranks avoid at their cause"
+    if name != "model_parallel":  # which trains in the notebook process, where nbkit leaves Trainer's defaults
+        assert library_warnings(text) == [], "warnings the ranks avoid at their cause"
     if name in BATCH_PLANNED:
         # The planning cell prints the batch it chose in one line, and the trainer trained at it: on CPU
         # processes the asked batch per process, accumulation making up the effective batch.
