@@ -163,11 +163,11 @@ def test_notebook_trains_saves_and_answers_on_cpu(name: str, tmp_path: Path) -> 
     if name == "model_parallel":
         # the planner's verdicts for Qwen3-8B on 2 x T4: sharded at 2K tokens, split at 8K
         assert "Strategy: fsdp" in text and "Strategy: model_parallel" in text
+    if name != "model_parallel":  # the doctor knows that this run asked for CPU processes: not an error
+        assert "[info] No GPU is visible: the 2 rank(s)" in text and "[error] No GPU" not in text
     if name == "qwen3_vl_2xT4":
         # Cell by cell on a live set: started, used by every GPU cell, stopped.
         assert "nbkit: live set of 2 rank(s) on cpu" in text and "nbkit: stopped the live set (2 rank(s))." in text
-        # The doctor knows that this run asked for CPU processes: no GPU is worth a line, not an error.
-        assert "[info] No GPU is visible: the 2 rank(s)" in text and "[error] No GPU" not in text
         # A Kaggle session ended: the same notebook, run again, continues.
         runner.run([name], tmp_path, {"max_steps": max_steps + 4})
         again = json.loads((run_dir / "summary.json").read_text())
