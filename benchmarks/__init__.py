@@ -1,6 +1,6 @@
 """nbkit's GPU benchmarks: the harnesses (scripts) and the parts they share, one module per job.
 
-Scripts, run as `python benchmarks/NAME.py ...` (see README.md):
+Scripts, run as `python benchmarks/NAME.py ...` (see benchmarks/README.md):
 
 - bench.py: the matrix of backends x launchers x GPU counts (results as JSON and a markdown table).
 - trainer_bench.py: the same through TRL's SFTTrainer / transformers' Trainer, as users train.

@@ -28,7 +28,7 @@ for `accelerate launch` from the command's start).
 (`--memory-cap-gib 15` stands in for a T4): lengths from `--seq-lens` until the first that fails,
 then two bisection steps to multiples of 4096, each attempt a few Trainer steps.
 
-Examples (GPU host, see README.md for the set-up):
+Examples (GPU host, see benchmarks/README.md for the set-up):
 
     python3 benchmarks/trainer_bench.py --configs unsloth:1@notebook,unsloth:2,unsloth:2@notebook,unsloth:2@accelerate \
         --shapes 1024x4,1024x16,16384x1 --out $OUT/trainer.json --md $OUT/trainer.md

@@ -82,7 +82,7 @@ SECRET_NAMES = ("HF_TOKEN", "WANDB_API_KEY", "KAGGLE_USERNAME", "KAGGLE_KEY")
 @dataclass
 class Problem:
     """One thing to fix: what is wrong, what to do, and how bad ("error" blocks training,
-    "warning" costs speed or may break later).
+    "warning" costs speed or may break later, "info" is worth knowing and needs nothing).
     """
 
     what: str
@@ -152,20 +152,25 @@ class Report:
         printer.text(str(self))
 
 
-def doctor() -> Report:
+def doctor(gpus: int | None = None) -> Report:
     """Inspect this machine and process. Never initialises CUDA, never imports unsloth or
     bitsandbytes, never reads a secret's value. Safe in the notebook before launching.
+
+    Args:
+        gpus: the ranks the notebook is about to start (what nbkit.start / %ddp start --gpus gets), or None.
+            Without a GPU, gpus=N asks for N CPU processes, so that no GPU is visible is then an info line,
+            not an error.
     """
     from nbkit import dashboard, forksafety
 
     here = platform.current()
     versions = {name: _version(name) for name in LIBRARIES}
-    gpus = distributed.visible_gpus()
+    visible = distributed.visible_gpus()
     cuda_initialized = "torch" in sys.modules and sys.modules["torch"].cuda.is_initialized()
     blocker = forksafety.fork_blocker()
     report = Report(
         platform=here.description,
-        gpus=gpus,
+        gpus=visible,
         cuda_initialized=cuda_initialized,
         fork_blocker=blocker.summary if blocker is not None else None,
         launch_mode=(
@@ -180,7 +185,7 @@ def doctor() -> Report:
         patches_pending=_by_group(patching.pending),
         platform_secrets=_platform_secrets(here),
     )
-    report.problems += _gpu_problems(gpus, here)
+    report.problems += _gpu_problems(visible, here, gpus)
     if blocker is not None:
         report.problems.append(
             Problem(
@@ -282,8 +287,12 @@ def _colab_secrets() -> dict[str, str]:
     return states
 
 
-def _gpu_problems(gpus: list[distributed.GPU], here: platform.Platform) -> list[Problem]:
+def _gpu_problems(gpus: list[distributed.GPU], here: platform.Platform, ranks: int | None) -> list[Problem]:
     problems = []
+    if not gpus and ranks is not None:  # CPU processes, as asked
+        fix = "Nothing, to try code on CPU processes. To train on GPUs, run on a machine with GPUs."
+        problems.append(Problem(f"No GPU is visible: the {ranks} rank(s) asked for are CPU processes.", fix, "info"))
+        return problems
     if not gpus:
         fix = (
             "On Kaggle: Settings > Accelerator > GPU T4 x2. On Colab: Runtime > Change runtime type. "

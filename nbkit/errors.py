@@ -33,6 +33,7 @@ __all__ = [
     "OptionsError",
     "ProcessGroupError",
     "RankError",
+    "RanksError",
     "StrategyError",
 ]
 
@@ -163,6 +164,19 @@ class OptionsError(NbkitError, ValueError):
 
 class OptionTypeError(OptionsError, TypeError):
     """An option of the wrong type (timeout="5", env="A=1"); a TypeError as well as an OptionsError."""
+
+
+class RanksError(OptionsError):
+    """`gpus` asks for ranks this machine cannot give: none asked for and no GPU visible, more GPUs than are
+    visible, or more CPU processes than the limit. The message names the API's argument (gpus=N).
+
+    Attributes:
+        magic_text: the same in the words of the magics' option (--gpus N), for %ddp start and %%ddp.
+    """
+
+    def __init__(self, message: str, magic_text: str = ""):
+        super().__init__(message)
+        self.magic_text = magic_text or message
 
 
 class EmulationError(OptionsError):

@@ -111,6 +111,12 @@ GROUPS: dict[str, Group] = {
             "even under fp16, which the fp16 GradScaler cannot unscale",
         ),
         Group(
+            "trainer_defaults",
+            "nbkit.trainer_defaults",
+            "in every rank nbkit starts: Trainer's find_unused_parameters for a peft model as for the model it "
+            "wraps, and no pinned memory without an accelerator, where the user left them at their defaults",
+        ),
+        Group(
             "attention",
             "nbkit.attention",
             "in every rank nbkit starts on a GPU without flash attention (a T4), and under a profile that turns "
@@ -135,7 +141,8 @@ GROUPS: dict[str, Group] = {
         Group(
             "offline",
             "nbkit.offline",
-            "when nbkit.offline builds a Qwen3-VL processor on a machine without torchvision",
+            "in every rank nbkit starts, and when nbkit.offline builds a Qwen3-VL processor, on a machine "
+            "without torchvision: AutoProcessor and nbkit.offline.load_processor build an image-and-text processor",
         ),
     )
 }
@@ -172,7 +179,8 @@ def prepare_rank(*, owns_exit: bool = True) -> None:
     an outside launcher running an exported script): the GPU profile NBKIT_EMULATE names (nbkit.emulate),
     the default groups, the dashboard's reporting, complete-checkpoint markers, the fixes for older
     transformers/trl, fp16-ready dtypes under TRL's SFTTrainer, grouped-query attention without flash
-    attention on a GPU that lacks it (nbkit.attention.needed), the FSDP set-up where the rank's
+    attention on a GPU that lacks it (nbkit.attention.needed), Trainer's DDP and data loader defaults
+    chosen for the model and machine, processors without torchvision, the FSDP set-up where the rank's
     environment asks for the fsdp strategy (nbkit.fsdp.setup_rank), and how the rank ends
     (nbkit.teardown): where nbkit ends the process itself (`owns_exit`, with os._exit), the teardown
     group keeps destroyed process groups until then; a rank of an outside launcher (torchrun), which ends
@@ -187,7 +195,7 @@ def prepare_rank(*, owns_exit: bool = True) -> None:
     from nbkit import attention, checkpoints, compat, config, distributed, emulation, fsdp, reporting, teardown
 
     emulation.apply_from_env()  # first: a library imported later must see the profile (bf16, memory)
-    install(*DEFAULT_GROUPS, "mixed_precision", "cell_group")
+    install(*DEFAULT_GROUPS, "mixed_precision", "cell_group", "trainer_defaults", "offline")
     if attention.needed(distributed.visible_gpus(), distributed.local_rank()):
         install("attention")
     config.settle_fsdp_flag()  # before any library reads it: one answer to "does this rank shard?"

@@ -53,7 +53,8 @@ holds the routing between live set, fork and spawn) and stores --out; `-h` after
     --rank is refused here: the processes end with the cell, and a cell that runs on some of them
     only would leave the others waiting in their first collective.
 
-%nbkit doctor                       nbkit.doctor(): GPUs, CUDA state, versions, problems and fixes
+%nbkit doctor [--gpus N]            nbkit.doctor(): GPUs, CUDA state, versions, problems and fixes; --gpus:
+                                    the ranks you will start (without a GPU, CPU processes: no error)
 %nbkit plan MODEL [--seq-len N] [--batch-size N] [--4bit] [--gpus N] [--gpu-memory GIB] [--lora-rank R]
             [--gpu-model NAME] [--effective-batch N]
                                     nbkit.plan(...), printed; with --effective-batch also the Trainer
@@ -67,8 +68,9 @@ holds the routing between live set, fork and spawn) and stores --out; `-h` after
 from __future__ import annotations
 
 import argparse
+import contextlib
 import shlex
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from IPython.core.error import UsageError
@@ -76,6 +78,7 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 
 from nbkit import ddp_options
 from nbkit.ddp_options import HelpShown, OptionParser, OptionsError
+from nbkit.errors import RanksError
 
 __all__ = ["NbkitMagics", "register", "unregister"]
 
@@ -92,6 +95,17 @@ def unregister(ipython: Any) -> None:
     manager.magics["line"].pop("ddp", None)
     manager.magics["line"].pop("nbkit", None)
     manager.registry.pop(NbkitMagics.__name__, None)
+
+
+def _doctor_parser() -> argparse.ArgumentParser:
+    parser = OptionParser("%nbkit doctor")
+    parser.add_argument(
+        "--gpus",
+        type=lambda text: None if text == "None" else int(text),  # a parameter cell's None, expanded as $gpus
+        metavar="N",
+        help="the ranks you will start: without a GPU, N CPU processes (no GPU is then not an error)",
+    )
+    return parser
 
 
 def _plan_parser() -> argparse.ArgumentParser:
@@ -155,7 +169,8 @@ class NbkitMagics(Magics):
         if command == "start":
             opts = _parsed(ddp_options.parse_start, rest)
             if opts is not None:
-                ranks = live.start_with(opts)
+                with _as_usage():
+                    ranks = live.start_with(opts)
                 devices = ", ".join(sorted({r.device for r in ranks.status().ranks}))
                 print(f"nbkit: live set of {ranks.world_size} rank(s) on {devices}; %%ddp cells now run on it.")
         elif command in ("stop", "status"):
@@ -190,16 +205,17 @@ class NbkitMagics(Magics):
         # Registered in linecache, so tracebacks of the ranks show the cell's lines.
         filename = shell.compile.cache(source, shell.execution_count)
         try:
-            value = run_cell_with(
-                source,
-                shell.user_ns,
-                args.setup,
-                ranks=args.ranks,
-                resend=True if args.resend == [] else args.resend or False,
-                filename=filename,
-            )
-        except OptionsError as exc:
-            raise UsageError(str(exc)) from None
+            with _as_usage():
+                value = run_cell_with(
+                    source,
+                    shell.user_ns,
+                    args.setup,
+                    ranks=args.ranks,
+                    resend=True if args.resend == [] else args.resend or False,
+                    filename=filename,
+                )
+        except KeyboardInterrupt as interrupt:
+            raise _one_line(interrupt) from None
         if args.out is not None:
             shell.user_ns[args.out] = value
         if cell.rstrip().endswith(";"):  # IPython's "no output" convention
@@ -207,9 +223,7 @@ class NbkitMagics(Magics):
         return value
 
     @line_magic
-    @_with_options(
-        lambda: OptionParser("%nbkit doctor").format_help(), _plan_parser().format_help, _export_parser().format_help
-    )
+    @_with_options(_doctor_parser().format_help, _plan_parser().format_help, _export_parser().format_help)
     def nbkit(self, line: str) -> None:
         """%nbkit doctor | plan MODEL [options] | export NOTEBOOK CELL_OR_TAG -o OUT (see nbkit.magics)."""
         words = shlex.split(line)
@@ -221,6 +235,28 @@ class NbkitMagics(Magics):
                 "export NOTEBOOK CELL_OR_TAG -o OUT.py  (%nbkit plan -h for options)"
             )
         handlers[command](rest)
+
+
+@contextlib.contextmanager
+def _as_usage() -> Iterator[None]:
+    """A mistake in a magic's line that the API it calls finds, as IPython's one-line UsageError naming the
+    magic's option: the API's errors name its own arguments (gpus=N), where the magic's user types --gpus N.
+    """
+    try:
+        yield
+    except RanksError as exc:
+        raise UsageError(exc.magic_text) from None
+    except OptionsError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def _one_line(interrupt: KeyboardInterrupt) -> KeyboardInterrupt:
+    """The stop button's interrupt of a %%ddp cell, shown by the notebook as one line: nbkit has already said
+    what it stopped, and the traceback through nbkit's waiting code would add ~60 lines of nothing the user
+    can act on. (IPython shows what an exception's `_render_traceback_` returns in place of its traceback.)
+    """
+    setattr(interrupt, "_render_traceback_", lambda: ["KeyboardInterrupt"])  # noqa: B010 (not a declared attribute)
+    return interrupt.with_traceback(None)
 
 
 def _stop() -> str:
@@ -250,8 +286,9 @@ def _status() -> str:
 def _doctor(words: list[str]) -> None:
     from nbkit.diagnostics import doctor
 
-    if _parsed(OptionParser("%nbkit doctor").parse_args, words) is not None:
-        print(doctor())
+    args = _parsed(_doctor_parser().parse_args, words)
+    if args is not None:
+        print(doctor(gpus=args.gpus))
 
 
 def _plan(words: list[str]) -> None:

@@ -759,3 +759,29 @@ def _accept_real_video_processors(original: Any) -> Any:
         return original(self, argument_name, argument)
 
     return check_argument_for_proper_class
+
+
+@patch(
+    "transformers.models.auto.processing_auto:AutoProcessor.from_pretrained",
+    reason=(
+        "Without torchvision, AutoProcessor.from_pretrained of a Qwen3-VL checkpoint raises ImportError "
+        "(its video processor needs torchvision) even for image-only use: the natural call in a rank then "
+        "gets the processor nbkit.offline.load_processor assembles (images and text work; videos still "
+        "need torchvision)."
+    ),
+    upstream="https://github.com/huggingface/transformers/issues/48558",
+    group="offline",
+    when=_torchvision_missing,
+)
+def _auto_processor_without_torchvision(original: Any) -> Any:
+    def from_pretrained(cls: Any, pretrained_model_name_or_path: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return original(cls, pretrained_model_name_or_path, *args, **kwargs)
+        except ImportError:
+            path = str(pretrained_model_name_or_path)
+            processor_class = _processor_class(path)
+            if args or processor_class is None or "video_processor" not in _processor_attributes(processor_class):
+                raise
+            return _image_only_processor(processor_class, path, **kwargs)
+
+    return from_pretrained

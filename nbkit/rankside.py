@@ -25,7 +25,7 @@ import traceback
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from nbkit.errors import LaunchError
+from nbkit.errors import LaunchError, RanksError
 
 if TYPE_CHECKING:
     from nbkit.rank_options import RankOptions
@@ -89,33 +89,43 @@ def count_ranks(gpus: int | None, visible: Sequence[Any], *, api: str) -> tuple[
     ("nbkit.launch", "nbkit.start"). Runs in the notebook process, before anything starts.
 
     Raises:
-        ValueError: gpus asks for more GPUs than are visible, or, without a GPU, for more CPU ranks than
-            cpu_rank_limit().
-        RuntimeError: gpus=None on a machine without a GPU.
+        RanksError: gpus=None on a machine without a GPU, more GPUs than are visible, or, without a GPU,
+            more CPU ranks than cpu_rank_limit() (its message names gpus=N, its `magic_text` --gpus N).
     """
     if not visible:
         if gpus is None:
-            raise RuntimeError(
-                f"No GPU is visible to this notebook, so {api}(gpus=None) has nothing to run on. "
-                "On Kaggle, choose Settings > Accelerator > GPU T4 x2; on Colab, Runtime > Change runtime type. "
-                "To try the code on the CPU, pass gpus=N: N CPU processes then train together over gloo."
+            raise RanksError(
+                f"No GPU is visible to this notebook, so {api}(gpus=None) has nothing to run on. {_NO_GPU_FIX} "
+                "To try the code on the CPU, pass gpus=N: N CPU processes then train together over gloo.",
+                f"No GPU is visible to this notebook, so there is nothing to start a rank on. {_NO_GPU_FIX} "
+                "To try the code on the CPU, add --gpus N: N CPU processes then train together over gloo.",
             )
         if gpus > cpu_rank_limit():
-            raise ValueError(
-                f"gpus={gpus} would start {gpus} CPU processes (no GPU is visible), more than this machine's "
-                f"limit of {cpu_rank_limit()} (its CPU count, at least 8). Use a smaller gpus=N to try the code "
-                "on the CPU, or run on a machine with GPUs."
+            too_many = (
+                f"would start {gpus} CPU processes (no GPU is visible), more than this machine's limit of "
+                f"{cpu_rank_limit()} (its CPU count, at least 8)."
+            )
+            raise RanksError(
+                f"gpus={gpus} {too_many} Use a smaller gpus=N to try the code on the CPU, or run on a machine "
+                "with GPUs.",
+                f"--gpus {gpus} {too_many} Use a smaller --gpus N to try the code on the CPU, or run on a "
+                "machine with GPUs.",
             )
         return False, gpus
     if gpus is None:
         return True, len(visible)
     if gpus > len(visible):
-        names = ", ".join(f"{g.index}: {g.name}" for g in visible)
-        raise ValueError(
-            f"Asked for {gpus} GPUs but this machine shows {len(visible)} ({names}). Use gpus={len(visible)} "
-            "or gpus=None for all of them; CUDA_VISIBLE_DEVICES limits which ones are visible."
+        shown = f"this machine shows {len(visible)} ({', '.join(f'{g.index}: {g.name}' for g in visible)})"
+        raise RanksError(
+            f"Asked for {gpus} GPUs but {shown}. Use gpus={len(visible)} or gpus=None for all of them; "
+            "CUDA_VISIBLE_DEVICES limits which ones are visible.",
+            f"--gpus {gpus} asks for more GPUs than {shown}. Use --gpus {len(visible)}, or leave --gpus out for "
+            "all of them; CUDA_VISIBLE_DEVICES limits which ones are visible.",
         )
     return True, gpus
+
+
+_NO_GPU_FIX = "On Kaggle, choose Settings > Accelerator > GPU T4 x2; on Colab, Runtime > Change runtime type."
 
 
 def rank_environment(options: RankOptions, *, use_cpu: bool, loopback: bool = True) -> dict[str, str]:

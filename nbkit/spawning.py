@@ -81,10 +81,14 @@ def run_source(
     why (`reason`), and what is brought along.
 
     Raises CellSyntaxError (the source does not parse), BringAlongError (a needed name cannot be
-    pickled), both before anything starts; LaunchError (a rank failed, the run timed out, or the
-    launcher process died), KeyboardInterrupt (interrupted: every process was stopped), and the
-    ValueError/RuntimeError nbkit.launch raises when it cannot start (for instance more GPUs than exist).
+    pickled), RanksError (gpus asks for ranks this machine cannot give), all before anything starts;
+    LaunchError (a rank failed, the run timed out, or the launcher process died), KeyboardInterrupt
+    (interrupted: every process was stopped), and the ValueError/RuntimeError nbkit.launch raises when it
+    cannot start.
     """
+    # Counted here too, before the launcher process starts: a gpus this machine cannot give is the RanksError
+    # of fork mode (which %%ddp shows as a usage error), not text relayed from the launcher.
+    rankside.count_ranks(options.gpus, distributed.visible_gpus() if launching._has_cuda() else [], api="nbkit.launch")
     cells.parse(source, filename)  # a cell that does not parse fails here, pointing at its line
     brought = bring_along(source, namespace)
     why = f" Why: {str(reason).rstrip('.')}." if reason else ""

@@ -12,6 +12,20 @@ from nbclient import NotebookClient
 from nbformat import NotebookNode
 from nbformat.v4 import new_code_cell, new_notebook
 
+# Warnings the libraries print into a training cell that nbkit's ranks avoid at their cause (nbkit.trainer_defaults,
+# the ranks' OMP_NUM_THREADS, no deprecated DDP option in the notebooks): what each looks like, by what it is about.
+LIBRARY_WARNINGS = {
+    "accelerate's thread note": "OMP_NUM_THREADS/MKL_NUM_THREADS unset",
+    "the DataLoader's pin_memory on a CPU": "'pin_memory' argument is set as true but no accelerator",
+    "DDP's unused-parameter search": "find_unused_parameters=True was specified",
+    "broadcast_buffers' deprecation": "`broadcast_buffers` is deprecated",
+}
+
+
+def library_warnings(text: str) -> list[str]:
+    """Which of LIBRARY_WARNINGS `text` (a cell's output) shows."""
+    return [what for what, needle in LIBRARY_WARNINGS.items() if needle in text]
+
 
 def run_cells(cells: dict[str, str], path: str | Path, kernel_name: str, timeout: float) -> dict[str, dict]:
     """Execute the cells in order in a fresh kernel named kernel_name, working directory `path`, each

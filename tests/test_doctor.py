@@ -52,6 +52,10 @@ def test_reports_this_cpu_machine_and_what_to_do(monkeypatch):
     assert "GPUs: none visible" in text
     assert "No GPU is visible" in text and "GPU T4 x2" in text  # the problem comes with its fix
     assert not report.ok
+    # CPU processes asked for: worth a line, not an error
+    cpu = doctor(gpus=2)
+    assert cpu.ok and "[info] No GPU is visible: the 2 rank(s) asked for are CPU processes." in str(cpu)
+    assert "[error]" not in str(cpu)
 
 
 def test_gpus_shown_with_capability_and_precision(monkeypatch):

@@ -269,13 +269,20 @@ def _in_a_rank() -> dict[str, Any]:
 def test_every_group_installs_and_uninstalls_exactly_in_a_launched_rank():
     # mixed_precision patches TRL's SFTTrainer: applied in the (forked) rank where TRL is imported here
     trl_imported = "trl.trainer.sft_trainer" in sys.modules
+    processors = ("transformers.processing_utils", "transformers.models.auto.processing_auto")
+    processors_imported = any(name in sys.modules for name in processors)
+    from transformers.utils import is_torchvision_available
+
     r = nbkit.launch(_in_a_rank, gpus=1)
     # what nbkit.launch sets up in every rank, before the user's function runs (forksafety: the
     # fixture reverted it in this process, which the rank was forked from; launch: applied in this
     # process while it starts the ranks, so a forked rank finds it applied)
     # attention: only on a GPU without flash attention (nbkit.attention.needed), so not on CPU ranks
-    expected = {"checkpoints", "guard", "reporting", "launch", "compat", "teardown", "cell_group"} - _versioned_out()
+    expected = {"checkpoints", "guard", "reporting", "launch", "compat", "teardown", "cell_group", "trainer_defaults"}
+    expected -= _versioned_out()
     expected |= {"mixed_precision"} if trl_imported else set()
+    # offline fixes processors where torchvision is missing: applied in the rank where their module is imported here
+    expected |= {"offline"} if processors_imported and not is_torchvision_available() else set()
     assert r["applied_by_launch"] == sorted(expected)
     _check_each_group(r["results"], acting=set(integration.GROUPS) - {"unsloth_savers"})
 

@@ -219,7 +219,7 @@ def test_unpicklable_return_value_is_explained():
 
 
 def test_checks_before_launching():
-    with pytest.raises(RuntimeError, match="No GPU is visible.*gpus=N"):
+    with pytest.raises(nbkit.RanksError, match="No GPU is visible.*gpus=N"):
         nbkit.launch(print)
     with pytest.raises(ValueError, match="positive whole number"):
         nbkit.launch(print, gpus=0)

@@ -31,6 +31,7 @@ CELLS = {
     "again": "%%ddp --gpus 2 --out again\nimport nbkit\nnbkit.report(step=1, loss=0.5, total_steps=1)\nbase + 2",
     "text": "os.environ['NBKIT_DASHBOARD'] = 'text'\nprint(again)",
     "doctor": "%nbkit doctor",
+    "doctor_cpu": "%nbkit doctor --gpus 2",
     "plan": "%nbkit plan tiny:qwen3 --gpus 2 --gpu-memory 15 --seq-len 256",
     "plan_zero": "%nbkit plan tiny:qwen3 --gpus 2 --gpu-memory 0",
     "plan_batch": (
@@ -39,6 +40,11 @@ CELLS = {
         "--effective-batch 8\n"
         "%nbkit plan tiny:qwen3 --gpus 2 --gpu-memory 15 --gpu-model 'Tesla T4' --effective-batch 3"
     ),
+    # A user's mistakes on this machine without a GPU, in fork mode (before the blocker) and in spawn mode (after)
+    "no_gpus_start": "%ddp start",
+    "no_gpus_cell": "%%ddp\n1",
+    "too_many_ranks": "%%ddp --gpus 1000\n1",
+    "no_such_profile": "%ddp start --gpus 2 --emulate X100",
     "blocker": (
         "import threading\nlock = threading.Lock()\nfrom accelerate import PartialState\nstate = PartialState()"
     ),
@@ -49,6 +55,7 @@ CELLS = {
         "%%ddp --gpus 2 --out spawned\nimport nbkit, math\nnbkit.report(step=1, loss=0.25, total_steps=1)\n"
         "[helper(nbkit.rank()), box.v, math.floor(2.5), type(box).__name__]"
     ),
+    "no_gpus_spawned": "%%ddp\n1",
 }
 
 
@@ -118,6 +125,13 @@ def test_doctor_runs_and_never_prints_a_secret(outputs):
     assert SECRET not in everything
 
 
+def test_doctor_told_of_cpu_ranks_reports_no_gpu_as_info(outputs):
+    out = outputs["doctor_cpu"]
+    assert out["error"] is None and out["stderr"] == "", out
+    assert "[info] No GPU is visible: the 2 rank(s) asked for are CPU processes." in out["stdout"]
+    assert "[error] No GPU is visible" not in out["stdout"]
+
+
 def test_plan_prints_the_planners_verdict(outputs):
     plan = outputs["plan"]
     assert plan["error"] is None, plan["error"]
@@ -147,6 +161,26 @@ def test_a_name_that_cannot_be_brought_along_is_named(outputs):
     error = outputs["unbringable"]["error"]
     assert error is not None and error.ename == "BringAlongError"
     assert "cannot bring 'lock' along" in error.evalue
+
+
+@pytest.mark.parametrize(
+    ("cell", "text"),
+    [
+        ("no_gpus_start", "No GPU is visible to this notebook"),
+        ("no_gpus_cell", "No GPU is visible to this notebook"),
+        ("no_gpus_spawned", "No GPU is visible to this notebook"),
+        ("too_many_ranks", "--gpus 1000 would start 1000 CPU processes"),
+        ("no_such_profile", "--emulate: nbkit has no GPU profile 'X100'"),
+    ],
+)
+def test_a_mistake_in_a_magic_is_one_usage_line_naming_the_option(outputs, cell, text):
+    out = outputs[cell]
+    assert out["error"] is None and out["stdout"] == "", out  # IPython shows a UsageError on stderr, alone
+    lines = out["stderr"].strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"UsageError: {text}"), lines
+    assert "gpus=" not in lines[0]  # the API's spelling, not the magic's
+    if "No GPU" in text:
+        assert "add --gpus N" in lines[0]
 
 
 def test_spawn_mode_runs_after_a_real_fork_blocker_and_brings_names_along(outputs):

@@ -14,6 +14,7 @@ from pathlib import Path
 import nbformat
 import pytest
 import torch
+from kernel_cells import library_warnings
 
 from nbkit.checkpoints import is_complete
 
@@ -140,6 +141,8 @@ def test_notebook_trains_saves_and_answers_on_cpu(name: str, tmp_path: Path) -> 
 
     text = _text(nb)
     assert f"nbkit: no checkpoint in {run_dir} yet; starting fresh." in text
+    if name != "model_parallel":  # which trains in the notebook process, where nbkit leaves Trainer's defaults
+        assert library_warnings(text) == [], "warnings the ranks avoid at their cause"
     if name in BATCH_PLANNED:
         # The planning cell prints the batch it chose in one line, and the trainer trained at it: on CPU
         # processes the asked batch per process, accumulation making up the effective batch.
@@ -160,6 +163,8 @@ def test_notebook_trains_saves_and_answers_on_cpu(name: str, tmp_path: Path) -> 
     if name == "model_parallel":
         # the planner's verdicts for Qwen3-8B on 2 x T4: sharded at 2K tokens, split at 8K
         assert "Strategy: fsdp" in text and "Strategy: model_parallel" in text
+    if name != "model_parallel":  # the doctor knows that this run asked for CPU processes: not an error
+        assert "[info] No GPU is visible: the 2 rank(s)" in text and "[error] No GPU" not in text
     if name == "qwen3_vl_2xT4":
         # Cell by cell on a live set: started, used by every GPU cell, stopped.
         assert "nbkit: live set of 2 rank(s) on cpu" in text and "nbkit: stopped the live set (2 rank(s))." in text

@@ -10,7 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from PIL import Image
 
+import nbkit
 from nbkit import compat, offline, patching
 from nbkit.offline import MODELS, TOKEN_IDS, load_config, load_processor, resolve_model
 from nbkit.synthetic import text_dataset, vision_dataset
@@ -155,8 +157,11 @@ def test_cpu_processor_patch_is_declared_needed_and_reversible(tiny_vl_path: str
     from transformers.processing_utils import ProcessorMixin
     from transformers.utils import is_torchvision_available
 
-    (declared,) = patching.registered("offline")
-    assert declared.target == "transformers.processing_utils:ProcessorMixin.check_argument_for_proper_class"
+    (declared,) = [
+        p
+        for p in patching.registered("offline")
+        if p.target == "transformers.processing_utils:ProcessorMixin.check_argument_for_proper_class"
+    ]
     assert "torchvision" in declared.reason and declared.upstream.startswith("https://github.com/huggingface/")
     if is_torchvision_available():
         pytest.skip("with torchvision, load_processor is plain AutoProcessor and needs no patch")
@@ -177,6 +182,26 @@ def test_cpu_processor_patch_is_declared_needed_and_reversible(tiny_vl_path: str
     type(processor)(**parts)
     patching.revert("offline")
     assert ProcessorMixin.__dict__["check_argument_for_proper_class"] is original
+
+
+def _auto_processor(path: str) -> str:
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(path)
+    text = processor.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "hi"}]}], tokenize=False
+    )
+    batch = processor(images=[Image.new("RGB", (64, 64))], text=[text], return_tensors="pt")
+    return f"{type(processor).__name__} {int(batch['pixel_values'].shape[0] > 0)}"
+
+
+def test_auto_processor_works_in_a_rank_without_torchvision(tiny_vl_path: str) -> None:
+    from transformers.utils import is_torchvision_available
+
+    if is_torchvision_available():
+        pytest.skip("with torchvision, AutoProcessor needs no help")
+    # the natural call, as a user's %%ddp cell makes it (transformers alone raises ImportError here)
+    assert nbkit.launch(_auto_processor, tiny_vl_path, gpus=1) == "Qwen3VLProcessor 1"
 
 
 def test_second_resolve_reuses_the_cache(tiny_vl_path: str, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -37,8 +37,9 @@ INSTALL_CELL = 2  # the first code cell of every notebook, after the title and "
 # Modules nbkit imports only where they are there, each behind a check, and so never requires:
 # unsloth is an optional backend (its extra), bitsandbytes comes with unsloth or the quant extra,
 # torchvision is optional for transformers, and the platforms' secret stores exist only on Kaggle/Colab.
-# datasets comes with the peft and unsloth extras (nbkit.data needs it, the notebooks' data); tqdm with
-# huggingface_hub (the live ranks' text bars patch tqdm.auto, skipped where it does not import).
+# datasets and peft come with the peft and unsloth extras (nbkit.data needs datasets, the notebooks' data;
+# nbkit.models' transformers backend adds LoRA with peft); tqdm with huggingface_hub (the live ranks' text bars
+# patch tqdm.auto, skipped where it does not import).
 OPTIONAL_IMPORTS = {
     "unsloth",
     "unsloth_zoo",
@@ -48,6 +49,7 @@ OPTIONAL_IMPORTS = {
     "google",
     "liger_kernel",
     "datasets",
+    "peft",
     "tqdm",
 }
 
@@ -128,13 +130,14 @@ def test_tested_versions_are_the_constraint_files_and_the_lower_bounds():
     assert diagnostics.TESTED_VERSIONS["trl"][1] == "1.15.0"
 
 
-def test_readme_links_into_the_repository_are_relative_and_resolve():
-    text = (REPO / "README.md").read_text()
-    links = re.findall(r"\]\(([^)\s]+)\)", text)
-    relative = [link.split("#")[0] for link in links if not link.startswith(("https://", "http://", "#"))]
-    assert relative, "the README links to the notebooks and docs of this repository"
-    missing = [link for link in relative if not (REPO / link).exists()]
-    assert missing == []
+def test_readme_and_docs_links_into_the_repository_are_relative_and_resolve():
+    for page in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
+        links = re.findall(r"\]\(([^)\s]+)\)", page.read_text())
+        relative = [link.split("#")[0] for link in links if not link.startswith(("https://", "http://", "#"))]
+        if page.name == "README.md":
+            assert relative, "the README links to the notebooks and docs of this repository"
+        missing = [link for link in relative if link and not (page.parent / link).exists()]
+        assert missing == [], page
 
 
 def test_no_install_line_or_link_names_an_address_the_project_does_not_control():

@@ -95,12 +95,14 @@ def panel_shown() -> bool:
     Read in a launched rank (forked from the process that holds the launch's dashboard, so that
     dashboard is `latest()` here and still open): True for "html" and "widget". In the launcher
     process of spawn mode, whose dashboard only relays, the notebook's choice arrives as
-    NBKIT_DASHBOARD (nbkit.spawning sets it). False everywhere else.
+    NBKIT_DASHBOARD (nbkit.spawning sets it). A rank of a live set makes no dashboard (the notebook
+    makes one per call), so there the notebook's choice is NBKIT_DASHBOARD too, given at the set's
+    start (nbkit.live.engines): a process without a dashboard reads it. False everywhere else.
     """
     board = _latest
-    if board is None or board.closed:
-        return False
-    return board.shown_as in ("html", "widget")
+    if board is None:
+        return setting("dashboard") in ("html", "widget")
+    return not board.closed and board.shown_as in ("html", "widget")
 
 
 def create(nprocs: int, *, enabled: bool = True) -> Dashboard | None:

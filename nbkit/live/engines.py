@@ -165,9 +165,15 @@ class Engines(SetState):
         startup_timeout: float,
     ) -> None:
         assert self._relay is not None
-        env = rankside.rank_environment(
-            self._options, use_cpu=not use_cuda, loopback=master_addr in ("127.0.0.1", "localhost")
-        )
+        from nbkit import dashboard
+
+        # How this notebook shows the dashboard: the ranks print Trainer's log lines only without a live panel.
+        env = {
+            "NBKIT_DASHBOARD": dashboard.display_mode(),
+            **rankside.rank_environment(
+                self._options, use_cpu=not use_cuda, loopback=master_addr in ("127.0.0.1", "localhost")
+            ),
+        }
         local_sizes: dict[int, int] = {}
         for r in self._ranks:
             local_sizes[r.node_rank] = local_sizes.get(r.node_rank, 0) + 1
@@ -476,7 +482,7 @@ def _end_group(pgid: int) -> None:
     multiprocessing's spawn and fork children, and theirs), which stay in the engine's group, as nbkit
     starts each engine in a session of its own. (Linux gives no new process the number of a group that
     still has members, so the number cannot name another group.) A process that left the group
-    (setsid, start_new_session=True) is out of reach: see README.
+    (setsid, start_new_session=True) is out of reach: see docs/guide.md.
     """
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, signal.SIGKILL)

@@ -69,6 +69,7 @@ def test_an_interrupt_stops_the_cell_and_every_rank_and_the_next_cell_runs(fresh
     out = fresh_kernel.wait(msg_id, timeout=60)
     assert time.monotonic() - sent < 5
     assert out["error"] is not None and out["error"].ename == "KeyboardInterrupt"
+    assert out["error"].traceback == "KeyboardInterrupt", "one line under nbkit's, not a traceback"
     assert "nbkit: interrupted; stopped ranks 0, 1." in out["stderr"]
     assert "death signal" not in out["stderr"] + out["stdout"]  # torch elastic's own log line
     assert _gone(ranks)

@@ -65,6 +65,7 @@ def test_interrupt_during_train_stops_every_rank_at_one_step_and_keeps_the_set(k
     for attempt in range(3):  # the same trainer, stopped again: a fresh agreement per train() run
         out = kernel.run("%%ddp\ntrainer.train()\nprint('the rest of the cell ran')", interrupt_on="training")
         assert out["error"] is not None and out["error"][0] == "KeyboardInterrupt", (attempt, out)
+        assert out["error"].traceback == "KeyboardInterrupt", "one line under nbkit's, not a traceback"
         assert out["seconds"] < MARGIN_S, (attempt, out["seconds"])
         said = re.search(
             r"interrupted: training stopped at step (\d+) on every rank; the live set and its names", out["stderr"]

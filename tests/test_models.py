@@ -1,0 +1,29 @@
+"""nbkit.models: one call per step of unsloth's notebooks for either backend (here transformers + peft; unsloth's
+path runs in the flagship notebook's GPU runs)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nbkit import models
+
+
+def test_auto_is_transformers_without_a_gpu_and_a_wrong_name_is_refused():
+    assert models.backend("auto") == "transformers"  # no GPU here
+    assert models.backend("unsloth") == "unsloth"
+    with pytest.raises(ValueError, match="backend must be 'auto' or one of 'unsloth', 'transformers'; got 'peft'"):
+        models.backend("peft")
+
+
+def test_transformers_backend_loads_adds_lora_to_the_language_layers_and_switches_modes(tiny_vl_path):
+    model, processor = models.load_vision(tiny_vl_path, "transformers", load_in_4bit=False, dtype=torch.float32)
+    assert type(model).__name__ == "Qwen3VLForConditionalGeneration" and hasattr(processor, "image_processor")
+    model = models.add_lora(model, "transformers", r=4, lora_alpha=8)
+    trainable = [name for name, p in model.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in name and "language_model" in name for name in trainable)
+    models.for_inference(model, "transformers")
+    assert not model.training
+    models.for_training(model, "transformers")
+    assert model.training
+    assert models.vision_collator(model, processor, "transformers") is None  # TRL builds its own
