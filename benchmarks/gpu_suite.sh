@@ -4,7 +4,7 @@
 #   bash benchmarks/gpu_suite.sh env model planner    # versions, build random:qwen3-vl-2b, planner accuracy
 #   bash benchmarks/gpu_suite.sh tests                # every gpu-marked test: the parts below in turn (~40 min)
 #   bash benchmarks/gpu_suite.sh tests_faults         # one part of them (under 9 min each; TEST_PARTS below):
-#     tests_kernel tests_a tests_b tests_c tests_notebooks tests_gguf  # SUITE_DRY_RUN=1: collected on the CPU
+#     tests_watchdog tests_kernel tests_a tests_b tests_c tests_notebooks tests_gguf  # SUITE_DRY_RUN=1: collected on the CPU
 #   bash benchmarks/gpu_suite.sh soak                 # 20 live sets in a row on 2 GPUs: memory and processes per cycle (~4 min)
 #   bash benchmarks/gpu_suite.sh matrix               # the 1K/16K launcher/backend matrix
 #   bash benchmarks/gpu_suite.sh savers               # memory savers 8K-64K
@@ -79,9 +79,10 @@ part() {  # part NAME SECONDS COMMAND...
 # The seconds are estimates from earlier runs of each file on 2x H100 / H200 (benchmarks/RESULTS.md) and
 # from the fault matrix's CPU dry run; `bash benchmarks/gpu_suite.sh tests` runs every part.
 TEST_PARTS=(
-  # the fault matrix through the API (18 cases: forked, spawned, live; NCCL's watchdog: 2; ~6 minutes), the
-  # guard's GPU launches (~15 s)
-  "tests_faults 480 tests/faults/test_gpu_faults.py tests/test_guard.py"
+  # the fault matrix through the API (18 cases: forked, spawned, live; 2x H100, 2026-11-26: about 460 s)
+  "tests_faults 540 tests/faults/test_gpu_faults.py:-k:rank_that"
+  # NCCL's watchdog ending a rank (2 cases, each its 5 s timeout plus the ranks' start), the guard's GPU launches
+  "tests_watchdog 300 tests/faults/test_gpu_faults.py:-k:watchdog tests/test_guard.py"
   # the fault matrix in a kernel during trainer.train() (6 cases, ~3 minutes)
   "tests_kernel 270 tests/faults/test_gpu_kernel_faults.py"
   # the short files (~3 minutes)
