@@ -230,15 +230,25 @@ def _apply(profile: Profile) -> None:
         torch.cuda._lazy_call(_cap_memory)
     if not _state.logged:
         _state.logged = True
-        _log.warning(
-            "nbkit: emulating a %s: %.0f GiB per process, %s, %s, %s. Not emulated: %s.",
-            profile.gpu,
-            profile.memory_gib,
-            profile.precision,
-            "no bf16" if not profile.bf16 else "bf16",
-            "no flash attention, no TF32" if not profile.flash_attention else "flash attention",
-            "; ".join(profile.cannot),
+        _log.warning(_notice(profile))
+
+
+def _notice(profile: Profile) -> str:
+    """What nbkit says once when a profile goes on: what it emulates, or, where no GPU is visible, that CPU
+    ranks train as they would without it (fp32: saying "fp16" there would promise what cannot hold).
+    """
+    from nbkit.distributed import visible_gpus  # distributed asks this module for the profile (precision())
+
+    if not visible_gpus():
+        return (
+            f"nbkit: the {profile.name} profile is on (NBKIT_EMULATE) for ranks on GPUs; no GPU is visible here, so "
+            "CPU ranks train as they would without it (fp32, no memory cap)."
         )
+    kernels = "no flash attention, no TF32" if not profile.flash_attention else "flash attention"
+    return (
+        f"nbkit: emulating a {profile.gpu}: {profile.memory_gib:.0f} GiB per process, {profile.precision}, "
+        f"{'no bf16' if not profile.bf16 else 'bf16'}, {kernels}. Not emulated: {'; '.join(profile.cannot)}."
+    )
 
 
 def _fixes_for(profile: Profile) -> list[Callable[[], None]]:

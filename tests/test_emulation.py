@@ -82,10 +82,14 @@ def test_the_profile_brings_the_t4_fixes_into_this_process_and_takes_them_back()
     nbkit.uninstall("attention")
 
 
-def test_precision_stays_fp32_without_a_gpu_under_a_profile():
-    nbkit.emulate("T4")
+def test_precision_stays_fp32_without_a_gpu_under_a_profile(capsys, monkeypatch):
     assert distributed.visible_gpus() == [] or pytest.skip("a GPU is visible")
+    monkeypatch.setattr(emulation._state, "logged", False)  # the notice is said once per process
+    nbkit.emulate("T4")
     assert nbkit.precision() == "fp32"  # fp16 training on CPU cores fails: the profile is for GPUs
+    said = [line for line in capsys.readouterr().err.splitlines() if "profile is on" in line]
+    # the notice does not promise fp16 on a machine where it cannot hold
+    assert len(said) == 1 and "no GPU is visible here" in said[0] and "fp32" in said[0] and "fp16" not in said[0]
 
 
 def test_an_unknown_profile_names_the_known_ones_and_changes_nothing(monkeypatch):
