@@ -86,8 +86,9 @@ TEST_PARTS=(
   # the fault matrix in a kernel during trainer.train() (6 cases, ~3 minutes)
   "tests_kernel 270 tests/faults/test_gpu_kernel_faults.py"
   # the short files (~3 minutes)
-  "tests_a 420 tests/test_loss_gpu.py tests/test_magics.py tests/test_attention.py tests/test_emulation.py
-   tests/test_live_set.py tests/test_reporting.py tests/test_fsdp_gpu.py tests/test_model_parallel_gpu.py"
+  "tests_a 500 tests/test_loss_gpu.py tests/test_magics.py tests/test_attention.py tests/test_emulation.py
+   tests/test_live_set.py tests/test_reporting.py tests/test_fsdp_gpu.py tests/test_model_parallel_gpu.py
+   tests/test_readme.py"
   # 2 GPUs equal 1 with nbkit and unsloth (~3 minutes), the offline models (~1.5), the savers (~1.5)
   "tests_b 530 tests/test_gpu_ddp.py tests/test_offline.py tests/test_savers_gpu.py"
   # Liger's kernels and regional compilation (~4 minutes), nbkit's loss on an unsloth model (~2)

@@ -237,9 +237,9 @@ def _notice(profile: Profile) -> str:
     """What nbkit says once when a profile goes on: what it emulates, or, where no GPU is visible, that CPU
     ranks train as they would without it (fp32: saying "fp16" there would promise what cannot hold).
     """
-    from nbkit.distributed import visible_gpus  # distributed asks this module for the profile (precision())
+    import torch
 
-    if not visible_gpus():
+    if torch.cuda.device_count() == 0:  # NVML's count where it can: no CUDA context in the notebook
         return (
             f"nbkit: the {profile.name} profile is on (NBKIT_EMULATE) for ranks on GPUs; no GPU is visible here, so "
             "CPU ranks train as they would without it (fp32, no memory cap)."

@@ -146,9 +146,8 @@ def _with_options(*usages: Callable[[], str]) -> Callable[[Callable[..., Any]], 
 def _parsed(parse: Callable[[Any], Any], line: Any) -> Any:
     """`parse(line)`, with OptionsError as IPython's one-line UsageError; None after -h (shown)."""
     try:
-        return parse(line)
-    except OptionsError as exc:
-        raise UsageError(str(exc)) from None
+        with _as_usage():
+            return parse(line)
     except HelpShown as shown:
         print(shown.text)
         return None
@@ -247,7 +246,21 @@ def _as_usage() -> Iterator[None]:
     except RanksError as exc:
         raise UsageError(exc.magic_text) from None
     except OptionsError as exc:
-        raise UsageError(str(exc)) from None
+        raise UsageError(_magic_words(str(exc))) from None
+
+
+def _magic_words(message: str) -> str:
+    """An option's message (RankOptions: "emulate must ...") with the option as the magics spell it
+    ("--emulate must ..."); other messages as they are.
+    """
+    import dataclasses
+
+    from nbkit.rank_options import RankOptions
+
+    name, sep, rest = message.partition(" must ")
+    if sep and name in {f.name for f in dataclasses.fields(RankOptions)}:
+        return f"--{name.replace('_', '-')} must {rest}"
+    return message
 
 
 def _one_line(interrupt: KeyboardInterrupt) -> KeyboardInterrupt:

@@ -170,7 +170,7 @@ def test_a_name_that_cannot_be_brought_along_is_named(outputs):
         ("no_gpus_cell", "No GPU is visible to this notebook"),
         ("no_gpus_spawned", "No GPU is visible to this notebook"),
         ("too_many_ranks", "--gpus 1000 would start 1000 CPU processes"),
-        ("no_such_profile", "--emulate: nbkit has no GPU profile 'X100'"),
+        ("no_such_profile", "--emulate must name a GPU profile, one of 'T4'"),
     ],
 )
 def test_a_mistake_in_a_magic_is_one_usage_line_naming_the_option(outputs, cell, text):
