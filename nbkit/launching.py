@@ -138,9 +138,7 @@ def launch_with(options: RankOptions, fn: Callable[..., Any], *args: Any, **kwar
         return fn(*args, **kwargs)
 
     _check_function(fn)
-    has_cuda = _has_cuda()
-    visible = distributed.visible_gpus() if has_cuda else []
-    use_cuda, nprocs = rankside.count_ranks(options.gpus, visible, api="nbkit.launch")
+    use_cuda, nprocs = rankside.count_ranks(options.gpus, distributed.visible_gpus(), api="nbkit.launch")
     rank_env = rankside.rank_environment(options, use_cpu=not use_cuda)
     _check_can_fork()
     run = _Run(nprocs, None, options.timeout)
@@ -177,12 +175,6 @@ def _join_outside_launcher(options: RankOptions) -> None:
         del given[config.STRATEGY]
     os.environ.update(given)
     _prepare_rank(quiet=False, rank=distributed.rank(), descriptors=False)
-
-
-def _has_cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
 
 
 def _check_function(fn: Callable[..., Any]) -> None:

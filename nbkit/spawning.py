@@ -88,7 +88,7 @@ def run_source(
     """
     # Counted here too, before the launcher process starts: a gpus this machine cannot give is the RanksError
     # of fork mode (which %%ddp shows as a usage error), not text relayed from the launcher.
-    rankside.count_ranks(options.gpus, distributed.visible_gpus() if launching._has_cuda() else [], api="nbkit.launch")
+    rankside.count_ranks(options.gpus, distributed.visible_gpus(), api="nbkit.launch")
     cells.parse(source, filename)  # a cell that does not parse fails here, pointing at its line
     brought = bring_along(source, namespace)
     why = f" Why: {str(reason).rstrip('.')}." if reason else ""
