@@ -13,13 +13,11 @@ outside launcher destroys it at exit.
 
 from __future__ import annotations
 
-import datetime
 import functools
 from collections.abc import Callable
 from typing import Any
 
-from nbkit import distributed, patching
-from nbkit.config import setting
+from nbkit import config, distributed, patching
 from nbkit.errors import ProcessGroupError
 
 __all__ = ["backend", "join", "joined"]
@@ -47,7 +45,7 @@ def join() -> None:
         torch.cuda.set_device(distributed.local_rank())
         # The same patience as a live set's group (nbkit.configure(nccl_timeout=...)): past it NCCL's
         # watchdog ends a rank whose peer never comes, and nbkit's message says so.
-        dist.init_process_group("nccl", timeout=datetime.timedelta(seconds=float(setting("nccl_timeout"))))
+        dist.init_process_group("nccl", timeout=config.nccl_timeout())
     else:
         dist.init_process_group("gloo")
 

@@ -15,6 +15,7 @@ that nbkit, transformers and accelerate agree whether a rank shards (`fsdp_rank(
 from __future__ import annotations
 
 import contextlib
+import datetime
 import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ __all__ = [
     "environment",
     "flag",
     "fsdp_rank",
+    "nccl_timeout",
     "setting",
     "settle_fsdp_flag",
     "strategy",
@@ -114,6 +116,13 @@ def setting(name: str) -> str:
     if problem:
         raise ValueError(f"{spec.env}={os.environ.get(spec.env)!r} is not valid for nbkit's {name}; {problem}.")
     return value.lower() if spec.choices is not None else value
+
+
+def nccl_timeout() -> datetime.timedelta:
+    """The nccl_timeout setting as the process-group timeout nbkit gives the NCCL groups it creates (a live
+    set's, and the default group a one-shot or exported cell joins).
+    """
+    return datetime.timedelta(seconds=float(setting("nccl_timeout")))
 
 
 def flag(name: str) -> bool | None:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import builtins
 import contextlib
-import datetime
 import faulthandler
 import gc
 import linecache
@@ -35,7 +34,7 @@ from collections.abc import Callable
 from multiprocessing import connection
 from typing import Any
 
-from nbkit import channel, rankoutput, rankside
+from nbkit import channel, config, rankoutput, rankside
 from nbkit.config import setting
 from nbkit.errors import RankError
 from nbkit.live.messages import CallDone, Display, EngineInfo, Interrupted, Outcome, Output, RankPlan
@@ -137,7 +136,7 @@ def setup(plan: RankPlan) -> str:
         world_size=plan.world_size,
         # NCCL's watchdog ends a rank whose collective waits longer (rankside.nccl_environment); gloo keeps
         # torch's default, its collectives fail as soon as a peer's connection closes.
-        timeout=datetime.timedelta(seconds=float(setting("nccl_timeout"))) if plan.use_cuda else None,
+        timeout=config.nccl_timeout() if plan.use_cuda else None,
     )
     # A live rank's output is shown or not per call (see _call), so only the rest of a launched
     # rank's set-up applies here.
