@@ -12,7 +12,7 @@
 #   bash benchmarks/gpu_suite.sh t4both               # the rest of the T4 matrix, both sets, six streams side by side (~9.5 min)
 #   bash benchmarks/gpu_suite.sh scaling              # unsloth 1 -> 2 GPUs: checkpointing paths x DDP knobs, profiled
 #   bash benchmarks/gpu_suite.sh launchers            # the same function via nbkit.launch, notebook_launcher, accelerate
-#   bash benchmarks/gpu_suite.sh scaling4             # unsloth on 1 and 4 GPUs (needs 4)
+#   bash benchmarks/gpu_suite.sh scaling4             # SFTTrainer on 1, 2 and 4 GPUs, both backends (needs 4; ~9.5 min)
 #   bash benchmarks/gpu_suite.sh accum                # 1K x 4 with gradient accumulation 4, 1 -> 2 GPUs
 #   bash benchmarks/gpu_suite.sh ddp1k                # 1K x 4 under DDP: options that cut host work, profiled
 #   bash benchmarks/gpu_suite.sh fp16                 # fp16 at 1K, and the plain transformers+peft anchor
@@ -245,9 +245,27 @@ for what in "$@"; do
         --seq-lens 1024x4,16384x1 --precisions bf16 --time-limit $((limit - 10)) \
         --out "$OUT/launchers.json" --md "$OUT/launchers.md" ;;
     scaling4)
-      part scaling4 300 python3 benchmarks/bench.py --configs ${SCALING4_CONFIGS:-unsloth:1@notebook,unsloth:4} \
-        --seq-lens 1024x4,16384x1 --precisions bf16 ${SCALING_FLAGS:-} \
-        --time-limit 290 --out "$OUT/scaling4.json" --md "$OUT/scaling4.md" ;;
+      # SFTTrainer on 1, 2 and 4 GPUs of one 4-GPU host, one call (~9.5 minutes on 4x H100), every ratio from it:
+      # transformers+peft+nbkit (Liger's kernels; ~40-70 s a launch) at 1K x 4 and 16K x 1 through nbkit.launch,
+      # then a live set on 4, then unsloth on 1 and 4 (its launches cost 100-140 s each, a second shape ~90 s of
+      # compilation more, so SCALING4_UNSLOTH_SHAPES is 16K x 1 alone by default: GPU-bound, where DDP's scaling
+      # shows; 1K x 4 is bound by the host, RESULTS.md). A launch that would start after its part's limit is
+      # recorded as skipped. SUITE_DRY_RUN=1: the transformers path on CPU ranks, tiny:qwen3-vl.
+      model=random:qwen3-vl-2b
+      liger=${SCALING4_LIGER:-liger:1@notebook,liger:2,liger:4,liger:4@live}
+      unsloth=${SCALING4_UNSLOTH:-unsloth:1@notebook,unsloth:4}
+      run=(--steps 8 --warmup 3 --launch-timeout 240)
+      shapes=1024x4,16384x1
+      if [ -n "${SUITE_DRY_RUN:-}" ]; then
+        model=tiny:qwen3-vl liger=${liger//liger/transformers} unsloth=
+        run=(--model $model --device cpu --steps 2 --warmup 1 --launch-timeout 240) shapes=128x2
+      fi
+      model_part "$model" 120 scaling4_model
+      part scaling4_transformers 240 python3 benchmarks/trainer_bench.py --configs "$liger" --shapes "$shapes" \
+        "${run[@]}" --time-limit 150 --out "$OUT/scaling4_transformers.json" --md "$OUT/scaling4_transformers.md"
+      [ -z "$unsloth" ] || part scaling4_unsloth 280 python3 benchmarks/trainer_bench.py --configs "$unsloth" \
+        --shapes "${SCALING4_UNSLOTH_SHAPES:-16384x1}" "${run[@]}" --time-limit 130 \
+        --out "$OUT/scaling4_unsloth.json" --md "$OUT/scaling4_unsloth.md" ;;
     long)
       limit=${LONG_LIMIT:-330}
       part long "$limit" python3 benchmarks/savers.py --seq-lens 64k --configs ${LONG_CONFIGS:-all,plain,recompute} \

@@ -207,13 +207,16 @@ def test_a_rank_that_hangs_before_a_collective_ends_at_the_timeout(mode, tmp_pat
 
 
 NCCL_TIMEOUT_S = 5
+BACKSTOP_S = 60
 
 
 @pytest.mark.skipif(not ON_GPUS, reason="NCCL's watchdog: GPU ranks only")
 @pytest.mark.parametrize("mode", ["fork", "live"])
 def test_nccls_watchdog_ends_a_rank_whose_peer_never_comes_and_the_error_says_so(mode, gpus, monkeypatch):
-    # No nbkit timeout here: only the process group's own (nbkit.configure(nccl_timeout=...) for a live set,
-    # the cell's init_process_group for a one-shot run) ends rank 0, through NCCL's async error handling.
+    # The process group's own timeout (nbkit.configure(nccl_timeout=...) for a live set, the cell's
+    # init_process_group for a one-shot run) ends rank 0, through NCCL's async error handling; nbkit's own
+    # timeout is only a backstop far behind it, so that a watchdog that never fires fails the case in a
+    # minute instead of hanging the GPU suite's part.
     monkeypatch.setenv("NBKIT_NCCL_TIMEOUT", str(NCCL_TIMEOUT_S))
     cell = (
         "import datetime, time, torch, nbkit, torch.distributed as dist\n"
@@ -228,7 +231,7 @@ def test_nccls_watchdog_ends_a_rank_whose_peer_never_comes_and_the_error_says_so
     if mode == "live":
         _run(mode, _ANSWER)
     start = time.monotonic()
-    message = str(_error_of(mode, cell))
+    message = str(_error_of(mode, cell, timeout=BACKSTOP_S))
     took = time.monotonic() - start
     assert "rank 0" in message and "NCCL's watchdog ended the rank" in message, message
     assert took < NCCL_TIMEOUT_S + 5 + (0 if mode == "live" else 10), took  # one-shot: + the ranks' start
