@@ -54,7 +54,7 @@ if str(HERE.parent) not in sys.path:  # run as a script: the package lives one l
 
 import torch  # noqa: E402
 
-from benchmarks import batches, host, measures  # noqa: E402
+from benchmarks import batches, gpu_state, host, measures  # noqa: E402
 from benchmarks.trainer_bench import TEXT_LORA, _timer_callback  # noqa: E402
 from nbkit import rankside  # noqa: E402
 
@@ -325,20 +325,25 @@ def _measure(run: Run) -> dict:
 
 
 class _UtilisationSampler:
-    """nvidia-smi's utilisation of every GPU, every SAMPLE_MS ms, while the `with` block runs (nothing
-    where there is no nvidia-smi). It runs in this process and never touches CUDA.
+    """nvidia-smi's utilisation of every GPU this process may use (CUDA_VISIBLE_DEVICES: on a shared host the
+    others run someone else's work), every SAMPLE_MS ms, while the `with` block runs (nothing where there is
+    no nvidia-smi). It runs in this process and never touches CUDA.
     """
 
     def __init__(self) -> None:
         self.samples: list[tuple[float, list[int]]] = []  # (time, utilisation % of each GPU)
         self._process: subprocess.Popen[str] | None = None
         self._reader: threading.Thread | None = None
+        self._ids: list[str] = []
 
     def __enter__(self) -> _UtilisationSampler:
         exe = shutil.which("nvidia-smi")
         if exe is not None:
+            count = len(subprocess.run([exe, "-L"], capture_output=True, text=True).stdout.splitlines())
+            self._ids = [str(i) for i in gpu_state.visible_indices(count)]
             query = [
                 exe,
+                f"--id={','.join(self._ids)}",
                 "--query-gpu=index,utilization.gpu",
                 "--format=csv,noheader,nounits",
                 f"--loop-ms={SAMPLE_MS}",
@@ -355,7 +360,7 @@ class _UtilisationSampler:
             index, _, busy = line.partition(",")
             if not busy.strip().isdigit():
                 continue
-            if index.strip() == "0" and current:
+            if index.strip() == self._ids[0] and current:
                 self.samples.append((time.time(), current))
                 current = []
             current.append(int(busy))

@@ -44,7 +44,7 @@ class GpuSample:
         except pynvml.NVMLError:
             return None
         try:
-            handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in _visible_indices(pynvml.nvmlDeviceGetCount())]
+            handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in visible_indices(pynvml.nvmlDeviceGetCount())]
             used = tuple(pynvml.nvmlDeviceGetMemoryInfo(h).used / 2**20 for h in handles)
             pids = frozenset(p.pid for h in handles for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h))
         finally:
@@ -103,10 +103,10 @@ def _from_nvidia_smi() -> GpuSample | None:
     if not used:
         return None
     pids = frozenset(int(line) for line in query("--query-compute-apps=pid") if line.isdigit())
-    return GpuSample(tuple(float(used[i]) for i in _visible_indices(len(used))), pids)
+    return GpuSample(tuple(float(used[i]) for i in visible_indices(len(used))), pids)
 
 
-def _visible_indices(count: int) -> list[int]:
+def visible_indices(count: int) -> list[int]:
     """The NVML indices of the GPUs CUDA_VISIBLE_DEVICES leaves visible (all where unset or not numeric)."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
     wanted = [v.strip() for v in visible.split(",") if v.strip()]

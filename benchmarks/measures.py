@@ -127,5 +127,8 @@ def reset_memory(device: torch.device) -> None:
     if device.type == "cuda":
         import torch
 
+        # The peak counters live in the caching allocator, which exists only once CUDA is initialised: a
+        # process that has not touched CUDA yet got "Invalid device argument" (4x H100, the balanced split).
+        torch.cuda.init()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)

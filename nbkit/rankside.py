@@ -186,6 +186,7 @@ def allocator_environment(environ: Mapping[str, str]) -> dict[str, str]:
     return {name: ",".join(part for part in (current, "expandable_segments:True") if part)}
 
 
+_DUMP_WAIT = "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC"
 # How NCCL's watchdog (a thread in every GPU rank) ends a collective that waits too long or failed.
 # The ranks inherit everything else the notebook's environment holds (NCCL_NVLS_ENABLE and the like).
 _NCCL_ERROR_HANDLING = {
@@ -195,6 +196,10 @@ _NCCL_ERROR_HANDLING = {
     # The flight recorder's dump on a timeout writes a file per rank to /tmp and waits for the other
     # ranks' dumps before the abort; nbkit's message names the rank already. Set it to 1 to debug a desync.
     "TORCH_NCCL_DUMP_ON_TIMEOUT": "0",
+    # How long the watchdog waits for that dump before it ends the rank: torch's 60 s held a rank whose
+    # peer had gone for a minute after its own timeout (2 GPUs, the first collective to time out) with
+    # no dump coming. Where a user turns the dump on, torch's wait stays (nccl_environment).
+    _DUMP_WAIT: "0",
     # The monitor ends a rank whose watchdog itself stopped (stuck in an NCCL or CUDA call, such as an
     # abort whose peer is gone) after this many seconds; torch's 480 leaves a notebook waiting 8 minutes.
     # The watchdog beats several times a second, so a minute without a beat is no slow step.
@@ -209,7 +214,10 @@ def nccl_environment() -> dict[str, str]:
     """The part of rank_environment for GPU ranks: NCCL's error handling (_NCCL_ERROR_HANDLING),
     each variable only where this process does not set it already (a user's choice stands).
     """
-    return {name: value for name, value in _NCCL_ERROR_HANDLING.items() if name not in os.environ}
+    chosen = {name: value for name, value in _NCCL_ERROR_HANDLING.items() if name not in os.environ}
+    if "TORCH_NCCL_DUMP_ON_TIMEOUT" not in chosen:  # the user's dump setting: torch's wait for it stays
+        chosen.pop(_DUMP_WAIT, None)
+    return chosen
 
 
 # --------------------------------------------------------------------------------------------

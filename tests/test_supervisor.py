@@ -182,11 +182,21 @@ def test_the_notebooks_environment_reaches_every_rank(run, monkeypatch):
 def test_gpu_ranks_get_nccls_error_handling_unless_the_notebook_chose_its_own(monkeypatch):
     from nbkit import rankside
 
-    for name in ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC"):
+    wait = "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC"
+    for name in (
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+        "TORCH_NCCL_DUMP_ON_TIMEOUT",
+        "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC",
+        wait,
+    ):
         monkeypatch.delenv(name, raising=False)
     gpu = rankside.rank_environment(RankOptions(), use_cpu=False)
     assert gpu["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1" and gpu["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "0"
     assert gpu["TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC"] == "60" and "TORCH_NCCL_BLOCKING_WAIT" not in gpu
+    assert gpu[wait] == "0"  # no dump is coming: the watchdog must not wait a minute for one
+    monkeypatch.setenv("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")  # debugging a desync: torch's wait for the dump stays
+    assert wait not in rankside.rank_environment(RankOptions(), use_cpu=False)
+    monkeypatch.delenv("TORCH_NCCL_DUMP_ON_TIMEOUT")
     assert not any(k.startswith("TORCH_NCCL") for k in rankside.rank_environment(RankOptions(), use_cpu=True))
     monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")  # the user's choice, inherited as it is
     assert "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in rankside.rank_environment(RankOptions(), use_cpu=False)
