@@ -16,6 +16,11 @@ Code inside a launched rank calls `send(body)`; outside a launch `connected()` i
 The ranks of a live set (nbkit.live) are not forked from the notebook: each connects to the
 notebook's relay listener instead and hands that connection to `attach_connection`; `send` then
 works the same way there, and the live set adds bodies of its own (nbkit.live.messages).
+
+These bodies are defined here once for every channel between nbkit's processes: a live set's ranks
+send Started and Report over the relay, and spawn mode's launcher process passes Report and Result on
+to the notebook (nbkit.spawn_messages). Each channel's own messages live in one module: this one for
+launched ranks, nbkit.live.messages for a live set, nbkit.spawn_messages for spawn mode.
 """
 
 from __future__ import annotations
@@ -60,7 +65,9 @@ class Report:
 
 @dataclass(frozen=True)
 class Result:
-    """Rank 0's return value, pickled (rankside.pickle_for_notebook)."""
+    """Rank 0's return value, pickled in the rank (rankside.pickle_for_notebook): only the notebook has the
+    classes to rebuild it.
+    """
 
     payload: bytes
 

@@ -17,8 +17,8 @@ A name that cannot be brought along raises BringAlongError naming it, and code t
 parse raises CellSyntaxError pointing at its line, before anything starts. The job travels to the
 launcher process over a pipe (its stdin), never through a file, so a kernel killed mid-cell leaves
 none of the cell's values (secrets included) on disk. The ranks' reports reach this process's
-dashboard, rank 0's value comes back, and a failing rank raises the same LaunchError as fork mode.
-Output of the ranks appears in the notebook.
+dashboard, rank 0's value comes back, and a failing rank raises the same LaunchError as fork mode
+(the messages of that pipe: nbkit.spawn_messages). Output of the ranks appears in the notebook.
 
     value = run_source("model = train(lr)\\nmodel.score", globals(), RankOptions(gpus=2))
 """
@@ -39,15 +39,15 @@ import threading
 import time
 import types
 from collections.abc import Mapping
-from dataclasses import dataclass
 from multiprocessing import Pipe
 from multiprocessing.connection import Connection
 from typing import Any
 
 from nbkit import cell_group, cells, dashboard, distributed, forksafety, launching, notices, rankside, supervisor
-from nbkit.errors import LaunchError, RankError
-from nbkit.notebook_names import BroughtAlong, bring_along
+from nbkit.errors import LaunchError
+from nbkit.notebook_names import bring_along
 from nbkit.rank_options import RankOptions
+from nbkit.spawn_messages import DashboardOpened, Envelope, Job, LaunchRaised, Report, Result
 
 __all__ = ["run_source"]
 
@@ -94,57 +94,12 @@ def run_source(
     why = f" Why: {str(reason).rstrip('.')}." if reason else ""
     names = ", ".join(brought.reached) or "nothing"
     _log.info(f"nbkit: running in fresh processes (spawn mode).{why} Brought along: {names}.")
-    job = _Job(source=source, filename=filename, brought=brought, sys_path=list(sys.path), options=options)
+    job = Job(source=source, filename=filename, brought=brought, sys_path=list(sys.path), options=options)
     return _Coordinator(job).run()
 
 
-# --------------------------------------------------------------------------------------------
-# Messages between the notebook and the launcher process
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _Job:
-    """What the launcher process runs: sent once, pickled, over its stdin."""
-
-    source: str
-    filename: str
-    brought: BroughtAlong
-    sys_path: list[str]
-    options: RankOptions
-
-
-@dataclass(frozen=True)
-class _Finished:
-    """Rank 0's value, pickled in the rank (the launcher has none of the notebook's classes)."""
-
-    payload: bytes
-
-
-@dataclass(frozen=True)
-class _Failed:
-    """The launch raised LaunchError; its fields."""
-
-    message: str
-    failures: dict[int, str]
-    errors: dict[int, RankError]
-    timed_out: bool
-
-
-@dataclass(frozen=True)
-class _Interrupted:
-    """The launch was interrupted (SIGINT), every rank stopped."""
-
-
-@dataclass(frozen=True)
-class _Refused:
-    """The launch could not start (nbkit.launch raised ValueError/TypeError/RuntimeError)."""
-
-    type_name: str
-    message: str
-
-
-_Outcome = _Finished | _Failed | _Interrupted | _Refused
+# How the launch ended, as the launcher process reports it last.
+_Outcome = Result | LaunchRaised
 
 
 # --------------------------------------------------------------------------------------------
@@ -155,7 +110,7 @@ _Outcome = _Finished | _Failed | _Interrupted | _Refused
 class _Coordinator:
     """Runs one job: starts the launcher process, sends the job, relays its output and reports."""
 
-    def __init__(self, job: _Job):
+    def __init__(self, job: Job):
         self.job = job
         self.cell = dashboard.OutputCell()
         self.stdout, self.stderr = sys.stdout, sys.stderr
@@ -213,7 +168,7 @@ class _Coordinator:
                     message = reader.recv()
                 except (EOFError, OSError):
                     return None
-                if isinstance(message, (dashboard.DashboardOpened, dashboard.DashboardEvent)):
+                if isinstance(message, (DashboardOpened, Envelope)):
                     self._dashboard_message(message)
                 else:
                     return message
@@ -221,25 +176,25 @@ class _Coordinator:
                 return None
             if deadline is not None and time.monotonic() > deadline:
                 self._stop(proc)
-                return _Failed(
-                    f"The launch did not finish within the timeout ({timeout:g} s) and the launcher process did "
-                    f"not stop it; all processes were stopped. {supervisor.hang_hint()}",
-                    {},
-                    {},
-                    True,
+                return LaunchRaised.of(
+                    LaunchError(
+                        f"The launch did not finish within the timeout ({timeout:g} s) and the launcher process "
+                        f"did not stop it; all processes were stopped. {supervisor.hang_hint()}",
+                        timed_out=True,
+                    )
                 )
 
-    def _dashboard_message(self, message: dashboard.DashboardOpened | dashboard.DashboardEvent) -> None:
-        if isinstance(message, dashboard.DashboardOpened):
+    def _dashboard_message(self, message: DashboardOpened | Envelope) -> None:
+        if isinstance(message, DashboardOpened):
             self.board = dashboard.create(message.nprocs, enabled=self.job.options.dashboard)
-        elif self.board is not None:
+        elif self.board is not None and isinstance(message.body, Report):
             try:
-                self.board.event(message.rank, message.metrics)
+                self.board.event(message.rank, message.body.metrics)
             except Exception:  # a display problem must never take the run down
                 _log.exception("nbkit: the dashboard failed")
 
     def _finish(self, outcome: _Outcome | None, returncode: int | None) -> Any:
-        self._close_board(isinstance(outcome, _Finished))
+        self._close_board(isinstance(outcome, Result))
         if outcome is None:
             tail = "".join(self.stderr_tail).strip()
             how = supervisor.ExitStatus.from_returncode(returncode)
@@ -250,15 +205,9 @@ class _Coordinator:
                 f"The launcher process (spawn mode) {how.cause} before reporting a result; its ranks were stopped "
                 f"with it.{hint}{' Its last output:' + chr(10) + tail if tail else ''}"
             )
-        if isinstance(outcome, _Finished):
+        if isinstance(outcome, Result):
             return rankside.load_value(outcome.payload)
-        if isinstance(outcome, _Failed):
-            raise LaunchError(
-                outcome.message, failures=outcome.failures, errors=outcome.errors, timed_out=outcome.timed_out
-            )
-        if isinstance(outcome, _Interrupted):
-            raise KeyboardInterrupt
-        raise {"ValueError": ValueError, "TypeError": TypeError}.get(outcome.type_name, RuntimeError)(outcome.message)
+        raise outcome.exception()
 
     def _close_board(self, success: bool) -> None:
         if self.board is not None:
@@ -309,7 +258,7 @@ def _child_environment() -> dict[str, str]:
 
 def _coordinate() -> None:
     """Entry point of the launcher process: the job on stdin, argv = [writer fd]."""
-    job: _Job = pickle.load(sys.stdin.buffer)
+    job: Job = pickle.load(sys.stdin.buffer)
     conn = Connection(int(sys.argv[1]), readable=False)
     launching.die_with_parent()
     sys.path[:] = job.sys_path + [p for p in sys.path if p not in job.sys_path]
@@ -317,18 +266,13 @@ def _coordinate() -> None:
     dashboard.relay_to(conn)
     outcome: _Outcome
     try:
-        value = launching.launch_with(job.options, _run_rank, job)
-        outcome = _Finished(value)
-    except LaunchError as exc:
-        outcome = _Failed(str(exc), exc.failures, exc.errors, exc.timed_out)
-    except KeyboardInterrupt:
-        outcome = _Interrupted()
-    except Exception as exc:
-        outcome = _Refused(type(exc).__name__, str(exc))
+        outcome = Result(launching.launch_with(job.options, _run_rank, job))
+    except (KeyboardInterrupt, Exception) as exc:  # a failed rank, an interrupt, or a launch that could not start
+        outcome = LaunchRaised.of(exc)
     conn.send(outcome)  # the launch is over: nothing else writes to the connection now
 
 
-def _run_rank(job: _Job) -> bytes | None:
+def _run_rank(job: Job) -> bytes | None:
     """One rank: the notebook's names in a fresh __main__, then the cell."""
     main = types.ModuleType("__main__")
     main.__dict__["__builtins__"] = builtins

@@ -11,7 +11,9 @@ from dashboard_events import step_event
 from tiny_training import train_tiny_qwen3
 
 from nbkit import dashboard
+from nbkit.channel import Envelope, Report
 from nbkit.dashboard import Dashboard
+from nbkit.spawn_messages import DashboardOpened
 
 
 def test_snapshot_sums_rates_averages_losses_and_keeps_peaks():
@@ -209,8 +211,8 @@ def test_a_relaying_dashboard_sends_typed_messages_and_knows_how_the_notebook_sh
     finally:
         dashboard.relay_to(None)
     assert board.mode == "relay" and board.shown_as == "html"
-    assert reader.recv() == dashboard.DashboardOpened(nprocs=2)
-    assert reader.recv() == dashboard.DashboardEvent(rank=1, metrics={"step": 3, "loss": 0.5})
+    assert reader.recv() == DashboardOpened(nprocs=2)
+    assert reader.recv() == Envelope(rank=1, body=Report(metrics={"step": 3, "loss": 0.5}))
     assert not reader.poll(0.1)  # closing a relay sends nothing: the notebook closes its own
 
 

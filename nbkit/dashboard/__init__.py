@@ -40,11 +40,12 @@ import time
 from typing import Any
 
 from nbkit import platform
+from nbkit.channel import Envelope, Report
 from nbkit.config import setting
 from nbkit.dashboard.board import Board, Snapshot, other_metrics
 from nbkit.dashboard.panels import HtmlPanel, LiveView, WidgetPanel
-from nbkit.dashboard.relaying import DashboardEvent, DashboardOpened, relay, relay_to
 from nbkit.dashboard.relaying import connection as relay_connection
+from nbkit.dashboard.relaying import relay, relay_to
 from nbkit.dashboard.rendering import (
     loss_curve_png,
     panel_html,
@@ -56,11 +57,10 @@ from nbkit.dashboard.rendering import (
 )
 from nbkit.shell import OutputCell
 from nbkit.shell import current as _shell
+from nbkit.spawn_messages import DashboardOpened
 
 __all__ = [
     "Dashboard",
-    "DashboardEvent",
-    "DashboardOpened",
     "OutputCell",
     "Snapshot",
     "create",
@@ -200,7 +200,7 @@ class Dashboard(Board):
         self.record(rank, metrics)
         now = time.monotonic()
         if self.mode == "relay":
-            relay(DashboardEvent(rank, metrics))
+            relay(Envelope(rank, Report(metrics)))
         elif self.mode == "text":
             if now - self._last_line >= self.interval:
                 self._last_line = now

@@ -1,35 +1,20 @@
 """Relaying: spawn mode's launcher process forwards its dashboard to the notebook's.
 
 The launcher process (nbkit.spawning) calls `relay_to(connection)`; every Dashboard it creates
-afterwards sends DashboardOpened once and a DashboardEvent per event over that connection instead
-of showing anything, and the notebook feeds them to its own dashboard.
+afterwards sends nbkit.spawn_messages' DashboardOpened once and each rank's event as the rank channel's
+Envelope(rank, Report(metrics)) over that connection instead of showing anything, and the notebook
+feeds them to its own dashboard.
 """
 
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["DashboardEvent", "DashboardOpened", "connection", "relay", "relay_to"]
+__all__ = ["connection", "relay", "relay_to"]
 
 _connection: Any = None
 _lock = threading.Lock()
-
-
-@dataclass(frozen=True)
-class DashboardOpened:
-    """Relayed when the launcher process creates its dashboard: the notebook creates its own."""
-
-    nprocs: int
-
-
-@dataclass(frozen=True)
-class DashboardEvent:
-    """Relayed for every event a rank reports: the notebook passes it to its dashboard."""
-
-    rank: int
-    metrics: dict[str, Any]
 
 
 def relay_to(connection: Any) -> None:
