@@ -20,8 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from nbkit import config, rankside, supervisor
 from nbkit.errors import LiveError
-from nbkit.live import engine as rank_side
-from nbkit.live import registry
+from nbkit.live import rank_side, registry
 from nbkit.live.messages import EngineInfo, Lost, RankPlan
 from nbkit.live.relay import Relay
 from nbkit.live.state import SetState, _join, _Rank
@@ -370,7 +369,7 @@ class Engines(SetState):
 _POLL_S = 0.1  # how often the monitor looks at the engine processes
 _HEARTBEAT_MS = 500  # the controller's heartbeat period for a set nbkit starts (see _controller_command)
 # Between SIGTERM and SIGKILL for an engine or the controller that nbkit started. An engine ends with
-# os._exit as soon as Python runs its SIGTERM handler (nbkit.live.engine); one busy in native code (a
+# os._exit as soon as Python runs its SIGTERM handler (nbkit.live.rank_side); one busy in native code (a
 # collective waiting for a dead peer) never gets there, so the grace is short: stopping a set must
 # not hang on such a rank. The controller gets the same for ending its heart monitor process itself.
 _ENGINE_GRACE_S = 3.0

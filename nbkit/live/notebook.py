@@ -36,7 +36,7 @@ This module runs in the notebook; LiveRanks is the API, over its parts, each in 
 engines), nbkit.live.calls (one call: its request, wait, interrupts, timeouts, value or error),
 nbkit.live.cell_output (what the ranks send while a call runs, shown in the cell) and
 nbkit.live.sending (which notebook names travel, sent ahead of the code); nbkit.live.state holds
-what they share. Inside each engine runs nbkit.live.engine.
+what they share. Inside each engine runs nbkit.live.rank_side.
 """
 
 from __future__ import annotations
@@ -49,8 +49,7 @@ from typing import Any
 
 from nbkit import cells, distributed, notebook_names, one_gpu, rankside
 from nbkit.errors import LiveError
-from nbkit.live import engine as rank_side
-from nbkit.live import registry
+from nbkit.live import rank_side, registry
 from nbkit.live.calls import Calls
 from nbkit.live.cell_output import CellOutput
 from nbkit.live.engines import Engines

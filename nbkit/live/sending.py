@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from nbkit import cells, notebook_names, notices
 from nbkit.errors import LiveError
-from nbkit.live import engine as rank_side
+from nbkit.live import rank_side
 from nbkit.live.state import SetState
 
 _log = notices.logger(__name__)
