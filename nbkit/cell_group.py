@@ -1,6 +1,6 @@
 """The default process group a %%ddp cell runs in: the same on every path (rank side).
 
-A live set's ranks join the default group when they start (nbkit.live.engine), so a cell can call
+A live set's ranks join the default group when they start (nbkit.live.rank_side), so a cell can call
 `dist.all_reduce(t)` at once. One-shot ranks (fork, spawn) and the functions of an exported script
 join it here, before the cell runs (`join`, `joined`), so the same cell works there too. A cell
 written for one-shot ranks calls `dist.init_process_group(...)` itself: that call then keeps the

@@ -60,7 +60,7 @@ _PLUMBING = frozenset(
         ("cells.py",),
         ("cellrun.py",),
         ("cell_group.py",),
-        ("live", "engine.py"),
+        ("live", "rank_side.py"),
     )
 )
 

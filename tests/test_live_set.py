@@ -184,8 +184,8 @@ def test_stop_leaves_nothing_and_later_calls_say_so(ranks):
     )
     procs = psutil.Process().children(recursive=True)
     assert len(procs) >= 3
-    tmpdir = live._tmpdir
-    engines = [r.process for r in live._ranks]
+    tmpdir = live._engines.tmpdir
+    engines = [r.process for r in live._engines.ranks]
     live.stop()
     _, alive = psutil.wait_procs(procs, timeout=3)
     assert [(p.pid, p.cmdline()) for p in alive] == []

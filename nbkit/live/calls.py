@@ -4,118 +4,95 @@ timeouts and failures while it runs, and its value or error.
 
 from __future__ import annotations
 
-import contextlib
 import time
-from collections.abc import Callable, Iterable, Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any, NoReturn
 
-from nbkit import notices, rankside, supervisor
+from nbkit import channel, notices, rankside, supervisor
 from nbkit.errors import LiveError, RankError
-from nbkit.live.messages import Outcome
-from nbkit.live.state import SetState, _join
+from nbkit.live.cell_output import CellOutput
+from nbkit.live.engines import Engines, ranks_text
+from nbkit.live.messages import CallDone, Display, Interrupted, Outcome, Output, Training
+
+__all__ = ["Call"]
 
 _log = notices.logger(__name__)
 
 
-class Calls(SetState):
-    """One call at a time: run it on some ranks and wait, with the failure rules of nbkit.live.notebook."""
+class Call:
+    """One call in flight on the ranks `targets` of a live set, with the failure rules of nbkit.live.notebook:
+    what the ranks said about it (finished, training, heard the interrupt) and its output in the cell.
+    Made per call, numbered `number` (the ranks' end-of-call marks name it); run() runs it once.
+    """
 
-    if TYPE_CHECKING:  # methods of the other parts of LiveRanks that this part calls
+    def __init__(self, engines: Engines, number: int, targets: list[int], shown: set[int]):
+        self.number = number
+        self._engines = engines
+        self._targets = targets
+        self._shown = shown
+        self._output = CellOutput(shown, engines.world_size)
+        self._done: dict[int, CallDone] = {}
+        self._training: dict[int, Training] = {}  # each rank's last Trainer.train() state in this call
+        self._heard: set[int] = set()  # ranks where Python saw this call's interrupt (Interrupted)
 
-        def _end(self, reason: str) -> None: ...
-        def _ended_text(self) -> str: ...
-        def _flush_streams(self) -> None: ...
-        def _interrupt(self, ranks: list[int]) -> None: ...
-        def _pump(self, wait: float) -> None: ...
-
-    def _targets(self, ranks: str | int | Iterable[int]) -> list[int]:
-        self._check_running()
-        if ranks == "all":
-            return list(range(self.world_size))
-        chosen: list[int] = [ranks] if isinstance(ranks, int) else sorted({int(r) for r in ranks})
-        bad = [r for r in chosen if not isinstance(r, int) or not 0 <= r < self.world_size]
-        if bad or not chosen:
-            raise ValueError(f"ranks must be 'all' or ranks 0..{self.world_size - 1}; got {ranks!r}.")
-        return chosen
-
-    def _check_running(self) -> None:
-        if self._ended is not None:
-            raise LiveError(
-                f"The live set has ended: {self._ended} Start a new one (%ddp start / nbkit.start()).", ended=True
-            )
-        if self._stopped:
-            raise LiveError(_STOPPED, ended=True)
-
-    def _check_not_gone(self, targets: list[int]) -> None:
-        """Raise the LiveError of a set that a failure ended or that stop() ended (from any thread) while
-        a call on `targets` waited: the call cannot finish, and waiting would hang.
-        """
-        if self._ended is not None:
-            raise LiveError(self._ended_text(), ended=True)
-        if self._stopped:
-            raise LiveError(
-                f"LiveRanks.stop() ended the live set while this call ran on rank(s) {_join(targets)}: its ranks "
-                f"are gone, and the call did not finish. {_STOPPED}",
-                ended=True,
-            )
-
-    def _run_call(
+    def run(
         self,
         fn: Callable[..., Outcome],
-        args: tuple | Mapping[int, tuple],
-        targets: list[int],
+        args: tuple,
         timeout: float | None,
         *,
-        show: set[int] | None,
         after: Callable[[], None] | None = None,
         received: Callable[[list[Outcome]], None] | None = None,
     ) -> Any:
-        """Run fn on `targets` (args: the same for each, or {rank: args}); `received` sees every rank's
-        Outcome before errors are raised, `after` runs however the call ends.
+        """Run fn(number, *args, shown, wants_value) on each target and wait; returns the value of
+        the lowest target. `received` sees every rank's Outcome before errors are raised, `after` runs
+        however the call ends. Raises LiveError (a rank failed, or the set ended).
         """
-        self._check_running()
-        self._call += 1
-        call = self._call
-        shown = {targets[0]} if show is None else show
-        self._done, self._shown, self._streams, self._board = {}, shown, {}, None
-        self._training, self._heard = {}, set()
-        ar = self._apply_each(fn, call, args, targets, shown)
+        ar = self._apply_each(fn, args)
         success = False
         try:
             try:
-                outcomes = self._wait(call, ar, targets, timeout if timeout is not None else self.timeout)
+                outcomes = self._wait(ar, timeout)
             finally:
                 if after is not None:  # what the code bound before it failed is on the ranks too
                     after()
             if received is not None:
                 received(outcomes)
-            value = self._result(outcomes, targets)
+            value = self._result(outcomes)
             success = True
             return value
         finally:
-            if self._board is not None:
-                with contextlib.suppress(Exception):
-                    self._board.close(success=success)
-            self._flush_streams()
+            self._output.close(success=success)
 
-    def _apply_each(
-        self,
-        fn: Callable[..., Outcome],
-        call: int,
-        args: tuple | Mapping[int, tuple],
-        targets: list[int],
-        shown: set[int],
-    ) -> _Gathered:
-        value_rank = targets[0]
+    def _apply_each(self, fn: Callable[..., Outcome], args: tuple) -> _Gathered:
+        value_rank = self._targets[0]
         results = [
-            self._client[self._ranks[r].engine].apply_async(
-                fn, call, *(args[r] if isinstance(args, Mapping) else args), r in shown, r == value_rank
-            )
-            for r in targets
+            self._engines.apply(r, fn, self.number, *args, r in self._shown, r == value_rank) for r in self._targets
         ]
         return _Gathered(results)
 
-    def _wait(self, call: int, ar: _Gathered, targets: list[int], timeout: float | None) -> list[Outcome]:
+    def _pump(self, wait: float) -> None:
+        self._engines.pump(wait, self._handle)
+
+    def _handle(self, message: channel.Envelope) -> None:
+        """One of the relay's messages about calls (nbkit.live.engines handles the set's own)."""
+        body: object = message.body
+        if isinstance(body, Output):
+            self._output.write(body.rank, body.stream, body.text)
+        elif isinstance(body, Display):
+            self._output.display(body)
+        elif isinstance(body, CallDone):
+            if body.call == self.number:
+                self._done[body.rank] = body
+        elif isinstance(body, Training):
+            self._training[body.rank] = body
+        elif isinstance(body, Interrupted):
+            if body.call == self.number:
+                self._heard.add(body.rank)
+        elif isinstance(body, channel.Report):
+            self._output.report(message.rank, body.metrics)
+
+    def _wait(self, ar: _Gathered, timeout: float | None) -> list[Outcome]:
         deadline = time.monotonic() + timeout if timeout else None
         failed_at: float | None = None
         interrupted_at: float | None = None
@@ -124,8 +101,8 @@ class Calls(SetState):
         try:
             while True:
                 self._pump(0.01)
-                self._check_not_gone(targets)
-                unfinished = [r for r in targets if r not in self._done]
+                self._engines.check_not_gone(self._targets)
+                unfinished = [r for r in self._targets if r not in self._done]
                 now = time.monotonic()
                 if ar.ready():
                     # Every rank answered. A rank whose end-of-call mark is missing failed before
@@ -137,78 +114,85 @@ class Calls(SetState):
                 if failed_at is None and any(d.failed for d in self._done.values()):
                     failed_at = now
                 if failed_at is not None and interrupted_at is None and now - failed_at > _FAILURE_GRACE_S:
-                    self._interrupt(unfinished)
+                    self._engines.interrupt(unfinished)
                     interrupted_at = now
                 if interrupted_at is not None and not hard_again and now - interrupted_at > _SECOND_SIGNAL_S:
                     # A peer failed, so no step will be agreed: where the first signal became a stop
                     # request (nbkit.live.stopping), a second one interrupts. Sent apart, since two
                     # signals that arrive before Python runs the handler count as one.
                     hard_again = True
-                    self._interrupt([r for r in unfinished if r in self._training and self._training[r].running])
-                if interrupted_at is not None and now - interrupted_at > _INTERRUPT_GRACE_S:
-                    failed = sorted(r for r, d in self._done.items() if d.failed)
-                    self._end(
-                        f"rank(s) {_join(failed)} failed, and rank(s) {_join(unfinished)} neither finished nor "
-                        f"answered an interrupt within {_INTERRUPT_GRACE_S:.0f} s (most likely waiting in a "
-                        "collective for the rank that failed)."
+                    self._engines.interrupt(
+                        [r for r in unfinished if r in self._training and self._training[r].running]
                     )
-                    raise self._call_error(ar.finished_errors(), ended=True)
+                if interrupted_at is not None and now - interrupted_at > _INTERRUPT_GRACE_S:
+                    self._end_after_failure(ar, sorted(r for r, d in self._done.items() if d.failed), unfinished)
                 if deadline is not None and now > deadline:
-                    self._end_at_timeout(timeout, unfinished, targets)
+                    self._end_at_timeout(timeout, unfinished)
         except KeyboardInterrupt:
-            self._on_interrupt(ar, targets, deadline, timeout)
+            self._on_interrupt(ar, deadline, timeout)
             raise
-        return ar.get(targets)
+        return ar.get(self._targets)
 
-    def _end_at_timeout(self, timeout: float | None, unfinished: list[int], targets: list[int]) -> None:
-        """End the set because the call passed its timeout; raises the LiveError that says so."""
-        self._end(
-            f"the call did not finish within its timeout ({timeout:g} s); rank(s) {_join(unfinished)} were still "
-            f"running. {supervisor.hang_hint(self._some_ranks_hint(targets))}"
+    def _end_after_failure(self, ar: _Gathered, failed: list[int], still: list[int]) -> NoReturn:
+        """End the set because ranks `still` neither finished nor answered an interrupt after ranks `failed`
+        failed; raises the LiveError with the failures.
+        """
+        self._engines.end(
+            f"rank(s) {ranks_text(failed)} failed, and rank(s) {ranks_text(still)} neither finished nor answered an "
+            f"interrupt within {_INTERRUPT_GRACE_S:.0f} s (most likely waiting in a collective for the rank that "
+            "failed)."
         )
-        if self._ended is None:  # stop() came first, from another thread
-            self._check_not_gone(targets)
-        raise LiveError(self._ended_text(), ended=True, timed_out=True)
+        raise self._call_error(ar.finished_errors(), ended=True)
 
-    def _some_ranks_hint(self, targets: list[int]) -> str:
+    def _end_at_timeout(self, timeout: float | None, unfinished: list[int]) -> NoReturn:
+        """End the set because the call passed its timeout; raises the LiveError that says so."""
+        self._engines.end(
+            f"the call did not finish within its timeout ({timeout:g} s); rank(s) {ranks_text(unfinished)} were still "
+            f"running. {supervisor.hang_hint(self._some_ranks_hint())}"
+        )
+        if self._engines.ended is None:  # stop() came first, from another thread
+            self._engines.check_not_gone(self._targets)
+        raise LiveError(self._engines.ended_text(), ended=True, timed_out=True)
+
+    def _some_ranks_hint(self) -> str:
         """For a call on some ranks only: the likely cause of a rank that waits ("" for a call on every rank)."""
-        if len(targets) == self.world_size:
+        if len(self._targets) == self._engines.world_size:
             return ""
         return (
-            f"a cell run on rank(s) {_join(targets)} only called a collective (evaluate(), barrier, all_reduce) that "
-            "the other ranks never join: run it on every rank (%%ddp without --rank)."
+            f"a cell run on rank(s) {ranks_text(self._targets)} only called a collective (evaluate(), barrier, "
+            "all_reduce) that the other ranks never join: run it on every rank (%%ddp without --rank)."
         )
 
-    def _on_interrupt(self, ar: _Gathered, targets: list[int], deadline: float | None, timeout: float | None) -> None:
+    def _on_interrupt(self, ar: _Gathered, deadline: float | None, timeout: float | None) -> None:
         """The notebook was interrupted during a call: stop training at an agreed step where every rank
         runs Trainer.train(), else interrupt the call on every rank; end the set where a rank does not
         answer (see the module doc). Returns when every rank has finished the call; raises LiveError
         when the set was ended.
         """
-        unfinished = [r for r in targets if r not in self._done]
-        self._interrupt(unfinished)
+        unfinished = [r for r in self._targets if r not in self._done]
+        self._engines.interrupt(unfinished)
         hard = False  # a second press during a pending stop: interrupt as for any other code
         said_stopping = False
         grace_until = time.monotonic() + _INTERRUPT_GRACE_S
-        while self._ended is None and not self._stopped:
+        while self._engines.running:
             try:
                 self._pump(0.01)
-                if all(r in self._done for r in targets) and ar.ready():
+                if all(r in self._done for r in self._targets) and ar.ready():
                     if self._failed_otherwise(ar):  # a rank's own error says more than the interrupt
                         raise self._call_error(ar.finished_errors(), ended=False)
-                    _log.warning(self._interrupted_text(targets, unfinished))
+                    _log.warning(self._interrupted_text(unfinished))
                     return
                 now = time.monotonic()
-                still = [r for r in targets if r not in self._done]
+                still = [r for r in self._targets if r not in self._done]
                 if said_stopping and not hard and self._failed_otherwise(ar):
                     # A rank failed on its own while the stop was pending: no step will be agreed, so
                     # the ranks still training get the signal that interrupts them.
                     hard = True
-                    self._interrupt(still)
+                    self._engines.interrupt(still)
                     grace_until = now + _INTERRUPT_GRACE_S
                 # A rank in train() answers at the next agreed step end, however long a step takes; a
                 # rank that says so only after the signal (train() just began) still counts.
-                if not hard and self._all_training(ar, targets, still):
+                if not hard and self._all_training(ar, still):
                     grace_until = now + _INTERRUPT_GRACE_S
                     if not said_stopping:
                         said_stopping = True
@@ -217,26 +201,21 @@ class Calls(SetState):
                             "its weights); interrupt again to stop at once, which may end the live set."
                         )
                 if deadline is not None and now > deadline:
-                    self._end_at_timeout(timeout, still, targets)
+                    self._end_at_timeout(timeout, still)
                 if now > grace_until:
                     failed = self._failed_otherwise(ar)
                     if failed:
-                        self._end(
-                            f"rank(s) {_join(failed)} failed, and rank(s) {_join(still)} neither finished nor answered "
-                            f"an interrupt within {_INTERRUPT_GRACE_S:.0f} s (most likely waiting in a collective for "
-                            "the rank that failed)."
-                        )
-                        raise self._call_error(ar.finished_errors(), ended=True)
-                    self._end(self._unanswered_text(targets, still))
+                        self._end_after_failure(ar, failed, still)
+                    self._engines.end(self._unanswered_text(still))
             except KeyboardInterrupt:
                 if said_stopping and not hard:  # the stop is pending: the second press interrupts at once
                     hard = True
-                    self._interrupt([r for r in targets if r not in self._done])
+                    self._engines.interrupt([r for r in self._targets if r not in self._done])
                     grace_until = time.monotonic() + _INTERRUPT_GRACE_S
                 # else: a further press while the ranks are being interrupted
-        self._check_not_gone(targets)
+        self._engines.check_not_gone(self._targets)
 
-    def _unanswered_text(self, targets: list[int], still: list[int]) -> str:
+    def _unanswered_text(self, still: list[int]) -> str:
         """Why ranks `still` did not end the call within the grace after an interrupt: the code caught the
         KeyboardInterrupt where Python saw the signal (Interrupted), else most likely a collective.
         """
@@ -245,14 +224,14 @@ class Calls(SetState):
         parts = []
         if caught:
             parts.append(
-                f"rank(s) {_join(caught)} got the interrupt but went on running: the cell's code caught the "
+                f"rank(s) {ranks_text(caught)} got the interrupt but went on running: the cell's code caught the "
                 "KeyboardInterrupt (an `except KeyboardInterrupt:` or a bare `except:` that carries on). Let it "
                 "propagate (re-raise it), so that the stop button ends the cell and keeps the set"
             )
         if deaf:
-            hint = self._some_ranks_hint(targets)
+            hint = self._some_ranks_hint()
             parts.append(
-                f"rank(s) {_join(deaf)} did not answer the interrupt within {_INTERRUPT_GRACE_S:.0f} s "
+                f"rank(s) {ranks_text(deaf)} did not answer the interrupt within {_INTERRUPT_GRACE_S:.0f} s "
                 + (
                     f"(waiting in a collective, where Python never sees the signal): {hint}"
                     if hint
@@ -261,12 +240,12 @@ class Calls(SetState):
             )
         return "; ".join(parts) + ("" if parts[-1].endswith(".") else ".")
 
-    def _all_training(self, ar: _Gathered, targets: list[int], unfinished: list[int]) -> bool:
+    def _all_training(self, ar: _Gathered, unfinished: list[int]) -> bool:
         """Whether a call on every rank has each unfinished rank inside Trainer.train() now, and no
         rank failed otherwise than by the agreed stop.
         """
         return (
-            len(targets) == self.world_size
+            len(self._targets) == self._engines.world_size
             and bool(unfinished)
             and all(r in self._training and self._training[r].running for r in unfinished)
             and not self._failed_otherwise(ar)
@@ -280,8 +259,10 @@ class Calls(SetState):
             return []
         return sorted(r for r, error in ar.finished_errors().items() if not error.secondary)
 
-    def _interrupted_text(self, targets: list[int], unfinished: list[int]) -> str:
-        stops = {self._training[r].step if r in self._training and self._training[r].stopped else -1 for r in targets}
+    def _interrupted_text(self, unfinished: list[int]) -> str:
+        stops = {
+            self._training[r].step if r in self._training and self._training[r].stopped else -1 for r in self._targets
+        }
         if len(stops) == 1 and -1 not in stops:
             step = stops.pop()
             return (
@@ -289,22 +270,22 @@ class Calls(SetState):
                 f"kept, and the model has the weights of step {step}. trainer.train(resume_from_checkpoint=True) "
                 "goes on from the last saved checkpoint."
             )
-        return f"nbkit: interrupted the cell on rank(s) {_join(unfinished)}; every rank is alive with its names."
+        return f"nbkit: interrupted the cell on rank(s) {ranks_text(unfinished)}; every rank is alive with its names."
 
-    def _result(self, outcomes: list[Outcome], targets: list[int]) -> Any:
+    def _result(self, outcomes: list[Outcome]) -> Any:
         errors = {o.rank: o.error for o in outcomes if o.error is not None}
         if errors:
             raise self._call_error(errors, ended=False)
         value = outcomes[0].value
         if value is None:
             return None
-        return rankside.load_value(value, targets[0], error=LiveError)
+        return rankside.load_value(value, self._targets[0], error=LiveError)
 
     def _call_error(self, errors: dict[int, RankError], *, ended: bool) -> LiveError:
         primary = {r: e for r, e in errors.items() if not e.secondary} or errors
-        ranks = _join(sorted(primary))
+        ranks = ranks_text(sorted(primary))
         if ended:
-            head = f"rank(s) {ranks} failed, and the live set was ended: {self._ended}"
+            head = f"rank(s) {ranks} failed, and the live set was ended: {self._engines.ended}"
         else:
             head = f"rank(s) {ranks} failed; the live set is still running, every rank with its names."
         lines = [head, *supervisor.render_failures(dict(sorted(primary.items())), errors.values())]
@@ -315,8 +296,6 @@ class Calls(SetState):
             ended=ended,
         )
 
-
-_STOPPED = "The live set was stopped. Start a new one (%ddp start / nbkit.start())."
 
 # How long ranks that have not finished get after another rank failed, before they are interrupted
 # (they may still be finishing on their own), and after an interrupt, before the set is ended.

@@ -1,4 +1,4 @@
-"""What the ranks send while a call runs, shown in the notebook's running cell: their output, display()
+"""What the ranks send while one call runs, shown in the notebook's running cell: their output, display()
 data and dashboard events (the notebook side of the relay; nbkit.rankoutput is the rank side).
 """
 
@@ -6,81 +6,39 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import queue
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from nbkit import channel
-from nbkit.live.messages import CallDone, Display, Interrupted, Lost, Output, Training
-from nbkit.live.state import SetState
+from nbkit.live.messages import Display
 from nbkit.rankoutput import Prefixed
 
+__all__ = ["CellOutput"]
 
-class CellOutput(SetState):
-    """The relay's messages during a call: output to the cell, the dashboard, end-of-call marks."""
 
-    if TYPE_CHECKING:  # methods of the other parts of LiveRanks that this part calls
+class CellOutput:
+    """One call's output in the running cell: what the ranks it shows (`shown`) print and display(), the
+    lowest of them as is and the others prefixed "[rank N] ", and a dashboard of every rank's reports,
+    made at the first one. Made per call; close() ends it.
+    """
 
-        def _on_lost(self, lost: Lost) -> None: ...
+    def __init__(self, shown: set[int], world_size: int):
+        self._shown = shown
+        self._world_size = world_size
+        self._streams: dict[tuple[int, str], Any] = {}
+        self._board: Any = None
 
-    def _pump(self, wait: float) -> None:
-        """Handle the relay's messages for up to `wait` s (on the notebook's main thread, so that output
-        and the dashboard land in the cell that runs).
+    def write(self, rank: int, stream: str, text: str) -> None:
+        """Show `text` that `rank` wrote to its `stream` ("stdout" or "stderr"), where the call shows it."""
+        if rank in self._shown:
+            self._stream(rank, stream).write(text)
+
+    def display(self, body: Display) -> None:
+        """Show what a rank passed to IPython's display, where the call shows that rank: as display data in
+        a kernel, else its text.
         """
-        assert self._relay is not None
-        try:
-            item = self._relay.messages.get(timeout=wait)
-        except queue.Empty:
+        if body.rank not in self._shown:
             return
-        while True:
-            self._handle(item)
-            try:
-                item = self._relay.messages.get_nowait()
-            except queue.Empty:
-                return
-
-    def _handle(self, message: channel.Envelope) -> None:
-        body: object = message.body
-        if isinstance(body, Output):
-            if body.rank in self._shown:
-                self._stream(body.rank, body.stream).write(body.text)
-        elif isinstance(body, Display):
-            if body.rank in self._shown:
-                self._display(body)
-        elif isinstance(body, CallDone):
-            if body.call == self._call:
-                self._done[body.rank] = body
-        elif isinstance(body, Training):
-            self._training[body.rank] = body
-        elif isinstance(body, Interrupted):
-            if body.call == self._call:
-                self._heard.add(body.rank)
-        elif isinstance(body, channel.Report):
-            if self._board is None:
-                from nbkit import dashboard
-
-                self._board = dashboard.create(self.world_size)
-            try:
-                self._board.event(message.rank, body.metrics)
-            except Exception:  # a display problem must never fail the call
-                logging.getLogger("nbkit").exception("nbkit: the dashboard failed")
-        elif isinstance(body, Lost):
-            self._on_lost(body)
-        elif isinstance(body, channel.Started):
-            self._connected.add(message.rank)
-
-    def _stream(self, rank: int, name: str) -> Any:
-        stream = self._streams.get((rank, name))
-        if stream is None:
-            target = sys.stdout if name == "stdout" else sys.stderr
-            if rank != min(self._shown):
-                target = Prefixed(target, f"[rank {rank}] ")
-            stream = self._streams[(rank, name)] = target
-        return stream
-
-    def _display(self, body: Display) -> None:
-        """Show a rank's display() in the running cell: as display data in a kernel, else its text."""
-        self._flush_streams()  # the rank's lines before it stay before it
+        self._flush()  # the rank's lines before it stay before it
         try:
             from IPython import get_ipython
         except ImportError:
@@ -99,7 +57,34 @@ class CellOutput(SetState):
         except Exception:  # a display problem must never fail the call
             logging.getLogger("nbkit").exception("nbkit: a rank's display() could not be shown")
 
-    def _flush_streams(self) -> None:
+    def report(self, rank: int, metrics: dict[str, Any]) -> None:
+        """Feed a rank's dashboard event to the call's dashboard (made at the first one)."""
+        if self._board is None:
+            from nbkit import dashboard
+
+            self._board = dashboard.create(self._world_size)
+        try:
+            self._board.event(rank, metrics)
+        except Exception:  # a display problem must never fail the call
+            logging.getLogger("nbkit").exception("nbkit: the dashboard failed")
+
+    def close(self, *, success: bool) -> None:
+        """The call ended (`success`: without an error): close its dashboard, flush what it showed."""
+        if self._board is not None:
+            with contextlib.suppress(Exception):
+                self._board.close(success=success)
+        self._flush()
+
+    def _stream(self, rank: int, name: str) -> Any:
+        stream = self._streams.get((rank, name))
+        if stream is None:
+            target = sys.stdout if name == "stdout" else sys.stderr
+            if rank != min(self._shown):
+                target = Prefixed(target, f"[rank {rank}] ")
+            stream = self._streams[(rank, name)] = target
+        return stream
+
+    def _flush(self) -> None:
         for stream in self._streams.values():
             with contextlib.suppress(Exception):
                 stream.flush()

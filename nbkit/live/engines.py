@@ -1,5 +1,6 @@
-"""Starting, connecting, watching and ending the engines of a live set (the notebook side): start-up
-step by step, the processes nbkit started and their process groups, and what is left when a set ends.
+"""The engines of a live set, from start to end (the notebook side): start-up step by step, the processes
+nbkit started and their process groups, the relay's own messages (a rank connected, a connection lost),
+interrupts, a failure that ends the set, and what is left when it ends.
 """
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ import contextlib
 import glob
 import logging
 import os
+import queue
 import shutil
 import signal
 import subprocess
@@ -15,35 +17,90 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
 
-from nbkit import config, rankside, supervisor
+from nbkit import channel, config, rankside, supervisor
 from nbkit.errors import LiveError
-from nbkit.live import engine as rank_side
-from nbkit.live import registry
+from nbkit.live import rank_side
 from nbkit.live.messages import EngineInfo, Lost, RankPlan
 from nbkit.live.relay import Relay
-from nbkit.live.state import SetState, _join, _Rank
+from nbkit.rank_options import RankOptions
+
+__all__ = ["Engines", "Rank", "ranks_text"]
 
 
-class Engines(SetState):
-    """The engines of a live set: start (nbkit.start) or connect (nbkit.connect), watch, interrupt, end."""
+@dataclass
+class Rank:
+    """One rank of a live set: its numbers, its ipyparallel engine, and its process where nbkit started it."""
 
-    if TYPE_CHECKING:  # methods of the other parts of LiveRanks that this part calls
+    rank: int
+    local_rank: int
+    node_rank: int
+    engine: int
+    info: EngineInfo
+    device: str = "?"
+    process: subprocess.Popen | None = None  # engines nbkit started (start(), not connect())
 
-        def _pump(self, wait: float) -> None: ...
 
-    def _start_local(self, count: int, use_cuda: bool, startup_timeout: float) -> None:
+def ranks_text(ranks: Iterable[int]) -> str:
+    """'0, 1' (or 'none'): ranks as the messages name them."""
+    return ", ".join(str(r) for r in ranks) or "none"
+
+
+class Engines:
+    """The engines of one live set: start them (nbkit.start) or connect to them (nbkit.connect), watch them,
+    run a function on one, interrupt them, and end them, after a failure or by stop().
+
+    `on_failure` is called once when a failure ends the set (a rank died, a timeout, an unanswered
+    interrupt), from the thread that saw it (the monitor's or the notebook's), once the reason is recorded
+    and before the processes stop.
+    """
+
+    def __init__(self, options: RankOptions, on_failure: Callable[[], None]):
+        self._options = options  # how the ranks are set up (gpus, env, strategy, emulate)
+        self._on_failure = on_failure
+        self.world_size = 0
+        self.nnodes = 0
+        self.ranks: list[Rank] = []
+        self.relay: Relay | None = None  # the ranks' connections back to the notebook
+        self.tmpdir: str | None = None  # the set's folder (nbkit's engines: the ipyparallel profile, each rank's log)
+        self._client: Any = None
+        self._cluster: Any = None
+        self._owned = False  # whether nbkit started the engines (start) or found them (connect)
+        self._ended: str | None = None
+        self._ended_log = ""  # the tail of a dead rank's own output, when it left one
+        self._stopped = False
+        self._lock = threading.Lock()
+        self._processes: list[subprocess.Popen] = []  # engines nbkit started, from the moment each starts
+        self._connected: set[int] = set()  # ranks whose relay connection is up (start-up step 2)
+
+    @property
+    def ended(self) -> str | None:
+        """Why a failure ended the set (a sentence), or None: it runs, or stop() ended it."""
+        return self._ended
+
+    @property
+    def stopped(self) -> bool:
+        """Whether stop() ended the set (a failed start counts)."""
+        return self._stopped
+
+    @property
+    def running(self) -> bool:
+        """Whether calls can run: neither stop() nor a failure ended the set."""
+        return not self._stopped and self._ended is None
+
+    def start(self, count: int, use_cuda: bool, startup_timeout: float) -> None:
+        """Start `count` engines on this machine and make them ranks; raises LiveError (see nbkit.start)."""
         import ipyparallel as ipp
 
-        registry.running = self
         self._owned = True
         _remove_orphaned_dirs()
-        self._tmpdir = tempfile.mkdtemp(prefix=f"{_DIR_PREFIX}{os.getpid()}-")
+        self.tmpdir = tempfile.mkdtemp(prefix=f"{_DIR_PREFIX}{os.getpid()}-")
         parent = str(os.getpid())
         self._cluster = ipp.Cluster(
-            profile_dir=self._tmpdir,
+            profile_dir=self.tmpdir,
             cluster_id="nbkit",
             controller_ip="127.0.0.1",
             log_level=logging.WARNING,
@@ -55,7 +112,7 @@ class Engines(SetState):
         self._client = self._cluster.connect_client_sync()
         with open(self._cluster.controller.connection_files["engine"]) as f:
             engine_info = f.read()
-        self._relay = Relay("127.0.0.1")
+        self.relay = Relay("127.0.0.1")
         engine_env = {**os.environ, "IPP_CONNECTION_INFO": engine_info, "PYTHONUNBUFFERED": "1"}
         cmd = [
             sys.executable,
@@ -63,7 +120,7 @@ class Engines(SetState):
             "nbkit.live._proc",
             parent,
             "ipyparallel.engine",
-            f"--profile-dir={self._tmpdir}",
+            f"--profile-dir={self.tmpdir}",
             "--cluster-id=nbkit",
             "--log-level=ERROR",  # its start-up warnings would bury what a crashing rank wrote
             # No nanny process per engine: nbkit signals its engines by pid and watches them itself,
@@ -75,7 +132,7 @@ class Engines(SetState):
         # Kept on self as each starts: an interrupt or a failure while they start must end them all.
         processes = self._processes
         for i in range(count):
-            log_path = os.path.join(self._tmpdir, f"rank{i}.log")
+            log_path = os.path.join(self.tmpdir, f"rank{i}.log")
             with open(log_path, "wb") as log:
                 processes.append(
                     subprocess.Popen(
@@ -87,10 +144,10 @@ class Engines(SetState):
                         start_new_session=True,
                     )  # interrupts come from nbkit
                 )
-        found = self._wait_for_engines(count, startup_timeout, processes)
+        found = _wait_for_engines(self._client, startup_timeout, processes, self.tmpdir)
         # rank i = the i-th engine started, so rank i's log is rank{i}.log
-        self._ranks = [
-            _Rank(rank=i, local_rank=i, node_rank=0, engine=eid, info=info, process=processes[i])
+        self.ranks = [
+            Rank(rank=i, local_rank=i, node_rank=0, engine=eid, info=info, process=processes[i])
             for i, (eid, info) in sorted(found.items())
         ]
         self.world_size, self.nnodes = count, 1
@@ -98,8 +155,8 @@ class Engines(SetState):
         port = rank_side.free_port("127.0.0.1")
         self._setup_ranks("127.0.0.1", port, use_cuda, startup_timeout)
 
-    def _connect(self, client: Any, engines: list[int] | None, notebook_address: str, startup_timeout: float) -> None:
-        registry.running = self
+    def connect(self, client: Any, engines: list[int] | None, notebook_address: str, startup_timeout: float) -> None:
+        """Make ranks of the engines `engines` (None: all) of `client`; raises LiveError (see nbkit.connect)."""
         self._client = client
         ids = sorted(engines if engines is not None else client.ids)
         if not ids:
@@ -117,45 +174,13 @@ class Engines(SetState):
                         f"Host {info.host} runs {len(members)} engines but shows {info.gpus} GPU(s); start one "
                         "engine per GPU there."
                     )
-                self._ranks.append(_Rank(rank, local_rank, node_rank, eid, info))
+                self.ranks.append(Rank(rank, local_rank, node_rank, eid, info))
                 rank += 1
         self.world_size, self.nnodes = rank, len(hosts)
-        self._relay = Relay(notebook_address)
-        master = self._ranks[0]
+        self.relay = Relay(notebook_address)
+        master = self.ranks[0]
         port = client[master.engine].apply_async(rank_side.free_port, master.info.address).get(timeout=startup_timeout)
         self._setup_ranks(master.info.address, port, use_cuda, startup_timeout)
-
-    def _wait_for_engines(
-        self, count: int, timeout: float, processes: list[subprocess.Popen]
-    ) -> dict[int, tuple[int, EngineInfo]]:
-        """Wait until each engine nbkit started has registered with the controller and said who it is
-        (start-up step 1); returns {rank: (engine id, its EngineInfo)}, rank i being processes[i].
-
-        Raises LiveError naming the ranks that did not arrive: at once when one's process ended, after
-        _STALL_S without a new arrival once some did, after `timeout` at the latest.
-        """
-        by_pid = {p.pid: i for i, p in enumerate(processes)}
-        asked: dict[int, Any] = {}  # engine id: its identify() request
-        found: dict[int, tuple[int, EngineInfo]] = {}
-        arrivals = _Arrivals(range(count), timeout, step=1)
-        while len(found) < count:
-            for eid in self._client.ids:
-                if eid not in asked:
-                    asked[eid] = self._client[eid].apply_async(rank_side.identify)
-            for eid, ar in asked.items():
-                if ar.ready() and ar.successful() and ar.get().pid in by_pid:
-                    info = ar.get()
-                    found[by_pid[info.pid]] = (eid, info)
-            arrivals.arrived(found)
-            for i, proc in enumerate(processes):
-                if proc.poll() is not None:
-                    status = supervisor.ExitStatus.from_returncode(proc.returncode)
-                    raise LiveError(f"Rank {i}'s process ended while starting ({status.cause}).\n" + self._log_tail(i))
-            missing = arrivals.overdue()
-            if missing:
-                raise LiveError(arrivals.text(missing, processes) + "\n" + self._log_tail(missing[0]))
-            time.sleep(0.05)
-        return found
 
     def _setup_ranks(
         self,
@@ -164,7 +189,7 @@ class Engines(SetState):
         use_cuda: bool,
         startup_timeout: float,
     ) -> None:
-        assert self._relay is not None
+        assert self.relay is not None
         from nbkit import dashboard
 
         # How this notebook shows the dashboard: the ranks print Trainer's log lines only without a live panel.
@@ -175,10 +200,10 @@ class Engines(SetState):
             ),
         }
         local_sizes: dict[int, int] = {}
-        for r in self._ranks:
+        for r in self.ranks:
             local_sizes[r.node_rank] = local_sizes.get(r.node_rank, 0) + 1
         results = []
-        for r in self._ranks:
+        for r in self.ranks:
             plan = RankPlan(
                 rank=r.rank,
                 local_rank=r.local_rank,
@@ -188,8 +213,8 @@ class Engines(SetState):
                 nnodes=self.nnodes,
                 master_addr=master_addr,
                 master_port=port,
-                relay=self._relay.address,
-                authkey=self._relay.authkey,
+                relay=self.relay.address,
+                authkey=self.relay.authkey,
                 use_cuda=use_cuda,
                 owned=self._owned,
                 env=env,
@@ -198,65 +223,90 @@ class Engines(SetState):
         connecting = _Arrivals(range(self.world_size), startup_timeout, step=2)
         joining = _Arrivals(range(self.world_size), startup_timeout, step=3)
         while not all(ar.ready() for ar in results):
-            self._pump(0.05)
+            self.pump(0.05)
             if self._ended is not None:
                 raise LiveError(f"The live set could not start: {self._ended}")
             connecting.arrived(self._connected)
-            joining.arrived(r.rank for r, ar in zip(self._ranks, results) if ar.ready())
+            joining.arrived(r.rank for r, ar in zip(self.ranks, results) if ar.ready())
             missing = connecting.overdue() or joining.overdue()
             if missing:
                 step = connecting if connecting.overdue() else joining
-                pids = [r.process for r in self._ranks]
-                raise LiveError(step.text(missing, pids) + "\n" + self._log_tail(missing[0]))
-        for r, ar in zip(self._ranks, results):
+                pids = [r.process for r in self.ranks]
+                raise LiveError(step.text(missing, pids) + "\n" + _log_tail(self.tmpdir, missing[0]))
+        for r, ar in zip(self.ranks, results):
             try:
                 r.device = ar.get()
             except Exception as exc:
                 raise LiveError(f"Rank {r.rank} failed to start: {exc}") from None
 
-    def _on_lost(self, lost: Lost) -> None:
-        if self._stopped or self._ended is not None:
+    def pump(self, wait: float, handle: Callable[[channel.Envelope], None] | None = None) -> None:
+        """Handle the relay's messages for up to `wait` s, on the calling thread (the notebook's main thread,
+        so that output and the dashboard land in the cell that runs): a rank that connected and a lost
+        connection (which ends the set) here, every other message by `handle` (dropped without one).
+        """
+        assert self.relay is not None
+        try:
+            item = self.relay.messages.get(timeout=wait)
+        except queue.Empty:
             return
-        # nbkit's own engines: the process whose connection closed ends in a moment, and its exit status
-        # names the signal or exit code. Which one it is: the rank's, or any, for a connection that
-        # closed before it said which rank it was.
-        if lost.rank is None:
-            suspects = [r for r in self._ranks if r.process is not None]
-        else:
-            suspects = [r for r in self._ranks[lost.rank : lost.rank + 1] if r.process is not None]
-        deadline = time.monotonic() + 1.0
-        while suspects:
-            dead = next((r for r in suspects if r.process is not None and r.process.poll() is not None), None)
-            if dead is not None:
-                self._end(self._death_text(dead))
+        while True:
+            body: object = item.body
+            if isinstance(body, Lost):
+                self._on_lost(body)
+            elif isinstance(body, channel.Started):
+                self._connected.add(item.rank)
+            elif handle is not None:
+                handle(item)
+            try:
+                item = self.relay.messages.get_nowait()
+            except queue.Empty:
                 return
-            if time.monotonic() > deadline:
-                break
-            time.sleep(0.02)
-        self._end(f"{lost.what}: its process died, or its host went away.")
 
-    def _monitor(self) -> None:
-        """Watch nbkit's engine processes and the controller; a death ends the set at once."""
-        controller = self._cluster.controller if self._cluster is not None else None
-        while not self._stopped and self._ended is None:
-            for r in self._ranks:
-                if r.process is not None and r.process.poll() is not None:
-                    self._end(self._death_text(r))
-                    return
-            if controller is not None and controller.pid > 0 and not supervisor.pid_alive(controller.pid):
-                self._end("the ipyparallel controller process ended.")
-                return
-            time.sleep(_POLL_S)
+    def apply(self, rank: int, fn: Callable[..., Any], *args: Any) -> Any:
+        """Queue fn(*args) on `rank`'s engine; returns ipyparallel's AsyncResult."""
+        return self._client[self.ranks[rank].engine].apply_async(fn, *args)
 
-    def _death_text(self, r: _Rank) -> str:
-        assert r.process is not None
-        status = supervisor.ExitStatus.from_returncode(r.process.returncode)
-        # What the process wrote outside Python's streams (a native crash, a CUDA or NCCL abort),
-        # shown after the message (the set's files are removed when it ends).
-        self._ended_log = self._log_tail(r.rank, lines=10)
-        return f"rank {r.rank} (pid {r.info.pid}) {status.cause}. {status.hint}"
+    def abort(self, pending: list[Any], ranks: Iterable[int]) -> None:
+        """Abort the requests `pending` (AsyncResults of apply) not yet run on `ranks`, without waiting."""
+        with contextlib.suppress(Exception):
+            self._client.abort(pending, targets=[self.ranks[r].engine for r in ranks], block=False)
 
-    def _ended_text(self) -> str:
+    def interrupt(self, ranks: list[int]) -> None:
+        """SIGINT to what runs on `ranks` (nbkit's engines by pid, others through the controller)."""
+        if self._owned:
+            for r in ranks:
+                proc = self.ranks[r].process
+                if proc is not None and proc.poll() is None:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(proc.pid, signal.SIGINT)
+        elif ranks:
+            with contextlib.suppress(Exception):
+                self._client.send_signal("SIGINT", targets=[self.ranks[r].engine for r in ranks], block=False)
+
+    def check_running(self) -> None:
+        """Raise the LiveError of a set that ended (a failure, or stop()): nothing runs on it any more."""
+        if self._ended is not None:
+            raise LiveError(
+                f"The live set has ended: {self._ended} Start a new one (%ddp start / nbkit.start()).", ended=True
+            )
+        if self._stopped:
+            raise LiveError(_STOPPED, ended=True)
+
+    def check_not_gone(self, ranks: list[int]) -> None:
+        """Raise the LiveError of a set that a failure ended or that stop() ended (from any thread) while
+        a call on `ranks` waited: the call cannot finish, and waiting would hang.
+        """
+        if self._ended is not None:
+            raise LiveError(self.ended_text(), ended=True)
+        if self._stopped:
+            raise LiveError(
+                f"LiveRanks.stop() ended the live set while this call ran on rank(s) {ranks_text(ranks)}: its "
+                f"ranks are gone, and the call did not finish. {_STOPPED}",
+                ended=True,
+            )
+
+    def ended_text(self) -> str:
+        """The message of a set that a failure ended: why, what was done with the engines, what to do."""
         log = f"\n{self._ended_log}" if self._ended_log else ""
         if not self._owned:
             return (
@@ -269,39 +319,89 @@ class Engines(SetState):
             "(or nbkit.start())." + log
         )
 
-    def _alive(self, r: _Rank) -> bool:
+    def alive(self, r: Rank) -> bool:
+        """Whether rank `r`'s process runs (nbkit's engines), or its engine is registered (others)."""
         if r.process is not None:
             return r.process.poll() is None
         return r.engine in (self._client.ids if self._client is not None else [])
 
-    def _end(self, reason: str) -> None:
-        """End the set after a failure: record why, then stop everything, killing what is left."""
+    def end(self, reason: str) -> None:
+        """End the set after a failure: record why, then stop everything, killing what is left. Once only;
+        nothing after stop().
+        """
         with self._lock:
             if self._ended is not None or self._stopped:
                 return
             self._ended = reason
-        registry.ended = self
-        # No longer the running set from this moment: the cell that reports the end can return while this
-        # thread (the monitor's, often) still stops processes, and a new set may start meanwhile. Seen:
-        # nbkit.live.current() still answered the ended set, so the next cell's start was skipped.
-        self._forget()
+        self._on_failure()
         if not self._owned and self._client is not None:
             # Engines started outside nbkit stay up: what still runs there is interrupted, then each
             # leaves the broken process group (queued behind a call that waits in a collective).
-            alive = [r.rank for r in self._ranks if r.engine in self._client.ids]
-            self._interrupt(alive)
+            alive = [r.rank for r in self.ranks if r.engine in self._client.ids]
+            self.interrupt(alive)
             self._release_engines(wait=None)
         self._shutdown(kill=True)
+
+    def stop(self, *, kill: bool = False) -> None:
+        """End the set on purpose (stop(), or a start that failed): engines nbkit started end (SIGTERM, then
+        SIGKILL after a grace; at once with `kill`), others are asked to leave the process group (waiting
+        up to 10 s for their answers) and stay up.
+        """
+        self._stopped = True  # first: the monitor must not take the engines that end here for a failure
+        self._release_engines(wait=10.0)
+        self._shutdown(kill=kill)
+
+    def _on_lost(self, lost: Lost) -> None:
+        if self._stopped or self._ended is not None:
+            return
+        # nbkit's own engines: the process whose connection closed ends in a moment, and its exit status
+        # names the signal or exit code. Which one it is: the rank's, or any, for a connection that
+        # closed before it said which rank it was.
+        if lost.rank is None:
+            suspects = [r for r in self.ranks if r.process is not None]
+        else:
+            suspects = [r for r in self.ranks[lost.rank : lost.rank + 1] if r.process is not None]
+        deadline = time.monotonic() + 1.0
+        while suspects:
+            dead = next((r for r in suspects if r.process is not None and r.process.poll() is not None), None)
+            if dead is not None:
+                self.end(self._death_text(dead))
+                return
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.02)
+        self.end(f"{lost.what}: its process died, or its host went away.")
+
+    def _monitor(self) -> None:
+        """Watch nbkit's engine processes and the controller; a death ends the set at once."""
+        controller = self._cluster.controller if self._cluster is not None else None
+        while not self._stopped and self._ended is None:
+            for r in self.ranks:
+                if r.process is not None and r.process.poll() is not None:
+                    self.end(self._death_text(r))
+                    return
+            if controller is not None and controller.pid > 0 and not supervisor.pid_alive(controller.pid):
+                self.end("the ipyparallel controller process ended.")
+                return
+            time.sleep(_POLL_S)
+
+    def _death_text(self, r: Rank) -> str:
+        assert r.process is not None
+        status = supervisor.ExitStatus.from_returncode(r.process.returncode)
+        # What the process wrote outside Python's streams (a native crash, a CUDA or NCCL abort),
+        # shown after the message (the set's files are removed when it ends).
+        self._ended_log = _log_tail(self.tmpdir, r.rank, lines=10)
+        return f"rank {r.rank} (pid {r.info.pid}) {status.cause}. {status.hint}"
 
     def _release_engines(self, *, wait: float | None) -> None:
         """Engines started outside nbkit: ask each to forget the set's names and leave the process
         group (rank_side.teardown); wait up to `wait` seconds for the answers (None: do not wait).
         Nothing for nbkit's own engines, which end with the set.
         """
-        if self._owned or self._client is None or not self._ranks:
+        if self._owned or self._client is None or not self.ranks:
             return
         with contextlib.suppress(Exception):
-            engines = [r.engine for r in self._ranks if r.engine in self._client.ids]
+            engines = [r.engine for r in self.ranks if r.engine in self._client.ids]
             ar = self._client[engines].apply_async(rank_side.teardown)
             if wait is not None:
                 ar.get(timeout=wait)
@@ -326,54 +426,76 @@ class Engines(SetState):
         if self._client is not None and self._owned:
             with contextlib.suppress(Exception):
                 self._client.close()
-        if self._relay is not None:
-            self._relay.close()
-        if self._tmpdir is not None:
-            shutil.rmtree(self._tmpdir, ignore_errors=True)
-        self._sent.clear()  # the notebook objects held for the ranks' copies
-        self._forget()
+        if self.relay is not None:
+            self.relay.close()
+        if self.tmpdir is not None:
+            shutil.rmtree(self.tmpdir, ignore_errors=True)
 
-    def _forget(self) -> None:
-        if registry.running is self:
-            registry.running = None
 
-    def _log_tail(self, rank: int, lines: int = 20) -> str:
-        """The end of what rank `rank`'s process wrote outside Python's streams; for a native crash, the
-        Python stack faulthandler wrote (from its "Fatal Python error" line, the cell's frame first).
-        """
-        if self._tmpdir is None:
-            return ""
-        try:
-            with open(os.path.join(self._tmpdir, f"rank{rank}.log"), errors="replace") as f:
-                text = f.read().splitlines()
-        except OSError:
-            return ""
-        crash = [i for i, line in enumerate(text) if line.startswith("Fatal Python error")]
-        if crash:
-            text = [line for line in text[crash[-1] :] if not line.startswith("Extension modules:")][:30]
-        else:
-            text = text[-lines:]
-        return "Its last output:\n" + "\n".join(text) if text else ""
-
-    def _interrupt(self, ranks: list[int]) -> None:
-        if self._owned:
-            for r in ranks:
-                proc = self._ranks[r].process
-                if proc is not None and proc.poll() is None:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(proc.pid, signal.SIGINT)
-        elif ranks:
-            with contextlib.suppress(Exception):
-                self._client.send_signal("SIGINT", targets=[self._ranks[r].engine for r in ranks], block=False)
-
+_STOPPED = "The live set was stopped. Start a new one (%ddp start / nbkit.start())."
 
 _POLL_S = 0.1  # how often the monitor looks at the engine processes
 _HEARTBEAT_MS = 500  # the controller's heartbeat period for a set nbkit starts (see _controller_command)
 # Between SIGTERM and SIGKILL for an engine or the controller that nbkit started. An engine ends with
-# os._exit as soon as Python runs its SIGTERM handler (nbkit.live.engine); one busy in native code (a
+# os._exit as soon as Python runs its SIGTERM handler (nbkit.live.rank_side); one busy in native code (a
 # collective waiting for a dead peer) never gets there, so the grace is short: stopping a set must
 # not hang on such a rank. The controller gets the same for ending its heart monitor process itself.
 _ENGINE_GRACE_S = 3.0
+
+
+def _wait_for_engines(
+    client: Any, timeout: float, processes: list[subprocess.Popen], tmpdir: str | None
+) -> dict[int, tuple[int, EngineInfo]]:
+    """Wait until each engine nbkit started (`processes`, their logs in `tmpdir`) has registered with the
+    controller and said who it is (start-up step 1); returns {rank: (engine id, its EngineInfo)}, rank i
+    being processes[i].
+
+    Raises LiveError naming the ranks that did not arrive: at once when one's process ended, after
+    _STALL_S without a new arrival once some did, after `timeout` at the latest.
+    """
+    by_pid = {p.pid: i for i, p in enumerate(processes)}
+    asked: dict[int, Any] = {}  # engine id: its identify() request
+    found: dict[int, tuple[int, EngineInfo]] = {}
+    count = len(processes)
+    arrivals = _Arrivals(range(count), timeout, step=1)
+    while len(found) < count:
+        for eid in client.ids:
+            if eid not in asked:
+                asked[eid] = client[eid].apply_async(rank_side.identify)
+        for eid, ar in asked.items():
+            if ar.ready() and ar.successful() and ar.get().pid in by_pid:
+                info = ar.get()
+                found[by_pid[info.pid]] = (eid, info)
+        arrivals.arrived(found)
+        for i, proc in enumerate(processes):
+            if proc.poll() is not None:
+                status = supervisor.ExitStatus.from_returncode(proc.returncode)
+                raise LiveError(f"Rank {i}'s process ended while starting ({status.cause}).\n" + _log_tail(tmpdir, i))
+        missing = arrivals.overdue()
+        if missing:
+            raise LiveError(arrivals.text(missing, processes) + "\n" + _log_tail(tmpdir, missing[0]))
+        time.sleep(0.05)
+    return found
+
+
+def _log_tail(tmpdir: str | None, rank: int, lines: int = 20) -> str:
+    """The end of what rank `rank`'s process wrote outside Python's streams (its log in the set's folder
+    `tmpdir`); for a native crash, the Python stack faulthandler wrote (from its "Fatal Python error"
+    line, the cell's frame first).
+    """
+    if tmpdir is None:
+        return ""
+    try:
+        with open(os.path.join(tmpdir, f"rank{rank}.log"), errors="replace") as f:
+            text = f.read().splitlines()
+    except OSError:
+        return ""
+    crash = [i for i, line in enumerate(text) if line.startswith("Fatal Python error")]
+    if crash:
+        text = [line for line in text[crash[-1] :] if not line.startswith("Extension modules:")][:30]
+    else:
+        text = text[-lines:]
+    return "Its last output:\n" + "\n".join(text) if text else ""
 
 
 def _identify(client: Any, ids: list[int], timeout: float) -> list[EngineInfo]:
@@ -385,7 +507,7 @@ def _identify(client: Any, ids: list[int], timeout: float) -> list[EngineInfo]:
     silent = [eid for eid, ar in pending.items() if not ar.ready()]
     if silent:
         raise LiveError(
-            f"Engine(s) {_join(silent)} did not answer within the start-up timeout ({timeout:.0f} s) when asked "
+            f"Engine(s) {ranks_text(silent)} did not answer within the start-up timeout ({timeout:.0f} s) when asked "
             "who they are (before any became a rank): they are busy or stuck; restart them (or leave them out "
             "with engines=[...])."
         )
@@ -436,7 +558,7 @@ class _Arrivals:
         )
         waited = time.monotonic() - self._began
         if self._done:
-            after = f"within {_STALL_S:.0f} s of rank(s) {_join(sorted(self._done))}, which did"
+            after = f"within {_STALL_S:.0f} s of rank(s) {ranks_text(sorted(self._done))}, which did"
         else:
             after = f"within the start-up timeout ({self.timeout:.0f} s)"
         return (

@@ -31,12 +31,13 @@ output, the dashboard, and what happens when things go wrong:
 One live set per process (per notebook). The `%ddp start|stop|status` magics are thin layers over this
 module; a `%%ddp` cell reaches it through nbkit.run_cell (nbkit.cellrun).
 
-This module runs in the notebook; LiveRanks is the API, over its parts, each in a module of its own
-(all on the notebook's side of the wire): nbkit.live.engines (start, connect, watch and end the
-engines), nbkit.live.calls (one call: its request, wait, interrupts, timeouts, value or error),
-nbkit.live.cell_output (what the ranks send while a call runs, shown in the cell) and
-nbkit.live.sending (which notebook names travel, sent ahead of the code); nbkit.live.state holds
-what they share. Inside each engine runs nbkit.live.engine.
+This module runs in the notebook; LiveRanks is the API, composed of parts with one job each, each in
+a module of its own (all on the notebook's side of the wire), which talk through public methods:
+nbkit.live.engines (the engines from start to end: start, connect, watch, interrupt, end),
+nbkit.live.sending (the names each rank holds; the notebook names a call needs, sent ahead of its code),
+and per call nbkit.live.calls (one call in flight: its request, wait, interrupts, timeouts, value or
+error) with nbkit.live.cell_output (what the ranks send while it runs, shown in the cell). Inside each
+engine runs nbkit.live.rank_side.
 """
 
 from __future__ import annotations
@@ -47,15 +48,13 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from nbkit import cells, distributed, notebook_names, one_gpu, rankside
+from nbkit import cells, distributed, one_gpu, rankside
 from nbkit.errors import LiveError
-from nbkit.live import engine as rank_side
-from nbkit.live import registry
-from nbkit.live.calls import Calls
-from nbkit.live.cell_output import CellOutput
+from nbkit.live import rank_side
+from nbkit.live.calls import Call
 from nbkit.live.engines import Engines
 from nbkit.live.messages import Outcome
-from nbkit.live.sending import Sending, _refuse_notebook_only
+from nbkit.live.sending import HeldNames, refuse_notebook_only
 from nbkit.rank_options import RankOptions, check_timeout
 
 __all__ = [
@@ -71,9 +70,13 @@ __all__ = [
 ]
 
 
+_running: LiveRanks | None = None  # the set of this process, from the moment it starts starting
+_ended: LiveRanks | None = None  # the last set a failure ended, until a new one starts or forget_ended()
+
+
 def current() -> LiveRanks | None:
     """The live set of this process, or None when none is running."""
-    return registry.running
+    return _running
 
 
 def ended() -> LiveRanks | None:
@@ -81,12 +84,13 @@ def ended() -> LiveRanks | None:
     one starts or `forget_ended()`; None otherwise. %%ddp refuses to fall back to one-shot runs while
     there is one, since its cells expect the names that lived on the ranks.
     """
-    return registry.ended
+    return _ended
 
 
 def forget_ended() -> None:
     """Forget the set that a failure ended (what `%ddp stop` does after one)."""
-    registry.ended = None
+    global _ended
+    _ended = None
 
 
 @dataclass
@@ -190,8 +194,7 @@ def start_with(options: RankOptions, *, startup_timeout: float = 180.0) -> LiveR
     try:
         ranks._start_local(count, use_cuda, startup_timeout)
     except BaseException:  # an interrupt (Ctrl-C) too: every process started so far ends
-        ranks._stopped = True  # the monitor must not take the killed engines for a set that ended
-        ranks._shutdown(kill=True)
+        ranks._abandon(kill=True)
         raise
     return ranks
 
@@ -249,8 +252,7 @@ def connect(
     try:
         ranks._connect(client, list(engines) if engines is not None else None, notebook_address, startup_timeout)
     except BaseException:
-        ranks._release_engines(wait=10.0)  # those that joined the group leave it: a retry can join
-        ranks._shutdown(kill=False)
+        ranks._abandon(kill=False)  # those that joined the group leave it: a retry can join
         raise
     return ranks
 
@@ -265,13 +267,32 @@ def _check_none_live() -> None:
         )
 
 
-class LiveRanks(Sending, Calls, CellOutput, Engines):
+class LiveRanks:
     """A live set of training processes (see the module doc). Made by nbkit.start / nbkit.connect.
 
     Every call blocks until every rank it runs on has finished, shows the output of the ranks it
     shows (rank 0 by default) as it happens, feeds the ranks' reports to a dashboard, and returns
     the value of one rank (rank 0, or the lowest rank it ran on).
+
+    Attributes:
+        timeout: the default limit of each call in seconds (None: none), the `timeout` of start().
     """
+
+    def __init__(self, options: RankOptions):
+        self.timeout = options.timeout
+        self._engines = Engines(options, on_failure=self._ended_by_failure)
+        self._names = HeldNames(self._engines)
+        self._last_call = 0  # the number of the last call (the ranks' end-of-call marks name theirs)
+
+    @property
+    def world_size(self) -> int:
+        """The number of ranks."""
+        return self._engines.world_size
+
+    @property
+    def nnodes(self) -> int:
+        """The number of nodes (hosts) the ranks run on."""
+        return self._engines.nnodes
 
     # ------------------------------------------------------------------------------------------
     # The API
@@ -335,37 +356,31 @@ class LiveRanks(Sending, Calls, CellOutput, Engines):
         timeout = check_timeout(timeout)
         targets = self._targets(ranks)
         tree = cells.parse(code, filename or "<live cell>")
-        _refuse_notebook_only(code, tree)
+        refuse_notebook_only(code, tree)
         given = dict(names or {})
-        forced = set(given) if resend is True else set(resend or ())
-        wanted = {r: {n for n, v in given.items() if n in forced or not self._holds(r, n, v)} for r in targets}
-        self._send_ahead(self._call + 1, {r: {n: given[n] for n in sorted(wanted[r])} for r in targets})
-        filename = filename or f"<live cell {self._call + 1}>"
-        show = set(targets) if all_ranks else {targets[0]}
+        sending = self._names.missing(targets, given, set(given) if resend is True else set(resend or ()))
+        number = self._last_call + 1
+        try:
+            self._names.send_ahead(number, sending)
+        except KeyboardInterrupt:
+            self._last_call = number  # the next call has a number of its own, which no data sent here is kept for
+            raise
         binds = cells.usage(tree.body).binds
 
         def received(outcomes: list[Outcome]) -> None:
             for o in outcomes:
-                if o.names_loaded:
-                    # (a name the cell bound is the rank's own value now, whatever was sent)
-                    self._sent.setdefault(o.rank, {}).update({n: given[n] for n in wanted[o.rank] - binds})
+                if o.names_loaded:  # (a name the cell bound is the rank's own value now, whatever was sent)
+                    self._names.hold(o.rank, {n: v for n, v in sending[o.rank].items() if n not in binds})
 
-        def after() -> None:
-            self._defined.update(binds)
-            for r in targets:  # a rank's own value now; a later notebook value must travel again
-                for n in binds & self._sent.get(r, {}).keys():
-                    del self._sent[r][n]
-
-        value = self._run_call(
+        return self._run_call(
             rank_side.run_code,
-            (code, filename),
+            (code, filename or f"<live cell {number}>"),
             targets,
             timeout,
-            show=show,
-            after=after,
+            show=set(targets) if all_ranks else {targets[0]},
+            after=lambda: self._names.bound(targets, binds),
             received=received,
         )
-        return value
 
     def names_for(self, code: str, namespace: Mapping[str, Any]) -> dict[str, Any]:
         """The names of `namespace` (the notebook's) that `code` reads and that must be sent along.
@@ -375,7 +390,7 @@ class LiveRanks(Sending, Calls, CellOutput, Engines):
         and the notebook has are picked with their current notebook value (exec() then sends only
         those a rank does not hold already). Raises CellSyntaxError when the code does not parse.
         """
-        return {n: namespace[n] for n in notebook_names.needed(code, namespace, kept=self._defined)}
+        return self._names.needed(code, namespace)
 
     def pull(self, name: str, rank: int = 0) -> Any:
         """The value of `name` on `rank` (default rank 0), brought to the notebook (tensors on the CPU)."""
@@ -383,24 +398,25 @@ class LiveRanks(Sending, Calls, CellOutput, Engines):
 
     def status(self) -> LiveStatus:
         """The set's ranks (rank, device, host, pid, alive) and whether it is running."""
-        running = not self._stopped and self._ended is None
+        engines = self._engines
+        running = engines.running
         rows = [
-            RankStatus(r.rank, r.local_rank, r.node_rank, r.info.host, r.info.pid, r.device, running and self._alive(r))
-            for r in self._ranks
+            RankStatus(
+                r.rank, r.local_rank, r.node_rank, r.info.host, r.info.pid, r.device, running and engines.alive(r)
+            )
+            for r in engines.ranks
         ]
-        return LiveStatus(running, self.world_size, self.nnodes, rows, self._ended, sorted(self._defined))
+        return LiveStatus(running, self.world_size, self.nnodes, rows, engines.ended, sorted(self._names.defined))
 
     def stop(self) -> None:
         """End the set: every rank and the controller end (engines from connect() stay up). Idempotent."""
-        if self._stopped or self._ended is not None:
-            self._forget()
-            return
-        self._stopped = True
-        self._release_engines(wait=10.0)
-        self._shutdown(kill=False)
+        if self._engines.running:
+            self._engines.stop()
+            self._names.clear()  # the notebook objects held for the ranks' copies
+        self._forget()
 
     def __repr__(self) -> str:
-        state = "running" if not self._stopped and self._ended is None else "ended"
+        state = "running" if self._engines.running else "ended"
         return f"<nbkit LiveRanks: {self.world_size} rank(s), {state}>"
 
     def __enter__(self) -> LiveRanks:
@@ -408,6 +424,66 @@ class LiveRanks(Sending, Calls, CellOutput, Engines):
 
     def __exit__(self, *exc: Any) -> None:
         self.stop()
+
+    # ------------------------------------------------------------------------------------------
+    # Its parts at work
+    # ------------------------------------------------------------------------------------------
+    def _start_local(self, count: int, use_cuda: bool, startup_timeout: float) -> None:
+        global _running
+        _running = self
+        self._engines.start(count, use_cuda, startup_timeout)
+
+    def _connect(self, client: Any, engines: list[int] | None, notebook_address: str, startup_timeout: float) -> None:
+        global _running
+        _running = self
+        self._engines.connect(client, engines, notebook_address, startup_timeout)
+
+    def _abandon(self, *, kill: bool) -> None:
+        """A start or connect that failed: end what it started (with `kill`: at once), forget the set."""
+        self._engines.stop(kill=kill)
+        self._forget()
+
+    def _ended_by_failure(self) -> None:
+        """The engines' word that a failure ended the set (from the thread that saw it)."""
+        global _ended
+        _ended = self
+        # No longer the running set from this moment: the cell that reports the end can return while this
+        # thread (the monitor's, often) still stops processes, and a new set may start meanwhile. Seen:
+        # nbkit.live.current() still answered the ended set, so the next cell's start was skipped.
+        self._forget()
+        self._names.clear()
+
+    def _forget(self) -> None:
+        global _running
+        if _running is self:
+            _running = None
+
+    def _targets(self, ranks: str | int | Iterable[int]) -> list[int]:
+        self._engines.check_running()
+        if ranks == "all":
+            return list(range(self.world_size))
+        chosen: list[int] = [ranks] if isinstance(ranks, int) else sorted({int(r) for r in ranks})
+        bad = [r for r in chosen if not isinstance(r, int) or not 0 <= r < self.world_size]
+        if bad or not chosen:
+            raise ValueError(f"ranks must be 'all' or ranks 0..{self.world_size - 1}; got {ranks!r}.")
+        return chosen
+
+    def _run_call(
+        self,
+        fn: Callable[..., Outcome],
+        args: tuple,
+        targets: list[int],
+        timeout: float | None,
+        *,
+        show: set[int] | None,
+        after: Callable[[], None] | None = None,
+        received: Callable[[list[Outcome]], None] | None = None,
+    ) -> Any:
+        """Run fn(call, *args, shown, wants_value) on `targets` as the next call (nbkit.live.calls.Call.run)."""
+        self._engines.check_running()
+        self._last_call += 1
+        call = Call(self._engines, self._last_call, targets, {targets[0]} if show is None else show)
+        return call.run(fn, args, timeout if timeout is not None else self.timeout, after=after, received=received)
 
 
 @atexit.register

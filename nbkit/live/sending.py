@@ -1,31 +1,49 @@
-"""Which notebook names travel to the ranks of a live set, and how: each value once, pickled in the
-notebook, sent ahead of the call's code so that a stop during the send keeps the set.
+"""The names each rank of a live set holds, and which notebook names travel to them, and how: each value
+once, pickled in the notebook, sent ahead of the call's code so that a stop during the send keeps the set.
 """
 
 from __future__ import annotations
 
 import ast
-import contextlib
 import time
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 from nbkit import cells, notebook_names, notices
 from nbkit.errors import LiveError
-from nbkit.live import engine as rank_side
-from nbkit.live.state import SetState
+from nbkit.live import rank_side
+from nbkit.live.engines import Engines
+
+__all__ = ["HeldNames", "refuse_notebook_only"]
 
 _log = notices.logger(__name__)
 
 
-class Sending(SetState):
-    """The notebook names a call sends, and the copies each rank holds."""
+class HeldNames:
+    """The names the ranks of one live set hold: those the set's cells bound (`defined`), and the notebook
+    objects each rank got a copy of, so that an object travels once.
+    """
 
-    if TYPE_CHECKING:  # methods of the other parts of LiveRanks that this part calls
+    def __init__(self, engines: Engines):
+        self._engines = engines
+        self.defined: set[str] = set()  # names the set's cells bound on the ranks
+        # {rank: {name: the notebook object sent under that name}}: what each rank holds already. Strong
+        # references, so that an object's id cannot pass to another object while it is recorded.
+        self._sent: dict[int, dict[str, Any]] = {}
 
-        def _ended_text(self) -> str: ...
+    def needed(self, code: str, namespace: Mapping[str, Any]) -> dict[str, Any]:
+        """The names of `namespace` that `code` reads and that must be sent along (LiveRanks.names_for)."""
+        return {n: namespace[n] for n in notebook_names.needed(code, namespace, kept=self.defined)}
 
-    def _send_ahead(self, call: int, names: Mapping[int, Mapping[str, Any]]) -> None:
+    def missing(self, ranks: Iterable[int], given: Mapping[str, Any], resend: set[str]) -> dict[int, dict[str, Any]]:
+        """{rank: {name: value}}: the names of `given` that each of `ranks` lacks (it holds no copy of that
+        very object under that name), and those in `resend` regardless.
+        """
+        return {
+            r: {n: given[n] for n in sorted(given) if n in resend or not self._holds(r, n, given[n])} for r in ranks
+        }
+
+    def send_ahead(self, call: int, names: Mapping[int, Mapping[str, Any]]) -> None:
         """Send each rank its notebook `names` ({rank: {name: value}}) for call `call`, and wait until every
         rank has them, before that call's code is queued (rank_side.receive): the data of a big notebook
         object takes seconds to travel, and an interrupt then must not find ranks that have not even
@@ -45,23 +63,37 @@ class Sending(SetState):
             pickled = _send_names(values, sizes)
             for r, per_rank in names.items():
                 if per_rank:
-                    payload = {n: pickled[n] for n in per_rank}
-                    pending.append(self._client[self._ranks[r].engine].apply_async(rank_side.receive, call, payload))
+                    pending.append(self._engines.apply(r, rank_side.receive, call, {n: pickled[n] for n in per_rank}))
             while not all(ar.ready() for ar in pending):
-                if self._ended is not None:
-                    raise LiveError(self._ended_text(), ended=True)
+                if self._engines.ended is not None:
+                    raise LiveError(self._engines.ended_text(), ended=True)
                 time.sleep(0.01)
             for ar in pending:
                 ar.get()  # an error of ipyparallel's own (the data did not arrive whole)
         except KeyboardInterrupt:
-            self._call = call  # the next call has a number of its own, which no data sent here is kept for
             if pending:
-                with contextlib.suppress(Exception):
-                    self._client.abort(pending, targets=[self._ranks[r].engine for r in names], block=False)
+                self._engines.abort(pending, names)
             _log.warning(
                 f"nbkit: interrupted while sending {_sizes_text(values, sizes)}; the live set and its names are kept."
             )
             raise
+
+    def hold(self, rank: int, names: Mapping[str, Any]) -> None:
+        """Record that `rank` holds these notebook objects under these names now."""
+        self._sent.setdefault(rank, {}).update(names)
+
+    def bound(self, ranks: Iterable[int], binds: set[str]) -> None:
+        """A call on `ranks` bound `binds` there: they are the set's names, each rank's own value now, so a
+        later notebook value under one of them must travel again.
+        """
+        self.defined.update(binds)
+        for r in ranks:
+            for n in binds:
+                self._sent.get(r, {}).pop(n, None)
+
+    def clear(self) -> None:
+        """The set ended: let go of the notebook objects held for the ranks' copies."""
+        self._sent.clear()
 
     def _holds(self, rank: int, name: str, value: Any) -> bool:
         """Whether `rank` holds `value` under `name` from an earlier call (so it need not travel again)."""
@@ -69,7 +101,7 @@ class Sending(SetState):
         return name in sent and sent[name] is value and not notebook_names.sent_each_time(value)
 
 
-def _refuse_notebook_only(code: str, tree: ast.Module) -> None:
+def refuse_notebook_only(code: str, tree: ast.Module) -> None:
     """Raise LiveError where `code` calls get_ipython(), which IPython's transform makes of a %magic or a
     !command too: the ranks are plain Python processes without IPython's shell, where it would fail as
     a NameError that does not say why.

@@ -7,7 +7,7 @@ its peer waits for it in a collective forever; the notebook then had to end the 
 with it (a reviewer's 2 of 3 tries, 2 gloo ranks, tiny:qwen3).
 
 What this module does instead, in every rank of a live set (patch group "live", applied by
-nbkit.live.engine.setup):
+nbkit.live.rank_side.setup):
 
 - While Trainer.train() runs, SIGINT raises nothing: the first one records a stop request on this
   rank (the handler only sets a flag: it may run while the rank is sending on its relay connection,

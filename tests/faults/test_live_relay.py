@@ -51,7 +51,7 @@ def test_a_set_whose_connection_closes_before_it_says_its_rank_ends_saying_so():
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     ranks = nbkit.start(gpus=2)
     try:
-        relay = ranks._relay
+        relay = ranks._engines.relay
         assert relay is not None
         threading.Timer(1.0, lambda: connection.Client(relay.address, authkey=relay.authkey).close()).start()
         started = time.monotonic()
