@@ -25,6 +25,7 @@ __all__ = [
     "DeviceMapError",
     "EmulationError",
     "ExportError",
+    "InstallError",
     "KernelsError",
     "LaunchError",
     "LiveError",
@@ -187,6 +188,10 @@ class EmulationError(OptionsError):
 
 class ExportError(NbkitError, ValueError):
     """A notebook cell that cannot be exported as a script; the message names the cell and what to change."""
+
+
+class InstallError(NbkitError, RuntimeError):
+    """nbkit.bootstrap could not install: pip failed (the message holds pip's output)."""
 
 
 class KernelsError(NbkitError, RuntimeError):
