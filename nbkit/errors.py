@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 __all__ = [
+    "BackendError",
     "BringAlongError",
     "CellSyntaxError",
     "CheckpointError",
@@ -139,6 +140,12 @@ class LiveError(LaunchError):
 
 class DeviceMapError(NbkitError, ValueError):
     """A device map that cannot work in this distributed run; the message says what to do instead."""
+
+
+class BackendError(NbkitError, ValueError):
+    """A step only the other training backend has (unsloth's merged and GGUF savers under transformers + peft);
+    the message says what to do instead.
+    """
 
 
 class BringAlongError(NbkitError, ValueError):
