@@ -61,6 +61,8 @@ def load(name: str, backend: str, *, load_in_4bit: bool, dtype: Any, max_seq_len
     """(model, processor) of `name` (an nbkit name, hub id or path) on this rank's device: load_vision for a
     vision-language model (its config has a vision_config), load_text (the processor is a tokenizer) otherwise.
     """
+    if backend == "unsloth":
+        import unsloth  # noqa: F401  # first, before reading the config imports transformers: it patches it on import
     from nbkit import offline
 
     loader = load_vision if _has_vision(offline.load_config(name)) else load_text
