@@ -22,7 +22,7 @@ NOTEBOOKS_DIR = Path(__file__).resolve().parent.parent / "notebooks"
 # The notebooks whose training cell takes its batch from the planner (Plan.batch_settings).
 BATCH_PLANNED = {"qwen3_vl_2xT4", "qwen3_vl_2xT4_oneshot", "text_llm_ddp", "long_context"}
 # The notebooks whose choices (processes, backend, precision, 4-bit, batch) nbkit.recipe makes, once.
-RECIPE = {"qwen3_vl_2xT4", "qwen3_vl_2xT4_oneshot", "text_llm_ddp", "long_context"}
+RECIPE = {"qwen3_vl_2xT4", "qwen3_vl_2xT4_oneshot", "text_llm_ddp", "long_context", "big_model_fsdp"}
 REQUIRED_PARAMETERS = {
     "model_name",
     "dataset_name",
