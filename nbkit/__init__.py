@@ -15,6 +15,8 @@ The plain Python API lives here; `%load_ext nbkit` adds magics that are thin lay
 
     value = nbkit.run_cell(source, globals(), gpus=2)   # what a %%ddp cell does, from a script too
 
+    recipe = nbkit.recipe("tiny:qwen3-vl", gpus=2)     # GPUs, backend, precision, 4-bit or not, batch: once
+
 Names are imported lazily, so `import nbkit` stays cheap and never touches CUDA or IPython.
 """
 
@@ -70,6 +72,9 @@ _EXPORTS: dict[str, str] = {
     "plan": "nbkit.planner",
     "Plan": "nbkit.planner",
     "BatchSettings": "nbkit.planner",
+    # a run's choices, made once in the notebook, and the model steps for them (nbkit.recipe(...).from_pretrained)
+    "recipe": "nbkit.recipes",
+    "Recipe": "nbkit.recipes",
     # offline models and data
     "resolve_model": "nbkit.offline",
     "vision_dataset": "nbkit.synthetic",

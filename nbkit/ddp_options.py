@@ -38,6 +38,7 @@ __all__ = [
     "HelpShown",
     "OptionParser",
     "OptionsError",
+    "gpus_value",
     "parse",
     "parse_env",
     "parse_start",
@@ -102,10 +103,20 @@ class OptionParser(argparse.ArgumentParser):
         """-h prints nothing itself: exit() raises HelpShown with the text, for the caller to show."""
 
 
+def gpus_value(text: str) -> int | None:
+    """A --gpus value: a whole number, or "None", which is what `--gpus $gpus` expands to where a notebook's parameters
+    leave gpus at None, and means the default (one process per visible GPU), as the exporter reads it too.
+    """
+    return None if text == "None" else int(text)
+
+
+gpus_value.__name__ = "int"  # argparse names the type in its message: "--gpus: invalid int value: 'two'"
+
+
 def _process_options(parser: argparse.ArgumentParser) -> None:
     """The options that set up processes, shared by %%ddp (one-shot) and %ddp start."""
     parser.add_argument(
-        "--gpus", type=int, default=None, metavar="N", help="processes to run (default: one per visible GPU)"
+        "--gpus", type=gpus_value, default=None, metavar="N", help="processes to run (default: one per visible GPU)"
     )
     parser.add_argument("--timeout", type=float, default=None, metavar="S", help="stop every rank after S seconds")
     parser.add_argument(
@@ -160,11 +171,11 @@ def start_usage() -> str:
 def parse(line: str) -> DdpOptions:
     """The options of a %%ddp line (the text after "%%ddp").
 
-    Takes the line as the user typed it (after IPython has expanded `$name` and `{expr}`).
-    Returns a DdpOptions. Raises OptionsError naming the option for anything it cannot read: an
-    unknown option, a value of the wrong type, an --out that is not a Python name, an --env item
-    without "=", and what RankOptions refuses (a timeout that is not a positive number, a --gpus
-    below 1, a --strategy other than ddp and fsdp, a profile nbkit does not have); HelpShown for -h.
+    Takes the line as the user typed it (after IPython has expanded `$name` and `{expr}`; `--gpus None`, from
+    `--gpus $gpus` with gpus None, is the default). Returns a DdpOptions. Raises OptionsError naming the option for
+    anything it cannot read: an unknown option, a value of the wrong type, an --out that is not a Python name, an
+    --env item without "=", and what RankOptions refuses (a timeout that is not a positive number, a --gpus below
+    1, a --strategy other than ddp and fsdp, a profile nbkit does not have); HelpShown for -h.
     """
     ns = _parser().parse_args(_words(line, PROG))
     if ns.rank is not None and any(r < 0 for r in ns.rank):

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from nbkit import distributed, patching, platform
+from nbkit.bootstrap import DISTRIBUTION  # the distribution that installs `nbkit` (`nbkit` on the index is another)
 
 __all__ = ["Problem", "Report", "doctor"]
 
@@ -69,9 +70,6 @@ TESTED_VERSIONS: dict[str, tuple[str, str]] = {
     "peft": ("0.18.0", "0.21.0"),
     "datasets": ("3.6.0", "4.8.5"),
 }
-
-# The distribution that installs the `nbkit` module (`nbkit` on the package index is another project).
-DISTRIBUTION = "nbkit-ddp"
 
 # The credentials these notebooks use: the hub (models, push_to_hub), Weights & Biases, Kaggle's API.
 # Only whether each is set is ever reported, from the environment and from the platform's own secret

@@ -22,6 +22,7 @@ __all__ = [
     "is_main",
     "launched",
     "local_rank",
+    "machine_gpus",
     "precision",
     "rank",
     "visible_gpus",
@@ -142,6 +143,13 @@ def visible_gpus() -> list[GPU]:
         by_index = {str(g.index): g for g in gpus}
         gpus = [by_index[w] for w in wanted if w in by_index]
     return [GPU(i, g.name, g.memory_gib, g.capability) for i, g in enumerate(gpus)]
+
+
+def machine_gpus() -> list[GPU]:
+    """The machine's NVIDIA GPUs as nvidia-smi lists them ([] without nvidia-smi), CUDA_VISIBLE_DEVICES not applied.
+    Needs no torch: nbkit.bootstrap asks before torch may be installed.
+    """
+    return list(_nvidia_smi_gpus() or [])
 
 
 @lru_cache(maxsize=1)

@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 __all__ = [
+    "BackendError",
     "BringAlongError",
     "CellSyntaxError",
     "CheckpointError",
@@ -25,6 +26,7 @@ __all__ = [
     "DeviceMapError",
     "EmulationError",
     "ExportError",
+    "InstallError",
     "KernelsError",
     "LaunchError",
     "LiveError",
@@ -140,6 +142,12 @@ class DeviceMapError(NbkitError, ValueError):
     """A device map that cannot work in this distributed run; the message says what to do instead."""
 
 
+class BackendError(NbkitError, ValueError):
+    """A step only the other training backend has (unsloth's merged and GGUF savers under transformers + peft);
+    the message says what to do instead.
+    """
+
+
 class BringAlongError(NbkitError, ValueError):
     """A name a cell uses cannot be re-created in fresh processes.
 
@@ -187,6 +195,10 @@ class EmulationError(OptionsError):
 
 class ExportError(NbkitError, ValueError):
     """A notebook cell that cannot be exported as a script; the message names the cell and what to change."""
+
+
+class InstallError(NbkitError, RuntimeError):
+    """nbkit.bootstrap could not install: pip failed (the message holds pip's output)."""
 
 
 class KernelsError(NbkitError, RuntimeError):

@@ -101,7 +101,7 @@ def _doctor_parser() -> argparse.ArgumentParser:
     parser = OptionParser("%nbkit doctor")
     parser.add_argument(
         "--gpus",
-        type=lambda text: None if text == "None" else int(text),  # a parameter cell's None, expanded as $gpus
+        type=ddp_options.gpus_value,  # a parameter cell's None, expanded as $gpus
         metavar="N",
         help="the ranks you will start: without a GPU, N CPU processes (no GPU is then not an error)",
     )

@@ -27,3 +27,18 @@ def test_transformers_backend_loads_adds_lora_to_the_language_layers_and_switche
     models.for_training(model, "transformers")
     assert model.training
     assert models.vision_collator(model, processor, "transformers") is None  # TRL builds its own
+
+
+def test_a_text_model_loads_with_its_tokenizer_and_gets_lora_on_every_layers_projections(tiny_text_path):
+    model, tokenizer = models.load(tiny_text_path, "transformers", load_in_4bit=False, dtype=torch.float32)
+    assert type(model).__name__ == "Qwen3ForCausalLM" and tokenizer("a b").input_ids
+    model = models.add_lora(model, "transformers", r=4, lora_alpha=8, random_state=0)
+    trainable = {name.split(".layers.")[1].split(".")[0] for name, p in model.named_parameters() if p.requires_grad}
+    assert trainable == {str(i) for i in range(model.config.num_hidden_layers)}
+    assert all("lora_" in name for name, p in model.named_parameters() if p.requires_grad)
+    assert models.vision_collator(model, tokenizer, "unsloth") is None  # TRL's own collator for text
+
+
+def test_load_picks_the_vision_loader_by_the_models_config(tiny_vl_path):
+    model, processor = models.load(tiny_vl_path, "transformers", load_in_4bit=False, dtype=torch.float32)
+    assert type(model).__name__ == "Qwen3VLForConditionalGeneration" and hasattr(processor, "image_processor")

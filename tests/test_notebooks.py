@@ -21,6 +21,8 @@ from nbkit.checkpoints import is_complete
 NOTEBOOKS_DIR = Path(__file__).resolve().parent.parent / "notebooks"
 # The notebooks whose training cell takes its batch from the planner (Plan.batch_settings).
 BATCH_PLANNED = {"qwen3_vl_2xT4", "qwen3_vl_2xT4_oneshot", "text_llm_ddp", "long_context"}
+# The notebooks whose choices (processes, backend, precision, 4-bit, batch) nbkit.recipe makes, once.
+RECIPE = {"qwen3_vl_2xT4", "qwen3_vl_2xT4_oneshot", "text_llm_ddp", "long_context", "big_model_fsdp"}
 REQUIRED_PARAMETERS = {
     "model_name",
     "dataset_name",
@@ -66,10 +68,15 @@ def test_committed_notebooks_are_clean_and_share_their_parameters() -> None:
         }
         assert names >= REQUIRED_PARAMETERS, f"{name} lacks parameters {REQUIRED_PARAMETERS - names}"
         sources = "\n".join(cell.source for cell in code)
-        for line in ("%load_ext nbkit", "%nbkit doctor", "%nbkit plan", "nbkit.checkpoints.resume_point(output_dir)"):
+        for line in ("%load_ext nbkit", "%nbkit doctor", "nbkit.checkpoints.resume_point(output_dir)"):
             assert line in sources, f"{name} lacks {line!r}"
+        if name in RECIPE:  # the run's choices made once; no cell branches on the backend
+            assert "recipe = nbkit.recipe(" in sources and "**recipe.trainer_args" in sources, name
+            assert "if backend" not in sources and "backend ==" not in sources, name
+        else:  # the planner's verdict, shown
+            assert "%nbkit plan" in sources, name
         if name in BATCH_PLANNED:  # the training cell's batch comes from the plan, and the user may fix the total
-            assert "effective_batch" in names and "**batch.trainer_args" in sources, name
+            assert "effective_batch" in names and "trainer_args" in sources, name
             assert "per_device_train_batch_size=batch_size" not in sources, name
         # Every step is explained: the first cell is markdown, and no more than 3 code cells follow each other.
         kinds = "".join("c" if cell.cell_type == "code" else "m" for cell in nb.cells)

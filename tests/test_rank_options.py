@@ -122,6 +122,15 @@ def test_a_line_the_magic_cannot_read_names_the_option():
         ddp_options.parse("--env A")
     with pytest.raises(OptionsError, match="argument --timeout: invalid float value: 'soon'"):
         ddp_options.parse("--timeout soon")
+    with pytest.raises(OptionsError, match="argument --gpus: invalid int value: 'two'"):
+        ddp_options.parse_start("--gpus two")
+
+
+def test_gpus_none_as_a_parameters_cell_leaves_it_means_one_process_per_visible_gpu():
+    # `%ddp start --gpus $gpus` / `%%ddp --gpus $gpus` with `gpus = None` in the parameters, as the exporter reads it
+    assert ddp_options.parse_start("--gpus None").gpus is None
+    assert ddp_options.parse("--gpus None --out r").setup.gpus is None
+    assert ddp_options.parse("--gpus 2").setup.gpus == 2
 
 
 def test_the_value_is_frozen_checked_and_defaults_once():

@@ -1,0 +1,105 @@
+"""nbkit.recipe: a run's choices made once in the notebook (processes, backend, precision, 16-bit or 4-bit, batch),
+said in a few lines, and the model steps for them in the ranks, without a branch on the backend."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import torch
+
+import nbkit
+from nbkit import emulation
+from nbkit.errors import BackendError, OptionsError, RanksError, StrategyError
+
+# Qwen3-8B's shapes (as in notebooks/model_parallel.ipynb): ~16 GiB of 16-bit weights, more than a T4 holds.
+QWEN3_8B = dict(
+    vocab_size=151936,
+    hidden_size=4096,
+    intermediate_size=12288,
+    num_hidden_layers=36,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    tie_word_embeddings=False,
+)
+
+
+def test_on_cpu_processes_a_tiny_model_trains_in_16_bit_fp32_with_transformers_and_says_so():
+    recipe = nbkit.recipe("tiny:qwen3-vl", gpus=2, max_seq_length=256, batch_size=1, effective_batch=4)
+    assert (recipe.gpus, recipe.backend, recipe.precision, recipe.load_in_4bit) == (2, "transformers", "fp32", False)
+    assert recipe.plan.gpu == "cpu" and recipe.plan.gpu_memory_gib == 15.0 and recipe.plan.strategy == "ddp"
+    assert recipe.trainer_args == {
+        "per_device_train_batch_size": 1,
+        "gradient_accumulation_steps": 2,
+        "bf16": False,
+        "fp16": False,
+    }
+    plan, choices, batch = str(recipe).rsplit("\n", 2)
+    assert plan == str(recipe.plan)
+    assert choices == (
+        "2 processes on cpu, backend transformers, precision fp32, 16-bit LoRA: a full copy fits on each GPU in 16-bit"
+    )
+    assert batch.startswith("Trainer: 1 per process x 2 accumulation steps x 2 processes = 4 examples")
+    assert pickle.loads(pickle.dumps(recipe)) == recipe  # it travels to the ranks with the cells that use it
+
+
+def test_a_model_too_big_for_a_full_copy_trains_in_4_bit_under_ddp_and_in_16_bit_under_fsdp():
+    from transformers import Qwen3Config
+
+    config = Qwen3Config(**QWEN3_8B)
+    ddp = nbkit.recipe(config, gpus=2, max_seq_length=1024)
+    assert ddp.load_in_4bit and ddp.plan.strategy == "ddp"
+    assert ddp.bits_reason.startswith("in 16-bit the planner says fsdp (")
+    fsdp = nbkit.recipe(config, gpus=2, max_seq_length=1024, strategy="fsdp")
+    assert not fsdp.load_in_4bit and fsdp.bits_reason == "the shards fit on each GPU in 16-bit"
+    assert fsdp.backend == "transformers"  # "auto": unsloth has no FSDP
+    with pytest.raises(StrategyError, match="unsloth cannot train with the fsdp strategy"):
+        nbkit.recipe(config, gpus=2, strategy="fsdp", backend="unsloth")
+    with pytest.raises(StrategyError, match="recipe.from_pretrained loads a full copy"):
+        fsdp.from_pretrained()
+    assert not nbkit.recipe(config, gpus=2, load_in_4bit=False).load_in_4bit  # as asked, even where it won't fit
+
+
+def test_a_gpu_profile_is_planned_for_and_reaches_the_ranks_started_afterwards():
+    try:
+        recipe = nbkit.recipe("tiny:qwen3", gpus=2, emulate="T4")
+        assert emulation.active() is emulation.PROFILES["T4"]  # NBKIT_EMULATE: every rank started from here
+        assert recipe.plan.gpu == "Tesla T4" and recipe.plan.gpu_memory_gib == 15.0
+    finally:
+        emulation.emulate(None)
+
+
+def test_what_cannot_be_chosen_is_refused_with_the_argument_to_change():
+    with pytest.raises(RanksError, match=r"nbkit.recipe\(gpus=None\) has nothing to run on.*pass gpus=N"):
+        nbkit.recipe("tiny:qwen3")  # no GPU here
+    with pytest.raises(OptionsError, match="precision must be None or one of 'bf16', 'fp16', 'fp32', not 'fp8'"):
+        nbkit.recipe("tiny:qwen3", gpus=2, precision="fp8")
+    with pytest.raises(OptionsError, match="strategy must be 'ddp' or 'fsdp', not 'model_parallel'"):
+        nbkit.recipe("tiny:qwen3", gpus=2, strategy="model_parallel")
+
+
+def test_in_a_rank_its_steps_load_add_lora_and_switch_modes_for_the_chosen_backend():
+    recipe = nbkit.recipe("tiny:qwen3", gpus=1, precision="bf16", max_seq_length=128)
+    assert recipe.dtype is torch.bfloat16 and recipe.trainer_args["bf16"] and not recipe.trainer_args["fp16"]
+    model, tokenizer = recipe.from_pretrained()  # the model planned for
+    assert model.dtype is torch.bfloat16 and tokenizer.eos_token
+    model = recipe.get_peft_model(model, r=4, lora_alpha=4)
+    assert {p.dtype for p in model.parameters() if p.requires_grad} == {torch.float32}  # peft's adapters
+    recipe.for_inference(model)
+    assert not model.training
+    recipe.for_training(model)
+    assert model.training and recipe.data_collator(model, tokenizer) is None
+
+
+def test_unsloths_merged_and_gguf_savers_are_refused_under_transformers_with_what_to_do(tmp_path):
+    recipe = nbkit.recipe("tiny:qwen3", gpus=1)
+    for save in (
+        lambda: recipe.save_merged(object(), object(), str(tmp_path)),
+        lambda: recipe.save_gguf(object(), object(), str(tmp_path), "q8_0"),
+    ):
+        with pytest.raises(
+            BackendError, match=r"is unsloth's \(backend 'unsloth'\); this model trains with transformers"
+        ):
+            save()
+    assert list(tmp_path.iterdir()) == []
