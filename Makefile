@@ -79,7 +79,7 @@ demo: setup
 	$(if $(filter 1,$(DEMO_HUB)),,HF_HUB_OFFLINE=1 )$(PY) notebooks/run.py qwen3_vl_2xT4 --out $(DEMO_OUT)
 
 clean:
-	rm -rf $(VENV) $(OLDEST) dist build $(DEMO_OUT) artifacts
+	rm -rf $(VENV) $(OLDEST) $(CLASSIC) dist build $(DEMO_OUT) artifacts
 
 # ---- The browser test (tests/test_browser.py), kept apart from the set-up above -----------------
 # Debian's chromium (root or a CI image that has it; Playwright's own browser download is not used)
@@ -93,6 +93,21 @@ $(VENV)/.browser: $(VENV)/.installed pyproject.toml constraints.txt
 	$(PY) -m pip install -q -c constraints.txt -e ".[browser]"
 	touch $@
 
+# The classic Notebook 6.5 with ipywidgets 7.7.1 (Colab's), the browser test's third front end: an environment of
+# its own, made of the notebook stack of that generation (constraints-classic.txt) and, after it, the test
+# environment's libraries (a .pth file naming their folder: torch and the rest are not installed twice). The
+# venv's own old setuptools goes: it would shadow the newer one torch needs.
+CLASSIC := .venv-classic
+site-packages = $$($(1) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+
+$(CLASSIC)/.installed: $(VENV)/.installed constraints-classic.txt
+	rm -rf $(CLASSIC)
+	$(PYTHON) -m venv $(CLASSIC)
+	echo "$(call site-packages,$(PY))" > "$(call site-packages,$(CLASSIC)/bin/python)/zz_test_env.pth"
+	$(CLASSIC)/bin/python -m pip uninstall -q -y setuptools
+	$(CLASSIC)/bin/python -m pip install -q -c constraints-classic.txt notebook ipywidgets
+	touch $@
+
 .PHONY: browser-setup
-browser-setup: $(VENV)/.browser
+browser-setup: $(VENV)/.browser $(CLASSIC)/.installed
 test: browser-setup

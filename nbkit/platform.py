@@ -14,8 +14,10 @@ The marks read:
 - VS Code: a cell id of the form "vscode-notebook-cell:..." in the execution request, or VSCODE_PID
   in a kernel that no Jupyter server started (VS Code starts its kernels itself, and they inherit
   the editor's environment).
-- JupyterLab / Notebook: JPY_SESSION_NAME (set by jupyter_server 2+ for a notebook's kernel), or a
-  cell id in the execution request (JupyterLab and Notebook 7 send one; nbclient sends none).
+- JupyterLab / Notebook: JPY_SESSION_NAME (set by jupyter_server 2+ for a notebook's kernel), a
+  cell id in the execution request (JupyterLab and Notebook 7 send one; nbclient sends none), or a
+  Jupyter server as the kernel's parent process (the classic Notebook 6.5 sets neither mark, and
+  nbclient and papermill start their kernels without a server).
 - A headless run: papermill, nbclient, nbconvert, nbmake, pytest or testbook among the command
   lines of the kernel's parent processes (Linux /proc).
 
@@ -97,8 +99,8 @@ def current() -> Platform:
 
 def detect(environ: Mapping[str, str], shell: Any, ancestors: list[str] | None = None) -> Platform:
     """The platform that `environ` (environment variables), `shell` (the IPython shell, or None) and
-    `ancestors` (the parent processes' command lines, lower case; default: read from /proc when
-    needed) describe. See the module doc for the marks.
+    `ancestors` (the parent processes' command lines, lower case, up to and including the first
+    Jupyter server's; default: read from /proc when needed) describe. See the module doc for the marks.
     """
     run_type = environ.get("KAGGLE_KERNEL_RUN_TYPE")
     if run_type is not None or environ.get("KAGGLE_URL_BASE"):
@@ -116,10 +118,13 @@ def detect(environ: Mapping[str, str], shell: Any, ancestors: list[str] | None =
         return Platform(host, host, batch)
     if ancestors is None:
         ancestors = _ancestor_cmdlines()
-    if any(runner in cmdline for cmdline in ancestors for runner in _HEADLESS_RUNNERS):
+    # The server's own command line says nothing about who runs it (a test, a terminal): only that it serves.
+    served = bool(ancestors) and _is_server(ancestors[-1])
+    parents = ancestors[:-1] if served else ancestors
+    if any(runner in cmdline for cmdline in parents for runner in _HEADLESS_RUNNERS):
         return Platform(host, "headless")
     cell = _cell_id(shell)
-    session = bool(environ.get("JPY_SESSION_NAME"))
+    session = bool(environ.get("JPY_SESSION_NAME")) or served
     if cell.startswith(_VSCODE_CELL) or (environ.get("VSCODE_PID") and not session):
         return Platform(host, "vscode")
     if session or cell:
@@ -144,10 +149,14 @@ def _cell_id(shell: Any) -> str:
     return str((request.get("metadata") or {}).get("cellId") or "")
 
 
+def _is_server(cmdline: str) -> bool:
+    return any(server in cmdline for server in _JUPYTER_SERVERS)
+
+
 def _ancestor_cmdlines(depth: int = 4) -> list[str]:
-    """Command lines of this process's parents, up to the first Jupyter server (Linux /proc; []
-    where unavailable). Whatever started the server (a terminal, a test, a service) says nothing
-    about who watches the notebooks a person opens in it.
+    """Command lines of this process's parents, up to and including the first Jupyter server's
+    (Linux /proc; [] where unavailable). Whatever started the server (a terminal, a test, a
+    service) says nothing about who watches the notebooks a person opens in it.
     """
     lines, pid = [], os.getppid()
     for _ in range(depth):
@@ -156,9 +165,9 @@ def _ancestor_cmdlines(depth: int = 4) -> list[str]:
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 cmdline = f.read().replace(b"\0", b" ").decode(errors="replace").lower()
-            if any(server in cmdline for server in _JUPYTER_SERVERS):
-                break
             lines.append(cmdline)
+            if _is_server(cmdline):
+                break
             with open(f"/proc/{pid}/stat") as f:
                 pid = int(f.read().rsplit(")", 1)[1].split()[1])
         except (OSError, ValueError, IndexError):

@@ -111,6 +111,18 @@ def test_display_mode_override_and_no_widgets_outside_a_kernel(monkeypatch):
         dashboard.display_mode()
 
 
+def test_widget_mode_with_ipywidgets_7_shows_the_html_panel_and_says_why(monkeypatch, capsys):
+    # What Colab's ipywidgets 7.7.1 reports (tests/test_browser.py runs a real 7.7.1 in the classic Notebook 6.5)
+    import ipywidgets
+
+    monkeypatch.setenv("NBKIT_DASHBOARD", "widget")
+    monkeypatch.setattr(ipywidgets, "__version__", "7.7.1")
+    dashboard._widgets_too_old.cache_clear()
+    assert dashboard.display_mode() == "html" and dashboard.display_mode() == "html"
+    out = capsys.readouterr().out
+    assert out.count("NBKIT_DASHBOARD=widget needs ipywidgets 8 or later (this kernel has 7.7.1)") == 1
+
+
 # --------------------------------------------------------------------------------------------
 # The HTML panel (the default where a person watches a notebook), in a real IPython shell whose
 # display messages are kept

@@ -75,6 +75,15 @@ def test_the_frontend_is_recognised_from_the_cell_id_it_sends():
     assert detect({}, lab, ancestors=[]) == Platform("local", "jupyter")
 
 
+def test_a_kernel_a_jupyter_server_started_is_watched_whatever_started_the_server():
+    # The classic Notebook 6.5 (Colab's notebook package) sets no JPY_SESSION_NAME and sends no cell id: its
+    # server, the kernel's parent, is the mark. What started the server (here a test) is not looked at.
+    server = "/env/bin/python /env/bin/jupyter-notebook --no-browser --notebook-dir=/tmp/pytest-of-me/root"
+    assert detect({}, _KernelShell(), ancestors=[server]) == Platform("local", "jupyter")
+    assert detect({"VSCODE_PID": "4242"}, _KernelShell(), ancestors=[server]) == Platform("local", "jupyter")
+    assert detect({}, _KernelShell(), ancestors=["bash", "papermill nb.ipynb out.ipynb"]).frontend == "headless"
+
+
 def test_headless_runners_are_never_watched_even_with_a_cell_id():
     shell = _KernelShell({"cellId": "0b8a6f0e"})
     for runner in ("papermill nb.ipynb out.ipynb", "/usr/bin/python -m pytest -q", "jupyter-nbconvert --execute x"):

@@ -14,7 +14,8 @@ How it shows (decided when the dashboard is created, see `display_mode()`):
   one row per rank from the first frame on. At the end the same output becomes the static summary
   (final step, final loss, total time, tokens/s, peak memory per rank, the curve, the rank table),
   which a saved notebook keeps as plain HTML.
-- "widget": the same panel as ipywidgets, ending in the same static HTML summary.
+- "widget": the same panel as ipywidgets, ending in the same static HTML summary (ipywidgets 8 or
+  later; with ipywidgets 7, Colab's, nbkit says so and shows the HTML panel).
 - "text": one concise line every NBKIT_DASHBOARD_INTERVAL seconds (default 10) and a summary at
   the end: for papermill/nbclient runs, terminals and scripts.
 - "off": nothing is shown; events are still recorded.
@@ -35,11 +36,12 @@ here the Dashboard that ties them together.
 
 from __future__ import annotations
 
+import functools
 import sys
 import time
 from typing import Any
 
-from nbkit import platform
+from nbkit import notices, platform
 from nbkit.channel import Envelope, Report
 from nbkit.config import setting
 from nbkit.dashboard.board import Board, Snapshot, other_metrics
@@ -134,13 +136,31 @@ def display_mode() -> str:
     before there is a curve and ~18 KB with a 400-step curve image (re-drawn every 2 s, re-sent with
     each update). Widgets stay available with NBKIT_DASHBOARD=widget.
 
+    NBKIT_DASHBOARD=widget with ipywidgets 7 (Colab's 7.7.1) gives "html", with a notice once: in the
+    classic Notebook 6.5 with ipywidgets 7.7.1 a display that holds widgets was not replaced by a later
+    update, so the widget panel would never have become its summary.
+
     Raises:
         ValueError: NBKIT_DASHBOARD holds something else.
     """
     wanted = setting("dashboard")
+    if wanted == "widget":
+        import ipywidgets
+
+        if int(ipywidgets.__version__.split(".")[0]) < 8:
+            _widgets_too_old(ipywidgets.__version__)
+            return "html"
     if wanted != "auto":
         return wanted
     return "html" if notebook_frontend() else "text"
+
+
+@functools.cache
+def _widgets_too_old(version: str) -> None:
+    notices.logger(__name__).info(
+        f"nbkit: NBKIT_DASHBOARD=widget needs ipywidgets 8 or later (this kernel has {version}): "
+        "the panel shows as HTML updated in place, as it does by default."
+    )
 
 
 def notebook_frontend() -> bool:
