@@ -18,6 +18,7 @@ Runs on CPU ranks (gloo) too, for a dry run: `python benchmarks/gpu_soak.py --cy
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -83,8 +84,11 @@ def cycle(path: str, gpus: int) -> dict[str, Any]:
     }
 
 
-def soak(cycles: int, gpus: int, model: str) -> dict[str, Any]:
-    """`cycles` cycles (see the module doc); returns the JSON-ready result."""
+def soak(cycles: int, gpus: int, model: str, out: str | None = None) -> dict[str, Any]:
+    """`cycles` cycles (see the module doc); returns the JSON-ready result, also written to `out` after every
+    cycle, so that a run cut short by its time limit (10 of 20 cycles fit 300 s on 2x H100) still says what
+    the cycles it ran left behind.
+    """
     path = nbkit.resolve_model(model)
     before_gpus = GpuSample.take()
     first: Snapshot | None = None
@@ -100,6 +104,12 @@ def soak(cycles: int, gpus: int, model: str) -> dict[str, Any]:
         record["left_since_first_cycle"] = snapshot.grown_since(first)
         records.append(record)
         print(f"cycle {i}: {record['seconds']} held={record['gpus_held_after_stop']}", file=sys.stderr, flush=True)
+        if out:
+            Path(out).write_text(json.dumps(_result(cycles, gpus, model, before_gpus, records), indent=2, default=str))
+    return _result(cycles, gpus, model, before_gpus, records)
+
+
+def _result(cycles: int, gpus: int, model: str, before_gpus: GpuSample | None, records: list[dict]) -> dict[str, Any]:
     last = records[-1]
     growth = {k: round(v - records[0]["process"][k], 1) for k, v in last["process"].items()}
     flat = all(not r["gpus_held_after_stop"] for r in records) and not any(
@@ -107,6 +117,7 @@ def soak(cycles: int, gpus: int, model: str) -> dict[str, Any]:
     )
     return {
         "cycles": cycles,
+        "cycles_run": len(records),
         "gpus": gpus,
         "model": model,
         "gpus_before": before_gpus.as_dict() if before_gpus else None,
@@ -123,7 +134,7 @@ def main() -> None:
     parser.add_argument("--model", default="tiny:qwen3")
     parser.add_argument("--out", help="also write the JSON here")
     args = parser.parse_args()
-    result = soak(args.cycles, args.gpus, args.model)
+    result = soak(args.cycles, args.gpus, args.model, args.out)
     host.publish(result, args.out)
     sys.exit(0 if result["flat"] else 1)
 

@@ -5,7 +5,7 @@
 #   bash benchmarks/gpu_suite.sh tests                # every gpu-marked test: the parts below in turn (~40 min)
 #   bash benchmarks/gpu_suite.sh tests_faults         # one part of them (under 9 min each; TEST_PARTS below):
 #     tests_watchdog tests_kernel tests_a tests_b tests_c tests_notebooks tests_gguf  # SUITE_DRY_RUN=1: collected on the CPU
-#   bash benchmarks/gpu_suite.sh soak                 # 20 live sets in a row on 2 GPUs: memory and processes per cycle (~4 min)
+#   bash benchmarks/gpu_suite.sh soak                 # 20 live sets in a row on 2 GPUs: memory and processes per cycle (~9 min)
 #   bash benchmarks/gpu_suite.sh matrix               # the 1K/16K launcher/backend matrix
 #   bash benchmarks/gpu_suite.sh savers               # memory savers 8K-64K
 #   bash benchmarks/gpu_suite.sh t4 t4notebooks       # T4 profile, one GPU: longest sequence per path, notebooks
@@ -139,9 +139,10 @@ for what in "$@"; do
       [ -n "$found" ] || echo "unknown part: $what" >&2 ;;
     soak)
       # 20 live sets in a row on 2 GPUs: start, load tiny:qwen3, 3 DDP steps, stop; GPU memory, GPU processes
-      # and this process's children after each (~10 s a cycle). SUITE_DRY_RUN=1: 3 cycles on CPU ranks.
+      # and this process's children after each (~27 s a cycle on 2x H100, 2026-11-27: the set's start 17 s, the load
+      # 8 s; the JSON is rewritten after every cycle). SUITE_DRY_RUN=1: 3 cycles on CPU ranks.
       cycles=${SOAK_CYCLES:-20}; [ -z "${SUITE_DRY_RUN:-}" ] || cycles=3
-      part soak 300 python3 benchmarks/gpu_soak.py --cycles "$cycles" --out "$OUT/gpu_soak.json" ;;
+      part soak 580 python3 benchmarks/gpu_soak.py --cycles "$cycles" --out "$OUT/gpu_soak.json" ;;
     planner)
       part planner 150 python3 benchmarks/planner_accuracy.py --out "$OUT/planner_accuracy.json" ;;
     matrix)
