@@ -37,5 +37,5 @@ A minimal use, in each launched rank::
     times, losses = stepping.timed_steps(step, batch, steps=20)
 """
 
-# First, before torch: nbkit.forksafety keeps the launching process fork-safe.
+# First, before torch: nbkit.platform.forksafety keeps the launching process fork-safe.
 import nbkit  # noqa: F401

@@ -524,7 +524,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     import nbkit
-    from nbkit.config import setting
+    from nbkit.platform.config import setting
 
     started = time.monotonic()
     device = "cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()) else "cpu"

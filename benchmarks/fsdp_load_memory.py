@@ -38,7 +38,7 @@ def _added_by_load(path: str, fixed: bool) -> int:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from nbkit import patching
+    from nbkit.platform import patching
 
     fix = next((p for p in patching.registered("fsdp") if p.target == _FIX), None)
     off = fix is not None and not fixed

@@ -83,7 +83,7 @@ class Run:
 
     @property
     def precision(self) -> str:
-        from nbkit import distributed
+        from nbkit.platform import distributed
 
         return "fp16" if self.t4 else distributed.precision()
 

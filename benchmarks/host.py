@@ -31,7 +31,7 @@ def environment() -> dict[str, Any]:
     """GPU model/count/memory, driver, CUDA, library versions, date and host, without creating a
     CUDA context (safe in the process that launches).
     """
-    from nbkit.distributed import visible_gpus
+    from nbkit.platform.distributed import visible_gpus
 
     gpus = visible_gpus()
     driver = None

@@ -128,7 +128,7 @@ def script_rank(fn: Callable[[Any], Any], spec: Any, *, exported: bool = False) 
     `exported` False: nbkit's default patch groups only (`nbkit.install()`: unsloth's fixes and the
     device-map guard), the set-up a script that uses no nbkit but its fixes gets. True: what a notebook
     cell exported by `%nbkit export` does under torchrun, `nbkit.launch(fn, spec)` inside the
-    launcher's rank, which runs nbkit's whole per-rank set-up (integration.prepare_rank) and then fn.
+    launcher's rank, which runs nbkit's whole per-rank set-up (rank_side.setup.prepare_rank) and then fn.
     Returns 0; a failure is recorded by rank 0 in spec.results_path and re-raised.
     """
     import nbkit

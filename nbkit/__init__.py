@@ -23,6 +23,10 @@ Names are imported lazily, so `import nbkit` stays cheap and never touches CUDA 
 from __future__ import annotations
 
 import importlib
+import importlib.abc
+import importlib.machinery
+import sys
+from types import ModuleType
 from typing import Any
 
 __version__ = "0.2.0"
@@ -37,36 +41,36 @@ _EXPORTS: dict[str, str] = {
     "start": "nbkit.live",
     "connect": "nbkit.live",
     "LiveRanks": "nbkit.live",
-    "LiveError": "nbkit.errors",
+    "LiveError": "nbkit.platform.errors",
     # errors: one family (nbkit.errors)
-    "NbkitError": "nbkit.errors",
-    "LaunchError": "nbkit.errors",
-    "DeviceMapError": "nbkit.errors",
-    "BringAlongError": "nbkit.errors",
-    "CellSyntaxError": "nbkit.errors",
-    "ExportError": "nbkit.errors",
-    "EmulationError": "nbkit.errors",
-    "CheckpointError": "nbkit.errors",
-    "StrategyError": "nbkit.errors",
-    "RanksError": "nbkit.errors",
-    "DatasetError": "nbkit.errors",
-    "DatasetArgumentError": "nbkit.errors",
-    "ProcessGroupError": "nbkit.errors",
+    "NbkitError": "nbkit.platform.errors",
+    "LaunchError": "nbkit.platform.errors",
+    "DeviceMapError": "nbkit.platform.errors",
+    "BringAlongError": "nbkit.platform.errors",
+    "CellSyntaxError": "nbkit.platform.errors",
+    "ExportError": "nbkit.platform.errors",
+    "EmulationError": "nbkit.platform.errors",
+    "CheckpointError": "nbkit.platform.errors",
+    "StrategyError": "nbkit.platform.errors",
+    "RanksError": "nbkit.platform.errors",
+    "DatasetError": "nbkit.platform.errors",
+    "DatasetArgumentError": "nbkit.platform.errors",
+    "ProcessGroupError": "nbkit.platform.errors",
     # where this process stands
-    "rank": "nbkit.distributed",
-    "local_rank": "nbkit.distributed",
-    "world_size": "nbkit.distributed",
-    "is_main": "nbkit.distributed",
-    "is_distributed": "nbkit.distributed",
-    "device": "nbkit.distributed",
-    "precision": "nbkit.distributed",
-    "visible_gpus": "nbkit.distributed",
+    "rank": "nbkit.platform.distributed",
+    "local_rank": "nbkit.platform.distributed",
+    "world_size": "nbkit.platform.distributed",
+    "is_main": "nbkit.platform.distributed",
+    "is_distributed": "nbkit.platform.distributed",
+    "device": "nbkit.platform.distributed",
+    "precision": "nbkit.platform.distributed",
+    "visible_gpus": "nbkit.platform.distributed",
     # a smaller GPU's limits on a larger one (nbkit.emulate("T4"))
     "emulate": "nbkit.emulation",
     # settings and patches
-    "configure": "nbkit.config",
-    "install": "nbkit.integration",
-    "uninstall": "nbkit.integration",
+    "configure": "nbkit.platform.config",
+    "install": "nbkit.platform.patch_groups",
+    "uninstall": "nbkit.platform.patch_groups",
     # the guard and the planner
     "resolve_device_map": "nbkit.guard",
     "plan": "nbkit.planner",
@@ -106,12 +110,23 @@ _SUBMODULES = (
     "synthetic",
 )
 
+# Module paths users import that moved into the folders by layer: each old path (and what lies under it)
+# imports the module it names now, as the same module object, so that `from nbkit.offline import ...`, an
+# exported script's `from nbkit.cell_group import joined` and a patch of `nbkit.savers.loss` keep working.
+_MOVED: dict[str, str] = {
+    "nbkit.config": "nbkit.platform.config",
+    "nbkit.distributed": "nbkit.platform.distributed",
+    "nbkit.errors": "nbkit.platform.errors",
+    "nbkit.integration": "nbkit.platform.patch_groups",
+    "nbkit.patching": "nbkit.platform.patching",
+}
+
 __all__ = sorted(_EXPORTS) + list(_SUBMODULES) + ["__version__"]
 
 
 def __getattr__(name: str) -> Any:
     if name in _SUBMODULES:
-        return importlib.import_module(f"nbkit.{name}")
+        return importlib.import_module(_MOVED.get(f"nbkit.{name}", f"nbkit.{name}"))
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'nbkit' has no attribute {name!r}")
@@ -124,9 +139,38 @@ def __dir__() -> list[str]:
     return __all__
 
 
+def _moved_to(name: str) -> str | None:
+    """The module an old path names now (`nbkit.savers.loss` -> `nbkit.training.savers.loss`), or None."""
+    for old, new in _MOVED.items():
+        if name == old or name.startswith(old + "."):
+            return new + name[len(old) :]
+    return None
+
+
+class _MovedPaths(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Imports an old module path as the module it names now (one object under both names, never a copy)."""
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+        return importlib.machinery.ModuleSpec(name, self) if _moved_to(name) else None
+
+    def __init__(self) -> None:
+        self._own: dict[str, Any] = {}
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
+        module = importlib.import_module(_moved_to(spec.name) or spec.name)
+        self._own[spec.name] = module.__spec__
+        return module
+
+    def exec_module(self, module: ModuleType) -> None:
+        # the import system gave the module the old path's spec: give it back its own
+        module.__spec__ = self._own.pop(module.__spec__.name if module.__spec__ else "", module.__spec__)
+
+
+sys.meta_path.insert(0, _MovedPaths())
+
 # Before anything else imports torchao (transformers and peft do, where it is installed): its
 # import-time device query would create a CUDA context here and make every launch fail.
-importlib.import_module("nbkit.forksafety").install()
+importlib.import_module("nbkit.platform.forksafety").install()
 
 
 def load_ipython_extension(ipython: Any) -> None:

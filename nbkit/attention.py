@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from nbkit.patching import patch
+from nbkit.platform.patching import patch
 
 __all__ = ["flash_attention_can_run", "needed"]
 

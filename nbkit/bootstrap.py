@@ -34,8 +34,10 @@ import zipimport
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from nbkit import __version__, distributed, platform
-from nbkit.errors import InstallError
+from nbkit import __version__
+from nbkit.platform import distributed
+from nbkit.platform import host as platform
+from nbkit.platform.errors import InstallError
 
 __all__ = ["DISTRIBUTION", "HELD", "UNSLOTH_RECIPE", "Machine", "Step", "install", "main", "steps", "survey"]
 

@@ -17,8 +17,8 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from nbkit import config, distributed, patching
-from nbkit.errors import ProcessGroupError
+from nbkit.platform import config, distributed, patching
+from nbkit.platform.errors import ProcessGroupError
 
 __all__ = ["backend", "join", "joined"]
 

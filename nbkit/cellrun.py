@@ -19,8 +19,9 @@ import numbers
 from collections.abc import Iterable
 from typing import Any
 
-from nbkit import cell_group, cells, distributed, forksafety, one_gpu
-from nbkit.errors import LiveError, OptionsError, OptionTypeError
+from nbkit import cell_group, cells, one_gpu
+from nbkit.platform import distributed, forksafety
+from nbkit.platform.errors import LiveError, OptionsError, OptionTypeError
 from nbkit.rank_options import RankOptions
 
 __all__ = ["run_cell", "run_cell_with"]

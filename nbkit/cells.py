@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from nbkit.errors import CellSyntaxError
+from nbkit.platform.errors import CellSyntaxError
 
 __all__ = ["Usage", "free_names", "parse", "run_cell", "usage"]
 

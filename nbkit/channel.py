@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from multiprocessing import connection, get_context
 from typing import Any
 
-from nbkit.errors import RankError
+from nbkit.platform.errors import RankError
 
 __all__ = [
     "Body",

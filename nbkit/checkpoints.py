@@ -57,8 +57,9 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from nbkit import callbacks, distributed, notices, patching, platform
-from nbkit.errors import CheckpointError
+from nbkit import callbacks
+from nbkit.platform import distributed, host, notices, patching
+from nbkit.platform.errors import CheckpointError
 
 __all__ = [  # noqa: F822 (names built on first use, see __getattr__)
     "MARKER",
@@ -139,7 +140,7 @@ def resume_point(
 
     Looks in `output_dir`, then in the previous runs' outputs: `previous` (a path or glob, or
     several; each a run's output folder holding checkpoint-N folders, or a checkpoint-N folder
-    itself; read-only is fine) and, on Kaggle (as nbkit.platform tells it, where /kaggle/input
+    itself; read-only is fine) and, on Kaggle (as nbkit.platform.host tells it, where /kaggle/input
     exists), the attached inputs: /kaggle/input/*/REL and /kaggle/input/*/*/REL, where REL is
     output_dir relative to the working directory (outputs/run for /kaggle/working/outputs/run),
     and checkpoint-N folders directly in /kaggle/input/*. The newest complete checkpoint of all
@@ -217,7 +218,7 @@ def _newest_elsewhere(
         places.append(os.fspath(previous))
     elif previous is not None:
         places.extend(os.fspath(p) for p in previous)
-    kaggle = platform.kaggle_input()
+    kaggle = host.kaggle_input()
     if kaggle is not None:
         # Two levels at most: a third would list every folder of a large dataset's top folders.
         relative = _relative(output_dir)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from nbkit.errors import DatasetArgumentError, DatasetError
+from nbkit.platform.errors import DatasetArgumentError, DatasetError
 
 __all__ = ["SYNTHETIC", "chat_dataset", "image_text_dataset"]
 

@@ -30,7 +30,7 @@ import shlex
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from nbkit.errors import OptionsError
+from nbkit.platform.errors import OptionsError
 from nbkit.rank_options import RankOptions
 
 __all__ = [

@@ -22,8 +22,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nbkit import distributed, patching, platform
 from nbkit.bootstrap import DISTRIBUTION  # the distribution that installs `nbkit` (`nbkit` on the index is another)
+from nbkit.platform import distributed, patching
+from nbkit.platform import host as platform
 
 __all__ = ["Problem", "Report", "doctor"]
 
@@ -159,7 +160,8 @@ def doctor(gpus: int | None = None) -> Report:
             Without a GPU, gpus=N asks for N CPU processes, so that no GPU is visible is then an info line,
             not an error.
     """
-    from nbkit import dashboard, forksafety
+    from nbkit import dashboard
+    from nbkit.platform import forksafety
 
     here = platform.current()
     versions = {name: _version(name) for name in LIBRARIES}

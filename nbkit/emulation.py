@@ -17,7 +17,7 @@ still sees the real GPU) or put PCIe between the GPUs: timings under a profile a
 the profile says so once when it is switched on.
 
 `emulate()` also sets NBKIT_EMULATE in os.environ, so every process nbkit starts (and any process
-started from this one) inherits it; `nbkit.integration.prepare_rank()` applies the named profile in
+started from this one) inherits it; `nbkit.rank_side.setup.prepare_rank()` applies the named profile in
 each rank. `emulate(None)` undoes everything in this process.
 
 The module is `nbkit.emulation`, not `nbkit.emulate`: importing a submodule of that name would set
@@ -33,8 +33,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from nbkit import config, notices, patching
-from nbkit.errors import EmulationError
+from nbkit.platform import config, notices, patching
+from nbkit.platform.errors import EmulationError
 
 __all__ = ["ENV", "PROFILES", "Profile", "active", "apply_from_env", "emulate", "lookup", "usable_bytes"]
 
@@ -254,14 +254,14 @@ def _notice(profile: Profile) -> str:
 def _fixes_for(profile: Profile) -> list[Callable[[], None]]:
     """Apply here nbkit's fixes for what the profile's GPU lacks; returns how to revert those applied now.
 
-    Every rank nbkit starts has them (nbkit.integration.prepare_rank); a process that trains itself
+    Every rank nbkit starts has them (nbkit.rank_side.setup.prepare_rank); a process that trains itself
     under the profile (accelerate's notebook_launcher with one GPU runs the function in place, or a
     plain script) did not: on an H100 under the T4 profile it ran transformers' grouped-query
     attention in the math kernel and ran out of the 15 GiB at 16K tokens (allocating 16 GiB), where
     the same model in a launched rank trained at 64K. Groups applied before stay as they are.
     """
-    # The modules that declare the two groups (nbkit.integration.GROUPS names them), imported here and not
-    # through integration.install: integration's rank set-up imports this module.
+    # The modules that declare the two groups (nbkit.platform.patch_groups.GROUPS names them), imported here and not
+    # through patch_groups.install: the rank set-up (nbkit.rank_side.setup) imports this module.
     from nbkit import attention, mixed_precision  # noqa: F401  (declares the groups' patches)
 
     reverts: list[Callable[[], None]] = []

@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from nbkit import cells, ddp_options
-from nbkit.errors import ExportError
+from nbkit.platform.errors import ExportError
 from nbkit.rank_options import RankOptions
 
 __all__ = ["export_script"]

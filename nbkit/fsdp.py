@@ -40,9 +40,9 @@ from typing import Any
 
 import torch
 
-from nbkit import config, distributed
-from nbkit.errors import StrategyError
-from nbkit.patching import patch
+from nbkit.platform import config, distributed
+from nbkit.platform.errors import StrategyError
+from nbkit.platform.patching import patch
 
 __all__ = [
     "EVERY_RANK_TIMEOUT_S",
@@ -117,7 +117,7 @@ def setup_rank(settings: FsdpSettings | None = None) -> None:
     the variable is not set yet, and apply the "fsdp" patch group (accelerate's FSDP state on a rank
     without CUDA; peft's adapter keys under activation checkpointing).
 
-    Called by nbkit.integration.prepare_rank() in every rank whose environment asks for the fsdp
+    Called by nbkit.rank_side.setup.prepare_rank() in every rank whose environment asks for the fsdp
     strategy; idempotent. Call it before the first Accelerator or Trainer of the process: accelerate
     keeps its state for the process's life.
 
@@ -126,7 +126,7 @@ def setup_rank(settings: FsdpSettings | None = None) -> None:
     """
     for name, value in (settings or FsdpSettings()).environment().items():
         os.environ.setdefault(name, value)
-    from nbkit import patching
+    from nbkit.platform import patching
 
     patching.apply("fsdp")
 

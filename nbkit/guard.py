@@ -24,10 +24,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from nbkit import distributed, fsdp, notices
-from nbkit.config import fsdp_rank, setting
-from nbkit.errors import DeviceMapError
-from nbkit.patching import patch
+from nbkit import fsdp
+from nbkit.platform import distributed, notices
+from nbkit.platform.config import fsdp_rank, setting
+from nbkit.platform.errors import DeviceMapError
+from nbkit.platform.patching import patch
 
 if TYPE_CHECKING:
     from nbkit import planner

@@ -36,11 +36,13 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from nbkit import channel, config, distributed, forksafety, integration, notices, patching, rankoutput, rankside
+from nbkit import channel, rankoutput, rankside
 from nbkit import dashboard as dashboards
-from nbkit.config import environment
-from nbkit.errors import LaunchError, RankError
+from nbkit.platform import config, distributed, forksafety, notices, patching
+from nbkit.platform.config import environment
+from nbkit.platform.errors import LaunchError, RankError
 from nbkit.rank_options import RankOptions
+from nbkit.rank_side.setup import prepare_rank
 from nbkit.supervisor import ExitStatus, exit_status, hang_hint, kill, render_failures, stop
 
 __all__ = ["LaunchError", "launch", "launch_with"]
@@ -834,7 +836,7 @@ def _prepare_rank(*, quiet: bool, rank: int, descriptors: bool) -> rankoutput.Ra
     """
     rankoutput.write_whole_lines()  # ranks that share a stdout (a script's, torchrun's) keep lines whole
     output = rankoutput.route_launched(rank, quiet, sys.stdout, sys.stderr, descriptors=descriptors)
-    integration.prepare_rank(owns_exit=descriptors)
+    prepare_rank(owns_exit=descriptors)
     return output
 
 

@@ -78,7 +78,7 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 
 from nbkit import ddp_options
 from nbkit.ddp_options import HelpShown, OptionParser, OptionsError
-from nbkit.errors import RanksError
+from nbkit.platform.errors import RanksError
 
 __all__ = ["NbkitMagics", "register", "unregister"]
 

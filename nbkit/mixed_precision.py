@@ -29,7 +29,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from nbkit.patching import patch
+from nbkit.platform.patching import patch
 
 __all__ = ["fit_for_fp16"]
 

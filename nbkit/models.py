@@ -20,8 +20,8 @@ from __future__ import annotations
 import importlib.util
 from typing import Any
 
-from nbkit.errors import BackendError
 from nbkit.planner import LORA_TARGET_MODULES
+from nbkit.platform.errors import BackendError
 
 __all__ = [
     "BACKENDS",
@@ -49,7 +49,7 @@ def backend(choice: str = "auto") -> str:
     nvidia-smi, so CUDA stays untouched here), else "transformers". Raises ValueError for another name.
     """
     if choice == "auto":
-        from nbkit import distributed
+        from nbkit.platform import distributed
 
         return "unsloth" if distributed.visible_gpus() and importlib.util.find_spec("unsloth") else "transformers"
     if choice not in BACKENDS:
@@ -122,7 +122,7 @@ def _transformers_model(auto_class: Any, path: str, load_in_4bit: bool, dtype: A
     """`auto_class`.from_pretrained(path) whole on this rank's device, in `dtype` or 4-bit (bitsandbytes)."""
     from transformers import BitsAndBytesConfig
 
-    from nbkit import distributed
+    from nbkit.platform import distributed
 
     quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=dtype) if load_in_4bit else None
     return auto_class.from_pretrained(

@@ -36,7 +36,7 @@ from typing import Any
 import cloudpickle
 
 from nbkit import cells, rankside
-from nbkit.errors import BringAlongError
+from nbkit.platform.errors import BringAlongError
 
 __all__ = ["BroughtAlong", "NotebookPickler", "bring_along", "needed", "pickle_value", "sent_each_time", "travels"]
 

@@ -41,9 +41,9 @@ from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
-from nbkit import compat
-from nbkit.config import setting
-from nbkit.patching import patch
+from nbkit.platform import compat
+from nbkit.platform.config import setting
+from nbkit.platform.patching import patch
 
 if TYPE_CHECKING:
     import torch
@@ -708,7 +708,7 @@ def _image_only_processor(processor_class: type, path: str, **kwargs: Any) -> Pr
     # The top-level AutoImageProcessor is a torchvision placeholder here; the module's is real.
     from transformers.models.auto.image_processing_auto import AutoImageProcessor
 
-    from nbkit import patching
+    from nbkit.platform import patching
 
     model_type = AutoConfig.from_pretrained(path).model_type
     video_type = (_json_file(path, "video_preprocessor_config.json") or {}).get("video_processor_type")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from nbkit import notices
+from nbkit.platform import notices
 
 __all__ = ["message", "say_once"]
 

@@ -62,8 +62,9 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from nbkit import distributed, emulation
+from nbkit import emulation
 from nbkit.offline import load_config
+from nbkit.platform import distributed
 
 __all__ = ["LORA_TARGET_MODULES", "STRATEGIES", "BatchSettings", "Plan", "plan"]
 

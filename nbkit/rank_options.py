@@ -25,8 +25,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from nbkit import config, notices
-from nbkit.errors import EmulationError, OptionsError, OptionTypeError
+from nbkit.platform import config, notices
+from nbkit.platform.errors import EmulationError, OptionsError, OptionTypeError
 
 __all__ = ["STRATEGIES", "RankOptions", "check_timeout"]
 

@@ -12,7 +12,7 @@ Both sides of the process boundary use this module, each for its own part of one
 - notebook side, afterwards: that value rebuilt (`load_value`), with one error, worded once, when it
   cannot be.
 
-The rest of a rank's set-up is nbkit.integration.prepare_rank, which every path calls in the rank.
+The rest of a rank's set-up is nbkit.rank_side.setup.prepare_rank, which every path calls in the rank.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import traceback
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from nbkit.errors import LaunchError, RanksError
+from nbkit.platform.errors import LaunchError, RanksError
 
 if TYPE_CHECKING:
     from nbkit.rank_options import RankOptions

@@ -24,8 +24,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from nbkit import distributed, emulation, models, planner, rankside
-from nbkit.errors import OptionsError, StrategyError
+from nbkit import emulation, models, planner, rankside
+from nbkit.platform import distributed
+from nbkit.platform.errors import OptionsError, StrategyError
 
 __all__ = ["PRECISIONS", "Recipe", "recipe"]
 

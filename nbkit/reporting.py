@@ -33,8 +33,9 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from nbkit import callbacks, channel, dashboard, distributed, patching
-from nbkit import shell as nbkit_shell
+from nbkit import callbacks, channel, dashboard
+from nbkit.platform import distributed, patching
+from nbkit.platform import shell as nbkit_shell
 
 __all__ = ["DashboardCallback", "peak_memory_gib", "report", "setup_rank", "trainer_pace"]  # noqa: F822 (DashboardCallback: built on first use)
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from nbkit.channel import Envelope, Report, Result
-from nbkit.errors import LaunchError, RankError
+from nbkit.platform.errors import LaunchError, RankError
 
 if TYPE_CHECKING:  # a Job is only built and read where these are imported already (the dashboard, which sends
     # this module's other messages, stays free of cloudpickle)

@@ -43,9 +43,10 @@ from multiprocessing import Pipe
 from multiprocessing.connection import Connection
 from typing import Any
 
-from nbkit import cell_group, cells, dashboard, distributed, forksafety, launching, notices, rankside, supervisor
-from nbkit.errors import LaunchError
+from nbkit import cell_group, cells, dashboard, launching, rankside, supervisor
 from nbkit.notebook_names import bring_along
+from nbkit.platform import distributed, forksafety, notices
+from nbkit.platform.errors import LaunchError
 from nbkit.rank_options import RankOptions
 from nbkit.spawn_messages import DashboardOpened, Envelope, Job, LaunchRaised, Report, Result
 

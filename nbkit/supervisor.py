@@ -24,7 +24,7 @@ from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TypeVar
 
-from nbkit.errors import RankError
+from nbkit.platform.errors import RankError
 
 __all__ = ["FAILURE_HINTS", "ExitStatus", "exit_status", "hang_hint", "kill", "pid_alive", "render_failures", "stop"]
 

@@ -46,7 +46,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from nbkit import patching
+from nbkit.platform import patching
 
 __all__ = ["destroy_at_exit", "enable", "retired"]
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from nbkit.patching import patch
+from nbkit.platform.patching import patch
 
 __all__ = ["choose"]
 

@@ -93,7 +93,7 @@ _KERNEL = "nbkit-run"
 
 def has_gpu() -> bool:
     """Whether this machine has an NVIDIA GPU (asked without initialising CUDA here)."""
-    from nbkit.distributed import visible_gpus
+    from nbkit.platform.distributed import visible_gpus
 
     return bool(visible_gpus())
 
@@ -139,7 +139,7 @@ def _kernel_environment(hub: bool) -> Iterator[str]:
     """
     from ipykernel.kernelspec import write_kernel_spec
 
-    from nbkit.config import environment
+    from nbkit.platform.config import environment
 
     with tempfile.TemporaryDirectory(prefix="nbkit-kernels-") as root:
         write_kernel_spec(os.path.join(root, "kernels", _KERNEL))  # argv: sys.executable -m ipykernel_launcher

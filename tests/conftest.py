@@ -91,7 +91,7 @@ def kernel_name(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 def patch_groups_as_found() -> Iterator[None]:
     """`nbkit.uninstall()` reverts every group, including forksafety, which `import nbkit` applied:
     tests that call it put back the groups that were applied before them."""
-    from nbkit import patching
+    from nbkit.platform import patching
 
     before = {p.group for p in patching.registered() if p.is_applied}
     yield

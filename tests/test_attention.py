@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 import nbkit
 from nbkit import attention
-from nbkit.distributed import GPU
+from nbkit.platform.distributed import GPU
 
 
 @pytest.fixture

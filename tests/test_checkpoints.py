@@ -16,8 +16,8 @@ from tiny_training import saving_trainer
 
 import nbkit
 from nbkit import checkpoints
-from nbkit import platform as nbkit_platform
 from nbkit.checkpoints import MARKER, hub_mirror, is_complete, resume_point
+from nbkit.platform import host as nbkit_platform
 
 
 def _write_checkpoint(root: Path, step: int, *, marked: bool) -> Path:

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 import nbkit
-from nbkit import config, dashboard, offline
+from nbkit import dashboard, offline
+from nbkit.platform import config
 
 
 def test_settings_are_read_from_the_environment_with_defaults(monkeypatch, tmp_path):

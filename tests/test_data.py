@@ -15,7 +15,7 @@ from nbclient.exceptions import CellExecutionError
 
 import nbkit
 from nbkit.data import image_text_dataset
-from nbkit.errors import DatasetError, NbkitError
+from nbkit.platform.errors import DatasetError, NbkitError
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
-from nbkit import distributed
-from nbkit import shell as nbkit_shell
 from nbkit.diagnostics import doctor
+from nbkit.platform import distributed
+from nbkit.platform import shell as nbkit_shell
 
 doctor_module = importlib.import_module("nbkit.diagnostics")
 

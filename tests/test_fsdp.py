@@ -288,7 +288,7 @@ def test_unsloth_error_names_the_transformers_way():
     ("capability", "expected"), [((7, 5), torch.float16), ((8, 0), torch.bfloat16), (None, torch.bfloat16)]
 )
 def test_fsdp_computes_in_fp16_on_t4s_and_bf16_elsewhere(monkeypatch, capability, expected):
-    from nbkit import distributed
+    from nbkit.platform import distributed
 
     gpus = [] if capability is None else [distributed.GPU(0, "GPU", 15.0, capability)]
     monkeypatch.setattr(distributed, "visible_gpus", lambda: gpus)

@@ -16,7 +16,7 @@ import pytest
 
 import nbkit
 from nbkit import fsdp
-from nbkit.errors import LiveError
+from nbkit.platform.errors import LiveError
 
 pytestmark = pytest.mark.slow
 

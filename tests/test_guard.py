@@ -34,7 +34,7 @@ def _policy_matrix(out_dir: str, tiny_path: str) -> dict[str, Any]:
     """Runs on each rank of a 2-process launch; writes what each branch did to rank<N>.json."""
     from transformers import AutoModelForCausalLM
 
-    from nbkit import patching
+    from nbkit.platform import patching
 
     mine, other = nbkit.local_rank(), 1 - nbkit.local_rank()
     r: dict[str, Any] = {}

@@ -24,11 +24,11 @@ import nbkit
 from benchmarks import host_cost
 
 # What these tests count is TRL 1.x's SFTTrainer (its compute_loss's metric gathers, its chunked_nll
-# forward). On trl 0.x nbkit.compat replaces SFTTrainer.compute_loss for a model with nbkit's chunked
+# forward). On trl 0.x nbkit.platform.compat replaces SFTTrainer.compute_loss for a model with nbkit's chunked
 # loss (Trainer's, no metrics), so neither is there to count.
 trl_1 = pytest.mark.skipif(
     int(importlib.metadata.version("trl").split(".")[0]) < 1,
-    reason="counts TRL 1.x's SFTTrainer (on trl 0.x nbkit.compat replaces it)",
+    reason="counts TRL 1.x's SFTTrainer (on trl 0.x nbkit.platform.compat replaces it)",
 )
 
 

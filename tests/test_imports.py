@@ -89,7 +89,7 @@ def _graph() -> dict[str, set[str]]:
 
 def test_the_walker_sees_lazy_imports():
     graph = _graph()
-    assert "nbkit.forksafety" in graph["nbkit"]  # importlib.import_module("nbkit.forksafety")
+    assert "nbkit.platform.forksafety" in graph["nbkit"]  # importlib.import_module("nbkit.platform.forksafety")
     assert "nbkit.magics" in graph["nbkit"]  # inside load_ipython_extension
     assert "nbkit.savers.tiled_mlp" in graph["nbkit.planner"]  # inside a function
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
@@ -132,7 +132,28 @@ def test_documented_submodules_are_reachable_after_import_nbkit():
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert result.stdout.split("\n")[:2] == [
-        "nbkit.dashboard nbkit.export nbkit.savers nbkit.checkpoints nbkit.offline nbkit.patching nbkit.guard "
-        "nbkit.config nbkit.synthetic",
+        "nbkit.dashboard nbkit.export nbkit.savers nbkit.checkpoints nbkit.offline nbkit.platform.patching nbkit.guard "
+        "nbkit.platform.config nbkit.synthetic",
         "module 'nbkit' has no attribute 'not_a_module'",
     ], result.stderr[-2000:]
+
+
+def test_the_old_paths_of_moved_modules_import_the_modules_themselves():
+    """A module that moved into its layer's folder keeps its old path for users (`from nbkit.offline import ...`,
+    an exported script's `nbkit.cell_group`), as the same module object: one copy, so that one patch or one
+    monkeypatch acts on both names."""
+    code = (
+        "import importlib, sys\n"
+        "import nbkit\n"
+        "from nbkit.errors import NbkitError\n"
+        "from nbkit.platform.errors import NbkitError as Moved\n"
+        "assert NbkitError is Moved\n"
+        "for old, new in nbkit._MOVED.items():\n"
+        "    module = importlib.import_module(old)\n"
+        "    assert module is importlib.import_module(new) is sys.modules[old], old\n"
+        "    assert module.__name__ == module.__spec__.name == new, (old, module.__spec__)\n"
+        "print(sorted(nbkit._MOVED))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert {"nbkit.config", "nbkit.errors", "nbkit.integration"} <= set(ast.literal_eval(result.stdout))

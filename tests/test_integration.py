@@ -16,7 +16,7 @@ from transformers.modeling_utils import PreTrainedModel
 from transformers.models.auto.auto_factory import _BaseAutoModelClass
 
 import nbkit
-from nbkit import integration, patching
+from nbkit.platform import patch_groups, patching
 
 GUARD_TARGET = "transformers.modeling_utils:PreTrainedModel.from_pretrained"
 UNSLOTH_TARGETS = [
@@ -209,7 +209,7 @@ def _values(group: str) -> dict[str, Any]:
 def _install_and_uninstall_each_group() -> dict[str, Any]:
     """Per group: what install(group) patched, left pending and restored; run where every group acts."""
     results = {}
-    for name, group in integration.GROUPS.items():
+    for name, group in patch_groups.GROUPS.items():
         importlib.import_module(group.module)
         for p in patching.registered(name):  # the libraries that are installed, imported as a user would
             with contextlib.suppress(ImportError):
@@ -237,14 +237,14 @@ def _install_and_uninstall_each_group() -> dict[str, Any]:
 def _versioned_out() -> set[str]:
     """Groups whose every patch is for library releases other than the installed ones: the compat
     group acts on transformers 4.x / trl 0.x only (constraints-oldest.txt), none of it on the newest set."""
-    from nbkit import compat
+    from nbkit.platform import compat
 
     return set() if compat._transformers_4() or compat._trl_0() else {"compat"}
 
 
 def _check_each_group(results: dict[str, Any], acting: set[str]) -> None:
     acting = acting - _versioned_out()
-    assert set(results) == set(integration.GROUPS)
+    assert set(results) == set(patch_groups.GROUPS)
     for name, r in results.items():
         assert r["restored"] and r["left"] == [] and r["idempotent"] and r["replaced"], (name, r)
         assert sorted(r["pending"]) == r["not_imported"], name  # waiting exactly for what is not imported
@@ -256,7 +256,7 @@ def test_install_and_uninstall_of_every_group_restore_the_originals_exactly():
     # reporting's patches act only in launched ranks; unsloth is not installed here, so its loaders
     # (guard) and fixes (unsloth_savers) wait for its import, as does the fix of Trainer where
     # transformers ships it
-    _check_each_group(results, acting=set(integration.GROUPS) - {"reporting", "unsloth_savers"})
+    _check_each_group(results, acting=set(patch_groups.GROUPS) - {"reporting", "unsloth_savers"})
     assert set(results["guard"]["pending"]) == set(UNSLOTH_TARGETS)
     assert results["reporting"]["pending"] == []
 
@@ -284,7 +284,7 @@ def test_every_group_installs_and_uninstalls_exactly_in_a_launched_rank():
     # offline fixes processors where torchvision is missing: applied in the rank where their module is imported here
     expected |= {"offline"} if processors_imported and not is_torchvision_available() else set()
     assert r["applied_by_launch"] == sorted(expected)
-    _check_each_group(r["results"], acting=set(integration.GROUPS) - {"unsloth_savers"})
+    _check_each_group(r["results"], acting=set(patch_groups.GROUPS) - {"unsloth_savers"})
 
 
 def test_checkpoints_enable_and_disable():

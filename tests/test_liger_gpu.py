@@ -19,7 +19,8 @@ from test_savers import GPU_TOLERANCE, LANGUAGE_LINEARS, loss_and_grads, make_ba
 from test_savers_ddp import assert_matrix_on_two_gpus
 
 import nbkit
-from nbkit import patching, savers
+from nbkit import savers
+from nbkit.platform import patching
 from nbkit.savers import liger
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("exact_fp32")]

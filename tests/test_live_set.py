@@ -22,7 +22,7 @@ import psutil
 import pytest
 
 import nbkit
-from nbkit.errors import LiveError
+from nbkit.platform.errors import LiveError
 
 pytestmark = [pytest.mark.slow, pytest.mark.version_independent]
 
@@ -94,7 +94,7 @@ def test_a_value_travels_once_and_again_when_rebound(ranks):
 
 
 def test_a_cell_that_does_not_parse_fails_before_anything_runs(ranks):
-    from nbkit.errors import CellSyntaxError
+    from nbkit.platform.errors import CellSyntaxError
 
     ranks.exec("marker = 'before'")
     with pytest.raises(CellSyntaxError, match="line 2 of the cell does not parse") as info:

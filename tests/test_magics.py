@@ -286,8 +286,8 @@ def test_bring_along_pickles_notebook_functions_by_value_and_names_what_it_canno
     import math
     import threading
 
-    from nbkit.errors import BringAlongError
     from nbkit.notebook_names import bring_along
+    from nbkit.platform.errors import BringAlongError
 
     namespace = {"m": math, "scale": 3, "lock": threading.Lock(), "lam": lambda x: x * 2}
     # as IPython defines a function in a cell: source in linecache, module __main__

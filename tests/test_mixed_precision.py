@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import nbkit
-from nbkit import compat
 from nbkit.mixed_precision import fit_for_fp16
+from nbkit.platform import compat
 
 
 def _lora_model(path: str) -> Any:
@@ -106,7 +106,7 @@ def test_sft_trainer_under_fp16_leaves_qlora_weights_fp16_ready(tiny_text_path, 
 def _groups_in_rank() -> list[str]:
     import trl.trainer.sft_trainer  # noqa: F401  (the patch waits for TRL's import)
 
-    from nbkit import patching
+    from nbkit.platform import patching
 
     return sorted({p.group for p in patching.registered() if p.is_applied})
 
@@ -150,7 +150,7 @@ import sys
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 if sys.argv[2] == "nbkit":
-    from nbkit import compat
+    from nbkit.platform import compat
     compat.enable()
 model = AutoModelForCausalLM.from_pretrained(sys.argv[1])
 sys.path.insert(0, sys.argv[3])

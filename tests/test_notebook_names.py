@@ -7,7 +7,7 @@ import pickle
 import pytest
 
 from nbkit import notebook_names
-from nbkit.errors import CellSyntaxError
+from nbkit.platform.errors import CellSyntaxError
 
 
 def test_the_names_a_cell_reads_travel_private_ones_too_but_not_ipythons():

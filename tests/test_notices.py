@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from nbkit import notices
+from nbkit.platform import notices
 
 REPO = Path(__file__).resolve().parents[1]
 RANK_LINE = "printed by the user code on a rank"
@@ -27,7 +27,7 @@ SCRIPT = textwrap.dedent(
     f"""
     import json, logging, sys
     import nbkit
-    from nbkit import notices
+    from nbkit.platform import notices
 
     log = notices.logger()
     log.handlers.clear()  # recorded here instead of written to stdout

@@ -13,8 +13,9 @@ import torch
 from PIL import Image
 
 import nbkit
-from nbkit import compat, offline, patching
+from nbkit import offline
 from nbkit.offline import MODELS, TOKEN_IDS, load_config, load_processor, resolve_model
+from nbkit.platform import compat, patching
 from nbkit.synthetic import text_dataset, vision_dataset
 
 

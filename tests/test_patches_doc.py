@@ -5,28 +5,28 @@ from __future__ import annotations
 import importlib
 from pathlib import Path
 
-from nbkit import integration, patching
+from nbkit.platform import patch_groups, patching
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "patches.md"
 
 
 def _declare_all() -> None:
-    for group in integration.GROUPS.values():
+    for group in patch_groups.GROUPS.values():
         importlib.import_module(group.module)
 
 
 def test_every_group_is_in_the_table_and_declared_where_it_says():
     _declare_all()
-    assert {p.group for p in patching.registered()} == set(integration.GROUPS)
+    assert {p.group for p in patching.registered()} == set(patch_groups.GROUPS)
     for p in patching.registered():
-        declaring = integration.GROUPS[p.group].module
+        declaring = patch_groups.GROUPS[p.group].module
         assert p.factory.__module__ == declaring, (p.target, p.factory.__module__, declaring)
 
 
 def test_docs_list_every_group_and_every_declared_patch():
     _declare_all()
     text = DOC.read_text()
-    assert integration.describe() in text and patching.describe() in text, (
+    assert patch_groups.describe() in text and patching.describe() in text, (
         "docs/patches.md is out of date: paste in the output of "
         "`python -c 'import tests.test_patches_doc as t; t.render()'`"
     )
@@ -37,5 +37,5 @@ def test_docs_list_every_group_and_every_declared_patch():
 def render() -> None:
     """Print the two tables that docs/patches.md holds."""
     _declare_all()
-    print(integration.describe())
+    print(patch_groups.describe())
     print(patching.describe())

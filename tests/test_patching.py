@@ -8,7 +8,7 @@ import types
 
 import pytest
 
-from nbkit import patching
+from nbkit.platform import patching
 
 
 @pytest.fixture
@@ -130,7 +130,13 @@ def test_import_nbkit_makes_the_triton_probe_context_free_before_torchao_can_cal
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env).stdout
     # nbkit's replacements, around torch's own (on this machine without a GPU they defer to torch),
     # and torch's NVML-based availability check, which does not poison fork.
-    assert out.split() == ["nbkit.forksafety", "torch.utils._triton", "False", "nbkit.forksafety", "1"]
+    assert out.split() == [
+        "nbkit.platform.forksafety",
+        "torch.utils._triton",
+        "False",
+        "nbkit.platform.forksafety",
+        "1",
+    ]
 
 
 _ORDER_PROBE = """

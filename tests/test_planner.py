@@ -11,8 +11,9 @@ import torch
 from transformers import LlamaConfig, Qwen3Config, Qwen3ForCausalLM, Qwen3VLConfig
 
 import nbkit
-from nbkit import compat, offline, planner
+from nbkit import offline, planner
 from nbkit.offline import load_config
+from nbkit.platform import compat
 
 GIB = 2**30
 T4 = dict(gpus=2, gpu_memory_gib=15)

@@ -1,4 +1,4 @@
-"""nbkit.platform: each host and frontend recognised from the marks it leaves (environment
+"""nbkit.platform.host: each host and frontend recognised from the marks it leaves (environment
 variables, the execution request's cell id, the parent processes, Kaggle's input folder), and the
 same answer from inside a real Jupyter kernel."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 from kernel_cells import run_cells
 
-from nbkit import platform
-from nbkit.platform import Platform, detect
+from nbkit.platform import host
+from nbkit.platform.host import Platform, detect
 
 _PLATFORM_VARIABLES = (
     "KAGGLE_KERNEL_RUN_TYPE",
@@ -109,13 +109,13 @@ def test_no_kernel_means_a_script_or_terminal_ipython_whatever_the_host():
 def test_kaggle_input_only_on_kaggle_and_only_where_the_folder_exists(tmp_path, monkeypatch):
     for name in _PLATFORM_VARIABLES:
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr(platform, "KAGGLE_INPUT", tmp_path / "input")
-    assert platform.current() == Platform("local", "script")  # pytest: no IPython shell
-    assert platform.kaggle_input() is None
+    monkeypatch.setattr(host, "KAGGLE_INPUT", tmp_path / "input")
+    assert host.current() == Platform("local", "script")  # pytest: no IPython shell
+    assert host.kaggle_input() is None
     monkeypatch.setenv("KAGGLE_KERNEL_RUN_TYPE", "Interactive")
-    assert platform.kaggle_input() is None  # no input attached: no folder
+    assert host.kaggle_input() is None  # no input attached: no folder
     (tmp_path / "input").mkdir()
-    assert platform.kaggle_input() == tmp_path / "input"
+    assert host.kaggle_input() == tmp_path / "input"
 
 
 def test_in_a_real_kernel_under_a_headless_runner_and_on_kaggle(kernel_name, tmp_path, monkeypatch):
@@ -123,10 +123,10 @@ def test_in_a_real_kernel_under_a_headless_runner_and_on_kaggle(kernel_name, tmp
         monkeypatch.delenv(name, raising=False)
     outputs = run_cells(
         {
-            "here": "import nbkit.platform, nbkit.dashboard\n"
-            "print(nbkit.platform.current(), nbkit.dashboard.display_mode())",
+            "here": "import nbkit.platform.host, nbkit.dashboard\n"
+            "print(nbkit.platform.host.current(), nbkit.dashboard.display_mode())",
             "kaggle": "%env KAGGLE_KERNEL_RUN_TYPE=Interactive\n"
-            "print(nbkit.platform.current(), nbkit.dashboard.display_mode())",
+            "print(nbkit.platform.host.current(), nbkit.dashboard.display_mode())",
         },
         tmp_path,
         kernel_name,

@@ -17,9 +17,10 @@ import pytest
 from nbformat.v4 import new_code_cell, new_notebook
 
 import nbkit
-from nbkit import config, ddp_options
-from nbkit.errors import EmulationError, ExportError, OptionsError, OptionTypeError
+from nbkit import ddp_options
 from nbkit.export import export_script
+from nbkit.platform import config
+from nbkit.platform.errors import EmulationError, ExportError, OptionsError, OptionTypeError
 from nbkit.rank_options import RankOptions
 
 

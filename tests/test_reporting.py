@@ -13,7 +13,8 @@ import torch
 from tiny_training import tiny_qwen3_trainer, train_tiny_qwen3
 
 import nbkit
-from nbkit import dashboard, patching, reporting
+from nbkit import dashboard, reporting
+from nbkit.platform import patching
 
 
 @pytest.fixture(autouse=True)

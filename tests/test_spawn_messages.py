@@ -8,7 +8,7 @@ from multiprocessing import Pipe
 
 import pytest
 
-from nbkit.errors import LaunchError, OptionsError, RankError
+from nbkit.platform.errors import LaunchError, OptionsError, RankError
 from nbkit.spawn_messages import LaunchRaised
 
 

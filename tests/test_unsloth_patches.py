@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nbkit import compat, integration, patching
+from nbkit.platform import compat, patch_groups, patching
 from nbkit.savers import unsloth as fixes
 
 # release -> (fused loss moves hidden states, TiledMLP backprops per shard, unsloth replaces TiledMLP.apply,
@@ -194,7 +194,7 @@ def stand_in(tmp_path, monkeypatch):
         return tmp_path
 
     yield make
-    integration.uninstall()
+    patch_groups.uninstall()
     for name in [n for n in sys.modules if n.split(".")[0] in ("unsloth", "unsloth_zoo")]:
         del sys.modules[name]
     fixes._unsloth_ships.cache_clear()
@@ -226,7 +226,7 @@ def _tiled_weight_grads(tiled_mlp: types.ModuleType) -> tuple[dict[str, int], di
 
 def test_fixes_applied_on_import_where_missing(stand_in, monkeypatch):
     stand_in(fixed=False)
-    integration.install("unsloth_savers")
+    patch_groups.install("unsloth_savers")
     loss_module, tiled_mlp = _import_stand_in()
     applied = patching.applied()
     assert "unsloth_zoo.fused_losses.cross_entropy_loss:UnslothFusedLoss.apply" in applied
@@ -249,7 +249,7 @@ def test_fixes_applied_on_import_where_missing(stand_in, monkeypatch):
     counts, _ = _tiled_weight_grads(tiled_mlp)
     assert set(counts.values()) == {3}
 
-    integration.uninstall()
+    patch_groups.uninstall()
     assert "apply" not in vars(tiled_mlp.TiledMLP) and "apply" not in vars(loss_module.UnslothFusedLoss)
     with pytest.raises(RuntimeError, match="TensorWrapper"):
         loss_module.unsloth_fused_ce_loss(None, hidden, weight, None, labels)
@@ -260,7 +260,7 @@ def test_fixes_applied_on_import_where_missing(stand_in, monkeypatch):
 
 def test_left_alone_where_unsloth_ships_the_fix(stand_in):
     stand_in(fixed=True)
-    integration.install("unsloth_savers")
+    patch_groups.install("unsloth_savers")
     _import_stand_in()
     assert not fixes.needs_cross_device_loss_fix()
     assert fixes.needs_tiled_mlp_fix() is False and fixes.needs_find_unused_fix() is False
@@ -341,7 +341,7 @@ def test_on_transformers_4_unsloth_keeps_its_ddp_checkpointing(stand_in, monkeyp
 
     root = stand_in(fixed=True)
     _write(root, {"unsloth/models/vision.py": _VISION})
-    integration.install("unsloth_savers")
+    patch_groups.install("unsloth_savers")
     from unsloth.models.vision import FastBaseModel
 
     monkeypatch.setenv("WORLD_SIZE", "2")
@@ -362,7 +362,7 @@ def test_dense_vision_models_keep_single_gpu_checkpointing_and_trainer_follows(
 
     root = stand_in(fixed=True)  # unsloth chooses find_unused_parameters itself: only fix 4 is nbkit's
     _write(root, {"unsloth/models/vision.py": _VISION})
-    integration.install("unsloth_savers")
+    patch_groups.install("unsloth_savers")
     from unsloth.models.vision import FastBaseModel
 
     def load(path, auto):
@@ -399,5 +399,5 @@ def test_dense_vision_models_keep_single_gpu_checkpointing_and_trainer_follows(
     assert vlm._unsloth_vlm_gc_non_reentrant is True and find_unused(vlm) is True
 
     monkeypatch.delenv("NBKIT_UNSLOTH_VLM_DDP_CHECKPOINTING")
-    integration.uninstall()
+    patch_groups.uninstall()
     assert load(tiny_vl_path, AutoModelForImageTextToText)._unsloth_vlm_gc_non_reentrant is True  # restored

@@ -30,7 +30,7 @@ otherwise pile up below it, one per step, pushing it out of view.
 
 Where the parts live: nbkit.dashboard.board (events -> state: Board, Snapshot),
 nbkit.dashboard.rendering (text, HTML, PNG), nbkit.dashboard.panels (the live HTML and widget
-panels), nbkit.dashboard.relaying (spawn mode's forwarding), nbkit.platform (who watches), and
+panels), nbkit.dashboard.relaying (spawn mode's forwarding), nbkit.platform.host (who watches), and
 here the Dashboard that ties them together.
 """
 
@@ -41,9 +41,7 @@ import sys
 import time
 from typing import Any
 
-from nbkit import notices, platform
 from nbkit.channel import Envelope, Report
-from nbkit.config import setting
 from nbkit.dashboard.board import Board, Snapshot, other_metrics
 from nbkit.dashboard.panels import HtmlPanel, LiveView, WidgetPanel
 from nbkit.dashboard.relaying import connection as relay_connection
@@ -57,8 +55,10 @@ from nbkit.dashboard.rendering import (
     summary_text,
     text_line,
 )
-from nbkit.shell import OutputCell
-from nbkit.shell import current as _shell
+from nbkit.platform import host, notices
+from nbkit.platform.config import setting
+from nbkit.platform.shell import OutputCell
+from nbkit.platform.shell import current as _shell
 from nbkit.spawn_messages import DashboardOpened
 
 __all__ = [
@@ -165,11 +165,11 @@ def _widgets_too_old(version: str) -> None:
 
 def notebook_frontend() -> bool:
     """Whether this process is a Jupyter kernel whose output a person watches live in a notebook
-    (`nbkit.platform.current().watched`: Kaggle's interactive sessions, Colab, VS Code, JupyterLab
+    (`nbkit.platform.host.current().watched`: Kaggle's interactive sessions, Colab, VS Code, JupyterLab
     and Notebook; never a kernel under papermill, nbclient, nbconvert or nbmake, where a live panel
     would only leave the log silent).
     """
-    return platform.current().watched
+    return host.current().watched
 
 
 def widget_frontend() -> bool:

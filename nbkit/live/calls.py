@@ -8,11 +8,12 @@ import time
 from collections.abc import Callable
 from typing import Any, NoReturn
 
-from nbkit import channel, notices, rankside, supervisor
-from nbkit.errors import LiveError, RankError
+from nbkit import channel, rankside, supervisor
 from nbkit.live.cell_output import CellOutput
 from nbkit.live.engines import Engines, ranks_text
 from nbkit.live.messages import CallDone, Display, Interrupted, Outcome, Output, Training
+from nbkit.platform import notices
+from nbkit.platform.errors import LiveError, RankError
 
 __all__ = ["Call"]
 

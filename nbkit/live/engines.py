@@ -21,11 +21,12 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from nbkit import channel, config, rankside, supervisor
-from nbkit.errors import LiveError
+from nbkit import channel, rankside, supervisor
 from nbkit.live import rank_side
 from nbkit.live.messages import EngineInfo, Lost, RankPlan
 from nbkit.live.relay import Relay
+from nbkit.platform import config
+from nbkit.platform.errors import LiveError
 from nbkit.rank_options import RankOptions
 
 __all__ = ["Engines", "Rank", "ranks_text"]

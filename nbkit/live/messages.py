@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from nbkit.errors import RankError
+from nbkit.platform.errors import RankError
 
 __all__ = ["CallDone", "Display", "EngineInfo", "Lost", "Outcome", "Output", "RankPlan", "Training"]
 

@@ -48,13 +48,14 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from nbkit import cells, distributed, one_gpu, rankside
-from nbkit.errors import LiveError
+from nbkit import cells, one_gpu, rankside
 from nbkit.live import rank_side
 from nbkit.live.calls import Call
 from nbkit.live.engines import Engines
 from nbkit.live.messages import Outcome
 from nbkit.live.sending import HeldNames, refuse_notebook_only
+from nbkit.platform import distributed
+from nbkit.platform.errors import LiveError
 from nbkit.rank_options import RankOptions, check_timeout
 
 __all__ = [

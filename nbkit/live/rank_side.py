@@ -34,10 +34,11 @@ from collections.abc import Callable
 from multiprocessing import connection
 from typing import Any
 
-from nbkit import channel, config, rankoutput, rankside
-from nbkit.config import setting
-from nbkit.errors import RankError
+from nbkit import channel, rankoutput, rankside
 from nbkit.live.messages import CallDone, Display, EngineInfo, Interrupted, Outcome, Output, RankPlan
+from nbkit.platform import config
+from nbkit.platform.config import setting
+from nbkit.platform.errors import RankError
 
 __all__ = ["free_port", "identify", "pull", "receive", "run_code", "run_function", "setup", "teardown"]
 
@@ -140,10 +141,11 @@ def setup(plan: RankPlan) -> str:
     )
     # A live rank's output is shown or not per call (see _call), so only the rest of a launched
     # rank's set-up applies here.
-    from nbkit import integration
+    from nbkit.platform import patch_groups
+    from nbkit.rank_side.setup import prepare_rank
 
-    integration.prepare_rank()
-    integration.install("live")  # an interrupt stops Trainer at a step every rank agrees on (nbkit.live.stopping)
+    prepare_rank()
+    patch_groups.install("live")  # an interrupt stops Trainer at a step every rank agrees on (nbkit.live.stopping)
     _namespace = {"__name__": "__main__", "__builtins__": builtins}
     return device
 

@@ -9,10 +9,11 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from nbkit import cells, notebook_names, notices
-from nbkit.errors import LiveError
+from nbkit import cells, notebook_names
 from nbkit.live import rank_side
 from nbkit.live.engines import Engines
+from nbkit.platform import notices
+from nbkit.platform.errors import LiveError
 
 __all__ = ["HeldNames", "refuse_notebook_only"]
 

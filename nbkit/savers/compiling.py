@@ -38,7 +38,7 @@ from typing import Any, cast
 
 from torch import nn
 
-from nbkit import notices
+from nbkit.platform import notices
 from nbkit.savers import checkpointing
 from nbkit.savers._model import _ENCODER_NAMES, base_model, decoder_layers
 
@@ -86,7 +86,7 @@ def enable(model: nn.Module, *, backend: str = "inductor", vision: bool = True, 
     """Compile every region of `model` (see regions()) in place with `torch.compile(backend=..., **options)`.
 
     Compilation happens on each region's first call (the first training step: tens of seconds per
-    distinct shape on a GPU); an INFO notice (nbkit.notices) says so. Replaces a previous setting of
+    distinct shape on a GPU); an INFO notice (nbkit.platform.notices) says so. Replaces a previous setting of
     this saver.
 
     Args:

@@ -61,8 +61,8 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from nbkit import patching
-from nbkit.errors import KernelsError
+from nbkit.platform import patching
+from nbkit.platform.errors import KernelsError
 from nbkit.savers._model import add_mixin, base_model, decoder_layers, has_mixin, layer_mlp, remove_mixin
 from nbkit.savers.loss import rows_per_chunk
 

@@ -48,9 +48,9 @@ from typing import Any, cast
 
 import torch
 
-from nbkit import compat, distributed, notices
-from nbkit.config import setting
-from nbkit.patching import patch
+from nbkit.platform import compat, distributed, notices
+from nbkit.platform.config import setting
+from nbkit.platform.patching import patch
 from nbkit.savers._model import base_model
 
 __all__ = [

@@ -15,8 +15,8 @@ from faultkit import assert_reruns
 
 import nbkit
 from nbkit import ddp_options, rankside, spawning
-from nbkit.errors import BringAlongError, CellSyntaxError, DatasetArgumentError, DatasetError
 from nbkit.planner import plan
+from nbkit.platform.errors import BringAlongError, CellSyntaxError, DatasetArgumentError, DatasetError
 from nbkit.rank_options import RankOptions
 
 pytestmark = pytest.mark.usefixtures("leftovers")

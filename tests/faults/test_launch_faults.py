@@ -21,7 +21,7 @@ import torch
 from faultkit import Snapshot, assert_reruns, failed_within
 
 import nbkit
-from nbkit.errors import RankError
+from nbkit.platform.errors import RankError
 
 pytestmark = pytest.mark.usefixtures("leftovers")
 

@@ -14,9 +14,9 @@ from faultkit import nothing_left
 
 import nbkit
 from nbkit import channel
-from nbkit.errors import LiveError
 from nbkit.live.messages import Lost
 from nbkit.live.relay import Relay
+from nbkit.platform.errors import LiveError
 
 
 @pytest.mark.usefixtures("leftovers")

@@ -19,7 +19,7 @@ import pytest
 from faultkit import nothing_left
 
 import nbkit
-from nbkit.errors import LiveError
+from nbkit.platform.errors import LiveError
 
 pytestmark = [pytest.mark.slow, pytest.mark.version_independent]
 

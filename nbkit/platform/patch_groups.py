@@ -1,4 +1,5 @@
-"""nbkit.install() / nbkit.uninstall(): the table of patch groups, and switching them on and off.
+"""nbkit.install() / nbkit.uninstall(): the table of patch groups, and switching them on and off (also
+importable as nbkit.integration).
 
 Every change nbkit makes to another library belongs to one group of GROUPS below, declared (with
 nbkit.patching's `@patch`) in the module the table names, next to the code it serves. This table is
@@ -17,9 +18,9 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 
-from nbkit import patching
+from nbkit.platform import patching
 
-__all__ = ["DEFAULT_GROUPS", "GROUPS", "Group", "describe", "install", "prepare_rank", "uninstall"]
+__all__ = ["DEFAULT_GROUPS", "GROUPS", "Group", "describe", "install", "uninstall"]
 
 
 @dataclass(frozen=True)
@@ -42,7 +43,7 @@ GROUPS: dict[str, Group] = {
     for g in (
         Group(
             "forksafety",
-            "nbkit.forksafety",
+            "nbkit.platform.forksafety",
             "by `import nbkit`, in every process, so that the notebook never creates a CUDA context before launching",
         ),
         Group(
@@ -93,7 +94,7 @@ GROUPS: dict[str, Group] = {
         ),
         Group(
             "compat",
-            "nbkit.compat",
+            "nbkit.platform.compat",
             "in every rank nbkit starts, on transformers/trl/peft releases older than 5 / 1 / 0.21 only: "
             "their defaults and bugs that break DDP, nbkit's chunked loss, QLoRA of a peft model or LoRA "
             "beside a newer torchao",
@@ -171,43 +172,6 @@ def install(*groups: str) -> list[str]:
     """
     names = _checked(groups or DEFAULT_GROUPS)
     return [target for name in names if _declare(GROUPS[name]) for target in patching.apply(name)]
-
-
-def prepare_rank(*, owns_exit: bool = True) -> None:
-    """What every rank nbkit starts applies before the user's code runs ("every rank nbkit starts"
-    in GROUPS: forked and spawned ranks of nbkit.launch and one-shot %%ddp, live ranks, and ranks of
-    an outside launcher running an exported script): the GPU profile NBKIT_EMULATE names (nbkit.emulate),
-    the default groups, the dashboard's reporting, complete-checkpoint markers, the fixes for older
-    transformers/trl, fp16-ready dtypes under TRL's SFTTrainer, grouped-query attention without flash
-    attention on a GPU that lacks it (nbkit.attention.needed), Trainer's DDP and data loader defaults
-    chosen for the model and machine, processors without torchvision, the FSDP set-up where the rank's
-    environment asks for the fsdp strategy (nbkit.fsdp.setup_rank), and how the rank ends
-    (nbkit.teardown): where nbkit ends the process itself (`owns_exit`, with os._exit), the teardown
-    group keeps destroyed process groups until then; a rank of an outside launcher (torchrun), which ends
-    through the interpreter's shutdown, has its groups destroyed at exit instead, before finalization could
-    abort it.
-
-    Idempotent; imports none of the patched libraries. Call it only in a training process.
-
-    Raises:
-        nbkit.errors.EmulationError: NBKIT_EMULATE names no profile.
-    """
-    from nbkit import attention, checkpoints, compat, config, distributed, emulation, fsdp, reporting, teardown
-
-    emulation.apply_from_env()  # first: a library imported later must see the profile (bf16, memory)
-    install(*DEFAULT_GROUPS, "mixed_precision", "cell_group", "trainer_defaults", "offline")
-    if attention.needed(distributed.visible_gpus(), distributed.local_rank()):
-        install("attention")
-    config.settle_fsdp_flag()  # before any library reads it: one answer to "does this rank shard?"
-    if fsdp.requested():
-        fsdp.setup_rank()
-    reporting.setup_rank()
-    checkpoints.enable()
-    compat.enable()
-    if owns_exit:
-        teardown.enable()
-    else:
-        teardown.destroy_at_exit()
 
 
 def uninstall(group: str | None = None) -> None:

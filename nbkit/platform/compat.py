@@ -15,7 +15,7 @@ from collections.abc import Callable
 from functools import lru_cache
 from typing import Any
 
-from nbkit import patching
+from nbkit.platform import patching
 
 __all__ = ["enable", "transformers_major"]
 

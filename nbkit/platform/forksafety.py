@@ -14,7 +14,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from nbkit import distributed, patching
+from nbkit.platform import distributed, patching
 
 __all__ = ["ForkBlocker", "fork_blocker", "install"]
 

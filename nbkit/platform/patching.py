@@ -7,7 +7,7 @@ is imported now and arms an import hook for the rest (a patch then waits, "pendi
 module has finished importing: nothing here imports a patched library), `revert(group)` puts back
 exactly what was there before, including "nothing" for attributes a class only inherited, and
 drops the group's pending patches. Which groups exist, which module declares each and when each is
-applied: nbkit.integration.GROUPS.
+applied: nbkit.platform.patch_groups.GROUPS.
 
 Example::
 
@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
-from nbkit import notices
+from nbkit.platform import notices
 
 __all__ = ["Patch", "applied", "apply", "describe", "patch", "pending", "registered", "revert"]
 
@@ -50,7 +50,7 @@ class Patch:
             its replacement; the registry re-wraps it the same way.
         reason: why nbkit changes the attribute (docs/patches.md shows it).
         upstream: the upstream issue or pull request that would make the patch unnecessary.
-        group: patches are applied and reverted by group (nbkit.integration.GROUPS lists them).
+        group: patches are applied and reverted by group (nbkit.platform.patch_groups.GROUPS lists them).
         when: an optional predicate; the patch is skipped where it returns False (feature detection).
         value: the attribute is a value, not a function (a class other code subclasses or calls): the
             factory's result replaces it as it is, with no switch around it; revert() puts the original back.
@@ -186,7 +186,7 @@ def patch(
         target: "module.path:Owner.attr" or "module.path:attr".
         reason: why the attribute is replaced.
         upstream: the upstream issue or pull request that would make the patch unnecessary.
-        group: the group it is applied and reverted with (one of nbkit.integration.GROUPS).
+        group: the group it is applied and reverted with (one of nbkit.platform.patch_groups.GROUPS).
         when: an optional predicate; the patch is skipped where it returns False.
         value: replace a value (a class) as it is, not a function through a switch (see Patch).
 

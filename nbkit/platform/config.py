@@ -20,7 +20,7 @@ import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
-from nbkit import notices
+from nbkit.platform import notices
 
 __all__ = [
     "EMULATE",
@@ -170,7 +170,7 @@ def settle_fsdp_flag() -> None:
 
     accelerate's Accelerator takes only "true" for FSDP while transformers (and `flag`) take 1, yes or
     on as well: settled before either reads it, every reader in the rank comes to `fsdp_rank()`'s answer.
-    Called in every rank nbkit starts (nbkit.integration.prepare_rank).
+    Called in every rank nbkit starts (nbkit.rank_side.setup.prepare_rank).
     """
     written = os.environ.get(USE_FSDP, "").strip()
     if not written:

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from nbkit import shell as nbkit_shell
+from nbkit.platform import shell as nbkit_shell
 
 __all__ = ["KAGGLE_INPUT", "Platform", "current", "detect", "kaggle_input"]
 
