@@ -36,8 +36,9 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from nbkit import channel, rankoutput, rankside
 from nbkit import dashboard as dashboards
+from nbkit import rankoutput, rankside
+from nbkit.messages import rank as channel
 from nbkit.platform import config, distributed, forksafety, notices, patching
 from nbkit.platform.config import environment
 from nbkit.platform.errors import LaunchError, RankError

@@ -33,7 +33,8 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from nbkit import callbacks, channel, dashboard
+from nbkit import callbacks, dashboard
+from nbkit.messages import rank as channel
 from nbkit.platform import distributed, patching
 from nbkit.platform import shell as nbkit_shell
 

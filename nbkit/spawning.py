@@ -18,7 +18,7 @@ parse raises CellSyntaxError pointing at its line, before anything starts. The j
 launcher process over a pipe (its stdin), never through a file, so a kernel killed mid-cell leaves
 none of the cell's values (secrets included) on disk. The ranks' reports reach this process's
 dashboard, rank 0's value comes back, and a failing rank raises the same LaunchError as fork mode
-(the messages of that pipe: nbkit.spawn_messages). Output of the ranks appears in the notebook.
+(the messages of that pipe: nbkit.messages.spawn). Output of the ranks appears in the notebook.
 
     value = run_source("model = train(lr)\\nmodel.score", globals(), RankOptions(gpus=2))
 """
@@ -44,11 +44,11 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from nbkit import cell_group, cells, dashboard, launching, rankside, supervisor
+from nbkit.messages.spawn import DashboardOpened, Envelope, Job, LaunchRaised, Report, Result
 from nbkit.notebook_names import bring_along
 from nbkit.platform import distributed, forksafety, notices
 from nbkit.platform.errors import LaunchError
 from nbkit.rank_options import RankOptions
-from nbkit.spawn_messages import DashboardOpened, Envelope, Job, LaunchRaised, Report, Result
 
 __all__ = ["run_source"]
 

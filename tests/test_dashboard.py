@@ -11,9 +11,9 @@ from dashboard_events import step_event
 from tiny_training import train_tiny_qwen3
 
 from nbkit import dashboard
-from nbkit.channel import Envelope, Report
 from nbkit.dashboard import Dashboard
-from nbkit.spawn_messages import DashboardOpened
+from nbkit.messages.rank import Envelope, Report
+from nbkit.messages.spawn import DashboardOpened
 
 
 def test_snapshot_sums_rates_averages_losses_and_keeps_peaks():

@@ -8,8 +8,8 @@ from multiprocessing import Pipe
 
 import pytest
 
+from nbkit.messages.spawn import LaunchRaised
 from nbkit.platform.errors import LaunchError, OptionsError, RankError
-from nbkit.spawn_messages import LaunchRaised
 
 
 def _through_a_pipe(exc: BaseException) -> BaseException:

@@ -41,7 +41,6 @@ import sys
 import time
 from typing import Any
 
-from nbkit.channel import Envelope, Report
 from nbkit.dashboard.board import Board, Snapshot, other_metrics
 from nbkit.dashboard.panels import HtmlPanel, LiveView, WidgetPanel
 from nbkit.dashboard.relaying import connection as relay_connection
@@ -55,11 +54,12 @@ from nbkit.dashboard.rendering import (
     summary_text,
     text_line,
 )
+from nbkit.messages.rank import Envelope, Report
+from nbkit.messages.spawn import DashboardOpened
 from nbkit.platform import host, notices
 from nbkit.platform.config import setting
 from nbkit.platform.shell import OutputCell
 from nbkit.platform.shell import current as _shell
-from nbkit.spawn_messages import DashboardOpened
 
 __all__ = [
     "Dashboard",

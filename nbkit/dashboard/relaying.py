@@ -1,7 +1,7 @@
 """Relaying: spawn mode's launcher process forwards its dashboard to the notebook's.
 
 The launcher process (nbkit.spawning) calls `relay_to(connection)`; every Dashboard it creates
-afterwards sends nbkit.spawn_messages' DashboardOpened once and each rank's event as the rank channel's
+afterwards sends nbkit.messages.spawn' DashboardOpened once and each rank's event as the rank channel's
 Envelope(rank, Report(metrics)) over that connection instead of showing anything, and the notebook
 feeds them to its own dashboard.
 """

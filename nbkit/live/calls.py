@@ -8,10 +8,11 @@ import time
 from collections.abc import Callable
 from typing import Any, NoReturn
 
-from nbkit import channel, rankside, supervisor
+from nbkit import rankside, supervisor
 from nbkit.live.cell_output import CellOutput
 from nbkit.live.engines import Engines, ranks_text
-from nbkit.live.messages import CallDone, Display, Interrupted, Outcome, Output, Training
+from nbkit.messages import rank as channel
+from nbkit.messages.live import CallDone, Display, Interrupted, Outcome, Output, Training
 from nbkit.platform import notices
 from nbkit.platform.errors import LiveError, RankError
 

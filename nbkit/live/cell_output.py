@@ -9,7 +9,7 @@ import logging
 import sys
 from typing import Any
 
-from nbkit.live.messages import Display
+from nbkit.messages.live import Display
 from nbkit.rankoutput import Prefixed
 
 __all__ = ["CellOutput"]

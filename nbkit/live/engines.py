@@ -21,10 +21,11 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from nbkit import channel, rankside, supervisor
+from nbkit import rankside, supervisor
 from nbkit.live import rank_side
-from nbkit.live.messages import EngineInfo, Lost, RankPlan
 from nbkit.live.relay import Relay
+from nbkit.messages import rank as channel
+from nbkit.messages.live import EngineInfo, Lost, RankPlan
 from nbkit.platform import config
 from nbkit.platform.errors import LiveError
 from nbkit.rank_options import RankOptions

@@ -52,8 +52,8 @@ from nbkit import cells, one_gpu, rankside
 from nbkit.live import rank_side
 from nbkit.live.calls import Call
 from nbkit.live.engines import Engines
-from nbkit.live.messages import Outcome
 from nbkit.live.sending import HeldNames, refuse_notebook_only
+from nbkit.messages.live import Outcome
 from nbkit.platform import distributed
 from nbkit.platform.errors import LiveError
 from nbkit.rank_options import RankOptions, check_timeout

@@ -34,8 +34,9 @@ from collections.abc import Callable
 from multiprocessing import connection
 from typing import Any
 
-from nbkit import channel, rankoutput, rankside
-from nbkit.live.messages import CallDone, Display, EngineInfo, Interrupted, Outcome, Output, RankPlan
+from nbkit import rankoutput, rankside
+from nbkit.messages import rank as channel
+from nbkit.messages.live import CallDone, Display, EngineInfo, Interrupted, Outcome, Output, RankPlan
 from nbkit.platform import config
 from nbkit.platform.config import setting
 from nbkit.platform.errors import RankError

@@ -1,9 +1,9 @@
 """The notebook's end of the live ranks' connections (nbkit.live): their output, dashboard events and
 end-of-call marks arrive here while a call runs, and a connection that closes says its rank died.
 
-Each rank connects once, at set-up, and writes through nbkit.channel: every message is a
+Each rank connects once, at set-up, and writes through nbkit.messages.rank: every message is a
 channel.Envelope(rank, body), the body channel.Started (its first), channel.Report (dashboard
-events) or one of nbkit.live.messages' dataclasses.
+events) or one of nbkit.messages.live' dataclasses.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import time
 from multiprocessing import connection
 from typing import cast
 
-from nbkit import channel
-from nbkit.live.messages import Lost
+from nbkit.messages import rank as channel
+from nbkit.messages.live import Lost
 
 __all__ = ["Relay"]
 

@@ -48,8 +48,9 @@ import signal
 import threading
 from typing import Any
 
-from nbkit import callbacks, channel
-from nbkit.live.messages import Training
+from nbkit import callbacks
+from nbkit.messages import rank as channel
+from nbkit.messages.live import Training
 from nbkit.platform import patching
 
 __all__ = ["StopCallback", "TrainingStopped"]  # noqa: F822 (StopCallback: built on first use)

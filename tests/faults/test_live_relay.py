@@ -13,9 +13,9 @@ import pytest
 from faultkit import nothing_left
 
 import nbkit
-from nbkit import channel
-from nbkit.live.messages import Lost
 from nbkit.live.relay import Relay
+from nbkit.messages import rank as channel
+from nbkit.messages.live import Lost
 from nbkit.platform.errors import LiveError
 
 

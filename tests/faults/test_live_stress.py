@@ -15,8 +15,8 @@ import psutil
 import pytest
 from faultkit import Kernel, still_running
 
-from nbkit import channel
 from nbkit.live.relay import Relay
+from nbkit.messages import rank as channel
 
 
 @pytest.mark.usefixtures("leftovers")

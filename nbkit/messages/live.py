@@ -2,8 +2,8 @@
 
 Calls travel through ipyparallel (its apply requests carry these dataclasses, pickled); a rank's
 output, its dashboard events and its end-of-call marks travel over the relay connection that each
-rank opens to the notebook (nbkit.channel), because they must arrive while a call still runs. The bodies
-every channel shares (Started, Report, in an Envelope naming the rank) are nbkit.channel's.
+rank opens to the notebook (nbkit.messages.rank), because they must arrive while a call still runs. The bodies
+every channel shares (Started, Report, in an Envelope naming the rank) are nbkit.messages.rank's.
 """
 
 from __future__ import annotations

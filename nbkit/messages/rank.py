@@ -15,12 +15,12 @@ Code inside a launched rank calls `send(body)`; outside a launch `connected()` i
 
 The ranks of a live set (nbkit.live) are not forked from the notebook: each connects to the
 notebook's relay listener instead and hands that connection to `attach_connection`; `send` then
-works the same way there, and the live set adds bodies of its own (nbkit.live.messages).
+works the same way there, and the live set adds bodies of its own (nbkit.messages.live).
 
 These bodies are defined here once for every channel between nbkit's processes: a live set's ranks
 send Started and Report over the relay, and spawn mode's launcher process passes Report and Result on
-to the notebook (nbkit.spawn_messages). Each channel's own messages live in one module: this one for
-launched ranks, nbkit.live.messages for a live set, nbkit.spawn_messages for spawn mode.
+to the notebook (nbkit.messages.spawn). Each channel's own messages live in one module: this one for
+launched ranks, nbkit.messages.live for a live set, nbkit.messages.spawn for spawn mode.
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ class Returned:
     """The rank's function returned; anything the rank does after this is the launcher's teardown."""
 
 
-# The bodies of a launch; a live set (nbkit.live.messages) sends bodies of its own over the same wire.
+# The bodies of a launch; a live set (nbkit.messages.live) sends bodies of its own over the same wire.
 Body = Started | Report | Result | Raised | Returned
 
 

@@ -8,7 +8,7 @@
     LaunchRaised     launcher -> notebook, last: nbkit.launch raised instead (a failed rank, an interrupt, a
                      launch that could not start)
 
-The bodies a rank sends (Envelope, Report, Result) are nbkit.channel's, defined once there and reused here.
+The bodies a rank sends (Envelope, Report, Result) are nbkit.messages.rank's, defined once there and reused here.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from nbkit.channel import Envelope, Report, Result
+from nbkit.messages.rank import Envelope, Report, Result
 from nbkit.platform.errors import LaunchError, RankError
 
 if TYPE_CHECKING:  # a Job is only built and read where these are imported already (the dashboard, which sends
