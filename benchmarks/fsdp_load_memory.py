@@ -25,7 +25,7 @@ if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
 import nbkit  # noqa: E402
-from nbkit import fsdp  # noqa: E402
+from nbkit.training import fsdp  # noqa: E402
 
 _FIX = "transformers.modeling_utils:PreTrainedModel._move_missing_keys_from_meta_to_device"
 

@@ -102,7 +102,7 @@ def _model(run: Run, path: str) -> Any:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from nbkit import fsdp, savers
+    from nbkit.training import fsdp, savers
 
     dtype = _dtype(run)
     options: dict[str, Any] = {"dtype": dtype}

@@ -51,7 +51,7 @@ def step_times(variant: str, layers: int, steps: int, warmup: int) -> list[float
     from peft import LoraConfig, get_peft_model
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from nbkit import savers
+    from nbkit.training import savers
 
     torch.set_num_threads(1)
     torch.manual_seed(0)

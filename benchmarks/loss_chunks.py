@@ -36,7 +36,7 @@ if str(ROOT) not in sys.path:  # run as a script: the package lives in ROOT
 import torch  # noqa: E402
 
 from benchmarks import host  # noqa: E402
-from nbkit.savers import liger, loss  # noqa: E402
+from nbkit.training.savers import liger, loss  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

@@ -318,7 +318,7 @@ def _trainer(launch: Launch, model: Any, seq_len: int, batch: int, steps: int, o
     if launch.trainer == "sft":
         from trl import SFTConfig, SFTTrainer
 
-        from nbkit.offline import load_processor
+        from nbkit.training.offline import load_processor
 
         args = SFTConfig(**options, dataset_kwargs={"skip_prepare_dataset": True}, max_length=None)
         return SFTTrainer(
@@ -431,7 +431,7 @@ def run(launch: Launch) -> None:
         torch.set_num_threads(1)  # forked CPU ranks: see landscape.md (fork after torch's thread pool started)
     device = torch.device("cuda", local) if cuda else torch.device("cpu")
     if launch.emulate:  # nbkit.launch's ranks already did (prepare_rank); the other launchers' did not
-        from nbkit import emulation
+        from nbkit.training import emulation
 
         emulation.apply_from_env()
     if cuda:

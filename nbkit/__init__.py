@@ -66,13 +66,13 @@ _EXPORTS: dict[str, str] = {
     "precision": "nbkit.platform.distributed",
     "visible_gpus": "nbkit.platform.distributed",
     # a smaller GPU's limits on a larger one (nbkit.emulate("T4"))
-    "emulate": "nbkit.emulation",
+    "emulate": "nbkit.training.emulation",
     # settings and patches
     "configure": "nbkit.platform.config",
     "install": "nbkit.platform.patch_groups",
     "uninstall": "nbkit.platform.patch_groups",
     # the guard and the planner
-    "resolve_device_map": "nbkit.guard",
+    "resolve_device_map": "nbkit.training.guard",
     "plan": "nbkit.planner",
     "Plan": "nbkit.planner",
     "BatchSettings": "nbkit.planner",
@@ -80,9 +80,9 @@ _EXPORTS: dict[str, str] = {
     "recipe": "nbkit.recipes",
     "Recipe": "nbkit.recipes",
     # offline models and data
-    "resolve_model": "nbkit.offline",
-    "vision_dataset": "nbkit.synthetic",
-    "text_dataset": "nbkit.synthetic",
+    "resolve_model": "nbkit.training.offline",
+    "vision_dataset": "nbkit.training.synthetic",
+    "text_dataset": "nbkit.training.synthetic",
     # live reporting
     "report": "nbkit.reporting",
     "peak_memory_gib": "nbkit.reporting",
@@ -114,11 +114,19 @@ _SUBMODULES = (
 # imports the module it names now, as the same module object, so that `from nbkit.offline import ...`, an
 # exported script's `from nbkit.cell_group import joined` and a patch of `nbkit.savers.loss` keep working.
 _MOVED: dict[str, str] = {
+    "nbkit.checkpoints": "nbkit.training.checkpoints",
     "nbkit.config": "nbkit.platform.config",
+    "nbkit.data": "nbkit.training.data",
     "nbkit.distributed": "nbkit.platform.distributed",
+    "nbkit.emulation": "nbkit.training.emulation",
     "nbkit.errors": "nbkit.platform.errors",
+    "nbkit.fsdp": "nbkit.training.fsdp",
     "nbkit.integration": "nbkit.platform.patch_groups",
+    "nbkit.models": "nbkit.training.models",
+    "nbkit.offline": "nbkit.training.offline",
     "nbkit.patching": "nbkit.platform.patching",
+    "nbkit.savers": "nbkit.training.savers",
+    "nbkit.synthetic": "nbkit.training.synthetic",
 }
 
 __all__ = sorted(_EXPORTS) + list(_SUBMODULES) + ["__version__"]

@@ -62,9 +62,9 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from nbkit import emulation
-from nbkit.offline import load_config
 from nbkit.platform import distributed
+from nbkit.training import emulation
+from nbkit.training.offline import load_config
 
 __all__ = ["LORA_TARGET_MODULES", "STRATEGIES", "BatchSettings", "Plan", "plan"]
 
@@ -420,7 +420,7 @@ def plan(
     arguments out of range, or when no GPU is visible and gpus / gpu_memory_gib were not given.
     Runs anywhere (CPU, any rank); never touches CUDA.
     """
-    from nbkit.savers import CHECKPOINTING
+    from nbkit.training.savers import CHECKPOINTING
 
     if checkpointing not in CHECKPOINTING:
         raise ValueError(f"checkpointing={checkpointing!r} is not one of {CHECKPOINTING}.")
@@ -663,8 +663,8 @@ def _estimate(
     """
     s = _Shape.of(config)
     tokens = seq_len * batch_size
-    from nbkit.savers.loss import BYTES_PER_LOGIT, rows_per_chunk
-    from nbkit.savers.tiled_mlp import automatic_tokens_per_shard, shard_count
+    from nbkit.training.savers.loss import BYTES_PER_LOGIT, rows_per_chunk
+    from nbkit.training.savers.tiled_mlp import automatic_tokens_per_shard, shard_count
 
     # What the tiled MLP will use on this GPU; one shard: the plain MLP.
     per_shard = automatic_tokens_per_shard(gpu_memory_gib * GIB, s.intermediate)

@@ -178,7 +178,7 @@ def check_strategy(strategy: Any) -> str:
 
 def check_emulate(emulate: Any) -> str:
     """The profile `emulate` names, by its own name ("t4" -> "T4"); EmulationError naming the profiles otherwise."""
-    from nbkit.emulation import PROFILES, lookup
+    from nbkit.training.emulation import PROFILES, lookup
 
     try:
         return lookup(emulate).name

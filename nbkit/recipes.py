@@ -24,9 +24,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from nbkit import emulation, models, planner, rankside
+from nbkit import planner, rankside
 from nbkit.platform import distributed
 from nbkit.platform.errors import OptionsError, StrategyError
+from nbkit.training import emulation, models
 
 __all__ = ["PRECISIONS", "Recipe", "recipe"]
 
@@ -156,7 +157,7 @@ def recipe(
     chosen = models.backend(backend)
     if strategy == "fsdp" and chosen == "unsloth":
         if backend == "unsloth":
-            from nbkit import fsdp
+            from nbkit.training import fsdp
 
             raise fsdp.unsloth_error()
         chosen = "transformers"  # "auto": unsloth has no FSDP

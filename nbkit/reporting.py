@@ -33,10 +33,11 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from nbkit import callbacks, dashboard
+from nbkit import dashboard
 from nbkit.messages import rank as channel
 from nbkit.platform import distributed, patching
 from nbkit.platform import shell as nbkit_shell
+from nbkit.training import callbacks
 
 __all__ = ["DashboardCallback", "peak_memory_gib", "report", "setup_rank", "trainer_pace"]  # noqa: F822 (DashboardCallback: built on first use)
 

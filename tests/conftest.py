@@ -40,7 +40,7 @@ def nbkit_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 @pytest.fixture(scope="session")
 def tiny_text_path(nbkit_cache: Path) -> str:
     """Local checkpoint of tiny:qwen3 (Qwen3ForCausalLM, a few hundred KB)."""
-    from nbkit.offline import resolve_model
+    from nbkit.training.offline import resolve_model
 
     return resolve_model("tiny:qwen3")
 
@@ -48,7 +48,7 @@ def tiny_text_path(nbkit_cache: Path) -> str:
 @pytest.fixture(scope="session")
 def tiny_vl_path(nbkit_cache: Path) -> str:
     """Local checkpoint of tiny:qwen3-vl (Qwen3VLForConditionalGeneration, ~1 MB)."""
-    from nbkit.offline import resolve_model
+    from nbkit.training.offline import resolve_model
 
     return resolve_model("tiny:qwen3-vl")
 

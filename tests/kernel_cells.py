@@ -12,7 +12,7 @@ from nbclient import NotebookClient
 from nbformat import NotebookNode
 from nbformat.v4 import new_code_cell, new_notebook
 
-# Warnings the libraries print into a training cell that nbkit's ranks avoid at their cause (nbkit.trainer_defaults,
+# Warnings the libraries print into a training cell that nbkit's ranks avoid at their cause (nbkit.training.trainer_defaults,
 # the ranks' OMP_NUM_THREADS, no deprecated DDP option in the notebooks): what each looks like, by what it is about.
 LIBRARY_WARNINGS = {
     "accelerate's thread note": "OMP_NUM_THREADS/MKL_NUM_THREADS unset",

@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 
 import nbkit
-from nbkit import attention
 from nbkit.platform.distributed import GPU
+from nbkit.training import attention
 
 
 @pytest.fixture

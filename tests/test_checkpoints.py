@@ -15,9 +15,9 @@ import pytest
 from tiny_training import saving_trainer
 
 import nbkit
-from nbkit import checkpoints
-from nbkit.checkpoints import MARKER, hub_mirror, is_complete, resume_point
 from nbkit.platform import host as nbkit_platform
+from nbkit.training import checkpoints
+from nbkit.training.checkpoints import MARKER, hub_mirror, is_complete, resume_point
 
 
 def _write_checkpoint(root: Path, step: int, *, marked: bool) -> Path:

@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 import nbkit
-from nbkit import dashboard, offline
+from nbkit import dashboard
 from nbkit.platform import config
+from nbkit.training import offline
 
 
 def test_settings_are_read_from_the_environment_with_defaults(monkeypatch, tmp_path):
@@ -145,7 +146,7 @@ def test_accelerates_flags_are_read_one_way(monkeypatch):
 
 
 def test_the_strategy_nbkit_set_decides_whether_a_rank_shards(monkeypatch, capsys):
-    from nbkit import fsdp, guard
+    from nbkit.training import fsdp, guard
 
     monkeypatch.delenv(config.STRATEGY, raising=False)
     monkeypatch.setenv(config.USE_FSDP, "1")  # accelerate launch --use_fsdp, spelt as transformers reads it

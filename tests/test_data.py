@@ -14,8 +14,8 @@ from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
 
 import nbkit
-from nbkit.data import image_text_dataset
 from nbkit.platform.errors import DatasetError, NbkitError
+from nbkit.training.data import image_text_dataset
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 import nbkit
-from nbkit import emulation
 from nbkit.platform import distributed, patching
 from nbkit.platform.distributed import GPU
 from nbkit.platform.errors import EmulationError
+from nbkit.training import emulation
 
 H100 = GPU(0, "NVIDIA H100 80GB HBM3", 79.6, (9, 0))
 

@@ -17,7 +17,7 @@ import torch
 from test_savers import TOLERANCE, make_batch, relative_error, tiny_model, trainable_grads
 
 import nbkit
-from nbkit import fsdp
+from nbkit.training import fsdp
 
 FSDP_ENV = {fsdp.STRATEGY_VARIABLE: "fsdp"}
 
@@ -65,7 +65,7 @@ def _sharded_step(adapter_dir: str | None, savers: dict | None, device_type: str
     device_type "cuda": NCCL, the rank's GPU, fp32 without TF32 (tests/test_fsdp_gpu.py)."""
     import torch.distributed as dist
 
-    from nbkit import savers as nbkit_savers
+    from nbkit.training import savers as nbkit_savers
 
     device = torch.device(device_type, int(os.environ.get("LOCAL_RANK", "0")) if device_type == "cuda" else None)
     if device_type == "cuda":
@@ -263,7 +263,7 @@ def _recording_loader(calls: list) -> object:
 
 @pytest.mark.parametrize("loader", ["transformers", "unsloth"])
 def test_guard_in_an_fsdp_rank_loads_for_sharding_and_refuses_unsloth(monkeypatch, loader):
-    from nbkit import guard
+    from nbkit.training import guard
 
     monkeypatch.setenv(fsdp.STRATEGY_VARIABLE, "fsdp")
     calls: list = []

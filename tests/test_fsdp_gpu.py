@@ -22,7 +22,7 @@ from test_fsdp import FSDP_ENV, _check_against_reference, _sharded_step
 from test_savers import GPU_TOLERANCE
 
 import nbkit
-from nbkit import fsdp
+from nbkit.training import fsdp
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

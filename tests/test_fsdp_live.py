@@ -15,8 +15,8 @@ import psutil
 import pytest
 
 import nbkit
-from nbkit import fsdp
 from nbkit.platform.errors import LiveError
+from nbkit.training import fsdp
 
 pytestmark = pytest.mark.slow
 
@@ -28,7 +28,7 @@ import sys
 sys.path.insert(0, tests)
 import torch
 import nbkit
-from nbkit import fsdp
+from nbkit.training import fsdp
 from tiny_training import tiny_lora, token_sequences
 
 model = tiny_lora(path)

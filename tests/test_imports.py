@@ -91,7 +91,7 @@ def test_the_walker_sees_lazy_imports():
     graph = _graph()
     assert "nbkit.platform.forksafety" in graph["nbkit"]  # importlib.import_module("nbkit.platform.forksafety")
     assert "nbkit.magics" in graph["nbkit"]  # inside load_ipython_extension
-    assert "nbkit.savers.tiled_mlp" in graph["nbkit.planner"]  # inside a function
+    assert "nbkit.training.savers.tiled_mlp" in graph["nbkit.planner"]  # inside a function
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
@@ -132,8 +132,8 @@ def test_documented_submodules_are_reachable_after_import_nbkit():
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert result.stdout.split("\n")[:2] == [
-        "nbkit.dashboard nbkit.export nbkit.savers nbkit.checkpoints nbkit.offline nbkit.platform.patching nbkit.guard "
-        "nbkit.platform.config nbkit.synthetic",
+        "nbkit.dashboard nbkit.export nbkit.training.savers nbkit.training.checkpoints nbkit.training.offline "
+        "nbkit.platform.patching nbkit.training.guard nbkit.platform.config nbkit.training.synthetic",
         "module 'nbkit' has no attribute 'not_a_module'",
     ], result.stderr[-2000:]
 
@@ -148,6 +148,8 @@ def test_the_old_paths_of_moved_modules_import_the_modules_themselves():
         "from nbkit.errors import NbkitError\n"
         "from nbkit.platform.errors import NbkitError as Moved\n"
         "assert NbkitError is Moved\n"
+        "import nbkit.savers.loss\n"
+        "assert nbkit.savers.loss is sys.modules['nbkit.training.savers.loss'] is nbkit.training.savers.loss\n"
         "for old, new in nbkit._MOVED.items():\n"
         "    module = importlib.import_module(old)\n"
         "    assert module is importlib.import_module(new) is sys.modules[old], old\n"

@@ -277,7 +277,7 @@ def test_every_group_installs_and_uninstalls_exactly_in_a_launched_rank():
     # what nbkit.launch sets up in every rank, before the user's function runs (forksafety: the
     # fixture reverted it in this process, which the rank was forked from; launch: applied in this
     # process while it starts the ranks, so a forked rank finds it applied)
-    # attention: only on a GPU without flash attention (nbkit.attention.needed), so not on CPU ranks
+    # attention: only on a GPU without flash attention (nbkit.training.attention.needed), so not on CPU ranks
     expected = {"checkpoints", "guard", "reporting", "launch", "compat", "teardown", "cell_group", "trainer_defaults"}
     expected -= _versioned_out()
     expected |= {"mixed_precision"} if trl_imported else set()
@@ -290,7 +290,7 @@ def test_every_group_installs_and_uninstalls_exactly_in_a_launched_rank():
 def test_checkpoints_enable_and_disable():
     from transformers.trainer_callback import CallbackHandler
 
-    from nbkit import checkpoints
+    from nbkit.training import checkpoints
 
     original = vars(CallbackHandler)["__init__"]
     checkpoints.enable()

@@ -15,11 +15,11 @@ import torch
 from test_savers import LANGUAGE_LINEARS, loss_and_grads, make_batch, relative_error, tiny_model
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from nbkit import savers
 from nbkit.platform import patching
 from nbkit.platform.errors import KernelsError, NbkitError
-from nbkit.savers import liger, loss
-from nbkit.savers._model import decoder_layers, layer_mlp
+from nbkit.training import savers
+from nbkit.training.savers import liger, loss
+from nbkit.training.savers._model import decoder_layers, layer_mlp
 
 
 def _classes(model: torch.nn.Module) -> list[type]:

@@ -19,9 +19,9 @@ from test_savers import GPU_TOLERANCE, LANGUAGE_LINEARS, loss_and_grads, make_ba
 from test_savers_ddp import assert_matrix_on_two_gpus
 
 import nbkit
-from nbkit import savers
 from nbkit.platform import patching
-from nbkit.savers import liger
+from nbkit.training import savers
+from nbkit.training.savers import liger
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("exact_fp32")]
 
@@ -136,7 +136,7 @@ def test_regional_compile_with_kernels_and_every_saver_across_lengths(four_bit, 
 def test_liger_loss_follows_the_rows_nbkit_gives():
     """Liger's fused loss through nbkit: the same loss and gradient in chunks of 8 rows and in one chunk,
     and one chunk of 1,024 rows holds its logits at once (the bound is honoured, not ignored)."""
-    from nbkit.savers import loss
+    from nbkit.training.savers import loss
 
     tokens, hidden_size, vocab = 1024, 256, 32_000  # Liger's own chunks: 8 rows
     g = torch.Generator(device="cuda").manual_seed(0)

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from nbkit.savers import loss as chunked
+from nbkit.training.savers import loss as chunked
 
 transformers = pytest.importorskip("transformers")
 from transformers.loss.loss_utils import ForCausalLMLoss  # noqa: E402

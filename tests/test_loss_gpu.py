@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from gpu_marks import one_gpu, two_gpus
 
-from nbkit.savers import loss as chunked
+from nbkit.training.savers import loss as chunked
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("exact_fp32")]  # the references below are plain fp32
 

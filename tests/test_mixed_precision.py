@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import nbkit
-from nbkit.mixed_precision import fit_for_fp16
 from nbkit.platform import compat
+from nbkit.training.mixed_precision import fit_for_fp16
 
 
 def _lora_model(path: str) -> Any:

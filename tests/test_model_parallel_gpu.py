@@ -44,7 +44,7 @@ def test_a_model_split_over_two_gpus_trains_in_fp16(tiny_text_path, tmp_path, fo
     from transformers import AutoConfig, AutoModelForCausalLM, Trainer, TrainingArguments
 
     import nbkit
-    from nbkit import fsdp
+    from nbkit.training import fsdp
 
     torch.manual_seed(0)
     layers = AutoConfig.from_pretrained(tiny_text_path).num_hidden_layers

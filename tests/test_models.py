@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nbkit import models
+from nbkit.training import models
 
 
 def test_auto_is_transformers_without_a_gpu_and_a_wrong_name_is_refused():

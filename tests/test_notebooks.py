@@ -16,7 +16,7 @@ import pytest
 import torch
 from kernel_cells import library_warnings
 
-from nbkit.checkpoints import is_complete
+from nbkit.training.checkpoints import is_complete
 
 NOTEBOOKS_DIR = Path(__file__).resolve().parent.parent / "notebooks"
 # The notebooks whose training cell takes its batch from the planner (Plan.batch_settings).

@@ -13,10 +13,10 @@ import torch
 from PIL import Image
 
 import nbkit
-from nbkit import offline
-from nbkit.offline import MODELS, TOKEN_IDS, load_config, load_processor, resolve_model
 from nbkit.platform import compat, patching
-from nbkit.synthetic import text_dataset, vision_dataset
+from nbkit.training import offline
+from nbkit.training.offline import MODELS, TOKEN_IDS, load_config, load_processor, resolve_model
+from nbkit.training.synthetic import text_dataset, vision_dataset
 
 
 def test_other_names_pass_through_and_typos_are_errors(tmp_path: Path) -> None:

@@ -224,7 +224,7 @@ def test_the_wheel_has_the_metadata_users_and_the_package_index_read(dist: Path)
     assert metadata["Name"] == "nbkit-ddp" and metadata["Version"] == nbkit.__version__
     assert metadata["License-Expression"] == "Apache-2.0" and metadata["License-File"] == "LICENSE"
     assert f"{info}/licenses/LICENSE" in names
-    assert "nbkit/__init__.py" in names and "nbkit/savers/__init__.py" in names
+    assert "nbkit/__init__.py" in names and "nbkit/training/savers/__init__.py" in names
     assert not any(n.startswith(("tests/", "notebooks/", "benchmarks/")) for n in names)
     requires = metadata.get_all("Requires-Dist")
     unconditional = {r for r in requires if ";" not in r}

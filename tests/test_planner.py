@@ -11,9 +11,10 @@ import torch
 from transformers import LlamaConfig, Qwen3Config, Qwen3ForCausalLM, Qwen3VLConfig
 
 import nbkit
-from nbkit import offline, planner
-from nbkit.offline import load_config
+from nbkit import planner
 from nbkit.platform import compat
+from nbkit.training import offline
+from nbkit.training.offline import load_config
 
 GIB = 2**30
 T4 = dict(gpus=2, gpu_memory_gib=15)

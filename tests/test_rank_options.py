@@ -165,7 +165,7 @@ def test_nbkit_variables_in_env_are_read_as_the_options_and_lose_to_them(capsys)
 
 
 def _rank_view() -> dict:
-    from nbkit import guard
+    from nbkit.training import guard
 
     return {
         "strategy": os.environ.get(config.STRATEGY),

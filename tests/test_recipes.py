@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import nbkit
-from nbkit import emulation
 from nbkit.platform.errors import BackendError, OptionsError, RanksError, StrategyError
+from nbkit.training import emulation
 
 # Qwen3-8B's shapes (as in notebooks/model_parallel.ipynb): ~16 GiB of 16-bit weights, more than a T4 holds.
 QWEN3_8B = dict(

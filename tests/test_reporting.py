@@ -71,7 +71,7 @@ def test_custom_loop_reports_arrive_in_order_from_every_rank(capsys):
 def test_trainer_in_a_launch_reports_every_step_and_draws_no_bars(capfd):
     import transformers.trainer  # noqa: F401  (imported once here, shared by the forked ranks)
 
-    from nbkit.offline import load_config
+    from nbkit.training.offline import load_config
 
     chance = math.log(load_config("tiny:qwen3").vocab_size)  # the loss of random weights
     callbacks = nbkit.launch(train_tiny_qwen3, gpus=2, logging_steps=2, learning_rate=1e-3)

@@ -17,10 +17,10 @@ import torch
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
 import nbkit
-from nbkit import savers
-from nbkit.savers import loss
-from nbkit.savers._model import decoder_layers, layer_mlp
-from nbkit.savers.tiled_mlp import automatic_tokens_per_shard, shard_count, tokens_per_shard
+from nbkit.training import savers
+from nbkit.training.savers import loss
+from nbkit.training.savers._model import decoder_layers, layer_mlp
+from nbkit.training.savers.tiled_mlp import automatic_tokens_per_shard, shard_count, tokens_per_shard
 
 # Every linear layer of the language model; the names do not occur in Qwen3-VL's vision tower.
 LANGUAGE_LINEARS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

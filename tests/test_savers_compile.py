@@ -20,9 +20,9 @@ from test_savers import TOLERANCE, assert_grads_match, loss_and_grads, make_batc
 from test_savers_ddp import SAVERS, _reference, _run_matrix, check_matrix
 
 import nbkit
-from nbkit import savers
-from nbkit.savers import compiling
-from nbkit.savers._model import decoder_layers
+from nbkit.training import savers
+from nbkit.training.savers import compiling
+from nbkit.training.savers._model import decoder_layers
 
 pytestmark = pytest.mark.skipif(
     not any(shutil.which(cc) for cc in ("cc", "gcc", "clang")), reason="inductor on the CPU needs a C compiler"
@@ -93,7 +93,7 @@ def test_a_checkpointed_layer_compiles_with_its_checkpoint_inside():
     # runs one compiled call with the checkpoint inside: the forward saves the layer's inputs and weights,
     # no activation (the compiled backward recomputes the layer), and the gradients are the eager model's,
     # LoRA dropout included (the recompute replays the forward's masks).
-    from nbkit.savers import checkpointing
+    from nbkit.training.savers import checkpointing
 
     model = tiny_model("qwen3", dropout=0.2).train()
     batch = make_batch(model, [24, 17], seed=5)

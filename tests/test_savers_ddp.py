@@ -29,7 +29,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.nn.parallel import DistributedDataParallel
 
 import nbkit
-from nbkit import savers
+from nbkit.training import savers
 
 # Sequence lengths of each micro-batch, per rank: the ranks differ, and so do their micro-batches.
 MICRO_BATCHES = {0: [[24, 17], [20]], 1: [[30], [16, 12]]}

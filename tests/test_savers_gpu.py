@@ -21,9 +21,9 @@ from test_savers import GPU_TOLERANCE, LANGUAGE_LINEARS, loss_and_grads, make_ba
 from test_savers_ddp import SAVERS, assert_matrix_on_two_gpus
 from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from nbkit import savers
-from nbkit.offline import load_config
-from nbkit.savers._model import decoder_layers
+from nbkit.training import savers
+from nbkit.training.offline import load_config
+from nbkit.training.savers._model import decoder_layers
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("exact_fp32")]
 
@@ -178,7 +178,7 @@ def test_automatic_tiling_reads_the_gpus_memory_or_the_emulated_ones():
     # The shard size follows what the process may use on its GPU: the card's memory, or 15 GiB under the
     # T4 profile (so an H100 standing in for a T4 tiles as the T4 would).
     import nbkit
-    from nbkit.savers.tiled_mlp import automatic_tokens_per_shard, tokens_per_shard
+    from nbkit.training.savers.tiled_mlp import automatic_tokens_per_shard, tokens_per_shard
 
     mlp = decoder_layers(tiny_model("qwen3").to("cuda"))[0].mlp
     total = torch.cuda.get_device_properties(0).total_memory
@@ -192,7 +192,7 @@ def test_automatic_tiling_reads_the_gpus_memory_or_the_emulated_ones():
 
 @one_gpu
 def test_apply_compiles_a_model_on_one_gpu_by_default_but_not_one_unsloth_loaded():
-    from nbkit.savers import compiling
+    from nbkit.training.savers import compiling
 
     model = tiny_model("qwen3").to("cuda")
     savers.apply(model)

@@ -7,7 +7,7 @@ import re
 import pytest
 from PIL import Image, ImageChops
 
-from nbkit.synthetic import NUMBERS, VISION_QUESTIONS, WORDS, text_dataset, vision_dataset
+from nbkit.training.synthetic import NUMBERS, VISION_QUESTIONS, WORDS, text_dataset, vision_dataset
 
 
 def _answer_for(prompt: str) -> str:

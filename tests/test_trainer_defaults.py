@@ -1,4 +1,4 @@
-"""Trainer's defaults in nbkit's ranks (nbkit.trainer_defaults): a peft model gets DDP's find_unused_parameters as the
+"""Trainer's defaults in nbkit's ranks (nbkit.training.trainer_defaults): a peft model gets DDP's find_unused_parameters as the
 model it wraps would, and data loaders pin no memory without an accelerator; a setting the user made is kept.
 (That a training cell then prints neither warning is tests/test_training_cell.py, in a real kernel.)"""
 
@@ -8,7 +8,7 @@ import pytest
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, TrainingArguments
 
-from nbkit.trainer_defaults import choose
+from nbkit.training.trainer_defaults import choose
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ import torch
 from gpu_marks import one_gpu
 from test_savers import GPU_TOLERANCE, loss_and_grads, make_batch, relative_error
 
-from nbkit import savers
+from nbkit.training import savers
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("exact_fp32")]
 

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from nbkit.platform import compat, patch_groups, patching
-from nbkit.savers import unsloth as fixes
+from nbkit.training.savers import unsloth as fixes
 
 # release -> (fused loss moves hidden states, TiledMLP backprops per shard, unsloth replaces TiledMLP.apply,
 #             unsloth chooses ddp_find_unused_parameters): what docs/unsloth_patches.md states.

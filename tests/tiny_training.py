@@ -69,7 +69,7 @@ def tiny_qwen3_trainer(use_cpu: bool = True, callbacks: list | None = None, **ar
     """The Trainer of train_tiny_qwen3 (max_steps 4 unless `arguments` say otherwise), not yet trained."""
     from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
-    from nbkit.offline import load_config
+    from nbkit.training.offline import load_config
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(load_config("tiny:qwen3"))

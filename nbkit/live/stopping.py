@@ -48,10 +48,10 @@ import signal
 import threading
 from typing import Any
 
-from nbkit import callbacks
 from nbkit.messages import rank as channel
 from nbkit.messages.live import Training
 from nbkit.platform import patching
+from nbkit.training import callbacks
 
 __all__ = ["StopCallback", "TrainingStopped"]  # noqa: F822 (StopCallback: built on first use)
 

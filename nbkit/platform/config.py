@@ -71,7 +71,7 @@ class Setting:
 
 
 SETTINGS: dict[str, Setting] = {
-    # What nbkit.guard does with a device map that would split a model inside a DDP rank.
+    # What nbkit.training.guard does with a device map that would split a model inside a DDP rank.
     "device_map_policy": Setting("NBKIT_DEVICE_MAP_POLICY", "data_parallel", ("data_parallel", "error")),
     # "reentrant": unsloth VLMs keep unsloth's single-GPU (reentrant, offloading) checkpointing under
     # DDP, with find_unused_parameters=False; "unsloth": unsloth's own DDP choice (non-reentrant).
@@ -194,7 +194,7 @@ def configure(**settings: str) -> dict[str, str]:
 
     Args:
         **settings: values named after the settings: device_map_policy ("data_parallel" or
-            "error"; see nbkit.guard), unsloth_vlm_ddp_checkpointing ("reentrant" or "unsloth"; see
+            "error"; see nbkit.training.guard), unsloth_vlm_ddp_checkpointing ("reentrant" or "unsloth"; see
             docs/unsloth_patches.md, fix 4), dashboard ("auto", "html", "widget", "text" or "off"),
             dashboard_interval (seconds between text lines), cache (a folder for nbkit's offline
             models), nccl_timeout (seconds a GPU rank's collective waits for a peer).

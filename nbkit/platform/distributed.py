@@ -187,7 +187,7 @@ def precision() -> str:
     Raises:
         nbkit.errors.EmulationError: NBKIT_EMULATE names no profile.
     """
-    from nbkit import emulation
+    from nbkit.training import emulation
 
     gpus = visible_gpus()
     if not gpus:

@@ -5,7 +5,7 @@
 
 Every notice nbkit gives goes through logging (warnings that a user should act on go through
 `warnings`), so a user filters them the usual way: `logging.getLogger("nbkit").setLevel(logging.WARNING)`
-hides the INFO notices, `logging.getLogger("nbkit.checkpoints")` one module's.
+hides the INFO notices, `logging.getLogger("nbkit.training.checkpoints")` one module's.
 
 Shown by default: the first logger() call gives the `nbkit` logger level INFO (unless the user set a
 level) and one handler that writes each record's message to the process's sys.stdout (INFO) or

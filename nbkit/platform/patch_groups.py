@@ -48,13 +48,13 @@ GROUPS: dict[str, Group] = {
         ),
         Group(
             "guard",
-            "nbkit.guard",
+            "nbkit.training.guard",
             "by `nbkit.install()`, which every rank nbkit starts runs: device maps that would split a model "
             "inside a DDP rank",
         ),
         Group(
             "unsloth_savers",
-            "nbkit.savers.unsloth",
+            "nbkit.training.savers.unsloth",
             "by `nbkit.install()`, which every rank nbkit starts runs; each fix only where the installed "
             "unsloth lacks it ([unsloth_patches.md](unsloth_patches.md))",
         ),
@@ -65,7 +65,7 @@ GROUPS: dict[str, Group] = {
         ),
         Group(
             "checkpoints",
-            "nbkit.checkpoints",
+            "nbkit.training.checkpoints",
             "in every rank nbkit starts, and by `nbkit.checkpoints.enable()` elsewhere "
             "(complete-checkpoint markers; `nbkit.checkpoints.disable()` reverts it)",
         ),
@@ -88,7 +88,7 @@ GROUPS: dict[str, Group] = {
         ),
         Group(
             "kernels",
-            "nbkit.savers.liger",
+            "nbkit.training.savers.liger",
             "while a model given `nbkit.savers.apply(model, kernels='liger')` exists: Liger's fused RoPE, "
             "inside that model's attention only",
         ),
@@ -107,32 +107,32 @@ GROUPS: dict[str, Group] = {
         ),
         Group(
             "mixed_precision",
-            "nbkit.mixed_precision",
+            "nbkit.training.mixed_precision",
             "in every rank nbkit starts: TRL's SFTTrainer leaves a quantised model's trainable weights in bf16 "
             "even under fp16, which the fp16 GradScaler cannot unscale",
         ),
         Group(
             "trainer_defaults",
-            "nbkit.trainer_defaults",
+            "nbkit.training.trainer_defaults",
             "in every rank nbkit starts: Trainer's find_unused_parameters for a peft model as for the model it "
             "wraps, and no pinned memory without an accelerator, where the user left them at their defaults",
         ),
         Group(
             "attention",
-            "nbkit.attention",
+            "nbkit.training.attention",
             "in every rank nbkit starts on a GPU without flash attention (a T4), and under a profile that turns "
             "flash attention off: grouped-query attention uses the memory-efficient kernel instead of seq x seq "
             "math attention",
         ),
         Group(
             "emulate",
-            "nbkit.emulation",
+            "nbkit.training.emulation",
             "by `nbkit.emulate(profile)`, and in every rank nbkit starts while NBKIT_EMULATE names a profile "
             "without bf16 (a T4)",
         ),
         Group(
             "fsdp",
-            "nbkit.fsdp",
+            "nbkit.training.fsdp",
             "in ranks of the fsdp strategy (NBKIT_STRATEGY=fsdp): peft's adapter keys under FSDP2's activation "
             "checkpointing, generation on a sharded model refused on some ranks only, save_pretrained of a sharded "
             "model refused before it writes, a sharded model trained again as it is, no zero-filled copy of the "
@@ -141,7 +141,7 @@ GROUPS: dict[str, Group] = {
         ),
         Group(
             "offline",
-            "nbkit.offline",
+            "nbkit.training.offline",
             "in every rank nbkit starts, and when nbkit.offline builds a Qwen3-VL processor, on a machine "
             "without torchvision: AutoProcessor and nbkit.offline.load_processor build an image-and-text processor",
         ),

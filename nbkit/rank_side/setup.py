@@ -4,8 +4,9 @@ spawned ranks, live ranks, and ranks of an outside launcher running an exported 
 
 from __future__ import annotations
 
-from nbkit import attention, checkpoints, emulation, fsdp, reporting, teardown
+from nbkit import reporting, teardown
 from nbkit.platform import compat, config, distributed, patch_groups
+from nbkit.training import attention, checkpoints, emulation, fsdp
 
 __all__ = ["prepare_rank"]
 
@@ -16,7 +17,7 @@ def prepare_rank(*, owns_exit: bool = True) -> None:
     an outside launcher running an exported script): the GPU profile NBKIT_EMULATE names (nbkit.emulate),
     the default groups, the dashboard's reporting, complete-checkpoint markers, the fixes for older
     transformers/trl, fp16-ready dtypes under TRL's SFTTrainer, grouped-query attention without flash
-    attention on a GPU that lacks it (nbkit.attention.needed), Trainer's DDP and data loader defaults
+    attention on a GPU that lacks it (nbkit.training.attention.needed), Trainer's DDP and data loader defaults
     chosen for the model and machine, processors without torchvision, the FSDP set-up where the rank's
     environment asks for the fsdp strategy (nbkit.fsdp.setup_rank), and how the rank ends
     (nbkit.teardown): where nbkit ends the process itself (`owns_exit`, with os._exit), the teardown

@@ -14,7 +14,7 @@ import pytest
 from tiny_training import saving_trainer
 
 import nbkit
-from nbkit.checkpoints import is_complete, resume_point
+from nbkit.training.checkpoints import is_complete, resume_point
 
 pytestmark = pytest.mark.usefixtures("leftovers")
 

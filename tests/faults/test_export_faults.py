@@ -21,7 +21,7 @@ import nbformat
 from nbclient import NotebookClient
 from nbformat.v4 import new_code_cell, new_notebook
 
-from nbkit.checkpoints import _mark_complete, is_complete, resume_point
+from nbkit.training.checkpoints import _mark_complete, is_complete, resume_point
 
 TRAIN = "%%ddp --gpus $procs --out total\nimport nbkit\nnbkit.rank() + steps"
 

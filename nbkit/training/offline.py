@@ -450,7 +450,7 @@ def _generation_config() -> Any:
 
 
 def _tokenizer_corpus() -> Iterator[list[str]]:
-    from nbkit import synthetic
+    from nbkit.training import synthetic
 
     words = _ENGLISH.split()
     yield synthetic.corpus()

@@ -262,7 +262,7 @@ def _fixes_for(profile: Profile) -> list[Callable[[], None]]:
     """
     # The modules that declare the two groups (nbkit.platform.patch_groups.GROUPS names them), imported here and not
     # through patch_groups.install: the rank set-up (nbkit.rank_side.setup) imports this module.
-    from nbkit import attention, mixed_precision  # noqa: F401  (declares the groups' patches)
+    from nbkit.training import attention, mixed_precision  # noqa: F401  (declares the groups' patches)
 
     reverts: list[Callable[[], None]] = []
     for group, lacking in (("attention", not profile.flash_attention), ("mixed_precision", not profile.bf16)):

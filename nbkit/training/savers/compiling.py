@@ -39,8 +39,8 @@ from typing import Any, cast
 from torch import nn
 
 from nbkit.platform import notices
-from nbkit.savers import checkpointing
-from nbkit.savers._model import _ENCODER_NAMES, base_model, decoder_layers
+from nbkit.training.savers import checkpointing
+from nbkit.training.savers._model import _ENCODER_NAMES, base_model, decoder_layers
 
 __all__ = ["disable", "enable", "is_enabled", "regions"]
 

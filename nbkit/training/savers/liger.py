@@ -63,8 +63,8 @@ from torch import nn
 
 from nbkit.platform import patching
 from nbkit.platform.errors import KernelsError
-from nbkit.savers._model import add_mixin, base_model, decoder_layers, has_mixin, layer_mlp, remove_mixin
-from nbkit.savers.loss import rows_per_chunk
+from nbkit.training.savers._model import add_mixin, base_model, decoder_layers, has_mixin, layer_mlp, remove_mixin
+from nbkit.training.savers.loss import rows_per_chunk
 
 __all__ = [
     "LIGER_VERSION",
@@ -282,7 +282,7 @@ def fused_linear_cross_entropy(
     compute_dtype: torch.dtype,
     rows: int | None = None,
 ) -> torch.Tensor:
-    """nbkit.savers.loss's Kernel computed by Liger's fused linear cross-entropy.
+    """nbkit.training.savers.loss's Kernel computed by Liger's fused linear cross-entropy.
 
     Takes the prepared rows (hidden [N, H] on the weight's device, labels [N] already shifted) and the
     most rows a chunk may hold (None: about 256 MiB of the 16-bit logits Liger keeps, by

@@ -51,7 +51,7 @@ import torch
 from nbkit.platform import compat, distributed, notices
 from nbkit.platform.config import setting
 from nbkit.platform.patching import patch
-from nbkit.savers._model import base_model
+from nbkit.training.savers._model import base_model
 
 __all__ = [
     "fused_loss_moves_hidden_states",
@@ -294,7 +294,7 @@ def _tiled_mlp_ddp_safe(original: Callable[..., Any]) -> Callable[..., Any]:
         ddp_backward = distributed.is_distributed() and torch.is_grad_enabled()
         if not ddp_backward or hasattr(mlp_module, "experts") or len(rest) < 2 or x.dim() < 2:
             return original(cls, mlp_forward, mlp_module, x, *rest)
-        from nbkit.savers.tiled_mlp import _TiledGrad, _TiledRun
+        from nbkit.training.savers.tiled_mlp import _TiledGrad, _TiledRun
 
         shards = max(1, min(int(rest[1]), x.shape[-2]))
         params = [p for p in mlp_module.parameters() if p.requires_grad]

@@ -41,8 +41,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from nbkit.savers import tiled_mlp
-from nbkit.savers._model import add_mixin, base_model, decoder_layers, has_mixin, remove_mixin
+from nbkit.training.savers import tiled_mlp
+from nbkit.training.savers._model import add_mixin, base_model, decoder_layers, has_mixin, remove_mixin
 
 __all__ = ["HostOffloader", "compile_checkpointed", "disable", "drop_compiled", "enable", "is_checkpointed"]
 

@@ -342,14 +342,14 @@ def _ranks_missing(timeout: float) -> list[int]:
 
     store = dist.distributed_c10d._get_default_store()  # the rendezvous store every rank shares
     me, world = dist.get_rank(), dist.get_world_size()
-    calls = store.add(f"nbkit/fsdp/generate/{me}", 1)
+    calls = store.add(f"nbkit/training/fsdp/generate/{me}", 1)
     deadline = time.monotonic() + timeout
     while True:
-        missing = [r for r in range(world) if r != me and store.add(f"nbkit/fsdp/generate/{r}", 0) < calls]
+        missing = [r for r in range(world) if r != me and store.add(f"nbkit/training/fsdp/generate/{r}", 0) < calls]
         if not missing:
             return []
         if time.monotonic() > deadline:
-            store.add(f"nbkit/fsdp/generate/{me}", -1)
+            store.add(f"nbkit/training/fsdp/generate/{me}", -1)
             return missing
         time.sleep(0.05)
 

@@ -63,7 +63,7 @@ def load(name: str, backend: str, *, load_in_4bit: bool, dtype: Any, max_seq_len
     """
     if backend == "unsloth":
         import unsloth  # noqa: F401  # first, before reading the config imports transformers: it patches it on import
-    from nbkit import offline
+    from nbkit.training import offline
 
     loader = load_vision if _has_vision(offline.load_config(name)) else load_text
     return loader(name, backend, load_in_4bit=load_in_4bit, dtype=dtype, max_seq_length=max_seq_length)
@@ -78,7 +78,7 @@ def load_vision(
     nbkit.offline.load_processor (AutoProcessor, also where torchvision is missing) and
     AutoModelForImageTextToText in `dtype`, 4-bit through bitsandbytes where `load_in_4bit`.
     """
-    from nbkit import offline
+    from nbkit.training import offline
 
     path = offline.resolve_model(name)
     if backend == "unsloth":
@@ -104,7 +104,7 @@ def load_text(
     unsloth: FastLanguageModel.from_pretrained. transformers: the tokenizer and AutoModelForCausalLM in `dtype`, 4-bit
     through bitsandbytes where `load_in_4bit`.
     """
-    from nbkit import offline
+    from nbkit.training import offline
 
     path = offline.resolve_model(name)
     if backend == "unsloth":
@@ -139,7 +139,7 @@ def add_lora(model: Any, backend: str, *, r: int = 16, lora_alpha: int = 16, ran
     get_peft_model, then nbkit.savers.apply with Liger's kernels and compilation where they run (a GPU), which is
     what unsloth brings itself.
     """
-    from nbkit import savers
+    from nbkit.training import savers
 
     vision = _has_vision(model.config)
     if backend == "unsloth":

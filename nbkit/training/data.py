@@ -53,7 +53,7 @@ def image_text_dataset(
 
     _check(n, split)
     if name == SYNTHETIC:
-        from nbkit.synthetic import vision_dataset
+        from nbkit.training.synthetic import vision_dataset
 
         rows = vision_dataset(n, seed=seed, image_size=image_size)
         return datasets.Dataset.from_list(
@@ -90,7 +90,7 @@ def chat_dataset(name: str, n: int, *, split: str = "train", seed: int = 0) -> l
     """
     _check(n, split)
     if name == SYNTHETIC:
-        from nbkit.synthetic import text_dataset
+        from nbkit.training.synthetic import text_dataset
 
         return [{"messages": row["messages"][:2]} for row in text_dataset(n, seed=seed)]
     loaded = _load(name, split, n)

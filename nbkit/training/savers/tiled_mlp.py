@@ -43,8 +43,8 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from nbkit import emulation
-from nbkit.savers._model import add_mixin, base_model, decoder_layers, has_mixin, layer_mlp, remove_mixin
+from nbkit.training import emulation
+from nbkit.training.savers._model import add_mixin, base_model, decoder_layers, has_mixin, layer_mlp, remove_mixin
 
 __all__ = ["automatic_tokens_per_shard", "disable", "enable", "is_tiled", "shard_count", "splits", "tokens_per_shard"]
 

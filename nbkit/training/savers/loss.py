@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nbkit.platform import compat
-from nbkit.savers._model import base_model
+from nbkit.training.savers._model import base_model
 
 __all__ = ["BYTES_PER_LOGIT", "Kernel", "apply", "is_applied", "linear_cross_entropy", "remove", "rows_per_chunk"]
 

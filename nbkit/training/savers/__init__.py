@@ -29,11 +29,11 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from nbkit.savers import checkpointing as _checkpointing
-from nbkit.savers import compiling as _compiling
-from nbkit.savers import liger as _liger
-from nbkit.savers import tiled_mlp as _tiled_mlp
-from nbkit.savers._model import base_model, decoder_layers
+from nbkit.training.savers import checkpointing as _checkpointing
+from nbkit.training.savers import compiling as _compiling
+from nbkit.training.savers import liger as _liger
+from nbkit.training.savers import tiled_mlp as _tiled_mlp
+from nbkit.training.savers._model import base_model, decoder_layers
 
 __all__ = ["CHECKPOINTING", "apply", "remove"]
 
@@ -158,7 +158,7 @@ def apply(
                 _liger.enable(base)
             kernel = _liger.fused_linear_cross_entropy
         if wanted.chunked_loss:
-            from nbkit.savers import loss
+            from nbkit.training.savers import loss
 
             # given as is: it also hooks the peft wrapper (older peft skips the inner hooks)
             loss.apply(model, kernel=kernel)
@@ -182,7 +182,7 @@ def remove(model: nn.Module) -> nn.Module:
         return model
     _disable(base)
     if current.chunked_loss:
-        from nbkit.savers import loss
+        from nbkit.training.savers import loss
 
         loss.remove(base)
     del base._nbkit_savers

@@ -24,11 +24,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from nbkit import fsdp
 from nbkit.platform import distributed, notices
 from nbkit.platform.config import fsdp_rank, setting
 from nbkit.platform.errors import DeviceMapError
 from nbkit.platform.patching import patch
+from nbkit.training import fsdp
 
 if TYPE_CHECKING:
     from nbkit import planner
@@ -306,7 +306,7 @@ def _check_fits_one_gpu(values: dict[str, Any], loader: _Loader, quantized: bool
     if source is None:
         return
     from nbkit import planner
-    from nbkit.offline import load_config
+    from nbkit.training.offline import load_config
 
     hub = {k: values[k] for k in _HUB_KWARGS if values.get(k) is not None}
     seq_len = int(values.get("max_seq_length") or FIT_CHECK_SEQ_LEN)

@@ -57,9 +57,9 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from nbkit import callbacks
 from nbkit.platform import distributed, host, notices, patching
 from nbkit.platform.errors import CheckpointError
+from nbkit.training import callbacks
 
 __all__ = [  # noqa: F822 (names built on first use, see __getattr__)
     "MARKER",
