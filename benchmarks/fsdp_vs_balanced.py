@@ -12,7 +12,7 @@ sequence length and examples per optimizer step:
 
 Both use nbkit's chunked loss (no full logits), the planner's assumption. `--t4` is the T4 profile: fp16,
 each GPU capped at 15 GiB (torch's per-process memory fraction; NBKIT_EMULATE=T4 is also set for what the
-ranks read of it). The ranks get nbkit's allocator settings (nbkit.rankside.allocator_environment); the
+ranks read of it). The ranks get nbkit's allocator settings (nbkit.launching.rank_contract.allocator_environment); the
 balanced process is given the same, so that both sides run on the same allocator. The sequences come from a
 pool of one step's worth, drawn again every step, so that a run that trains shows a falling loss.
 
@@ -56,7 +56,7 @@ import torch  # noqa: E402
 
 from benchmarks import batches, gpu_state, host, measures  # noqa: E402
 from benchmarks.trainer_bench import TEXT_LORA, _timer_callback  # noqa: E402
-from nbkit import rankside  # noqa: E402
+from nbkit.launching import rank_contract  # noqa: E402
 
 T4_MEMORY_GIB = 15.0
 LORA_RANK = 16
@@ -164,7 +164,7 @@ def _train(run: Run, path: str, per_step: int) -> dict:
         "grad_norms": [e.get("grad_norm") for e in logged],
         # fp16: the loss scale after the run (65536 halved once per skipped step) and the allocator settings
         "loss_scale": None if scaler is None else scaler.get_scale(),
-        "alloc_conf": os.environ.get(rankside.ALLOC_CONF),
+        "alloc_conf": os.environ.get(rank_contract.ALLOC_CONF),
         "window": phases.window,
         "profile": profiler.summary,
         "memory": [{**phases.loading[i], **_train_memory(each)} if cuda else None for i, each in enumerate(devices)],
@@ -517,7 +517,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for mode in args.modes.split(","):
         if mode == "balanced":  # the allocator settings nbkit gives its ranks, for a like-for-like comparison
-            os.environ.update(rankside.allocator_environment(os.environ))
+            os.environ.update(rank_contract.allocator_environment(os.environ))
         run = Run(
             mode,
             args.model,

@@ -1,11 +1,11 @@
-"""What the per-step stop agreement of a live set costs (nbkit.live.stopping).
+"""What the per-step stop agreement of a live set costs (nbkit.rank_side.live_stopping).
 
     python benchmarks/stop_agreement.py [--gpus 2] [--steps 300] [--elements 1000000] [--out stop_agreement.json]
 
 Runs --gpus ranks under nbkit.launch (gloo on CPUs; on GPUs nccl, one per GPU). Each "step" stands in for a
 DDP optimizer step: an all-reduce of --elements float32 values on the default group (the gradient
 all-reduce; on GPUs followed by a CUDA synchronize), then, in the measured variant, the agreement exactly
-as a live rank runs it at on_step_end (nbkit.live.stopping._Run.step_end: wait for the previous step's
+as a live rank runs it at on_step_end (nbkit.rank_side.live_stopping._Run.step_end: wait for the previous step's
 flag all-reduce on the run's gloo group, start this step's). Reports, on rank 0, per step: the host time
 spent inside step_end (median, p90, max, in microseconds; and of it the wait for the previous step's
 flag, timed on its own just before), the step's wall time with and without the agreement (medians,
@@ -35,7 +35,7 @@ def measure(steps: int, elements: int) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
-    from nbkit.live import stopping
+    from nbkit.rank_side import live_stopping
 
     cuda = torch.cuda.is_available()
     if cuda:
@@ -44,7 +44,7 @@ def measure(steps: int, elements: int) -> dict[str, Any]:
         dist.init_process_group("nccl" if cuda else "gloo")
     grads = torch.ones(elements, device="cuda" if cuda else "cpu")
     made = time.perf_counter()
-    run = stopping._Run()
+    run = live_stopping._Run()
     group_ms = (time.perf_counter() - made) * 1000
     control = SimpleNamespace(should_training_stop=False)
     inside: list[float] = []
@@ -69,7 +69,7 @@ def measure(steps: int, elements: int) -> dict[str, Any]:
             (with_agreement if agree else without).append((time.perf_counter() - start) * 1e3)
         if agree:  # the last flag all-reduce in flight is read before the next block without agreement
             run.end(failed=False)
-            run = stopping._Run()
+            run = live_stopping._Run()
     run.end(failed=False)
     assert not control.should_training_stop
     inside_us, waited_us = step_stats(inside), step_stats(waited)

@@ -34,7 +34,7 @@ __version__ = "0.2.0"
 # public name -> module that defines it
 _EXPORTS: dict[str, str] = {
     # launching
-    "launch": "nbkit.launching",
+    "launch": "nbkit.launching.fork",
     # what a %%ddp cell does, for scripts too
     "run_cell": "nbkit.cellrun",
     # live sets: processes that stay up across cells
@@ -84,8 +84,8 @@ _EXPORTS: dict[str, str] = {
     "vision_dataset": "nbkit.training.synthetic",
     "text_dataset": "nbkit.training.synthetic",
     # live reporting
-    "report": "nbkit.reporting",
-    "peak_memory_gib": "nbkit.reporting",
+    "report": "nbkit.rank_side.reporting",
+    "peak_memory_gib": "nbkit.rank_side.reporting",
     # diagnostics
     "doctor": "nbkit.diagnostics",
 }
@@ -114,6 +114,7 @@ _SUBMODULES = (
 # imports the module it names now, as the same module object, so that `from nbkit.offline import ...`, an
 # exported script's `from nbkit.cell_group import joined` and a patch of `nbkit.savers.loss` keep working.
 _MOVED: dict[str, str] = {
+    "nbkit.cell_group": "nbkit.rank_side.cell_group",
     "nbkit.checkpoints": "nbkit.training.checkpoints",
     "nbkit.config": "nbkit.platform.config",
     "nbkit.data": "nbkit.training.data",

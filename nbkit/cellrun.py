@@ -6,9 +6,9 @@ The %%ddp magic (nbkit.magics) parses its line and calls this; everything it dec
       -> a live set runs (nbkit.live.current())  -> LiveRanks.exec on it (names sent: nbkit.notebook_names)
       -> a live set ended after a failure         -> LiveError: its names are gone (nothing runs one-shot)
       -> no live set, forking works               -> nbkit.launch of the code (fork: every name shared)
-      -> no live set, forking blocked, or spawn   -> nbkit.spawning.run_source (fresh processes)
+      -> no live set, forking blocked, or spawn   -> nbkit.launching.spawn.run_source (fresh processes)
 
-Ranks' tracebacks start at the cell's code: nbkit.rankside.rank_traceback leaves out the frames of
+Ranks' tracebacks start at the cell's code: nbkit.launching.rank_contract.rank_traceback leaves out the frames of
 this module and of the other plumbing between a rank's entry point and the cell.
 """
 
@@ -19,10 +19,11 @@ import numbers
 from collections.abc import Iterable
 from typing import Any
 
-from nbkit import cell_group, cells, one_gpu
+from nbkit import cells, one_gpu
+from nbkit.launching.rank_options import RankOptions
 from nbkit.platform import distributed, forksafety
 from nbkit.platform.errors import LiveError, OptionsError, OptionTypeError
-from nbkit.rank_options import RankOptions
+from nbkit.rank_side import cell_group
 
 __all__ = ["run_cell", "run_cell_with"]
 
@@ -52,7 +53,7 @@ def run_cell(
             or those the code reads (spawn); a live set gets those the code reads (nbkit.notebook_names).
         gpus: processes to start (None: one per visible GPU), as in nbkit.launch.
         env: environment variables for the processes.
-        spawn: start fresh processes even where forking would work (nbkit.spawning).
+        spawn: start fresh processes even where forking would work (nbkit.launching.spawn).
         strategy: "ddp" or "fsdp" (None: "ddp"), as in nbkit.launch.
         emulate: a GPU profile for the ranks to emulate, as in nbkit.launch.
         (gpus, env, spawn, strategy and emulate start processes: refused while a live set runs.)
@@ -69,7 +70,7 @@ def run_cell(
     Raises:
         CellSyntaxError: the code does not parse (before anything runs).
         OptionsError (a ValueError): an option that does not fit: one out of range or of the wrong
-            type (nbkit.rank_options, the same message as nbkit.launch / nbkit.start give), process
+            type (nbkit.launching.rank_options, the same message as nbkit.launch / nbkit.start give), process
             options on a live set, a rank the set does not have, `ranks` without a live set.
         LiveError: a rank failed on the live set, or a live set ended after a failure and its
             names are gone (nbkit.live.forget_ended() makes cells one-shot again).
@@ -184,8 +185,8 @@ def _chosen_ranks(ranks: Any) -> list[int] | None:
 
 
 def _one_shot(code: str, namespace: dict[str, Any], filename: str, options: RankOptions) -> Any:
-    from nbkit import spawning
-    from nbkit.launching import launch_with
+    from nbkit.launching import spawn as spawning
+    from nbkit.launching.fork import launch_with
 
     visible = distributed.visible_gpus()
     if len(visible) == 1:  # Colab: what one-shot cells do there, once

@@ -1,6 +1,6 @@
 """Reading notebook cells as Python: which names a piece of code needs, and running a cell.
 
-Shared by %%ddp (fork and spawn modes: nbkit.magics, nbkit.spawning) and the script exporter
+Shared by %%ddp (fork and spawn modes: nbkit.magics, nbkit.launching.spawn) and the script exporter
 (nbkit.export). The analysis is syntactic (ast): it sees the names code reads and binds, not what
 it does at run time; callers use it to decide what to bring along and treat names it reports as
 needed but that do not exist as "not ours" (builtins, or defined by the code itself later).

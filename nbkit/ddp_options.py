@@ -7,7 +7,7 @@ magic accepts is read the same way by both, and `import nbkit.export` never impo
     opts.setup.gpus, opts.out, opts.setup.env_dict()     # 2, "loss", {"A": "1", "B": "2"}
 
 The options that set up the ranks (--gpus, --timeout, --env, --strategy, --emulate, --all-ranks,
---spawn) become one nbkit.rank_options.RankOptions, checked there as nbkit.launch checks its arguments
+--spawn) become one nbkit.launching.rank_options.RankOptions, checked there as nbkit.launch checks its arguments
 (the same messages); `parse_start` returns one for `%ddp start`.
 
 `--rank N [N ...]` runs the cell on those ranks of the live set only (`%ddp start`); a one-shot
@@ -15,7 +15,7 @@ The options that set up the ranks (--gpus, --timeout, --env, --strategy, --emula
 that runs on some of them only would leave the others waiting. `--resend [NAME ...]` sends notebook
 names to the live set's ranks again although they hold those objects already (a one-shot %%ddp
 always uses the current values, so there it changes nothing). `--strategy {ddp,fsdp}` and
-`--emulate PROFILE` reach the ranks' environment (nbkit.rankside.rank_environment) of a one-shot run;
+`--emulate PROFILE` reach the ranks' environment (nbkit.launching.rank_contract.rank_environment) of a one-shot run;
 on a running live set they are refused, as --gpus is.
 
 `-h` anywhere raises HelpShown with the option list (one line per option), which the magics print;
@@ -30,8 +30,8 @@ import shlex
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from nbkit.launching.rank_options import RankOptions
 from nbkit.platform.errors import OptionsError
-from nbkit.rank_options import RankOptions
 
 __all__ = [
     "DdpOptions",

@@ -47,8 +47,8 @@ from pathlib import Path
 from typing import Any
 
 from nbkit import cells, ddp_options
+from nbkit.launching.rank_options import RankOptions
 from nbkit.platform.errors import ExportError
-from nbkit.rank_options import RankOptions
 
 __all__ = ["export_script"]
 

@@ -29,7 +29,7 @@ holds the routing between live set, fork and spawn) and stores --out; `-h` after
     %ddp start with them); a --rank the set does not have, and a cell that does not parse
     (CellSyntaxError, its line and Python's reason), fail before anything runs. The stop button
     during trainer.train() stops training at a step every rank agrees on and keeps the set
-    (nbkit.live.stopping). A --rank cell must not call a collective (trainer.evaluate(),
+    (nbkit.rank_side.live_stopping). A --rank cell must not call a collective (trainer.evaluate(),
     dist.barrier(), all_reduce): the other ranks never join it, and it waits until an interrupt or
     --timeout ends the set.
 
@@ -47,7 +47,7 @@ holds the routing between live set, fork and spawn) and stores --out; `-h` after
     - spawn: when this notebook process can no longer fork working training processes (CUDA is
       initialised here, bitsandbytes is imported, or an accelerate state exists) -- or with
       --spawn -- fresh processes run the cell's source instead, bringing along the modules,
-      notebook functions/classes and picklable values the cell uses (nbkit.spawning). It prints
+      notebook functions/classes and picklable values the cell uses (nbkit.launching.spawn). It prints
       one line naming the reason and what it brought along; a name that cannot be brought along
       raises an error naming it.
     --rank is refused here: the processes end with the cell, and a cell that runs on some of them
@@ -255,7 +255,7 @@ def _magic_words(message: str) -> str:
     """
     import dataclasses
 
-    from nbkit.rank_options import RankOptions
+    from nbkit.launching.rank_options import RankOptions
 
     name, sep, rest = message.partition(" must ")
     if sep and name in {f.name for f in dataclasses.fields(RankOptions)}:

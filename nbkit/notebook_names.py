@@ -35,7 +35,8 @@ from typing import Any
 
 import cloudpickle
 
-from nbkit import cells, rankside
+from nbkit import cells
+from nbkit.launching import rank_contract
 from nbkit.platform.errors import BringAlongError
 
 __all__ = ["BroughtAlong", "NotebookPickler", "bring_along", "needed", "pickle_value", "sent_each_time", "travels"]
@@ -163,7 +164,7 @@ class NotebookPickler(cloudpickle.Pickler):
             if isinstance(obj, types.FunctionType):
                 self.globals_read |= _names_read(obj.__code__) & self.namespace.keys()
                 self.filenames.add(obj.__code__.co_filename)
-        reduction = rankside.cpu_reduction(obj)
+        reduction = rank_contract.cpu_reduction(obj)
         return reduction if reduction is not NotImplemented else super().reducer_override(obj)
 
 

@@ -24,7 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from nbkit import planner, rankside
+from nbkit import planner
+from nbkit.launching import rank_contract
 from nbkit.platform import distributed
 from nbkit.platform.errors import OptionsError, StrategyError
 from nbkit.training import emulation, models
@@ -151,7 +152,7 @@ def recipe(
     if emulate is not None:
         emulation.emulate(emulate)
     visible = distributed.visible_gpus()
-    gpus = rankside.count_ranks(gpus, visible, api="nbkit.recipe")[1]
+    gpus = rank_contract.count_ranks(gpus, visible, api="nbkit.recipe")[1]
     if strategy not in ("ddp", "fsdp"):
         raise OptionsError(f"strategy must be 'ddp' or 'fsdp', not {strategy!r}.")
     chosen = models.backend(backend)

@@ -34,7 +34,7 @@ def training(trainer: Any, stats: Any, resumed_from: str | None) -> dict[str, An
         single step, the steady figures fall back to the mean (tokens/s then None). Call it on any rank;
         each returns its own figures.
     """
-    from nbkit.reporting import peak_memory_gib, trainer_pace
+    from nbkit.rank_side.reporting import peak_memory_gib, trainer_pace
 
     state = trainer.state
     steps_run = state.global_step - (int(str(resumed_from).rsplit("-", 1)[1]) if resumed_from else 0)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "architecture.md"
-# A table row starts with the module's path: | `nbkit/live/rank_side.py` | ...
+# A table row starts with the module's path: | `nbkit/rank_side/live_engine.py` | ...
 _ROW = re.compile(r"^\| `(nbkit/[\w/]+\.py)` \|", re.MULTILINE)
 # Any path into the repository the page names, in a table or in prose.
 _PATH = re.compile(r"(?<![\w/.])((?:nbkit|tests|docs|notebooks|benchmarks)/[\w/.-]*[\w/])")

@@ -315,7 +315,7 @@ def test_a_run_killed_during_a_save_resumes_from_the_last_complete_checkpoint(tm
         nbkit.launch(_train, path, str(out), 8, 6, gpus=2)
     assert "nbkit: no checkpoint in" in capfd.readouterr().out
     assert (out / "checkpoint-4" / MARKER).is_file(), (
-        "Trainers in launched ranks mark no checkpoint: nbkit.launching._prepare_rank must call "
+        "Trainers in launched ranks mark no checkpoint: nbkit.launching.fork._prepare_rank must call "
         "nbkit.checkpoints.enable()"
     )
     # checkpoint-2 was rotated away once checkpoint-4 was complete; checkpoint-6 is fully written

@@ -62,7 +62,9 @@ _COMPUTED_READS = {
     ("distributed.py", "_env_int"): lambda: ("RANK", "LOCAL_RANK", "WORLD_SIZE"),  # torchrun's
     ("distributed.py", "launched"): lambda: ("RANK", "WORLD_SIZE", "MASTER_ADDR"),  # torch's env:// rendezvous
     ("diagnostics.py", "_secrets"): lambda: importlib.import_module("nbkit.diagnostics").SECRET_NAMES,
-    ("rankside.py", "nccl_environment"): lambda: importlib.import_module("nbkit.rankside")._NCCL_ERROR_HANDLING,
+    ("rank_contract.py", "nccl_environment"): lambda: (
+        importlib.import_module("nbkit.launching.rank_contract")._NCCL_ERROR_HANDLING
+    ),
 }
 
 

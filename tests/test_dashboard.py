@@ -214,7 +214,7 @@ def test_a_relaying_dashboard_sends_typed_messages_and_knows_how_the_notebook_sh
     from multiprocessing import Pipe
 
     reader, writer = Pipe(duplex=False)
-    monkeypatch.setenv("NBKIT_DASHBOARD", "html")  # as nbkit.spawning sets it for its launcher process
+    monkeypatch.setenv("NBKIT_DASHBOARD", "html")  # as nbkit.launching.spawn sets it for its launcher process
     dashboard.relay_to(writer)
     try:
         board = Dashboard(2)

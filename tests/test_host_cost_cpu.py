@@ -78,7 +78,7 @@ def test_counts_trl_metric_gathers_and_nbkit_reads_per_step(tmp_path):
     def calls(row: dict, caller: str, name: str = "") -> float:
         return sum(v for k, v in row["value_reads_by_origin_per_step"].items() if caller in k and k.startswith(name))
 
-    assert calls(sft, "nbkit/reporting.py", "item") == 1
+    assert calls(sft, "nbkit/rank_side/reporting.py", "item") == 1
     assert calls(hf, "nbkit/") == 0
     assert not any("nbkit/" in k for k in sft["by_origin_per_step"] if k.startswith("c10d op"))
     assert calls(hf, "transformers/trainer.py", "__bool__") == 2  # torch.isnan / isinf of the loss

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import nbkit
-from nbkit import supervisor
+from nbkit.launching import supervisor
 
 
 def _alive(pid: int) -> bool:

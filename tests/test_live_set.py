@@ -176,7 +176,7 @@ def test_display_of_the_shown_rank_reaches_the_notebook(ranks, capsys):
 def test_stop_leaves_nothing_and_later_calls_say_so(ranks):
     live = ranks  # the module's set, stopped here (the tests before this one use it)
     # A DDP model that has just gathered a value stays on the ranks: their ends must not run its
-    # destructors (nbkit.teardown), and each rank ends by itself, at once.
+    # destructors (nbkit.rank_side.teardown), and each rank ends by itself, at once.
     live.exec(
         "import torch, torch.distributed as dist\nfrom torch.nn.parallel import DistributedDataParallel\n"
         "ddp = DistributedDataParallel(torch.nn.Linear(4, 2))\nddp(torch.ones(2, 4)).sum().backward()\n"

@@ -1,5 +1,5 @@
 """What one-shot ranks print reaches the stdout they share as it is printed, in whole lines
-(nbkit.rankoutput.write_whole_lines), whether torchrun runs them or a script's nbkit.launch starts
+(nbkit.rank_side.output.write_whole_lines), whether torchrun runs them or a script's nbkit.launch starts
 them. Unbuffered (torchrun starts its ranks so), print wrote a line's text and its newline apart,
 and another rank's line could land in between (an exported script's printed result came out
 unparsable under torchrun)."""

@@ -1,4 +1,4 @@
-"""How ranks are set up (nbkit.rank_options): every way in refuses a bad option with one message, and the
+"""How ranks are set up (nbkit.launching.rank_options): every way in refuses a bad option with one message, and the
 options nbkit sets win over a user's `env`, with a notice naming the variable.
 
 The ways in: nbkit.launch, nbkit.run_cell (fork and spawn), nbkit.start, nbkit.connect, the `%%ddp` and
@@ -19,9 +19,9 @@ from nbformat.v4 import new_code_cell, new_notebook
 import nbkit
 from nbkit import ddp_options
 from nbkit.export import export_script
+from nbkit.launching.rank_options import RankOptions
 from nbkit.platform import config
 from nbkit.platform.errors import EmulationError, ExportError, OptionsError, OptionTypeError
-from nbkit.rank_options import RankOptions
 
 
 def _message(call) -> tuple[type, str]:

@@ -1,4 +1,4 @@
-"""nbkit.supervisor: one cause, one story, whichever way the ranks were started.
+"""nbkit.launching.supervisor: one cause, one story, whichever way the ranks were started.
 
 Real processes on gloo: a rank that the kernel's OOM killer would end (SIGKILL) is named with the
 same cause line and the same advice in a forked launch, a spawned launch and a live set. stop(), the
@@ -16,9 +16,9 @@ import time
 import pytest
 
 import nbkit
-from nbkit import spawning, supervisor
-from nbkit.rank_options import RankOptions
-from nbkit.supervisor import ExitStatus
+from nbkit.launching import spawn, supervisor
+from nbkit.launching.rank_options import RankOptions
+from nbkit.launching.supervisor import ExitStatus
 
 # rank 1 dies as the OOM killer ends a process, while rank 0 waits for it in a collective
 _CELL = (
@@ -41,7 +41,7 @@ def _forked() -> str:
 
 def _spawned() -> str:
     with pytest.raises(nbkit.LaunchError) as caught:
-        spawning.run_source(_CELL, {}, RankOptions(gpus=2, dashboard=False))
+        spawn.run_source(_CELL, {}, RankOptions(gpus=2, dashboard=False))
     return str(caught.value)
 
 
@@ -161,7 +161,7 @@ def _env_forked() -> dict:
 
 
 def _env_spawned() -> dict:
-    return spawning.run_source(_READ_ENV, {}, RankOptions(gpus=2, dashboard=False))
+    return spawn.run_source(_READ_ENV, {}, RankOptions(gpus=2, dashboard=False))
 
 
 def _env_live() -> dict:
@@ -180,7 +180,7 @@ def test_the_notebooks_environment_reaches_every_rank(run, monkeypatch):
 
 
 def test_gpu_ranks_get_nccls_error_handling_unless_the_notebook_chose_its_own(monkeypatch):
-    from nbkit import rankside
+    from nbkit.launching import rank_contract
 
     wait = "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC"
     for name in (
@@ -190,16 +190,16 @@ def test_gpu_ranks_get_nccls_error_handling_unless_the_notebook_chose_its_own(mo
         wait,
     ):
         monkeypatch.delenv(name, raising=False)
-    gpu = rankside.rank_environment(RankOptions(), use_cpu=False)
+    gpu = rank_contract.rank_environment(RankOptions(), use_cpu=False)
     assert gpu["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1" and gpu["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "0"
     assert gpu["TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC"] == "60" and "TORCH_NCCL_BLOCKING_WAIT" not in gpu
     assert gpu[wait] == "0"  # no dump is coming: the watchdog must not wait a minute for one
     monkeypatch.setenv("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")  # debugging a desync: torch's wait for the dump stays
-    assert wait not in rankside.rank_environment(RankOptions(), use_cpu=False)
+    assert wait not in rank_contract.rank_environment(RankOptions(), use_cpu=False)
     monkeypatch.delenv("TORCH_NCCL_DUMP_ON_TIMEOUT")
-    assert not any(k.startswith("TORCH_NCCL") for k in rankside.rank_environment(RankOptions(), use_cpu=True))
+    assert not any(k.startswith("TORCH_NCCL") for k in rank_contract.rank_environment(RankOptions(), use_cpu=True))
     monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")  # the user's choice, inherited as it is
-    assert "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in rankside.rank_environment(RankOptions(), use_cpu=False)
+    assert "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in rank_contract.rank_environment(RankOptions(), use_cpu=False)
 
 
 def _watchdog_timeout() -> None:

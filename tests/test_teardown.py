@@ -1,8 +1,8 @@
-"""How a rank of an outside launcher ends (nbkit.teardown.destroy_at_exit): a script run by torchrun
+"""How a rank of an outside launcher ends (nbkit.rank_side.teardown.destroy_at_exit): a script run by torchrun
 whose training function leaves its gloo group alive has the group destroyed at exit, before the
 interpreter's finalization, and every rank exits 0. Without that, such a script aborted in about one
 run in three ("terminate called without an active exception", SIGABRT; the measurement is in
-nbkit/teardown.py's docstring)."""
+nbkit/rank_side/teardown.py's docstring)."""
 
 from __future__ import annotations
 

@@ -37,7 +37,7 @@ def versioned_modules() -> frozenset[str]:
 # What every rank of a live set imports at its start, whichever test it runs: the hub's switch for its progress
 # bars (huggingface_hub.utils.disable_progress_bars, nothing else of the library). The live-set tests that run on
 # both sets (test_live_notebook.py, test_fsdp_live.py, faults/test_live_stop.py) run it on the oldest set too.
-START_UP_IMPORTERS = frozenset({"nbkit.reporting._progress_bars_off"})
+START_UP_IMPORTERS = frozenset({"nbkit.rank_side.reporting._progress_bars_off"})
 
 
 class Record:

@@ -25,7 +25,7 @@ dashboard stays reachable as `nbkit.dashboard.latest()` (its `events`, `snapshot
 `summary()`), for a look at the run afterwards and for tests.
 
 While a live panel (html or widget) shows a launch, its ranks print no per-step Trainer log lines
-(`panel_shown()`, read by nbkit.reporting): the panel shows the same numbers, and the lines would
+(`panel_shown()`, read by nbkit.rank_side.reporting): the panel shows the same numbers, and the lines would
 otherwise pile up below it, one per step, pushing it out of view.
 
 Where the parts live: nbkit.dashboard.board (events -> state: Board, Snapshot),
@@ -97,7 +97,7 @@ def panel_shown() -> bool:
     Read in a launched rank (forked from the process that holds the launch's dashboard, so that
     dashboard is `latest()` here and still open): True for "html" and "widget". In the launcher
     process of spawn mode, whose dashboard only relays, the notebook's choice arrives as
-    NBKIT_DASHBOARD (nbkit.spawning sets it). A rank of a live set makes no dashboard (the notebook
+    NBKIT_DASHBOARD (nbkit.launching.spawn sets it). A rank of a live set makes no dashboard (the notebook
     makes one per call), so there the notebook's choice is NBKIT_DASHBOARD too, given at the set's
     start (nbkit.live.engines): a process without a dashboard reads it. False everywhere else.
     """

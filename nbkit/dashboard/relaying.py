@@ -1,6 +1,6 @@
 """Relaying: spawn mode's launcher process forwards its dashboard to the notebook's.
 
-The launcher process (nbkit.spawning) calls `relay_to(connection)`; every Dashboard it creates
+The launcher process (nbkit.launching.spawn) calls `relay_to(connection)`; every Dashboard it creates
 afterwards sends nbkit.messages.spawn' DashboardOpened once and each rank's event as the rank channel's
 Envelope(rank, Report(metrics)) over that connection instead of showing anything, and the notebook
 feeds them to its own dashboard.
@@ -21,7 +21,7 @@ def relay_to(connection: Any) -> None:
     """Make every Dashboard created afterwards in this process forward its events to `connection`.
 
     Takes a multiprocessing Connection (None: show again instead of relaying). Used by
-    nbkit.spawning's launcher process, whose dashboard lives in the notebook.
+    nbkit.launching.spawn's launcher process, whose dashboard lives in the notebook.
     """
     global _connection
     _connection = connection

@@ -6,7 +6,7 @@
     ranks.stop()                          # or %ddp stop
 
 See nbkit.live.notebook for the contract and the failure behaviour (the notebook's side of the
-wire); nbkit.live.rank_side is the code that runs inside each rank (the engine's side).
+wire); nbkit.rank_side.live_engine is the code that runs inside each rank (the engine's side).
 """
 
 from __future__ import annotations

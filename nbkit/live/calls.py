@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable
 from typing import Any, NoReturn
 
-from nbkit import rankside, supervisor
+from nbkit.launching import rank_contract, supervisor
 from nbkit.live.cell_output import CellOutput
 from nbkit.live.engines import Engines, ranks_text
 from nbkit.messages import rank as channel
@@ -120,7 +120,7 @@ class Call:
                     interrupted_at = now
                 if interrupted_at is not None and not hard_again and now - interrupted_at > _SECOND_SIGNAL_S:
                     # A peer failed, so no step will be agreed: where the first signal became a stop
-                    # request (nbkit.live.stopping), a second one interrupts. Sent apart, since two
+                    # request (nbkit.rank_side.live_stopping), a second one interrupts. Sent apart, since two
                     # signals that arrive before Python runs the handler count as one.
                     hard_again = True
                     self._engines.interrupt(
@@ -281,7 +281,7 @@ class Call:
         value = outcomes[0].value
         if value is None:
             return None
-        return rankside.load_value(value, self._targets[0], error=LiveError)
+        return rank_contract.load_value(value, self._targets[0], error=LiveError)
 
     def _call_error(self, errors: dict[int, RankError], *, ended: bool) -> LiveError:
         primary = {r: e for r, e in errors.items() if not e.secondary} or errors

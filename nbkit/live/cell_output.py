@@ -1,5 +1,5 @@
 """What the ranks send while one call runs, shown in the notebook's running cell: their output, display()
-data and dashboard events (the notebook side of the relay; nbkit.rankoutput is the rank side).
+data and dashboard events (the notebook side of the relay; nbkit.rank_side.output is the rank side).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import sys
 from typing import Any
 
 from nbkit.messages.live import Display
-from nbkit.rankoutput import Prefixed
+from nbkit.rank_side.output import Prefixed
 
 __all__ = ["CellOutput"]
 

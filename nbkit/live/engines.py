@@ -21,14 +21,14 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from nbkit import rankside, supervisor
-from nbkit.live import rank_side
+from nbkit.launching import rank_contract, supervisor
+from nbkit.launching.rank_options import RankOptions
 from nbkit.live.relay import Relay
 from nbkit.messages import rank as channel
 from nbkit.messages.live import EngineInfo, Lost, RankPlan
 from nbkit.platform import config
 from nbkit.platform.errors import LiveError
-from nbkit.rank_options import RankOptions
+from nbkit.rank_side import live_engine
 
 __all__ = ["Engines", "Rank", "ranks_text"]
 
@@ -154,7 +154,7 @@ class Engines:
         ]
         self.world_size, self.nnodes = count, 1
         threading.Thread(target=self._monitor, name="nbkit-live-monitor", daemon=True).start()
-        port = rank_side.free_port("127.0.0.1")
+        port = live_engine.free_port("127.0.0.1")
         self._setup_ranks("127.0.0.1", port, use_cuda, startup_timeout)
 
     def connect(self, client: Any, engines: list[int] | None, notebook_address: str, startup_timeout: float) -> None:
@@ -181,7 +181,9 @@ class Engines:
         self.world_size, self.nnodes = rank, len(hosts)
         self.relay = Relay(notebook_address)
         master = self.ranks[0]
-        port = client[master.engine].apply_async(rank_side.free_port, master.info.address).get(timeout=startup_timeout)
+        port = (
+            client[master.engine].apply_async(live_engine.free_port, master.info.address).get(timeout=startup_timeout)
+        )
         self._setup_ranks(master.info.address, port, use_cuda, startup_timeout)
 
     def _setup_ranks(
@@ -197,7 +199,7 @@ class Engines:
         # How this notebook shows the dashboard: the ranks print Trainer's log lines only without a live panel.
         env = {
             "NBKIT_DASHBOARD": dashboard.display_mode(),
-            **rankside.rank_environment(
+            **rank_contract.rank_environment(
                 self._options, use_cpu=not use_cuda, loopback=master_addr in ("127.0.0.1", "localhost")
             ),
         }
@@ -221,7 +223,7 @@ class Engines:
                 owned=self._owned,
                 env=env,
             )
-            results.append(self._client[r.engine].apply_async(rank_side.setup, plan))
+            results.append(self._client[r.engine].apply_async(live_engine.setup, plan))
         connecting = _Arrivals(range(self.world_size), startup_timeout, step=2)
         joining = _Arrivals(range(self.world_size), startup_timeout, step=3)
         while not all(ar.ready() for ar in results):
@@ -397,14 +399,14 @@ class Engines:
 
     def _release_engines(self, *, wait: float | None) -> None:
         """Engines started outside nbkit: ask each to forget the set's names and leave the process
-        group (rank_side.teardown); wait up to `wait` seconds for the answers (None: do not wait).
+        group (live_engine.teardown); wait up to `wait` seconds for the answers (None: do not wait).
         Nothing for nbkit's own engines, which end with the set.
         """
         if self._owned or self._client is None or not self.ranks:
             return
         with contextlib.suppress(Exception):
             engines = [r.engine for r in self.ranks if r.engine in self._client.ids]
-            ar = self._client[engines].apply_async(rank_side.teardown)
+            ar = self._client[engines].apply_async(live_engine.teardown)
             if wait is not None:
                 ar.get(timeout=wait)
 
@@ -439,7 +441,7 @@ _STOPPED = "The live set was stopped. Start a new one (%ddp start / nbkit.start(
 _POLL_S = 0.1  # how often the monitor looks at the engine processes
 _HEARTBEAT_MS = 500  # the controller's heartbeat period for a set nbkit starts (see _controller_command)
 # Between SIGTERM and SIGKILL for an engine or the controller that nbkit started. An engine ends with
-# os._exit as soon as Python runs its SIGTERM handler (nbkit.live.rank_side); one busy in native code (a
+# os._exit as soon as Python runs its SIGTERM handler (nbkit.rank_side.live_engine); one busy in native code (a
 # collective waiting for a dead peer) never gets there, so the grace is short: stopping a set must
 # not hang on such a rank. The controller gets the same for ending its heart monitor process itself.
 _ENGINE_GRACE_S = 3.0
@@ -463,7 +465,7 @@ def _wait_for_engines(
     while len(found) < count:
         for eid in client.ids:
             if eid not in asked:
-                asked[eid] = client[eid].apply_async(rank_side.identify)
+                asked[eid] = client[eid].apply_async(live_engine.identify)
         for eid, ar in asked.items():
             if ar.ready() and ar.successful() and ar.get().pid in by_pid:
                 info = ar.get()
@@ -502,7 +504,7 @@ def _log_tail(tmpdir: str | None, rank: int, lines: int = 20) -> str:
 
 def _identify(client: Any, ids: list[int], timeout: float) -> list[EngineInfo]:
     """Each engine's EngineInfo; raises LiveError naming the engines that did not answer within `timeout` s."""
-    pending = {eid: client[eid].apply_async(rank_side.identify) for eid in ids}
+    pending = {eid: client[eid].apply_async(live_engine.identify) for eid in ids}
     deadline = time.monotonic() + timeout
     while not all(ar.ready() for ar in pending.values()) and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -16,7 +16,7 @@ output, the dashboard, and what happens when things go wrong:
 - an interrupt (the notebook's stop button) interrupts the call on every rank; when a rank does not
   respond within 2 s (it waits in a collective, where Python never sees the signal) the set is ended;
 - an interrupt while every rank runs Trainer.train() stops training instead, at an optimizer step
-  that every rank agrees on (nbkit.live.stopping), so that no rank is left in a collective: train()
+  that every rank agrees on (nbkit.rank_side.live_stopping), so that no rank is left in a collective: train()
   returns, the cell ends, the set and its names stay. A second interrupt while that stop is pending
   interrupts as above;
 - a call on some ranks only (%%ddp --rank 0) that waits in a collective waits for ranks that never
@@ -37,7 +37,7 @@ nbkit.live.engines (the engines from start to end: start, connect, watch, interr
 nbkit.live.sending (the names each rank holds; the notebook names a call needs, sent ahead of its code),
 and per call nbkit.live.calls (one call in flight: its request, wait, interrupts, timeouts, value or
 error) with nbkit.live.cell_output (what the ranks send while it runs, shown in the cell). Inside each
-engine runs nbkit.live.rank_side.
+engine runs nbkit.rank_side.live_engine.
 """
 
 from __future__ import annotations
@@ -48,15 +48,16 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from nbkit import cells, one_gpu, rankside
-from nbkit.live import rank_side
+from nbkit import cells, one_gpu
+from nbkit.launching import rank_contract
+from nbkit.launching.rank_options import RankOptions, check_timeout
 from nbkit.live.calls import Call
 from nbkit.live.engines import Engines
 from nbkit.live.sending import HeldNames, refuse_notebook_only
 from nbkit.messages.live import Outcome
 from nbkit.platform import distributed
 from nbkit.platform.errors import LiveError
-from nbkit.rank_options import RankOptions, check_timeout
+from nbkit.rank_side import live_engine
 
 __all__ = [
     "LiveRanks",
@@ -165,7 +166,7 @@ def start(
         strategy: as for nbkit.launch ("ddp" or "fsdp"; None: "ddp"; NBKIT_STRATEGY in the ranks).
         emulate: as for nbkit.launch (NBKIT_EMULATE in the ranks; checked here).
         (gpus, timeout, env, strategy and emulate are checked as nbkit.launch checks them, with the
-        same messages: nbkit.rank_options.)
+        same messages: nbkit.launching.rank_options.)
 
     Returns:
         The LiveRanks (also `nbkit.live.current()`). On a machine with one GPU it says once (an INFO
@@ -176,7 +177,7 @@ def start(
             (the message holds what they printed); nothing is left running.
         OptionsError (a ValueError; OptionTypeError, a TypeError too): an option out of range or of the
             wrong type; EmulationError: emulate names no profile.
-        ValueError: more GPUs are asked for than exist, or more CPU ranks than rankside.cpu_rank_limit().
+        ValueError: more GPUs are asked for than exist, or more CPU ranks than rank_contract.cpu_rank_limit().
         RuntimeError: gpus=None on a machine without a GPU.
     """
     options = RankOptions.build(gpus=gpus, timeout=timeout, env=env, strategy=strategy, emulate=emulate)
@@ -187,7 +188,7 @@ def start_with(options: RankOptions, *, startup_timeout: float = 180.0) -> LiveR
     """nbkit.start with its options as one value (what `%ddp start` calls); returns and raises as start does."""
     _check_none_live()
     visible = distributed.visible_gpus()
-    use_cuda, count = rankside.count_ranks(options.gpus, visible, api="nbkit.start")
+    use_cuda, count = rank_contract.count_ranks(options.gpus, visible, api="nbkit.start")
     forget_ended()
     if len(visible) == 1:  # Colab
         one_gpu.say_once("live", visible[0].name)
@@ -309,7 +310,7 @@ class LiveRanks:
 
         timeout = check_timeout(timeout)
         payload = cloudpickle.dumps((fn, args, kwargs))
-        return self._run_call(rank_side.run_function, (payload,), self._targets("all"), timeout, show=None)
+        return self._run_call(live_engine.run_function, (payload,), self._targets("all"), timeout, show=None)
 
     def exec(
         self,
@@ -374,7 +375,7 @@ class LiveRanks:
                     self._names.hold(o.rank, {n: v for n, v in sending[o.rank].items() if n not in binds})
 
         return self._run_call(
-            rank_side.run_code,
+            live_engine.run_code,
             (code, filename or f"<live cell {number}>"),
             targets,
             timeout,
@@ -395,7 +396,7 @@ class LiveRanks:
 
     def pull(self, name: str, rank: int = 0) -> Any:
         """The value of `name` on `rank` (default rank 0), brought to the notebook (tensors on the CPU)."""
-        return self._run_call(rank_side.pull, (name,), self._targets(rank), None, show=set())
+        return self._run_call(live_engine.pull, (name,), self._targets(rank), None, show=set())
 
     def status(self) -> LiveStatus:
         """The set's ranks (rank, device, host, pid, alive) and whether it is running."""

@@ -10,10 +10,10 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from nbkit import cells, notebook_names
-from nbkit.live import rank_side
 from nbkit.live.engines import Engines
 from nbkit.platform import notices
 from nbkit.platform.errors import LiveError
+from nbkit.rank_side import live_engine
 
 __all__ = ["HeldNames", "refuse_notebook_only"]
 
@@ -46,7 +46,7 @@ class HeldNames:
 
     def send_ahead(self, call: int, names: Mapping[int, Mapping[str, Any]]) -> None:
         """Send each rank its notebook `names` ({rank: {name: value}}) for call `call`, and wait until every
-        rank has them, before that call's code is queued (rank_side.receive): the data of a big notebook
+        rank has them, before that call's code is queued (live_engine.receive): the data of a big notebook
         object takes seconds to travel, and an interrupt then must not find ranks that have not even
         started the call. An interrupt (KeyboardInterrupt) during this send drops it: requests not yet
         run are aborted, and what arrived is never used; every rank keeps its names, nothing is
@@ -64,7 +64,7 @@ class HeldNames:
             pickled = _send_names(values, sizes)
             for r, per_rank in names.items():
                 if per_rank:
-                    pending.append(self._engines.apply(r, rank_side.receive, call, {n: pickled[n] for n in per_rank}))
+                    pending.append(self._engines.apply(r, live_engine.receive, call, {n: pickled[n] for n in per_rank}))
             while not all(ar.ready() for ar in pending):
                 if self._engines.ended is not None:
                     raise LiveError(self._engines.ended_text(), ended=True)

@@ -44,7 +44,7 @@ class RankPlan:
         use_cuda: put rank on cuda:local_rank and use nccl (else gloo on the CPU).
         owned: nbkit started the engine (nbkit.start, not connect): it ends on SIGTERM without
             running destructors.
-        env: the rank's nbkit environment (nbkit.rankside.rank_environment, with nbkit.start(env=...)).
+        env: the rank's nbkit environment (nbkit.launching.rank_contract.rank_environment, with nbkit.start(env=...)).
     """
 
     rank: int
@@ -103,7 +103,7 @@ class Interrupted:
 
 @dataclass
 class Training:
-    """A rank entered Trainer.train() (running=True) or left it (nbkit.live.stopping).
+    """A rank entered Trainer.train() (running=True) or left it (nbkit.rank_side.live_stopping).
 
     Attributes:
         rank: the rank.

@@ -1,4 +1,4 @@
-"""What the notebook and spawn mode's launcher process send each other (nbkit.spawning).
+"""What the notebook and spawn mode's launcher process send each other (nbkit.launching.spawn).
 
     Job              notebook -> launcher, once, pickled over its stdin: the cell, its names, the ranks' set-up
     DashboardOpened  launcher -> notebook: the launch's dashboard opened (the notebook creates its own)
@@ -21,8 +21,8 @@ from nbkit.platform.errors import LaunchError, RankError
 
 if TYPE_CHECKING:  # a Job is only built and read where these are imported already (the dashboard, which sends
     # this module's other messages, stays free of cloudpickle)
+    from nbkit.launching.rank_options import RankOptions
     from nbkit.notebook_names import BroughtAlong
-    from nbkit.rank_options import RankOptions
 
 __all__ = ["DashboardOpened", "Envelope", "Job", "LaunchRaised", "Report", "Result"]
 

@@ -6,7 +6,7 @@ changes them for this process and every process it launches afterwards; `setting
 (NBKIT_LAUNCHED is written, not read, by nbkit: nbkit.launch sets it to 1 in every rank it starts,
 for the user's code to see.)
 
-Besides the settings, a rank reads what nbkit put into its environment (nbkit.rank_options): the
+Besides the settings, a rank reads what nbkit put into its environment (nbkit.launching.rank_options): the
 strategy (`strategy()`, NBKIT_STRATEGY) and the GPU profile (`emulated()`, NBKIT_EMULATE); and
 accelerate's ACCELERATE_USE_FSDP, read one way by `flag()` and settled by `settle_fsdp_flag()`, so
 that nbkit, transformers and accelerate agree whether a rank shards (`fsdp_rank()`).
@@ -39,7 +39,7 @@ __all__ = [
     "strategy",
 ]
 
-# What nbkit puts into the environment of the ranks it starts (nbkit.rank_options), read in the rank.
+# What nbkit puts into the environment of the ranks it starts (nbkit.launching.rank_options), read in the rank.
 STRATEGY = "NBKIT_STRATEGY"
 EMULATE = "NBKIT_EMULATE"
 # accelerate's switch for FSDP (`accelerate launch --use_fsdp`, and nbkit.fsdp in an fsdp rank).

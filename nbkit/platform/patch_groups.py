@@ -60,7 +60,7 @@ GROUPS: dict[str, Group] = {
         ),
         Group(
             "reporting",
-            "nbkit.reporting",
+            "nbkit.rank_side.reporting",
             "in every rank nbkit starts (the dashboard callback); its patches act only there",
         ),
         Group(
@@ -71,19 +71,19 @@ GROUPS: dict[str, Group] = {
         ),
         Group(
             "teardown",
-            "nbkit.teardown",
+            "nbkit.rank_side.teardown",
             "in every rank nbkit starts: process groups that destroy_process_group "
             "removes stay referenced until the rank ends, so a DDP model freed after them cannot hang the rank",
         ),
         Group(
             "cell_group",
-            "nbkit.cell_group",
+            "nbkit.rank_side.cell_group",
             "in every rank nbkit starts: a cell's own dist.init_process_group() keeps the default group nbkit "
             "set up for the cell (a live set's, or the one joined before a one-shot or exported cell)",
         ),
         Group(
             "launch",
-            "nbkit.launching",
+            "nbkit.launching.fork",
             "only while nbkit.launch starts its ranks through accelerate's notebook_launcher",
         ),
         Group(
@@ -101,7 +101,7 @@ GROUPS: dict[str, Group] = {
         ),
         Group(
             "live",
-            "nbkit.live.stopping",
+            "nbkit.rank_side.live_stopping",
             "in every rank of a live set (nbkit.start): an interrupt stops Trainer.train() at a step every rank "
             "agrees on",
         ),

@@ -4,8 +4,8 @@ spawned ranks, live ranks, and ranks of an outside launcher running an exported 
 
 from __future__ import annotations
 
-from nbkit import reporting, teardown
 from nbkit.platform import compat, config, distributed, patch_groups
+from nbkit.rank_side import reporting, teardown
 from nbkit.training import attention, checkpoints, emulation, fsdp
 
 __all__ = ["prepare_rank"]
@@ -20,7 +20,7 @@ def prepare_rank(*, owns_exit: bool = True) -> None:
     attention on a GPU that lacks it (nbkit.training.attention.needed), Trainer's DDP and data loader defaults
     chosen for the model and machine, processors without torchvision, the FSDP set-up where the rank's
     environment asks for the fsdp strategy (nbkit.fsdp.setup_rank), and how the rank ends
-    (nbkit.teardown): where nbkit ends the process itself (`owns_exit`, with os._exit), the teardown
+    (nbkit.rank_side.teardown): where nbkit ends the process itself (`owns_exit`, with os._exit), the teardown
     group keeps destroyed process groups until then; a rank of an outside launcher (torchrun), which ends
     through the interpreter's shutdown, has its groups destroyed at exit instead, before finalization could
     abort it.

@@ -1,6 +1,6 @@
 """transformers TrainerCallback classes that nbkit builds on first use.
 
-nbkit.checkpoints (CheckpointMarker) and nbkit.reporting (DashboardCallback) are imported in every
+nbkit.checkpoints (CheckpointMarker) and nbkit.rank_side.reporting (DashboardCallback) are imported in every
 launched rank, and a rank that never builds a Trainer must not pay for importing transformers
 (seconds to tens of seconds). Their callbacks are therefore written as plain classes and turned
 into TrainerCallback subclasses here, the first time someone asks for them.

@@ -527,7 +527,7 @@ def disable() -> None:
     reason="every Trainer must mark its checkpoints complete so that a session ending mid-save "
     "(Kaggle's 12 h limit) never resumes from a half-written checkpoint; the callback list "
     "is built here for Trainer and every TRL trainer (Trainer.__init__ itself is already "
-    "patched by nbkit.reporting, and one attribute carries one patch)",
+    "patched by nbkit.rank_side.reporting, and one attribute carries one patch)",
     upstream="transformers resumes from the highest-numbered checkpoint directory, complete or not: "
     "https://github.com/huggingface/transformers/issues/35782",
     group="checkpoints",

@@ -14,10 +14,12 @@ import pytest
 from faultkit import assert_reruns
 
 import nbkit
-from nbkit import ddp_options, rankside, spawning
+from nbkit import ddp_options
+from nbkit.launching import rank_contract
+from nbkit.launching import spawn as spawning
+from nbkit.launching.rank_options import RankOptions
 from nbkit.planner import plan
 from nbkit.platform.errors import BringAlongError, CellSyntaxError, DatasetArgumentError, DatasetError
-from nbkit.rank_options import RankOptions
 
 pytestmark = pytest.mark.usefixtures("leftovers")
 
@@ -63,7 +65,7 @@ def test_gpus_must_be_a_whole_number_of_at_least_one(gpus):
     ids=["launch", "live-start"],
 )
 def test_cpu_ranks_are_capped_instead_of_forking_a_thousand(start_ranks):
-    limit = rankside.cpu_rank_limit()
+    limit = rank_contract.cpu_rank_limit()
     assert limit >= 8
     start = time.monotonic()
     with pytest.raises(ValueError) as caught:

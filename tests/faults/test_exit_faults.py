@@ -18,12 +18,12 @@ import torch
 from faultkit import Snapshot, failed_within
 
 import nbkit
-from nbkit import launching, supervisor
+from nbkit.launching import fork, supervisor
 
 pytestmark = pytest.mark.usefixtures("leftovers")
 
 # A launch of 2 ranks that build a tiny DDP model a few dozen times: seconds here, with room for
-# the shared 2-core machine. Without nbkit.teardown the first launch hung at its first model
+# the shared 2-core machine. Without nbkit.rank_side.teardown the first launch hung at its first model
 # (py-spy: the reducer's destructor joining a gloo worker that waits for the GIL).
 LAUNCH_S = 60.0
 
@@ -114,14 +114,14 @@ def _returns_but_leaves_a_thread(pid_dir: str) -> int:
 def test_a_rank_that_returned_but_does_not_end_is_stopped_and_the_value_kept(
     tmp_path, leftovers, capsys, monkeypatch, timeout
 ):
-    monkeypatch.setattr(launching, "_EXIT_GRACE_S", 2.0)
+    monkeypatch.setattr(fork, "_EXIT_GRACE_S", 2.0)
     start = time.monotonic()
     with _interrupted_after(90):
         value = nbkit.launch(_returns_but_leaves_a_thread, str(tmp_path), gpus=2, timeout=timeout, dashboard=False)
     took = time.monotonic() - start
     assert value == 7  # rank 0's value, not a timeout or a failure
     assert 2.0 <= took < 2.0 + 20, took  # the grace, then the stop (the start of 2 ranks included)
-    err = capsys.readouterr().err  # a warning of the nbkit.launching logger, shown as a notice
+    err = capsys.readouterr().err  # a warning of the nbkit.launching.fork logger, shown as a notice
     assert "rank(s) 1 returned, but their processes were still running 2 s later" in err, err
     pids = [int(p.name) for p in tmp_path.iterdir()]
     assert len(pids) == 2 and not any(supervisor.pid_alive(pid) for pid in pids)

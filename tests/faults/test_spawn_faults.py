@@ -1,4 +1,4 @@
-"""Spawn mode (nbkit.spawning.run_source, what %%ddp runs when the kernel cannot fork): the same
+"""Spawn mode (nbkit.launching.spawn.run_source, what %%ddp runs when the kernel cannot fork): the same
 faults end the same way as in fork mode, through the launcher process in between, and no file
 holds the cell's values at any time.
 
@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 import nbkit
-from nbkit import spawning
-from nbkit.rank_options import RankOptions
+from nbkit.launching import spawn
+from nbkit.launching.rank_options import RankOptions
 
 pytestmark = pytest.mark.usefixtures("leftovers")
 
@@ -29,7 +29,7 @@ _GROUP = "import os, signal, time, nbkit, torch, torch.distributed as dist\ndist
 
 
 def _run(source: str, namespace: dict | None = None, **options) -> object:
-    return spawning.run_source(source, namespace or {}, RankOptions(gpus=2, dashboard=False, **options))
+    return spawn.run_source(source, namespace or {}, RankOptions(gpus=2, dashboard=False, **options))
 
 
 def _rerun() -> None:

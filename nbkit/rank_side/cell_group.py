@@ -1,13 +1,13 @@
 """The default process group a %%ddp cell runs in: the same on every path (rank side).
 
-A live set's ranks join the default group when they start (nbkit.live.rank_side), so a cell can call
+A live set's ranks join the default group when they start (nbkit.rank_side.live_engine), so a cell can call
 `dist.all_reduce(t)` at once. One-shot ranks (fork, spawn) and the functions of an exported script
 join it here, before the cell runs (`join`, `joined`), so the same cell works there too. A cell
 written for one-shot ranks calls `dist.init_process_group(...)` itself: that call then keeps the
 group already joined (patch group "cell_group"), on a live set as well, so it works on every path;
 a call that asks for another backend is refused with a message saying which backend the cell has.
 accelerate (and so Trainer and TRL) takes an initialised default group as it is. Teardown is the
-rank's as before (nbkit.teardown): a rank nbkit ends itself keeps the group until then, a rank of an
+rank's as before (nbkit.rank_side.teardown): a rank nbkit ends itself keeps the group until then, a rank of an
 outside launcher destroys it at exit.
 """
 

@@ -23,7 +23,7 @@ and every live rank). The group is still shut down and unregistered as before (a
 init_process_group works); only its C++ object is never destroyed by a reducer. A rank of
 nbkit.launch ends with os._exit (multiprocessing's fork start), which runs no C++ destructor, so
 what is kept costs nothing there; a live rank started by nbkit ends the same way
-(nbkit.live.rank_side), and one started outside nbkit keeps the retired group's idle threads until it
+(nbkit.rank_side.live_engine), and one started outside nbkit keeps the retired group's idle threads until it
 ends.
 
 A rank of an outside launcher (torchrun running an exported script) ends through the interpreter's

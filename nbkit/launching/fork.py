@@ -7,12 +7,12 @@ names the rank and carries its traceback, hung runs time out, interrupts stop ev
 left running, and the same call can run again at once.
 
 Environment handling (each rank): RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR,
-MASTER_PORT come from torch elastic; nbkit adds the rank environment of nbkit.rankside (NBKIT_LAUNCHED,
+MASTER_PORT come from torch elastic; nbkit adds the rank environment of nbkit.launching.rank_contract (NBKIT_LAUNCHED,
 NBKIT_STRATEGY, and on machines without CUDA ACCELERATE_USE_CPU and GLOO_SOCKET_IFNAME), set in this
 process for the fork and put back afterwards.
 
 Sides of the process boundary: `launch` and `_Run` (its supervisor thread) run in the notebook
-process, and word failures with nbkit.supervisor; `_Child` is the first code of every forked rank.
+process, and word failures with nbkit.launching.supervisor; `_Child` is the first code of every forked rank.
 """
 
 from __future__ import annotations
@@ -37,14 +37,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nbkit import dashboard as dashboards
-from nbkit import rankoutput, rankside
+from nbkit.launching import rank_contract
+from nbkit.launching.rank_options import RankOptions
+from nbkit.launching.supervisor import ExitStatus, exit_status, hang_hint, kill, render_failures, stop
 from nbkit.messages import rank as channel
 from nbkit.platform import config, distributed, forksafety, notices, patching
 from nbkit.platform.config import environment
 from nbkit.platform.errors import LaunchError, RankError
-from nbkit.rank_options import RankOptions
+from nbkit.rank_side import output as rankoutput
 from nbkit.rank_side.setup import prepare_rank
-from nbkit.supervisor import ExitStatus, exit_status, hang_hint, kill, render_failures, stop
 
 __all__ = ["LaunchError", "launch", "launch_with"]
 
@@ -74,7 +75,7 @@ def launch(
         *args: positional arguments for `fn`.
         gpus: how many processes. None: one per visible GPU. On a machine without CUDA, `gpus=N`
             runs N CPU processes that train with real gloo DDP (for tests and CI), N at most
-            `nbkit.rankside.cpu_rank_limit()`.
+            `nbkit.launching.rank_contract.cpu_rank_limit()`.
         timeout: seconds (a finite number > 0) after which a run whose function has not returned
             on every rank is stopped (LaunchError); None waits as long as the ranks run.
         quiet: show rank 0's output only (the default, as in %%ddp); False shows the other ranks' too,
@@ -93,7 +94,7 @@ def launch(
         notebook process never initialises CUDA. Once the function has returned on every rank, the
         ranks' processes get 30 s to end (threads they started finish); one still running then is
         stopped, named in a notice on stderr, and the value is returned all the same. Process
-        groups that the function destroys are kept until the rank ends (nbkit.teardown), so a DDP
+        groups that the function destroys are kept until the rank ends (nbkit.rank_side.teardown), so a DDP
         model freed after its group cannot hang the rank at `return`.
 
     Raises:
@@ -102,14 +103,14 @@ def launch(
             rank that failed first and how, and holds its traceback. Every rank is stopped and
             every resource of the launch (pipes, the rendezvous socket, threads) released first.
         OptionsError (a ValueError; OptionTypeError, a TypeError too): an option out of range or of
-            the wrong type, named with what to pass (nbkit.rank_options), before anything starts.
+            the wrong type, named with what to pass (nbkit.launching.rank_options), before anything starts.
         RuntimeError / ValueError / TypeError: the run could not start (CUDA already initialised here,
             an Accelerator created here, more GPUs than exist, a function that cannot run in a
             child); nothing was started and the message says what to do.
 
     Inside a distributed run already (torchrun, accelerate launch, several nodes), `fn` is called
     directly on each rank and its value returned there (with NBKIT_STRATEGY / NBKIT_EMULATE set);
-    the process groups still up when that process exits are destroyed then (nbkit.teardown).
+    the process groups still up when that process exits are destroyed then (nbkit.rank_side.teardown).
 
     There is no `max_restarts` (accelerate's notebook_launcher has one, tested by its
     `test_fault_tolerant`): a restart re-forks the same notebook state, so what fails on one
@@ -141,8 +142,8 @@ def launch_with(options: RankOptions, fn: Callable[..., Any], *args: Any, **kwar
         return fn(*args, **kwargs)
 
     _check_function(fn)
-    use_cuda, nprocs = rankside.count_ranks(options.gpus, distributed.visible_gpus(), api="nbkit.launch")
-    rank_env = rankside.rank_environment(options, use_cpu=not use_cuda)
+    use_cuda, nprocs = rank_contract.count_ranks(options.gpus, distributed.visible_gpus(), api="nbkit.launch")
+    rank_env = rank_contract.rank_environment(options, use_cpu=not use_cuda)
     _check_can_fork()
     run = _Run(nprocs, None, options.timeout)
     child = _Child(fn, args, kwargs, run.pipes, quiet=not options.all_ranks, use_cpu=not use_cuda)
@@ -371,7 +372,7 @@ class _Run:
         """Rank 0's return value (after a successful execute)."""
         if self.payload is None:
             raise LaunchError("Rank 0 finished without its return value reaching the notebook.")
-        return rankside.load_value(self.payload)
+        return rank_contract.load_value(self.payload)
 
     # -- the supervisor thread --------------------------------------------------------------
     def _watch(self, deadline: float | None) -> None:
@@ -793,13 +794,15 @@ class _Child:
         sys.stdout, sys.stderr = self.stdout, self.stderr
         self.channel.attach(local_rank, rank)
         channel.send(channel.Started(os.getpid()))
-        rankside.set_rank_threads(use_cuda=not self.use_cpu, local_world_size=distributed.world_size(), forked=True)
+        rank_contract.set_rank_threads(
+            use_cuda=not self.use_cpu, local_world_size=distributed.world_size(), forked=True
+        )
         output = None
         try:
             output = _prepare_rank(quiet=self.quiet, rank=rank, descriptors=True)
             value = self.fn(*self.args, **self.kwargs)
             if rank == 0:
-                channel.send(channel.Result(rankside.pickle_for_notebook(value)))
+                channel.send(channel.Result(rank_contract.pickle_for_notebook(value)))
             channel.send(channel.Returned())
         except BaseException as exc:
             channel.send(
@@ -808,7 +811,7 @@ class _Child:
                         rank=rank,
                         type=type(exc).__qualname__,
                         message=str(exc),
-                        traceback=rankside.rank_traceback(exc),
+                        traceback=rank_contract.rank_traceback(exc),
                         time=time.time(),
                     )
                 )

@@ -43,18 +43,20 @@ from multiprocessing import Pipe
 from multiprocessing.connection import Connection
 from typing import Any
 
-from nbkit import cell_group, cells, dashboard, launching, rankside, supervisor
+from nbkit import cells, dashboard
+from nbkit.launching import fork, rank_contract, supervisor
+from nbkit.launching.rank_options import RankOptions
 from nbkit.messages.spawn import DashboardOpened, Envelope, Job, LaunchRaised, Report, Result
 from nbkit.notebook_names import bring_along
 from nbkit.platform import distributed, forksafety, notices
 from nbkit.platform.errors import LaunchError
-from nbkit.rank_options import RankOptions
+from nbkit.rank_side import cell_group
 
 __all__ = ["run_source"]
 
 _log = notices.logger(__name__)
 # After SIGINT, how long the launcher process gets to stop its ranks (each SIGTERM, then SIGKILL after
-# 5 s: launching._LEFTOVER_GRACE_S) and report, before it is killed: more than those 5 s, as it
+# 5 s: fork._LEFTOVER_GRACE_S) and report, before it is killed: more than those 5 s, as it
 # also sends its report and ends its interpreter.
 _LAUNCHER_STOP_GRACE_S = 15.0
 # Once it has reported, how long the launcher process gets to end by itself before it is killed. Its
@@ -89,7 +91,7 @@ def run_source(
     """
     # Counted here too, before the launcher process starts: a gpus this machine cannot give is the RanksError
     # of fork mode (which %%ddp shows as a usage error), not text relayed from the launcher.
-    rankside.count_ranks(options.gpus, distributed.visible_gpus(), api="nbkit.launch")
+    rank_contract.count_ranks(options.gpus, distributed.visible_gpus(), api="nbkit.launch")
     cells.parse(source, filename)  # a cell that does not parse fails here, pointing at its line
     brought = bring_along(source, namespace)
     why = f" Why: {str(reason).rstrip('.')}." if reason else ""
@@ -121,7 +123,12 @@ class _Coordinator:
     def run(self) -> Any:
         reader, writer = Pipe(duplex=False)
         proc = subprocess.Popen(
-            [sys.executable, "-c", "from nbkit.spawning import _coordinate; _coordinate()", str(writer.fileno())],
+            [
+                sys.executable,
+                "-c",
+                "from nbkit.launching.spawn import _coordinate; _coordinate()",
+                str(writer.fileno()),
+            ],
             pass_fds=(writer.fileno(),),
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
@@ -207,7 +214,7 @@ class _Coordinator:
                 f"with it.{hint}{' Its last output:' + chr(10) + tail if tail else ''}"
             )
         if isinstance(outcome, Result):
-            return rankside.load_value(outcome.payload)
+            return rank_contract.load_value(outcome.payload)
         raise outcome.exception()
 
     def _close_board(self, success: bool) -> None:
@@ -242,7 +249,8 @@ class _Coordinator:
 
 def _child_environment() -> dict[str, str]:
     env = dict(os.environ)
-    package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    # the folder that holds nbkit/ (this file is nbkit/launching/spawn.py)
+    package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
     # How this notebook shows the dashboard: the ranks print Trainer's log lines only without a live panel.
     env["NBKIT_DASHBOARD"] = dashboard.display_mode()
@@ -261,13 +269,13 @@ def _coordinate() -> None:
     """Entry point of the launcher process: the job on stdin, argv = [writer fd]."""
     job: Job = pickle.load(sys.stdin.buffer)
     conn = Connection(int(sys.argv[1]), readable=False)
-    launching.die_with_parent()
+    fork.die_with_parent()
     sys.path[:] = job.sys_path + [p for p in sys.path if p not in job.sys_path]
     linecache.cache[job.filename] = (len(job.source), None, job.source.splitlines(True), job.filename)
     dashboard.relay_to(conn)
     outcome: _Outcome
     try:
-        outcome = Result(launching.launch_with(job.options, _run_rank, job))
+        outcome = Result(fork.launch_with(job.options, _run_rank, job))
     except (KeyboardInterrupt, Exception) as exc:  # a failed rank, an interrupt, or a launch that could not start
         outcome = LaunchRaised.of(exc)
     conn.send(outcome)  # the launch is over: nothing else writes to the connection now
@@ -284,4 +292,4 @@ def _run_rank(job: Job) -> bytes | None:
     value = cells.run_cell(job.source, main.__dict__, job.filename)
     # Pickled here, unpickled in the notebook, where the notebook's own classes exist (the
     # launcher process in between has none of them).
-    return rankside.pickle_for_notebook(value) if distributed.rank() == 0 else None
+    return rank_contract.pickle_for_notebook(value) if distributed.rank() == 0 else None

@@ -5,8 +5,8 @@
 
 nbkit.launch, nbkit.run_cell, nbkit.start and nbkit.connect build one from their arguments, the
 `%%ddp` and `%ddp start` lines (nbkit.ddp_options) from theirs, the exporter from a notebook's lines;
-from there the value travels as it is: to the fork (nbkit.launching), to spawn's launcher process
-(pickled, nbkit.spawning), to a live set (nbkit.live) and into an exported script (nbkit.export).
+from there the value travels as it is: to the fork (nbkit.launching.fork), to spawn's launcher process
+(pickled, nbkit.launching.spawn), to a live set (nbkit.live) and into an exported script (nbkit.export).
 Each option has one default here and one check, so a bad value gets the same message on every path,
 naming the option and what to pass: OptionTypeError (an OptionsError and a TypeError) for a value of
 the wrong type, OptionsError (a ValueError) for one out of range, EmulationError for a GPU profile

@@ -7,14 +7,14 @@ the cells define.
 
 Output: a rank's output, Python's streams and descriptors 1 and 2 alike (C++ warnings), goes over
 the relay while a call that shows this rank runs (rank 0 by default), and is dropped otherwise:
-nbkit.rankoutput, the routine one-shot ranks use too, set up once for the rank's life (libraries keep
+nbkit.rank_side.output, the routine one-shot ranks use too, set up once for the rank's life (libraries keep
 the stream they found at import, and those imports happen inside calls). What a shown rank passes
 to IPython's display() (an image, HTML, a DataFrame) goes the same way, as display data the notebook
 shows in the cell; widgets do not (their state lives in the engine, which has no frontend).
 
 Ending: an engine nbkit started ends on SIGTERM (stop()) with os._exit, running no destructor: a
 rank's models, DDP reducers and process groups are freed by the end of the process, not by C++
-destructors that can hang (nbkit.teardown). Engines started outside nbkit keep ipyparallel's own
+destructors that can hang (nbkit.rank_side.teardown). Engines started outside nbkit keep ipyparallel's own
 SIGTERM handling; teardown() gives them back as they were.
 """
 
@@ -34,12 +34,13 @@ from collections.abc import Callable
 from multiprocessing import connection
 from typing import Any
 
-from nbkit import rankoutput, rankside
+from nbkit.launching import rank_contract
 from nbkit.messages import rank as channel
 from nbkit.messages.live import CallDone, Display, EngineInfo, Interrupted, Outcome, Output, RankPlan
 from nbkit.platform import config
 from nbkit.platform.config import setting
 from nbkit.platform.errors import RankError
+from nbkit.rank_side import output
 
 __all__ = ["free_port", "identify", "pull", "receive", "run_code", "run_function", "setup", "teardown"]
 
@@ -48,7 +49,7 @@ _rank = -1
 _shown = False
 _namespace: dict[str, Any] = {}
 _crash_log: Any = None
-_output: rankoutput.RankOutput | None = None
+_output: output.RankOutput | None = None
 _found_display: Any = None  # the engine's own display publisher, while nbkit's stands in for it
 _call_now = -1  # the call running, for the Interrupted notice
 _notice_thread: list[threading.Thread] = []  # started with the first call
@@ -84,7 +85,7 @@ def setup(plan: RankPlan) -> str:
 
     Sets the torchrun environment (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK,
     GROUP_WORLD_SIZE, MASTER_ADDR, MASTER_PORT; NODE_RANK too) and `plan.env`, nbkit's rank
-    environment (nbkit.rankside.rank_environment: NBKIT_LAUNCHED, ACCELERATE_USE_CPU on the CPU, ...);
+    environment (nbkit.launching.rank_contract.rank_environment: NBKIT_LAUNCHED, ACCELERATE_USE_CPU on the CPU, ...);
     joins the process group (nccl on cuda:local_rank, or gloo); connects to the notebook's
     relay; installs nbkit's patches, the Trainer dashboard callback and checkpoint handling (what
     nbkit.launch does in its ranks).
@@ -105,11 +106,11 @@ def setup(plan: RankPlan) -> str:
             "MASTER_PORT": str(plan.master_port),
         }
     )
-    os.environ.update(plan.env)  # nbkit's rank environment, made by the notebook (rankside.rank_environment)
+    os.environ.update(plan.env)  # nbkit's rank environment, made by the notebook (rank_contract.rank_environment)
     import torch
     import torch.distributed as dist
 
-    rankside.set_rank_threads(use_cuda=plan.use_cuda, local_world_size=plan.local_world_size)
+    rank_contract.set_rank_threads(use_cuda=plan.use_cuda, local_world_size=plan.local_world_size)
     if plan.use_cuda:
         torch.cuda.set_device(plan.local_rank)
         device = f"cuda:{plan.local_rank}"
@@ -127,7 +128,7 @@ def setup(plan: RankPlan) -> str:
     channel.send(channel.Started(os.getpid()))
     global _output
     if _output is None:
-        _output = rankoutput.RankOutput(_send_output, shown=lambda: _shown)
+        _output = output.RankOutput(_send_output, shown=lambda: _shown)
         _relay_display()
     if plan.owned and threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _end_now)
@@ -136,7 +137,7 @@ def setup(plan: RankPlan) -> str:
         init_method=f"tcp://{plan.master_addr}:{plan.master_port}",
         rank=plan.rank,
         world_size=plan.world_size,
-        # NCCL's watchdog ends a rank whose collective waits longer (rankside.nccl_environment); gloo keeps
+        # NCCL's watchdog ends a rank whose collective waits longer (rank_contract.nccl_environment); gloo keeps
         # torch's default, its collectives fail as soon as a peer's connection closes.
         timeout=config.nccl_timeout() if plan.use_cuda else None,
     )
@@ -146,7 +147,9 @@ def setup(plan: RankPlan) -> str:
     from nbkit.rank_side.setup import prepare_rank
 
     prepare_rank()
-    patch_groups.install("live")  # an interrupt stops Trainer at a step every rank agrees on (nbkit.live.stopping)
+    patch_groups.install(
+        "live"
+    )  # an interrupt stops Trainer at a step every rank agrees on (nbkit.rank_side.live_stopping)
     _namespace = {"__name__": "__main__", "__builtins__": builtins}
     return device
 
@@ -154,7 +157,7 @@ def setup(plan: RankPlan) -> str:
 def teardown() -> None:
     """Forget the rank's names, leave the process group, and give the engine's output back as it was
     (engines started outside nbkit live on). The names go first: a DDP model freed after its group
-    was destroyed could hang the rank (nbkit.teardown).
+    was destroyed could hang the rank (nbkit.rank_side.teardown).
     """
     import torch.distributed as dist
 
@@ -271,7 +274,7 @@ def _rebuild(names: dict[str, bytes]) -> dict[str, Any]:
                 "sys; sys.path.insert(0, FOLDER)), or start the set with env={'PYTHONPATH': FOLDER}.",
                 name=exc.name,
             )
-            error.nbkit_says_it_all = True  # type: ignore[attr-defined]  # (see rankside.rank_traceback)
+            error.nbkit_says_it_all = True  # type: ignore[attr-defined]  # (see rank_contract.rank_traceback)
             raise error from None
     return values
 
@@ -307,7 +310,7 @@ def _call(call: int, show: bool, want_value: bool, body: Callable[[], Any]) -> O
     previous = _listen_for_interrupts(call)
     try:
         value = body()
-        outcome = Outcome(_rank, value=rankside.pickle_for_notebook(value) if want_value else None)
+        outcome = Outcome(_rank, value=rank_contract.pickle_for_notebook(value) if want_value else None)
     except BaseException as exc:  # KeyboardInterrupt included: the rank stays alive
         failed = True
         outcome = Outcome(_rank, error=_rank_error(exc))
@@ -362,7 +365,7 @@ def _rank_error(exc: BaseException) -> RankError:
         rank=_rank,
         type=type(exc).__qualname__,
         message=str(exc),
-        traceback=rankside.rank_traceback(exc),
+        traceback=rank_contract.rank_traceback(exc),
         time=time.time(),
         secondary=isinstance(exc, KeyboardInterrupt),
     )

@@ -150,9 +150,9 @@ def _text_bars_here() -> bool:
 
     Text lines redrawn with a carriage return reach the cell from there, and only one rank should draw them.
     """
-    from nbkit import rankoutput
+    from nbkit.rank_side import output
 
-    return channel.connected() and distributed.rank() == 0 and isinstance(sys.stderr, rankoutput.LineStream)
+    return channel.connected() and distributed.rank() == 0 and isinstance(sys.stderr, output.LineStream)
 
 
 @patching.patch(
@@ -388,7 +388,7 @@ class _StepReporter:
 
 
 # DashboardCallback subclasses transformers' TrainerCallback; building it on first use keeps
-# `import nbkit.reporting` (which every launched rank does) from importing transformers.
+# `import nbkit.rank_side.reporting` (which every launched rank does) from importing transformers.
 __getattr__ = callbacks.lazy_module_attributes(__name__, DashboardCallback=_StepReporter)
 
 

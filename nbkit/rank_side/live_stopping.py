@@ -7,7 +7,7 @@ its peer waits for it in a collective forever; the notebook then had to end the 
 with it (a reviewer's 2 of 3 tries, 2 gloo ranks, tiny:qwen3).
 
 What this module does instead, in every rank of a live set (patch group "live", applied by
-nbkit.live.rank_side.setup):
+nbkit.rank_side.live_engine.setup):
 
 - While Trainer.train() runs, SIGINT raises nothing: the first one records a stop request on this
   rank (the handler only sets a flag: it may run while the rank is sending on its relay connection,
@@ -133,7 +133,7 @@ _current: _Run | None = None
 
 class _StopAtAgreedStep:
     """A transformers TrainerCallback: ends training at the step the live set's ranks agreed on
-    after an interrupt (nbkit.live.stopping); added by the wrapped Trainer.train() for one run.
+    after an interrupt (nbkit.rank_side.live_stopping); added by the wrapped Trainer.train() for one run.
     """
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:

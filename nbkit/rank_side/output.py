@@ -24,7 +24,7 @@ Limits, by construction:
   written moments apart can arrive in either order.
 - A rank that dies (a signal, an abort) loses what its reader thread had not read: a native
   crash's last line may be missing. Its exit signal is always reported, and a live rank's
-  faulthandler stack is kept in its log (nbkit.live.rank_side).
+  faulthandler stack is kept in its log (nbkit.rank_side.live_engine).
 - The reader is a Python thread: C code that writes more than a pipe holds (1 MiB, where Linux
   grants it) while holding the GIL waits until the GIL is let go. ipykernel's own capture of a
   kernel's descriptors works the same way.

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 from nbkit.platform.errors import LaunchError, RanksError
 
 if TYPE_CHECKING:
-    from nbkit.rank_options import RankOptions
+    from nbkit.launching.rank_options import RankOptions
 
 __all__ = [
     "ALLOC_CONF",
@@ -49,18 +49,18 @@ __all__ = [
 ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
 _ALLOC_CONF_FALLBACK = "PYTORCH_ALLOC_CONF"
 
-_NBKIT_DIR = os.path.dirname(os.path.abspath(__file__))
+_NBKIT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The files whose frames stand between a rank's entry point and the user's code in every path:
 # the forked rank's wrapper, spawn mode's rank, the live rank's call, and running a cell.
 _PLUMBING = frozenset(
     os.path.join(_NBKIT_DIR, *parts)
     for parts in (
-        ("launching.py",),
-        ("spawning.py",),
+        ("launching", "fork.py"),
+        ("launching", "spawn.py"),
         ("cells.py",),
         ("cellrun.py",),
-        ("cell_group.py",),
-        ("live", "rank_side.py"),
+        ("rank_side", "cell_group.py"),
+        ("rank_side", "live_engine.py"),
     )
 )
 
