@@ -428,7 +428,7 @@ def _planned(run: Run) -> dict[str, float | None]:
 
 def _allocated(total_gib: float) -> float:
     """A planner figure without its CUDA overhead (the context and the allocator's slack)."""
-    from nbkit import planner
+    from nbkit.notebook import planner
 
     return (total_gib - planner.CUDA_CONTEXT_GIB) / (1 + planner.ALLOCATOR_SLACK)
 

@@ -37,7 +37,7 @@ import torch  # noqa: E402
 
 import nbkit  # noqa: E402
 from benchmarks import host  # noqa: E402
-from nbkit.planner import LORA_TARGET_MODULES  # noqa: E402
+from nbkit.notebook.planner import LORA_TARGET_MODULES  # noqa: E402
 
 TARGET = 0.20
 GIB = 2**30

@@ -36,7 +36,7 @@ _EXPORTS: dict[str, str] = {
     # launching
     "launch": "nbkit.launching.fork",
     # what a %%ddp cell does, for scripts too
-    "run_cell": "nbkit.cellrun",
+    "run_cell": "nbkit.notebook.run_cell",
     # live sets: processes that stay up across cells
     "start": "nbkit.live",
     "connect": "nbkit.live",
@@ -73,12 +73,12 @@ _EXPORTS: dict[str, str] = {
     "uninstall": "nbkit.platform.patch_groups",
     # the guard and the planner
     "resolve_device_map": "nbkit.training.guard",
-    "plan": "nbkit.planner",
-    "Plan": "nbkit.planner",
-    "BatchSettings": "nbkit.planner",
+    "plan": "nbkit.notebook.planner",
+    "Plan": "nbkit.notebook.planner",
+    "BatchSettings": "nbkit.notebook.planner",
     # a run's choices, made once in the notebook, and the model steps for them (nbkit.recipe(...).from_pretrained)
-    "recipe": "nbkit.recipes",
-    "Recipe": "nbkit.recipes",
+    "recipe": "nbkit.notebook.recipes",
+    "Recipe": "nbkit.notebook.recipes",
     # offline models and data
     "resolve_model": "nbkit.training.offline",
     "vision_dataset": "nbkit.training.synthetic",
@@ -87,7 +87,7 @@ _EXPORTS: dict[str, str] = {
     "report": "nbkit.rank_side.reporting",
     "peak_memory_gib": "nbkit.rank_side.reporting",
     # diagnostics
-    "doctor": "nbkit.diagnostics",
+    "doctor": "nbkit.notebook.diagnostics",
 }
 
 # submodules used as namespaces, imported on first use: nbkit.savers.apply(...),
@@ -117,15 +117,19 @@ _MOVED: dict[str, str] = {
     "nbkit.cell_group": "nbkit.rank_side.cell_group",
     "nbkit.checkpoints": "nbkit.training.checkpoints",
     "nbkit.config": "nbkit.platform.config",
+    "nbkit.dashboard": "nbkit.notebook.dashboard",
     "nbkit.data": "nbkit.training.data",
     "nbkit.distributed": "nbkit.platform.distributed",
     "nbkit.emulation": "nbkit.training.emulation",
     "nbkit.errors": "nbkit.platform.errors",
+    "nbkit.export": "nbkit.notebook.export",
     "nbkit.fsdp": "nbkit.training.fsdp",
     "nbkit.integration": "nbkit.platform.patch_groups",
+    "nbkit.magics": "nbkit.notebook.magics",
     "nbkit.models": "nbkit.training.models",
     "nbkit.offline": "nbkit.training.offline",
     "nbkit.patching": "nbkit.platform.patching",
+    "nbkit.run_summary": "nbkit.notebook.run_summary",
     "nbkit.savers": "nbkit.training.savers",
     "nbkit.synthetic": "nbkit.training.synthetic",
 }
@@ -184,12 +188,12 @@ importlib.import_module("nbkit.platform.forksafety").install()
 
 def load_ipython_extension(ipython: Any) -> None:
     """`%load_ext nbkit`: registers the %%ddp and %nbkit magics."""
-    from nbkit.magics import register
+    from nbkit.notebook.magics import register
 
     register(ipython)
 
 
 def unload_ipython_extension(ipython: Any) -> None:
-    from nbkit.magics import unregister
+    from nbkit.notebook.magics import unregister
 
     unregister(ipython)

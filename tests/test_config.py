@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import nbkit
-from nbkit import dashboard
+from nbkit.notebook import dashboard
 from nbkit.platform import config
 from nbkit.training import offline
 
@@ -61,7 +61,7 @@ def test_the_settings_users_configure_are_declared():
 _COMPUTED_READS = {
     ("distributed.py", "_env_int"): lambda: ("RANK", "LOCAL_RANK", "WORLD_SIZE"),  # torchrun's
     ("distributed.py", "launched"): lambda: ("RANK", "WORLD_SIZE", "MASTER_ADDR"),  # torch's env:// rendezvous
-    ("diagnostics.py", "_secrets"): lambda: importlib.import_module("nbkit.diagnostics").SECRET_NAMES,
+    ("diagnostics.py", "_secrets"): lambda: importlib.import_module("nbkit.notebook.diagnostics").SECRET_NAMES,
     ("rank_contract.py", "nccl_environment"): lambda: (
         importlib.import_module("nbkit.launching.rank_contract")._NCCL_ERROR_HANDLING
     ),

@@ -10,10 +10,10 @@ import pytest
 from dashboard_events import step_event
 from tiny_training import train_tiny_qwen3
 
-from nbkit import dashboard
-from nbkit.dashboard import Dashboard
 from nbkit.messages.rank import Envelope, Report
 from nbkit.messages.spawn import DashboardOpened
+from nbkit.notebook import dashboard
+from nbkit.notebook.dashboard import Dashboard
 
 
 def test_snapshot_sums_rates_averages_losses_and_keeps_peaks():

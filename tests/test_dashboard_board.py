@@ -7,7 +7,7 @@ import time
 import pytest
 from dashboard_events import step_event
 
-from nbkit.dashboard.board import Board
+from nbkit.notebook.dashboard.board import Board
 
 
 def test_eta_follows_the_pace_since_the_first_step():

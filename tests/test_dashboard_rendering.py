@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dashboard_events import step_event
 
-from nbkit.dashboard.board import Board
-from nbkit.dashboard.rendering import peak_memory_text, text_line
+from nbkit.notebook.dashboard.board import Board
+from nbkit.notebook.dashboard.rendering import peak_memory_text, text_line
 
 
 def test_peak_memory_names_each_rank():

@@ -9,11 +9,11 @@ import sys
 
 import pytest
 
-from nbkit.diagnostics import doctor
+from nbkit.notebook.diagnostics import doctor
 from nbkit.platform import distributed
 from nbkit.platform import shell as nbkit_shell
 
-doctor_module = importlib.import_module("nbkit.diagnostics")
+doctor_module = importlib.import_module("nbkit.notebook.diagnostics")
 
 
 def test_a_set_secret_is_reported_as_set_and_its_value_never_appears(monkeypatch):
@@ -122,7 +122,7 @@ def test_a_supported_unsloth_stack_raises_no_version_problem(monkeypatch):
 def test_nbkit_doctor_is_the_function_whichever_import_came_first():
     import nbkit
 
-    importlib.import_module("nbkit.diagnostics")
+    importlib.import_module("nbkit.notebook.diagnostics")
     assert nbkit.doctor is doctor
     assert nbkit.doctor().versions == doctor().versions
 

@@ -18,7 +18,7 @@ from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 from outside_launcher import torchrun
 
 from nbkit import ExportError, NbkitError
-from nbkit.export import export_script
+from nbkit.notebook.export import export_script
 
 NOTEBOOKS_DIR = Path(__file__).resolve().parent.parent / "notebooks"
 

@@ -14,7 +14,7 @@ from gpu_marks import two_gpus
 from test_planner import llama_70b
 
 import nbkit
-from nbkit.planner import plan
+from nbkit.notebook.planner import plan
 from nbkit.training import guard
 
 AUTOMATIC = [None, "auto", "balanced", "balanced_low_0", "sequential", "unsloth", "unsloth_balanced"]

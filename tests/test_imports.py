@@ -11,7 +11,7 @@ import nbkit
 
 PACKAGE = Path(nbkit.__file__).parent
 # The one module that needs IPython: the magics, loaded by `%load_ext nbkit`.
-NEEDS_IPYTHON = {"nbkit.magics"}
+NEEDS_IPYTHON = {"nbkit.notebook.magics"}
 
 
 def _modules() -> dict[str, Path]:
@@ -90,8 +90,8 @@ def _graph() -> dict[str, set[str]]:
 def test_the_walker_sees_lazy_imports():
     graph = _graph()
     assert "nbkit.platform.forksafety" in graph["nbkit"]  # importlib.import_module("nbkit.platform.forksafety")
-    assert "nbkit.magics" in graph["nbkit"]  # inside load_ipython_extension
-    assert "nbkit.training.savers.tiled_mlp" in graph["nbkit.planner"]  # inside a function
+    assert "nbkit.notebook.magics" in graph["nbkit"]  # inside load_ipython_extension
+    assert "nbkit.training.savers.tiled_mlp" in graph["nbkit.notebook.planner"]  # inside a function
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
@@ -132,7 +132,7 @@ def test_documented_submodules_are_reachable_after_import_nbkit():
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert result.stdout.split("\n")[:2] == [
-        "nbkit.dashboard nbkit.export nbkit.training.savers nbkit.training.checkpoints nbkit.training.offline "
+        "nbkit.notebook.dashboard nbkit.notebook.export nbkit.training.savers nbkit.training.checkpoints nbkit.training.offline "
         "nbkit.platform.patching nbkit.training.guard nbkit.platform.config nbkit.training.synthetic",
         "module 'nbkit' has no attribute 'not_a_module'",
     ], result.stderr[-2000:]

@@ -101,7 +101,7 @@ def test_a_failing_rank_fails_the_cell_with_its_traceback_and_the_next_ddp_runs(
     shown = "\n".join(error.traceback)
     assert shown.count("ValueError: rank one is broken") == 2  # the header line and the rank's traceback
     assert "raise ValueError('rank one is broken')" in shown  # the cell's own line
-    assert "nbkit/magics.py" not in shown and "nbkit/cells.py" not in shown
+    assert "nbkit/notebook/magics.py" not in shown and "nbkit/notebook/cell_code.py" not in shown
     assert outputs["again"]["error"] is None and outputs["again"]["result"] == "42"
     assert outputs["text"]["stdout"].strip() == "42"
 
@@ -262,7 +262,7 @@ def test_question_mark_shows_the_options_of_each_magic(kernel_name, tmp_path):
 
 
 def test_cell_analysis_finds_the_names_a_cell_reads_before_binding_them():
-    from nbkit.cells import free_names, run_cell
+    from nbkit.notebook.cell_code import free_names, run_cell
 
     source = (
         "import math as m\nx = y + 1\n"
@@ -286,7 +286,7 @@ def test_bring_along_pickles_notebook_functions_by_value_and_names_what_it_canno
     import math
     import threading
 
-    from nbkit.notebook_names import bring_along
+    from nbkit.notebook.notebook_names import bring_along
     from nbkit.platform.errors import BringAlongError
 
     namespace = {"m": math, "scale": 3, "lock": threading.Lock(), "lam": lambda x: x * 2}

@@ -1,4 +1,4 @@
-"""nbkit.notebook_names: the one rule for which notebook names travel, for spawn mode and live sets."""
+"""nbkit.notebook.notebook_names: the one rule for which notebook names travel, for spawn mode and live sets."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pickle
 
 import pytest
 
-from nbkit import notebook_names
+from nbkit.notebook import notebook_names
 from nbkit.platform.errors import CellSyntaxError
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from nbkit import one_gpu
+from nbkit.notebook import one_gpu
 
 
 @pytest.fixture(autouse=True)

@@ -27,7 +27,7 @@ from packaging.requirements import Requirement
 from packaging.version import Version
 
 import nbkit
-from nbkit import diagnostics
+from nbkit.notebook import diagnostics
 
 REPO = Path(__file__).resolve().parents[1]
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())

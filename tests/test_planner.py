@@ -11,7 +11,7 @@ import torch
 from transformers import LlamaConfig, Qwen3Config, Qwen3ForCausalLM, Qwen3VLConfig
 
 import nbkit
-from nbkit import planner
+from nbkit.notebook import planner
 from nbkit.platform import compat
 from nbkit.training import offline
 from nbkit.training.offline import load_config
@@ -458,7 +458,7 @@ def test_fsdp_shards_weights_and_lora_state_per_rank_and_keeps_each_ranks_activa
     assert two["lora"] == pytest.approx(one["lora"] / 2) and four["lora"] == pytest.approx(one["lora"] / 4)
     assert one["activations"] == two["activations"] == four["activations"]  # each rank trains its own batch
     assert plans[1].strategy == "does_not_fit" and plans[2].strategy == plans[4].strategy == "fsdp"
-    assert "fsdp" in nbkit.planner.STRATEGIES
+    assert "fsdp" in nbkit.notebook.planner.STRATEGIES
     assert plans[2].fsdp_load_gib is None  # 16-bit weights load in CPU memory and are sharded from there
 
 

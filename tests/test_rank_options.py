@@ -17,9 +17,9 @@ import pytest
 from nbformat.v4 import new_code_cell, new_notebook
 
 import nbkit
-from nbkit import ddp_options
-from nbkit.export import export_script
 from nbkit.launching.rank_options import RankOptions
+from nbkit.notebook import ddp_options
+from nbkit.notebook.export import export_script
 from nbkit.platform import config
 from nbkit.platform.errors import EmulationError, ExportError, OptionsError, OptionTypeError
 

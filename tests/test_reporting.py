@@ -13,7 +13,7 @@ import torch
 from tiny_training import tiny_qwen3_trainer, train_tiny_qwen3
 
 import nbkit
-from nbkit import dashboard
+from nbkit.notebook import dashboard
 from nbkit.platform import patching
 from nbkit.rank_side import reporting
 

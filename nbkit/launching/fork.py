@@ -36,11 +36,11 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from nbkit import dashboard as dashboards
 from nbkit.launching import rank_contract
 from nbkit.launching.rank_options import RankOptions
 from nbkit.launching.supervisor import ExitStatus, exit_status, hang_hint, kill, render_failures, stop
 from nbkit.messages import rank as channel
+from nbkit.notebook import dashboard as dashboards
 from nbkit.platform import config, distributed, forksafety, notices, patching
 from nbkit.platform.config import environment
 from nbkit.platform.errors import LaunchError, RankError

@@ -57,8 +57,8 @@ _PLUMBING = frozenset(
     for parts in (
         ("launching", "fork.py"),
         ("launching", "spawn.py"),
-        ("cells.py",),
-        ("cellrun.py",),
+        ("notebook", "cell_code.py"),
+        ("notebook", "run_cell.py"),
         ("rank_side", "cell_group.py"),
         ("rank_side", "live_engine.py"),
     )

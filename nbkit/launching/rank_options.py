@@ -4,7 +4,7 @@
     options.gpus, options.timeout, options.env_dict()      # 2, 600.0, {"HF_HOME": "/tmp/hf"}
 
 nbkit.launch, nbkit.run_cell, nbkit.start and nbkit.connect build one from their arguments, the
-`%%ddp` and `%ddp start` lines (nbkit.ddp_options) from theirs, the exporter from a notebook's lines;
+`%%ddp` and `%ddp start` lines (nbkit.notebook.ddp_options) from theirs, the exporter from a notebook's lines;
 from there the value travels as it is: to the fork (nbkit.launching.fork), to spawn's launcher process
 (pickled, nbkit.launching.spawn), to a live set (nbkit.live) and into an exported script (nbkit.export).
 Each option has one default here and one check, so a bad value gets the same message on every path,

@@ -5,7 +5,7 @@ that has initialised CUDA (say, after inference in an earlier cell), imported bi
 created an accelerate state cannot be forked into working training processes. `run_source`
 then starts a fresh Python process (nothing inherited but the environment, the working directory
 and sys.path) that runs nbkit.launch itself, so the ranks are forked from a clean process; each
-rank gets the notebook names the cell needs (chosen and pickled by nbkit.notebook_names, the rule a
+rank gets the notebook names the cell needs (chosen and pickled by nbkit.notebook.notebook_names, the rule a
 live set follows too) and runs the cell:
 
 - the values are pickled by value with cloudpickle, all in one go (tensors come along on the CPU):
@@ -43,11 +43,11 @@ from multiprocessing import Pipe
 from multiprocessing.connection import Connection
 from typing import Any
 
-from nbkit import cells, dashboard
 from nbkit.launching import fork, rank_contract, supervisor
 from nbkit.launching.rank_options import RankOptions
 from nbkit.messages.spawn import DashboardOpened, Envelope, Job, LaunchRaised, Report, Result
-from nbkit.notebook_names import bring_along
+from nbkit.notebook import cell_code, dashboard
+from nbkit.notebook.notebook_names import bring_along
 from nbkit.platform import distributed, forksafety, notices
 from nbkit.platform.errors import LaunchError
 from nbkit.rank_side import cell_group
@@ -92,7 +92,7 @@ def run_source(
     # Counted here too, before the launcher process starts: a gpus this machine cannot give is the RanksError
     # of fork mode (which %%ddp shows as a usage error), not text relayed from the launcher.
     rank_contract.count_ranks(options.gpus, distributed.visible_gpus(), api="nbkit.launch")
-    cells.parse(source, filename)  # a cell that does not parse fails here, pointing at its line
+    cell_code.parse(source, filename)  # a cell that does not parse fails here, pointing at its line
     brought = bring_along(source, namespace)
     why = f" Why: {str(reason).rstrip('.')}." if reason else ""
     names = ", ".join(brought.reached) or "nothing"
@@ -289,7 +289,7 @@ def _run_rank(job: Job) -> bytes | None:
     sys.modules["__main__"] = main
     job.brought.load_into(main.__dict__)
     cell_group.join()  # the cell's default process group, as on a live set
-    value = cells.run_cell(job.source, main.__dict__, job.filename)
+    value = cell_code.run_cell(job.source, main.__dict__, job.filename)
     # Pickled here, unpickled in the notebook, where the notebook's own classes exist (the
     # launcher process in between has none of them).
     return rank_contract.pickle_for_notebook(value) if distributed.rank() == 0 else None

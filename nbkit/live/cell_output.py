@@ -60,7 +60,7 @@ class CellOutput:
     def report(self, rank: int, metrics: dict[str, Any]) -> None:
         """Feed a rank's dashboard event to the call's dashboard (made at the first one)."""
         if self._board is None:
-            from nbkit import dashboard
+            from nbkit.notebook import dashboard
 
             self._board = dashboard.create(self._world_size)
         try:

@@ -194,7 +194,7 @@ class Engines:
         startup_timeout: float,
     ) -> None:
         assert self.relay is not None
-        from nbkit import dashboard
+        from nbkit.notebook import dashboard
 
         # How this notebook shows the dashboard: the ranks print Trainer's log lines only without a live panel.
         env = {

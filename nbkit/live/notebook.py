@@ -29,7 +29,7 @@ output, the dashboard, and what happens when things go wrong:
   which stay in the engine's process group (each engine leads one), unless they leave it on purpose.
 
 One live set per process (per notebook). The `%ddp start|stop|status` magics are thin layers over this
-module; a `%%ddp` cell reaches it through nbkit.run_cell (nbkit.cellrun).
+module; a `%%ddp` cell reaches it through nbkit.run_cell (nbkit.notebook.run_cell).
 
 This module runs in the notebook; LiveRanks is the API, composed of parts with one job each, each in
 a module of its own (all on the notebook's side of the wire), which talk through public methods:
@@ -48,13 +48,13 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from nbkit import cells, one_gpu
 from nbkit.launching import rank_contract
 from nbkit.launching.rank_options import RankOptions, check_timeout
 from nbkit.live.calls import Call
 from nbkit.live.engines import Engines
 from nbkit.live.sending import HeldNames, refuse_notebook_only
 from nbkit.messages.live import Outcome
+from nbkit.notebook import cell_code, one_gpu
 from nbkit.platform import distributed
 from nbkit.platform.errors import LiveError
 from nbkit.rank_side import live_engine
@@ -170,7 +170,7 @@ def start(
 
     Returns:
         The LiveRanks (also `nbkit.live.current()`). On a machine with one GPU it says once (an INFO
-        notice, nbkit.one_gpu) what the set does there and why it still helps.
+        notice, nbkit.notebook.one_gpu) what the set does there and why it still helps.
 
     Raises:
         LiveError: a live set is already running in this process, or the processes failed to start
@@ -357,7 +357,7 @@ class LiveRanks:
         """
         timeout = check_timeout(timeout)
         targets = self._targets(ranks)
-        tree = cells.parse(code, filename or "<live cell>")
+        tree = cell_code.parse(code, filename or "<live cell>")
         refuse_notebook_only(code, tree)
         given = dict(names or {})
         sending = self._names.missing(targets, given, set(given) if resend is True else set(resend or ()))
@@ -367,7 +367,7 @@ class LiveRanks:
         except KeyboardInterrupt:
             self._last_call = number  # the next call has a number of its own, which no data sent here is kept for
             raise
-        binds = cells.usage(tree.body).binds
+        binds = cell_code.usage(tree.body).binds
 
         def received(outcomes: list[Outcome]) -> None:
             for o in outcomes:

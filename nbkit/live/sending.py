@@ -9,8 +9,8 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from nbkit import cells, notebook_names
 from nbkit.live.engines import Engines
+from nbkit.notebook import cell_code, notebook_names
 from nbkit.platform import notices
 from nbkit.platform.errors import LiveError
 from nbkit.rank_side import live_engine
@@ -107,7 +107,7 @@ def refuse_notebook_only(code: str, tree: ast.Module) -> None:
     !command too: the ranks are plain Python processes without IPython's shell, where it would fail as
     a NameError that does not say why.
     """
-    if "get_ipython" in cells.usage(tree.body).binds:
+    if "get_ipython" in cell_code.usage(tree.body).binds:
         return
     calls: dict[int, ast.Call] = {}  # id of the get_ipython Name: the call get_ipython().NAME(...) around it
     for n in ast.walk(tree):

@@ -22,7 +22,7 @@ from nbkit.platform.errors import LaunchError, RankError
 if TYPE_CHECKING:  # a Job is only built and read where these are imported already (the dashboard, which sends
     # this module's other messages, stays free of cloudpickle)
     from nbkit.launching.rank_options import RankOptions
-    from nbkit.notebook_names import BroughtAlong
+    from nbkit.notebook.notebook_names import BroughtAlong
 
 __all__ = ["DashboardOpened", "Envelope", "Job", "LaunchRaised", "Report", "Result"]
 

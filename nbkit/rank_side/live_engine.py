@@ -242,7 +242,7 @@ def run_code(call: int, source: str, filename: str, show: bool, want_value: bool
 
     def body() -> Any:
         nonlocal loaded
-        from nbkit.cells import run_cell
+        from nbkit.notebook.cell_code import run_cell
 
         if names:
             _namespace.update(_rebuild(names))

@@ -33,8 +33,8 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from nbkit import dashboard
 from nbkit.messages import rank as channel
+from nbkit.notebook import dashboard
 from nbkit.platform import distributed, patching
 from nbkit.platform import shell as nbkit_shell
 from nbkit.training import callbacks

@@ -31,7 +31,7 @@ from nbkit.platform.patching import patch
 from nbkit.training import fsdp
 
 if TYPE_CHECKING:
-    from nbkit import planner
+    from nbkit.notebook import planner
 
 __all__ = ["AUTOMATIC_DEVICE_MAPS", "FIT_CHECK_SEQ_LEN", "DeviceMapError", "fit_error", "resolve_device_map"]
 
@@ -305,7 +305,7 @@ def _check_fits_one_gpu(values: dict[str, Any], loader: _Loader, quantized: bool
     source = config if given_config else values.get(loader.model_arg)
     if source is None:
         return
-    from nbkit import planner
+    from nbkit.notebook import planner
     from nbkit.training.offline import load_config
 
     hub = {k: values[k] for k in _HUB_KWARGS if values.get(k) is not None}

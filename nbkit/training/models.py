@@ -20,7 +20,7 @@ from __future__ import annotations
 import importlib.util
 from typing import Any
 
-from nbkit.planner import LORA_TARGET_MODULES
+from nbkit.notebook.planner import LORA_TARGET_MODULES
 from nbkit.platform.errors import BackendError
 
 __all__ = [

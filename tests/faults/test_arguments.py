@@ -14,11 +14,11 @@ import pytest
 from faultkit import assert_reruns
 
 import nbkit
-from nbkit import ddp_options
 from nbkit.launching import rank_contract
 from nbkit.launching import spawn as spawning
 from nbkit.launching.rank_options import RankOptions
-from nbkit.planner import plan
+from nbkit.notebook import ddp_options
+from nbkit.notebook.planner import plan
 from nbkit.platform.errors import BringAlongError, CellSyntaxError, DatasetArgumentError, DatasetError
 
 pytestmark = pytest.mark.usefixtures("leftovers")

@@ -18,7 +18,7 @@ from nbformat.v4 import new_code_cell, new_notebook
 from outside_launcher import TORCHRUN, rank_env
 
 import nbkit
-from nbkit.export import export_script
+from nbkit.notebook.export import export_script
 
 pytestmark = [pytest.mark.usefixtures("leftovers"), pytest.mark.slow]
 

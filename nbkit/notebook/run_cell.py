@@ -3,7 +3,7 @@
 The %%ddp magic (nbkit.magics) parses its line and calls this; everything it decides lives here:
 
     run_cell(code, namespace, **options)
-      -> a live set runs (nbkit.live.current())  -> LiveRanks.exec on it (names sent: nbkit.notebook_names)
+      -> a live set runs (nbkit.live.current())  -> LiveRanks.exec on it (names sent: nbkit.notebook.notebook_names)
       -> a live set ended after a failure         -> LiveError: its names are gone (nothing runs one-shot)
       -> no live set, forking works               -> nbkit.launch of the code (fork: every name shared)
       -> no live set, forking blocked, or spawn   -> nbkit.launching.spawn.run_source (fresh processes)
@@ -19,8 +19,8 @@ import numbers
 from collections.abc import Iterable
 from typing import Any
 
-from nbkit import cells, one_gpu
 from nbkit.launching.rank_options import RankOptions
+from nbkit.notebook import cell_code, one_gpu
 from nbkit.platform import distributed, forksafety
 from nbkit.platform.errors import LiveError, OptionsError, OptionTypeError
 from nbkit.rank_side import cell_group
@@ -50,7 +50,7 @@ def run_cell(
     Args:
         code: the cell's Python source (IPython syntax already transformed).
         namespace: the notebook's names (a script: its globals()). One-shot runs see them all (fork)
-            or those the code reads (spawn); a live set gets those the code reads (nbkit.notebook_names).
+            or those the code reads (spawn); a live set gets those the code reads (nbkit.notebook.notebook_names).
         gpus: processes to start (None: one per visible GPU), as in nbkit.launch.
         env: environment variables for the processes.
         spawn: start fresh processes even where forking would work (nbkit.launching.spawn).
@@ -103,7 +103,7 @@ def run_cell_with(
     """
     from nbkit import live
 
-    cells.parse(code, filename)  # a cell that does not parse fails here, before any process starts
+    cell_code.parse(code, filename)  # a cell that does not parse fails here, before any process starts
     # this cell's lines, not those of an earlier cell run under the same name
     linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
     current = live.current()
@@ -202,6 +202,6 @@ def _one_shot(code: str, namespace: dict[str, Any], filename: str, options: Rank
         # sees them all, and what it assigns stays in the rank. It runs in the default process
         # group, as on a live set.
         cell_group.join()
-        return cells.run_cell(code, namespace, filename)
+        return cell_code.run_cell(code, namespace, filename)
 
     return launch_with(options, run_ddp_cell)

@@ -24,8 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from nbkit import planner
 from nbkit.launching import rank_contract
+from nbkit.notebook import planner
 from nbkit.platform import distributed
 from nbkit.platform.errors import OptionsError, StrategyError
 from nbkit.training import emulation, models

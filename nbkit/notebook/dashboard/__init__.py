@@ -41,11 +41,13 @@ import sys
 import time
 from typing import Any
 
-from nbkit.dashboard.board import Board, Snapshot, other_metrics
-from nbkit.dashboard.panels import HtmlPanel, LiveView, WidgetPanel
-from nbkit.dashboard.relaying import connection as relay_connection
-from nbkit.dashboard.relaying import relay, relay_to
-from nbkit.dashboard.rendering import (
+from nbkit.messages.rank import Envelope, Report
+from nbkit.messages.spawn import DashboardOpened
+from nbkit.notebook.dashboard.board import Board, Snapshot, other_metrics
+from nbkit.notebook.dashboard.panels import HtmlPanel, LiveView, WidgetPanel
+from nbkit.notebook.dashboard.relaying import connection as relay_connection
+from nbkit.notebook.dashboard.relaying import relay, relay_to
+from nbkit.notebook.dashboard.rendering import (
     loss_curve_png,
     panel_html,
     peak_memory_text,
@@ -54,8 +56,6 @@ from nbkit.dashboard.rendering import (
     summary_text,
     text_line,
 )
-from nbkit.messages.rank import Envelope, Report
-from nbkit.messages.spawn import DashboardOpened
 from nbkit.platform import host, notices
 from nbkit.platform.config import setting
 from nbkit.platform.shell import OutputCell

@@ -51,7 +51,8 @@ def message(kind: Kind, gpu: str) -> str:
 
 
 def say_once(kind: Kind, gpu: str) -> bool:
-    """Give `message(kind, gpu)` as an INFO notice (the `nbkit.one_gpu` logger), the first time in this process.
+    """Give `message(kind, gpu)` as an INFO notice (the `nbkit.notebook.one_gpu` logger), the first time in this
+    process.
 
     Returns True when it was given now, False when it had been given already. Call it on the notebook's side.
     """

@@ -46,8 +46,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from nbkit import cells, ddp_options
 from nbkit.launching.rank_options import RankOptions
+from nbkit.notebook import cell_code, ddp_options
 from nbkit.platform.errors import ExportError
 
 __all__ = ["export_script"]
@@ -131,12 +131,12 @@ def export_script(
         options = dataclasses.replace(options, setup=setup)
     exported = {f"cell {part.cell} (%%ddp)" for part in parts}
     skipped = [item for item in skipped if item not in exported]
-    needed = cells.free_names([node for part in parts for node in part.tree.body])
+    needed = cell_code.free_names([node for part in parts for node in part.tree.body])
     kept = _slice(statements, needed)
     for statement in kept:
         _refuse_ipython(statement.code, f"Cell {statement.cell} of {nb_path.name}")
-    taken = {n for s in statements for n in cells.usage([s.node]).binds}
-    taken |= {n for part in parts for n in cells.usage(part.tree.body).binds}
+    taken = {n for s in statements for n in cell_code.usage([s.node]).binds}
+    taken |= {n for part in parts for n in cell_code.usage(part.tree.body).binds}
     function = _unused_name("ddp_cell", taken)
     script = _render(nb_path, index, cell, options, kept, skipped, function, parts, taken, out_path.name)
     out_path.write_text(script)
@@ -459,7 +459,7 @@ def _slice(statements: list[_Statement], needed: set[str]) -> list[_Statement]:
         root = _mutated_root(statement.node)
         return bool(
             statement.parameters
-            or cells.usage([statement.node]).binds & names
+            or cell_code.usage([statement.node]).binds & names
             or (root is not None and root in names)
             or _is_setup(statement.node)
         )
@@ -469,7 +469,7 @@ def _slice(statements: list[_Statement], needed: set[str]) -> list[_Statement]:
         grown = set(needed)
         for statement in statements:
             if wanted(statement, needed):
-                use = cells.usage([statement.node])
+                use = cell_code.usage([statement.node])
                 grown |= use.now | use.later
         if grown == needed:
             break
@@ -598,7 +598,7 @@ def _live_functions(function: str, parts: list[_Part], taken: set[str]) -> list[
     names = [_unused_name(f"ddp_cell_{part.cell}", taken | {function}) for part in parts]
     out: list[str] = []
     for name, part in zip(names, parts):
-        bound = sorted(cells.usage(part.tree.body).binds)
+        bound = sorted(cell_code.usage(part.tree.body).binds)
         out += ["", "", f"def {name}():", f'    """%%ddp cell {part.cell}."""']
         if bound:
             out.append(f"    global {', '.join(bound)}")

@@ -160,7 +160,7 @@ def doctor(gpus: int | None = None) -> Report:
             Without a GPU, gpus=N asks for N CPU processes, so that no GPU is visible is then an info line,
             not an error.
     """
-    from nbkit import dashboard
+    from nbkit.notebook import dashboard
     from nbkit.platform import forksafety
 
     here = platform.current()

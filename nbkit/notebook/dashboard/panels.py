@@ -10,8 +10,15 @@ import logging
 import threading
 import time
 
-from nbkit.dashboard.board import Board, Snapshot, other_metrics
-from nbkit.dashboard.rendering import loss_curve_png, metrics_text, panel_html, rank_table_html, status_text, title_html
+from nbkit.notebook.dashboard.board import Board, Snapshot, other_metrics
+from nbkit.notebook.dashboard.rendering import (
+    loss_curve_png,
+    metrics_text,
+    panel_html,
+    rank_table_html,
+    status_text,
+    title_html,
+)
 from nbkit.platform.shell import OutputCell
 
 __all__ = ["HtmlPanel", "LiveView", "WidgetPanel"]

@@ -3,7 +3,7 @@
 Runs in the notebook process (choosing and pickling) and in the ranks (`BroughtAlong.load_into`).
 Fork mode needs neither: a forked rank has every notebook name already.
 
-Which names: those the cell's code reads (nbkit.cells.free_names) that the notebook binds, whatever
+Which names: those the cell's code reads (nbkit.notebook.cell_code.free_names) that the notebook binds, whatever
 they are called, `_private` names included (a cell that reads `_cfg` needs it on the rank, or it
 fails there with NameError), and names of builtins the notebook rebinds (`dir = "outputs"`: the
 cell reads the notebook's value, as it does in the notebook), except IPython's own (In, Out, `_`,
@@ -35,8 +35,8 @@ from typing import Any
 
 import cloudpickle
 
-from nbkit import cells
 from nbkit.launching import rank_contract
+from nbkit.notebook import cell_code
 from nbkit.platform.errors import BringAlongError
 
 __all__ = ["BroughtAlong", "NotebookPickler", "bring_along", "needed", "pickle_value", "sent_each_time", "travels"]
@@ -60,8 +60,8 @@ def needed(
     """The names of `namespace` that `code` (source, or parsed statements) reads and that travel, sorted;
     `kept` names (a live set's own) never do. Raises CellSyntaxError when source does not parse.
     """
-    tree = cells.parse(code, "<cell>").body if isinstance(code, str) else code
-    return sorted(n for n in cells.free_names(tree) - set(kept) if n in namespace and travels(n, namespace[n]))
+    tree = cell_code.parse(code, "<cell>").body if isinstance(code, str) else code
+    return sorted(n for n in cell_code.free_names(tree) - set(kept) if n in namespace and travels(n, namespace[n]))
 
 
 def sent_each_time(value: Any) -> bool:

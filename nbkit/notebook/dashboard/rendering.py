@@ -11,7 +11,7 @@ import io
 from dataclasses import replace
 from typing import Any
 
-from nbkit.dashboard.board import Snapshot, is_number, other_metrics
+from nbkit.notebook.dashboard.board import Snapshot, is_number, other_metrics
 
 __all__ = [
     "loss_curve_png",

@@ -1,6 +1,6 @@
 """IPython magics: `%load_ext nbkit` adds %ddp, %%ddp and %nbkit. Thin layers over the Python API.
 
-Each magic parses its line (nbkit.ddp_options), calls the API (a %%ddp cell: nbkit.run_cell, which
+Each magic parses its line (nbkit.notebook.ddp_options), calls the API (a %%ddp cell: nbkit.run_cell, which
 holds the routing between live set, fork and spawn) and stores --out; `-h` after any of them, and
 `%%ddp?`, `%ddp?`, `%nbkit?`, list the options, one line each. Runs in the notebook process only.
 
@@ -76,8 +76,8 @@ from typing import Any
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 
-from nbkit import ddp_options
-from nbkit.ddp_options import HelpShown, OptionParser, OptionsError
+from nbkit.notebook import ddp_options
+from nbkit.notebook.ddp_options import HelpShown, OptionParser, OptionsError
 from nbkit.platform.errors import RanksError
 
 __all__ = ["NbkitMagics", "register", "unregister"]
@@ -193,7 +193,7 @@ class NbkitMagics(Magics):
         or use --resend NAME (--resend alone: every name the cell reads). Names the ranks' cells defined
         are never replaced by notebook objects. See nbkit.magics for the rest.
         """
-        from nbkit.cellrun import run_cell_with
+        from nbkit.notebook.run_cell import run_cell_with
 
         args = _parsed(ddp_options.parse, line)
         if args is None:
@@ -297,7 +297,7 @@ def _status() -> str:
 
 
 def _doctor(words: list[str]) -> None:
-    from nbkit.diagnostics import doctor
+    from nbkit.notebook.diagnostics import doctor
 
     args = _parsed(_doctor_parser().parse_args, words)
     if args is not None:
@@ -305,7 +305,7 @@ def _doctor(words: list[str]) -> None:
 
 
 def _plan(words: list[str]) -> None:
-    from nbkit.planner import plan
+    from nbkit.notebook.planner import plan
 
     parsed = _parsed(_plan_parser().parse_args, words)
     if parsed is None:
@@ -324,7 +324,7 @@ def _plan(words: list[str]) -> None:
 
 
 def _export(words: list[str]) -> None:
-    from nbkit.export import export_script
+    from nbkit.notebook.export import export_script
 
     args = _parsed(_export_parser().parse_args, words)
     if args is None:
