@@ -70,7 +70,7 @@ def build_model(
         )
         model = get_peft_model(model, lora)
         if backend == "nbkit":
-            import nbkit.training.savers
+            import nbkit.savers
 
             nbkit.savers.apply(model, **(savers or {}))
     for param in model.parameters():
@@ -143,4 +143,4 @@ def preload(spec: LaunchSpec) -> None:
     )
     mapping[type(config)]  # imports the modeling module
     if spec.backend == "nbkit":
-        import nbkit.training.savers  # noqa: F401
+        import nbkit.savers  # noqa: F401

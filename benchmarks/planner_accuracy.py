@@ -56,7 +56,7 @@ def build(path: str, lora_rank: int, checkpointing: str | None) -> tuple[Any, st
     lora = LoraConfig(r=lora_rank, lora_alpha=lora_rank, lora_dropout=0.0, target_modules=list(LORA_TARGET_MODULES))
     model = get_peft_model(model, lora)
     try:
-        import nbkit.training.savers
+        import nbkit.savers
     except ImportError:
         if checkpointing is not None:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -99,7 +99,7 @@ def predict_step_s(history: dict[tuple[str, int], float], config: str, seq_len: 
 
 def _run_ranks(spec: cases.LaunchSpec, plan: list[tuple[str, int]], deadline: float) -> list[dict]:
     """The per-rank job: one loaded model trained under every saver configuration of `plan` in turn."""
-    import nbkit.training.savers
+    import nbkit.savers
 
     launch = runner.Launch(spec)
     try:

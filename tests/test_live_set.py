@@ -123,7 +123,7 @@ def test_failure_keeps_the_ranks(ranks):
 
 
 def test_reports_reach_the_dashboard(ranks):
-    import nbkit.notebook.dashboard
+    import nbkit.dashboard
 
     ranks.exec("import nbkit\nnbkit.report(step=1, loss=0.5 + nbkit.rank(), total_steps=1)")
     board = nbkit.dashboard.latest()
