@@ -42,9 +42,10 @@ define make-venv
 	touch $(1)/.installed
 endef
 
-# $(1): the environment's folder, $(2): pytest arguments. One test command for every set.
+# $(1): the environment's folder, $(2): pytest arguments. One test command for every set; the slowest tests are
+# listed at the end, so that a CI run that nears its 30 minutes says where they went.
 define run-tests
-	HF_HUB_OFFLINE=1 $(1)/bin/python -m pytest -q $(2)
+	HF_HUB_OFFLINE=1 $(1)/bin/python -m pytest -q --durations=30 $(2)
 endef
 
 $(VENV)/.installed: pyproject.toml constraints.txt
