@@ -206,6 +206,17 @@ def _values(group: str) -> dict[str, Any]:
     return found
 
 
+def _replaced(p: patching.Patch, before: dict[str, Any], patched: dict[str, Any]) -> bool:
+    """Whether install() put `p`'s replacement in place of what was there: the attribute now, or inside the switch of
+    another group's patch of the same attribute (two groups patch SFTTrainer.__init__; the one applied first stays
+    inside the other's, and comes back there when it is installed again)."""
+    replacement = p._saved[3] if p._saved is not None else None
+    value = patched[p.target]
+    while value is not None and value is not replacement:
+        value = getattr(value, "__wrapped__", None)
+    return value is not None and replacement is not before[p.target]
+
+
 def _install_and_uninstall_each_group() -> dict[str, Any]:
     """Per group: what install(group) patched, left pending and restored; run where every group acts."""
     results = {}
@@ -223,7 +234,7 @@ def _install_and_uninstall_each_group() -> dict[str, Any]:
             "targets": targets,
             "pending": patching.pending(name),
             "idempotent": again == targets and _values(name) == patched,
-            "replaced": all(patched[t] is not before[t] for t in targets),
+            "replaced": all(_replaced(p, before, patched) for p in patching.registered(name) if p.is_applied),
             "not_imported": sorted(p.target for p in patching.registered(name) if p.module not in sys.modules),
         }
         nbkit.uninstall(name)

@@ -1,13 +1,15 @@
 """Trainer's defaults in nbkit's ranks (nbkit.training.trainer_defaults): a peft model gets DDP's find_unused_parameters as the
-model it wraps would, and data loaders pin no memory without an accelerator; a setting the user made is kept.
-(That a training cell then prints neither warning is tests/test_training_cell.py, in a real kernel.)"""
+model it wraps would, TRL's choice for a vision-language model stands only where vision weights train, and data
+loaders pin no memory without an accelerator; a setting the user made is kept. (That a training cell then prints
+neither warning is tests/test_training_cell.py, in a real kernel.)"""
 
 from __future__ import annotations
 
 import pytest
 from peft import LoraConfig, get_peft_model
-from transformers import AutoModelForCausalLM, TrainingArguments
+from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, TrainingArguments
 
+import nbkit
 from nbkit.training.trainer_defaults import choose
 
 
@@ -31,3 +33,49 @@ def test_what_the_user_set_is_kept_and_a_plain_model_is_left_to_trainer(tmp_path
     plain = TrainingArguments(output_dir=str(tmp_path), gradient_checkpointing=True)
     choose(plain, AutoModelForCausalLM.from_pretrained(tiny_text_path))
     assert plain.ddp_find_unused_parameters is None
+
+
+def _sft_find_unused(path: str, targets: str, tmp_path, nbkit_decides: bool) -> bool | None:
+    """find_unused_parameters of an SFTTrainer built (not trained) on tiny:qwen3-vl with LoRA on `targets` and image
+    samples, the user leaving it unset, with nbkit's trainer_defaults patches installed or not."""
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    model = get_peft_model(AutoModelForImageTextToText.from_pretrained(path), LoraConfig(r=4, target_modules=targets))
+    rows = nbkit.data.image_text_dataset("synthetic", 2, image_size=32)
+    data = [
+        {
+            "messages": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Read it."}]}],
+            "images": [row["image"].convert("RGB")],
+        }
+        for row in rows
+    ]
+    args = SFTConfig(output_dir=str(tmp_path), use_cpu=True, max_steps=1, report_to=[], bf16=False)
+    if nbkit_decides:
+        nbkit.install("trainer_defaults")
+    try:
+        trainer = SFTTrainer(
+            model=model,
+            args=args,
+            train_dataset=Dataset.from_list(data),
+            processing_class=nbkit.offline.load_processor(path),
+        )
+    finally:
+        nbkit.uninstall("trainer_defaults")
+    return trainer.args.ddp_find_unused_parameters
+
+
+LANGUAGE_LAYERS = r".*language_model.*\.(q|v)_proj"
+AND_VISION_LAYERS = r".*(language_model.*\.(q|v)_proj|visual.*\.qkv)"
+
+
+def test_sft_trainer_searches_for_unused_weights_only_where_vision_weights_train(tmp_path, tiny_vl_path):
+    # What TRL alone chooses for a vision-language model: 1.16 turns the search on (a batch without images would
+    # leave vision weights without gradients), 1.14 and older leave it to Trainer (unset).
+    by_trl = _sft_find_unused(tiny_vl_path, AND_VISION_LAYERS, tmp_path, nbkit_decides=False)
+    assert by_trl in (True, None)
+    # LoRA on the language layers only: every trainable weight gets a gradient in every batch, so no search
+    # (TRL's checkpointing is on), and no DDP warning after the first step.
+    assert _sft_find_unused(tiny_vl_path, LANGUAGE_LAYERS, tmp_path, nbkit_decides=True) is False
+    # Vision weights train too: TRL's choice stands where it made one.
+    assert _sft_find_unused(tiny_vl_path, AND_VISION_LAYERS, tmp_path, nbkit_decides=True) is (by_trl is True)

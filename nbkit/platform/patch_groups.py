@@ -115,7 +115,8 @@ GROUPS: dict[str, Group] = {
             "trainer_defaults",
             "nbkit.training.trainer_defaults",
             "in every rank nbkit starts: Trainer's find_unused_parameters for a peft model as for the model it "
-            "wraps, and no pinned memory without an accelerator, where the user left them at their defaults",
+            "wraps (and TRL's for a vision-language model whose vision weights do not train), and no pinned memory "
+            "without an accelerator, where the user left them at their defaults",
         ),
         Group(
             "attention",

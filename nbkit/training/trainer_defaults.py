@@ -9,9 +9,13 @@ the ranks nbkit starts, and each prints a warning into every training cell:
   is a transformers PreTrainedModel: a peft model (every LoRA run) is not one, so it gets True, pays an extra
   traversal of the autograd graph every step, and DDP says so in a C++ warning after the first step
   ("find_unused_parameters=True was specified ... but did not find any unused parameters"). Here a peft model
-  gets the decision of the model it wraps. (A model whose trainable weights really go unused in some steps,
-  LoRA on a VLM's vision tower with text-only batches, fails then as the plain model would, with DDP's
-  "Expected to have finished reduction ..." error; `ddp_find_unused_parameters=True` is its setting.)
+  gets the decision of the model it wraps. TRL's SFTTrainer (1.16) sets True itself, before Trainer reads it,
+  for every vision-language model: a batch without images leaves the vision tower's weights without
+  gradients. That holds only where some of them train; where every trainable weight is in the language
+  model and its head (LoRA on the language layers, the notebooks' setting) no batch leaves one unused, and
+  the model gets the decision above. (A model whose trainable weights really go unused in some steps,
+  outside TRL's case, fails then as the plain model would, with DDP's "Expected to have finished
+  reduction ..." error; `ddp_find_unused_parameters=True` is its setting.)
 - **dataloader_pin_memory** on a machine without an accelerator (CPU ranks): pinning does nothing there, and
   torch's DataLoader warns about it for every data loader Trainer builds. Here it is off where there is no
   accelerator.
@@ -22,7 +26,9 @@ Both are set on the trainer's own arguments before Trainer reads them, so what r
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
+from contextvars import ContextVar
 from typing import Any
 
 from nbkit.platform.patching import patch
@@ -30,29 +36,52 @@ from nbkit.platform.patching import patch
 __all__ = ["choose"]
 
 
-def choose(args: Any, model: Any) -> None:
+def choose(args: Any, model: Any, left_to_default: bool = False) -> None:
     """Set, on TrainingArguments `args` for `model`, the two defaults the module docstring names, where the
-    user left them at their defaults. Changes nothing a user set.
+    user left them at their defaults. Changes nothing a user set. `left_to_default`: the user left
+    find_unused_parameters unset and a library (TRL's SFTTrainer) may have set it since.
     """
-    if args.ddp_find_unused_parameters is None:
-        base = _wrapped_pretrained_model(model)
-        if base is not None:
-            args.ddp_find_unused_parameters = not (base.is_gradient_checkpointing or args.gradient_checkpointing)
+    chosen_by_trl = left_to_default and args.ddp_find_unused_parameters is True
+    if args.ddp_find_unused_parameters is None or chosen_by_trl:
+        base = _pretrained_model(model)
+        # A PreTrainedModel left at None is Trainer's to decide, which it does correctly; TRL's True stands where
+        # vision weights train.
+        ours = base is not None and (base is not model or chosen_by_trl)
+        if ours and not (chosen_by_trl and _trains_outside_language_model(base)):
+            args.ddp_find_unused_parameters = not _checkpointing(args, base)
     if args.dataloader_pin_memory and not _has_accelerator():
         args.dataloader_pin_memory = False
 
 
-def _wrapped_pretrained_model(model: Any) -> Any:
-    """The transformers model a peft model wraps; None for anything else (a PreTrainedModel itself included,
-    which Trainer decides for correctly).
-    """
+def _pretrained_model(model: Any) -> Any:
+    """The transformers model `model` is or wraps (a peft model's base model); None for anything else."""
     from transformers import PreTrainedModel
 
     get_base_model = getattr(model, "get_base_model", None)
-    if isinstance(model, PreTrainedModel) or get_base_model is None:
-        return None
-    base = get_base_model()
+    base = model if isinstance(model, PreTrainedModel) or get_base_model is None else get_base_model()
     return base if isinstance(base, PreTrainedModel) else None
+
+
+def _checkpointing(args: Any, model: Any) -> bool:
+    """Whether Trainer checkpoints `model`: as the model says or as `args` ask, read under the names transformers
+    has (5.23 renamed gradient checkpointing to activation checkpointing; its old names warn when read).
+    """
+    on_model = getattr(model, "is_activation_checkpointing", None)
+    if on_model is None:
+        on_model = model.is_gradient_checkpointing
+    return bool(on_model or getattr(args, "activation_checkpointing", args.gradient_checkpointing))
+
+
+def _trains_outside_language_model(model: Any) -> bool:
+    """Whether a trainable weight of `model` lies outside its language model (get_decoder()) and output head:
+    a vision tower's, which a batch without images leaves without gradients. True where the model cannot say.
+    """
+    try:
+        parts = [model.get_decoder(), model.get_output_embeddings()]
+    except (AttributeError, NotImplementedError):
+        return True
+    inside = {id(p) for part in parts if part is not None for p in part.parameters()}
+    return any(p.requires_grad and id(p) not in inside for p in model.parameters())
 
 
 def _has_accelerator() -> bool:
@@ -60,6 +89,11 @@ def _has_accelerator() -> bool:
 
     accelerator = getattr(torch, "accelerator", None)  # torch >= 2.6, what the DataLoader's warning asks
     return bool(accelerator.is_available() if accelerator is not None else torch.cuda.is_available())
+
+
+# Whether the SFTTrainer being built was given find_unused_parameters unset, for choose() below: TRL sets it in
+# SFTTrainer.__init__ before Trainer's __init__ creates the accelerator, where choose() runs.
+_left_to_default: ContextVar[bool] = ContextVar("nbkit_find_unused_left_to_default", default=False)
 
 
 @patch(
@@ -74,7 +108,29 @@ def _has_accelerator() -> bool:
 )
 def _create_accelerator(original: Callable[..., Any]) -> Callable[..., Any]:
     def create_accelerator_and_postprocess(self: Any) -> Any:
-        choose(self.args, self.model)
+        choose(self.args, self.model, left_to_default=_left_to_default.get())
         return original(self)
 
     return create_accelerator_and_postprocess
+
+
+@patch(
+    "trl.trainer.sft_trainer:SFTTrainer.__init__",
+    reason="TRL 1.16 sets DDP's find_unused_parameters=True for every vision-language model whose user left it "
+    "unset (a batch without images leaves the vision tower without gradients), before Trainer reads it; with "
+    "LoRA on the language layers only nothing goes unused, and DDP warned after the first step of every training "
+    "cell ('find_unused_parameters=True was specified ... did not find any unused parameters'). This notes that "
+    "the user left it unset, so that the patch of Trainer above decides it where no vision weight trains",
+    upstream="no upstream report yet: TRL 1.16.0's SFTTrainer sets it for a vision-language model whatever trains",
+    group="trainer_defaults",
+)
+def _sft_trainer_init(original: Callable[..., Any]) -> Callable[..., Any]:
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        config = inspect.signature(original).bind_partial(self, *args, **kwargs).arguments.get("args")
+        token = _left_to_default.set(config is None or config.ddp_find_unused_parameters is None)
+        try:
+            original(self, *args, **kwargs)
+        finally:
+            _left_to_default.reset(token)
+
+    return __init__
