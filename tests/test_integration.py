@@ -247,10 +247,11 @@ def _install_and_uninstall_each_group() -> dict[str, Any]:
 
 def _versioned_out() -> set[str]:
     """Groups whose every patch is for library releases other than the installed ones: the compat
-    group acts on transformers 4.x / trl 0.x only (constraints-oldest.txt), none of it on the newest set."""
+    group acts on transformers 4.x, on trl 0.x and on transformers 5.23 and newer, none of it on transformers
+    5.0 to 5.22 with trl 1.x."""
     from nbkit.platform import compat
 
-    return set() if compat._transformers_4() or compat._trl_0() else {"compat"}
+    return set() if compat._transformers_4() or compat._trl_0() or compat._transformers_5_23() else {"compat"}
 
 
 def _check_each_group(results: dict[str, Any], acting: set[str]) -> None:

@@ -1,11 +1,13 @@
 """Where the supported release lines differ, asked and bridged in one place.
 
-nbkit supports transformers 4.57.1 through 5.17 and trl 0.22.2 through 1.15 (unsloth's Kaggle
+nbkit supports transformers 4.57.1 through 5.24 and trl 0.22.2 through 1.16 (unsloth's Kaggle
 notebooks pin transformers 4.57.1 and trl 0.22.2). Code that must behave differently on the two
 lines asks `transformers_major()` instead of importing transformers to find out: reading the
 installed version costs nothing and imports nothing. Differences that would break training are
-bridged by the patches here, which apply on the older lines only; `enable()` applies them in every
-rank nbkit.launch starts and wherever nbkit's chunked loss is applied.
+bridged by the patches here, which apply on the older lines only; on transformers 5.23 and newer two
+more keep the checkpointing names it renamed, which peft and trl still use, from printing a deprecation
+notice into every training cell. `enable()` applies them in every rank nbkit.launch starts and wherever
+nbkit's chunked loss is applied.
 """
 
 from __future__ import annotations
@@ -114,6 +116,49 @@ def _peft_model_keeps_its_adapters(original: Callable[..., Any]) -> Callable[...
         return prepared
 
     return prepare_peft_model
+
+
+def _transformers_5_23() -> bool:
+    """Whether transformers is 5.23 or newer: it renamed gradient checkpointing to activation checkpointing."""
+    release = _release("transformers")
+    return release is not None and release >= (5, 23)
+
+
+@patching.patch(
+    "transformers.modeling_utils:PreTrainedModel.is_gradient_checkpointing",
+    reason="transformers 5.23 renamed this property is_activation_checkpointing and made the old name warn on every "
+    "read ('`is_gradient_checkpointing` is deprecated and will be removed in v6'); peft 0.21.2 reads the old name in "
+    "every get_peft_model and PeftModel.from_pretrained, so each LoRA cell printed a notice meant for peft's authors "
+    "(seen: transformers 5.24.0). The old name answers as the new one, without the notice (code of the user's that "
+    "reads it gets none either: the name works until transformers 6)",
+    upstream="no upstream report yet: peft 0.21.2 (peft_model.py, mixed_model.py) and trl 1.16.0 (models/utils.py) "
+    "read is_gradient_checkpointing",
+    group="compat",
+    when=_transformers_5_23,
+    value=True,
+)
+def _checkpointing_alias_without_notice(original: Any) -> Any:
+    return property(lambda self: self.is_activation_checkpointing, doc=original.__doc__)
+
+
+@patching.patch(
+    "trl.trainer.base_config:_BaseConfig.__post_init__",
+    reason="trl's configs (SFTConfig and the others) default gradient_checkpointing to True, a name transformers 5.23 "
+    "deprecated for activation_checkpointing: every SFTConfig() printed '`gradient_checkpointing` is deprecated and "
+    "will be removed in v6' though its user never wrote the name (seen: trl 1.16.0, transformers 5.24.0). trl's "
+    "default goes in under the new name, which transformers mirrors to the old one as it would have; a False the "
+    "user wrote, or a value under the new name, is left to transformers",
+    upstream="no upstream report yet: trl 1.16.0's _BaseConfig declares gradient_checkpointing=True",
+    group="compat",
+    when=_transformers_5_23,
+)
+def _trl_default_under_the_new_name(original: Callable[..., Any]) -> Callable[..., Any]:
+    def __post_init__(self: Any) -> Any:
+        if self.activation_checkpointing is None and self.gradient_checkpointing is True:
+            self.activation_checkpointing = True
+        return original(self)
+
+    return __post_init__
 
 
 def _peft_before_0_21() -> bool:

@@ -95,9 +95,10 @@ GROUPS: dict[str, Group] = {
         Group(
             "compat",
             "nbkit.platform.compat",
-            "in every rank nbkit starts, on transformers/trl/peft releases older than 5 / 1 / 0.21 only: "
+            "in every rank nbkit starts, on transformers/trl/peft releases older than 5 / 1 / 0.21: "
             "their defaults and bugs that break DDP, nbkit's chunked loss, QLoRA of a peft model or LoRA "
-            "beside a newer torchao",
+            "beside a newer torchao; on transformers 5.23 and newer: the checkpointing names it renamed, which "
+            "peft and trl still use, without a deprecation notice",
         ),
         Group(
             "live",
