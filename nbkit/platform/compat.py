@@ -161,6 +161,29 @@ def _trl_default_under_the_new_name(original: Callable[..., Any]) -> Callable[..
     return __post_init__
 
 
+@patching.patch(
+    "trl.trainer.sft_trainer:DataCollatorForVisionLanguageModeling._collate_prompt_completion",
+    reason="trl 0.x's vision collator for prompt-completion data appends each completion to input_ids but keeps the "
+    "prompt's mm_token_type_ids, which transformers 5's Qwen-VL processors return: every training step failed in "
+    "Qwen3-VL's get_rope_index with 'The shape of the mask [52] at index 0 does not match the shape of the indexed "
+    "tensor [49]' (seen: transformers 5.5.4 and trl 0.24.0, the Kaggle image's set, with TRL's collator). The ids are "
+    "made again from the batch's final input_ids by the processor's own create_mm_token_type_ids",
+    upstream="no upstream report for trl 0.x: trl 1.x's collator extends the prompt's ids over the completion",
+    group="compat",
+    when=_trl_0,
+)
+def _mm_token_types_of_the_whole_sequence(original: Callable[..., Any]) -> Callable[..., Any]:
+    def _collate_prompt_completion(self: Any, examples: list[dict[str, Any]]) -> dict[str, Any]:
+        output = original(self, examples)
+        types = output.get("mm_token_type_ids")
+        if types is not None:  # the prompt's, left-padded: the flushed, joined sequence needs its own
+            made = self.processor.create_mm_token_type_ids(output["input_ids"].tolist())
+            output["mm_token_type_ids"] = types.new_tensor(made)
+        return output
+
+    return _collate_prompt_completion
+
+
 def _peft_before_0_21() -> bool:
     release = _release("peft")
     return release is not None and release < (0, 21)
