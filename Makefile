@@ -1,9 +1,11 @@
 # Everything a fresh machine needs, in two commands:
 #   make demo          set up, then run the flagship notebook end to end (offline, a tiny model, without a GPU)
 #   make test          set up, then lint and run the test suite on the newest supported set (constraints.txt)
-# and what CI adds (bash .ci/run runs all three):
+# and what CI adds (bash .ci/run runs them):
 #   make test-oldest   the same test command on the oldest supported set (constraints-oldest.txt, .venv-oldest/)
 #   make dist          build the sdist and wheel into dist/ and check them with twine
+# and, by hand, where pip reaches the package index:
+#   make constraints   rewrite constraints.txt with what pip resolves today, and the other sets' shared pins with it
 # Set-up makes the virtual environment and installs torch first (the CPU build where there is no GPU,
 # so pip never pulls gigabytes of CUDA wheels), then nbkit with its test extras at the pinned versions.
 
@@ -31,7 +33,7 @@ HARNESS_TESTS := test_bench_cpu test_trainer_bench_cpu test_speed_suite_cpu
 OLDEST_TESTS ?= --ignore=tests/test_browser.py $(HARNESS_TESTS:%=--ignore=tests/%.py) \
 	-m "not gpu and not version_independent"
 
-.PHONY: setup setup-oldest lint test test-oldest dist demo clean
+.PHONY: setup setup-oldest lint test test-oldest dist demo clean constraints
 
 # $(1): the environment's folder, $(2): the constraints file it is installed with.
 define make-venv
@@ -58,10 +60,10 @@ setup: $(VENV)/.installed
 
 setup-oldest: $(OLDEST)/.installed
 
-# ruff (lint + format) over the whole tree; mypy over the package (config in pyproject.toml).
+# ruff (lint + format) over the whole tree; mypy over the package and tools/ (config in pyproject.toml).
 lint: setup
-	$(VENV)/bin/ruff check nbkit tests benchmarks notebooks/run.py
-	$(VENV)/bin/ruff format --check nbkit tests benchmarks notebooks/run.py
+	$(VENV)/bin/ruff check nbkit tests benchmarks notebooks/run.py tools
+	$(VENV)/bin/ruff format --check nbkit tests benchmarks notebooks/run.py tools
 	$(VENV)/bin/mypy
 
 test: lint
@@ -69,6 +71,11 @@ test: lint
 
 test-oldest: setup-oldest
 	$(call run-tests,$(OLDEST),$(OLDEST_TESTS))
+
+# Not part of CI, which must not change with the package index: run it where pip reaches the index, with the
+# Python CI uses (3.11), then read the changes (docs/versions.md).
+constraints:
+	$(PYTHON) tools/constraints.py
 
 dist: setup
 	rm -rf dist

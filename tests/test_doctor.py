@@ -143,8 +143,8 @@ def test_nbkit_imported_from_a_folder_still_gets_a_report(monkeypatch):
     [
         # (below nbkit's own lower bounds a version is an error from its requirements instead)
         ({"torch": "2.6.0+cu124"}, "torch 2.6.0+cu124 is older than the oldest"),
-        ({"transformers": "5.18.0"}, "transformers 5.18.0 is newer than the newest"),
-        ({"trl": "1.16.0"}, "trl 1.16.0 is newer than the newest"),
+        ({"transformers": "5.25.0"}, "transformers 5.25.0 is newer than the newest"),
+        ({"trl": "1.17.0"}, "trl 1.17.0 is newer than the newest"),
         ({"peft": "0.22.0"}, "peft 0.22.0 is newer than the newest"),
     ],
 )
@@ -165,7 +165,7 @@ def test_versions_outside_the_tested_range_are_warned_about(monkeypatch, install
     [
         # both ends of the range, and patch releases of the newest tested minor line
         {"transformers": "4.57.1", "trl": "0.22.2", "accelerate": "1.12.0", "peft": "0.18.0", "datasets": "3.6.0"},
-        {"transformers": "5.17.3", "trl": "1.15.1", "accelerate": "1.15.2", "peft": "0.21.2", "datasets": "4.8.5"},
+        {"transformers": "5.24.3", "trl": "1.16.1", "accelerate": "1.15.2", "peft": "0.21.5", "datasets": "4.8.5"},
     ],
 )
 def test_versions_inside_the_tested_range_raise_no_warning(monkeypatch, installed):

@@ -61,14 +61,14 @@ UNSLOTH_PINS: dict[str, dict[str, str]] = {
 
 # The versions CI tests nbkit with, per library: (oldest, newest) = the pins of constraints-oldest.txt
 # and of constraints.txt or the GPU runs, whichever is newer (tests/test_packaging.py holds them to
-# those files). A release of the newest tested minor line (5.17.x) counts as tested. Outside the
+# those files). A release of the newest tested minor line (5.24.x) counts as tested. Outside the
 # range nbkit may well work, but nobody has run it: doctor says so, as a warning.
 TESTED_VERSIONS: dict[str, tuple[str, str]] = {
     "torch": ("2.11.0", "2.13.0"),
-    "transformers": ("4.57.1", "5.17.0"),
-    "trl": ("0.22.2", "1.15.0"),
+    "transformers": ("4.57.1", "5.24.0"),
+    "trl": ("0.22.2", "1.16.0"),
     "accelerate": ("1.12.0", "1.15.0"),
-    "peft": ("0.18.0", "0.21.0"),
+    "peft": ("0.18.0", "0.21.2"),
     "datasets": ("3.6.0", "4.8.5"),
 }
 
