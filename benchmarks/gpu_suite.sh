@@ -36,6 +36,8 @@
 #   bash benchmarks/gpu_suite.sh compilecheck         # 1 GPU: regional compilation's GPU tests, and 64K under the T4 profile compiled
 #   bash benchmarks/gpu_suite.sh compile16k           # regional compile where the tiled MLP splits (16K), 2 GPUs side by side
 #   SUITE_DRY_RUN=1 bash benchmarks/gpu_suite.sh speed  # the same parts on the CPU with tiny:qwen3-vl (no wheels needed)
+#   bash benchmarks/gpu_suite.sh kaggle               # 2 GPUs, the Kaggle image's set: the flagship's GPU test (~7.5 min)
+#   bash benchmarks/gpu_suite.sh kaggle_transformers  # 2 GPUs, the Kaggle image's set: the flagship, transformers backend (~5 min)
 #
 # Two sets of parts can share a 4-GPU machine, one GPU pair each (a separate TMPDIR keeps unsloth's
 # compile caches apart):
@@ -62,6 +64,19 @@ if [ "${SUITE_SET:-newest}" = oldest ]; then
     touch /tmp/oldest/.nbkit-installed
   fi
   export PYTHONPATH=/tmp/oldest:$PYTHONPATH UNSLOTH_COMPILE_LOCATION=/tmp/unsloth-cache-oldest
+fi
+# SUITE_SET=kaggle: the Kaggle image's set (constraints-kaggle.txt: transformers 5.5, trl 0.24, peft 0.19, accelerate
+# 1.13), the same way, from .whl-kaggle/, which a machine with the package index fills (carry it with .whl/):
+#   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux2014_x86_64 -d .whl-kaggle -r constraints-kaggle.txt
+# Its random checkpoints go to a cache of their own: one written by another transformers may not load.
+if [ "${SUITE_SET:-newest}" = kaggle ]; then
+  if [ ! -e /tmp/kaggle/.nbkit-installed ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/kaggle .whl-kaggle/*.whl || exit 1
+    touch /tmp/kaggle/.nbkit-installed
+  fi
+  export PYTHONPATH=/tmp/kaggle:$PYTHONPATH UNSLOTH_COMPILE_LOCATION=/tmp/unsloth-cache-kaggle
+  export NBKIT_CACHE=${NBKIT_CACHE:-/tmp/nbkit-cache-kaggle}
 fi
 export NBKIT_CACHE=${NBKIT_CACHE:-/tmp/nbkit-cache} NBKIT_RESULTS_DIR=$OUT TOKENIZERS_PARALLELISM=false
 
@@ -198,6 +213,24 @@ for what in "$@"; do
           T4_WARMUP=0 T4_LIMIT=500 T4_LAUNCH_TIMEOUT=330 bash "$0" t4 &
       done
       wait ;;
+    kaggle)
+      # The Kaggle image's set (SUITE_SET=kaggle above) on 2 GPUs: its versions, then the flagship notebook's GPU test
+      # (two GPUs capped as T4s, unsloth in fp16, 16-bit by the planner and 4-bit, ~3.5 minutes each).
+      SUITE_SET=kaggle bash "$0" env kaggle_tests ;;
+    kaggle_transformers)
+      # The flagship with the transformers backend on the Kaggle image's set, 2 GPUs under the T4 profile, 4-bit and
+      # 16-bit: TRL 0.24's own vision collator and peft 0.19, which the unsloth runs above do not use.
+      SUITE_SET=kaggle bash "$0" env kaggle_nb_4bit kaggle_nb_16bit ;;
+    kaggle_tests|kaggle_nb_*)
+      [ "${SUITE_SET:-}" = kaggle ] || { echo "$what: run it through the kaggle or kaggle_transformers part" >&2; continue; }
+      if [ "$what" = kaggle_tests ]; then
+        test_part kaggle_tests 530 tests/test_notebooks_gpu.py:-k:trains_on_two
+      else
+        quant=${what#kaggle_nb_}; four=False; [ "$quant" = 4bit ] && four=True
+        part "kaggle_nb_transformers_$quant" 240 python3 notebooks/run.py qwen3_vl_2xT4 --out "$OUT/kaggle_$quant" \
+          -p gpus=2 -p emulate=T4 -p backend=transformers -p load_in_4bit=$four -p max_steps=10 -p num_samples=80 \
+          -p max_seq_length=1024 -p save_steps=5
+      fi ;;
     env_oldest)
       part env_oldest 60 python3 -c "import transformers, trl, peft, accelerate; print('oldest set:', transformers.__version__, trl.__version__, peft.__version__, accelerate.__version__)" ;;
     scaling)

@@ -67,3 +67,9 @@ def test_the_other_sets_take_the_newest_sets_versions_for_all_they_do_not_hold()
         following = tool.pins(path.read_text(), held=False)
         assert following.keys() <= newest.keys(), path.name
         assert {name: newest[name] for name in following} == following, f"{path.name}: run make constraints"
+    # the Kaggle image's libraries (docs/versions.md)
+    kaggle = {
+        name: pin.partition("==")[2] for name, pin in tool.pins((REPO / "constraints-kaggle.txt").read_text()).items()
+    }
+    assert kaggle["transformers"].startswith("5.5.") and kaggle["trl"].startswith("0.24.")
+    assert kaggle["peft"].startswith("0.19.") and kaggle["accelerate"].startswith("1.13.")

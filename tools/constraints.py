@@ -5,7 +5,7 @@
 1. constraints.txt, CI's newest set: pip resolves `-e ".[test,browser,liger]"` as a fresh install would
    (`pip install --dry-run --ignore-installed --report`), with the file's held pins as requirements so that the rest
    resolves around them; every other `name==version` line takes the version pip chose.
-2. The sets defined against it (constraints-oldest.txt): their held pins define them, every
+2. The sets defined against it (constraints-oldest.txt, constraints-kaggle.txt): their held pins define them, every
    other pin takes constraints.txt's new version; then pip must resolve each set with constraints.txt's pins for
    the names it does not pin, or the script fails with pip's reason.
 
@@ -28,7 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 NEWEST = ROOT / "constraints.txt"
 # The sets whose held pins differ from the newest set and which take its versions for everything else.
-FOLLOWERS = (ROOT / "constraints-oldest.txt",)
+FOLLOWERS = (ROOT / "constraints-oldest.txt", ROOT / "constraints-kaggle.txt")
 # nbkit's extras whose packages CI or the GPU hosts install with constraints.txt (unsloth and bitsandbytes need a
 # GPU to install or import; the GPU image's wheelhouse pins them). The other sets install the test extras only.
 EXTRAS = "test,browser,liger"
