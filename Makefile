@@ -1,6 +1,7 @@
 # Everything a fresh machine needs, in two commands:
 #   make demo          set up, then run the flagship notebook end to end (offline, a tiny model, without a GPU)
-#   make test          set up, then lint and run the test suite on the newest supported set (constraints.txt)
+#   make test          set up, then lint and run the test suite on the newest supported set (constraints.txt);
+#                      it is `make lint suite`, which CI runs side by side
 # and what CI adds (bash .ci/run runs them):
 #   make test-kaggle   the flagship notebook's test on the Kaggle image's set (constraints-kaggle.txt, .kaggle-site/)
 #   make test-oldest   the same test command on the oldest supported set (constraints-oldest.txt, .venv-oldest/)
@@ -41,14 +42,16 @@ OLDEST_TESTS ?= --ignore=tests/test_browser.py $(HARNESS_TESTS:%=--ignore=tests/
 KAGGLE_SITE := .kaggle-site
 KAGGLE_TESTS ?= "tests/test_notebooks.py::test_notebook_trains_saves_and_answers_on_cpu[qwen3_vl_2xT4]"
 
-.PHONY: setup setup-oldest setup-kaggle lint test test-oldest test-kaggle dist demo clean constraints
+.PHONY: setup setup-oldest setup-kaggle lint suite test test-oldest test-kaggle dist demo clean constraints
 
-# $(1): the environment's folder, $(2): the constraints file it is installed with.
+# $(1): the environment's folder, $(2): the constraints file it is installed with. --no-compile: pip would compile
+# every module of every package to bytecode (torch's and transformers': 16 of their 21 s of install on 2 cores);
+# Python compiles the modules a process imports, once, on first use (a few seconds).
 define make-venv
 	$(PYTHON) -m venv $(1)
 	$(1)/bin/python -m pip install -q --upgrade pip
-	$(1)/bin/python -m pip install -q "torch==2.13.0" $(TORCH_INDEX)
-	$(1)/bin/python -m pip install -q -c $(2) -e ".[test]"
+	$(1)/bin/python -m pip install -q --no-compile "torch==2.13.0" $(TORCH_INDEX)
+	$(1)/bin/python -m pip install -q --no-compile -c $(2) -e ".[test]"
 	touch $(1)/.installed
 endef
 
@@ -72,7 +75,7 @@ setup-oldest: $(OLDEST)/.installed
 # otherwise show as an odd failure in the notebook).
 $(KAGGLE_SITE)/.installed: constraints-kaggle.txt $(VENV)/.installed
 	rm -rf $(KAGGLE_SITE)
-	$(PY) -m pip install -q --no-deps --target $(KAGGLE_SITE) -r constraints-kaggle.txt
+	$(PY) -m pip install -q --no-compile --no-deps --target $(KAGGLE_SITE) -r constraints-kaggle.txt
 	PYTHONPATH=$(CURDIR)/$(KAGGLE_SITE) $(PY) -m pip check
 	touch $@
 
@@ -84,7 +87,9 @@ lint: setup
 	$(VENV)/bin/ruff format --check nbkit tests benchmarks notebooks/run.py tools
 	$(VENV)/bin/mypy
 
-test: lint
+test: lint suite
+
+suite: setup
 	$(call run-tests,$(VENV),)
 
 test-oldest: setup-oldest
@@ -112,14 +117,14 @@ clean:
 
 # ---- The browser test (tests/test_browser.py), kept apart from the set-up above -----------------
 # Debian's chromium (root or a CI image that has it; Playwright's own browser download is not used)
-# and the `browser` extra (playwright, jupyterlab, notebook). `make test` runs it, as CI must;
+# and the `browser` extra (playwright, jupyterlab, notebook). `make test` (its suite) runs it, as CI must;
 # screenshots go to $(NBKIT_BROWSER_ARTIFACTS) (CI: keep that directory as an artifact).
 NBKIT_BROWSER_ARTIFACTS ?= artifacts/browser
 export NBKIT_BROWSER_ARTIFACTS
 
 $(VENV)/.browser: $(VENV)/.installed pyproject.toml constraints.txt
 	command -v chromium >/dev/null 2>&1 || { apt-get update -q && apt-get install -y -q chromium; }
-	$(PY) -m pip install -q -c constraints.txt -e ".[browser]"
+	$(PY) -m pip install -q --no-compile -c constraints.txt -e ".[browser]"
 	touch $@
 
 # The classic Notebook 6.5 with ipywidgets 7.7.1 (Colab's), the browser test's third front end: an environment of
@@ -139,4 +144,4 @@ $(CLASSIC)/.installed: $(VENV)/.installed constraints-classic.txt
 
 .PHONY: browser-setup
 browser-setup: $(VENV)/.browser $(CLASSIC)/.installed
-test: browser-setup
+suite: browser-setup
