@@ -103,28 +103,39 @@ def resolve(extras: str, requirements: Sequence[str], constraints: Sequence[str]
     return {normal(item["metadata"]["name"]): item["metadata"]["version"] for item in installs}
 
 
-def refresh(path: Path, versions: Mapping[str, str]) -> None:
-    """Rewrite `path` with `versions` (see rewrite()) and say what changed."""
+def refresh(path: Path, versions: Mapping[str, str]) -> bool:
+    """Rewrite `path` with `versions` (see rewrite()), say what changed, and return whether anything did."""
     new, changes = rewrite(path.read_text(), versions)
     path.write_text(new)
     print(f"{path.name}: " + ("; ".join(changes) if changes else "unchanged"))
+    return bool(changes)
 
 
 def main() -> int:
     """Rewrite constraints.txt from pip, then the sets that follow it, and check that pip resolves each."""
     try:
-        refresh(NEWEST, resolve(EXTRAS, list(pins(NEWEST.read_text(), held=True).values())))
+        changed = refresh(NEWEST, _resolved(NEWEST.name, EXTRAS, list(pins(NEWEST.read_text(), held=True).values())))
         newest = pins(NEWEST.read_text())
         for path in FOLLOWERS:
-            refresh(path, {name: pin.partition("==")[2] for name, pin in newest.items()})
+            changed |= refresh(path, {name: pin.partition("==")[2] for name, pin in newest.items()})
             own = pins(path.read_text())
-            resolve(FOLLOWER_EXTRAS, [], [*own.values(), *(pin for name, pin in newest.items() if name not in own)])
-            print(f"{path.name}: pip resolves it with constraints.txt")
-    except (ValueError, subprocess.CalledProcessError) as error:
+            merged = [*own.values(), *(pin for name, pin in newest.items() if name not in own)]
+            _resolved(f"{path.name} with {NEWEST.name}", FOLLOWER_EXTRAS, [], merged)
+            print(f"{path.name}: pip resolves it with {NEWEST.name}")
+    except ValueError as error:
         print(f"tools/constraints.py: {error}", file=sys.stderr)
         return 1
-    print("Reread the comments next to changed pins; nbkit/diagnostics.py's TESTED_VERSIONS follows constraints.txt.")
+    if changed:
+        print("Reread the comments next to changed pins; TESTED_VERSIONS (nbkit/notebook/diagnostics.py) follows them.")
     return 0
+
+
+def _resolved(what: str, extras: str, requirements: Sequence[str], constraints: Sequence[str] = ()) -> dict[str, str]:
+    """resolve(), with pip's failure said as which set it could not resolve (pip has printed why)."""
+    try:
+        return resolve(extras, requirements, constraints)
+    except subprocess.CalledProcessError:
+        raise ValueError(f"pip finds no versions for {what} (its reason is above)") from None
 
 
 if __name__ == "__main__":
