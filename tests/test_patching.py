@@ -178,6 +178,6 @@ def test_a_cuda_context_is_blamed_on_torchao_only_where_it_was_imported_before_n
 
     stand_in = "import sys, types; sys.modules['torchao'] = types.ModuleType('torchao')\n"
     code = (stand_in if torchao_first else "") + "import nbkit\n" + ("" if torchao_first else stand_in)
-    code += "from nbkit import forksafety; print(forksafety._likely_cuda_cause())"
+    code += "from nbkit.platform import forksafety; print(forksafety._likely_cuda_cause())"
     cause = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert cause.startswith("torchao was imported before nbkit") is torchao_first, cause

@@ -43,7 +43,7 @@ def test_a_started_process_records_what_it_imports_and_who_asked(tmp_path):
 def test_a_ranks_start_up_import_is_expected_and_nothing_else_is(tmp_path):
     record = tmp_path / "imports.txt"
     record.touch()
-    _run("from nbkit import reporting\nreporting._progress_bars_off()\nimport peft", record)
+    _run("from nbkit.rank_side import reporting\nreporting._progress_bars_off()\nimport peft", record)
     importers = {line.split()[1] for line in record.read_text().splitlines()}
     assert importers > START_UP_IMPORTERS  # recorded (huggingface_hub), and what peft imports in turn
     left = Record(record, versioned_modules()).since_last()
