@@ -137,17 +137,15 @@ def main(argv: list[str] | None = None) -> int:
         )
         rows.append(_phase("plain_after_sft_init", device, plain))
 
-        def compute_loss() -> Any:
+        def compute_loss() -> None:
+            # As Trainer's training step calls it: without the outputs, which trl 1.16 builds with a second,
+            # full-logits forward (deprecated there) where they are asked for.
             with trainer.compute_loss_context_manager():
-                loss, out = trainer.compute_loss(
-                    trainer.model,
-                    dict(inputs),
-                    return_outputs=True,
-                    num_items_in_batch=torch.tensor(items, device=device),
+                loss = trainer.compute_loss(
+                    trainer.model, dict(inputs), num_items_in_batch=torch.tensor(items, device=device)
                 )
             loss.backward()
             trainer.model.zero_grad(set_to_none=True)
-            return getattr(out, "logits", None)
 
         rows.append(_phase("compute_loss", device, compute_loss))
         rows.append(_phase("train", device, lambda: trainer.train() and None))

@@ -138,7 +138,7 @@ __all__ = sorted(_EXPORTS) + list(_SUBMODULES) + ["__version__"]
 
 
 def __getattr__(name: str) -> Any:
-    if name in _SUBMODULES:
+    if name in _SUBMODULES or f"nbkit.{name}" in _MOVED:  # `nbkit.errors.X` as well as `from nbkit import errors`
         return importlib.import_module(_MOVED.get(f"nbkit.{name}", f"nbkit.{name}"))
     module = _EXPORTS.get(name)
     if module is None:

@@ -71,7 +71,13 @@ def test_counts_trl_metric_gathers_and_nbkit_reads_per_step(tmp_path):
         return row["by_kind_per_step"].get("collective gloo:all_gather", 0)
 
     assert gathers(sft) - gathers(hf) == 4
-    from_trl = [v for k, v in sft["by_origin_per_step"].items() if k.startswith("c10d op") and "sft_trainer.py" in k]
+    # TRL's metric gathers; under trl 1.16 the same compute_loss frame also holds DDP's buffer broadcast of the
+    # forward it runs, which is DDP's, not a metric.
+    from_trl = [
+        v
+        for k, v in sft["by_origin_per_step"].items()
+        if k.startswith("c10d op c10d::allgather") and "sft_trainer.py" in k
+    ]
     assert sum(from_trl) == 4
     assert not any("trl/" in k for k in hf["by_origin_per_step"] if k.startswith("c10d op"))
 
@@ -79,7 +85,9 @@ def test_counts_trl_metric_gathers_and_nbkit_reads_per_step(tmp_path):
         return sum(v for k, v in row["value_reads_by_origin_per_step"].items() if caller in k and k.startswith(name))
 
     assert calls(sft, "nbkit/rank_side/reporting.py", "item") == 1
-    assert calls(hf, "nbkit/") == 0
+    # Without nbkit's reporting, the one read of nbkit's in a step is its chunked loss finding the labelled
+    # positions (a data-dependent shape), where the model's loss runs through it (transformers 5.24 here).
+    assert calls(hf, "nbkit/") == calls(hf, "nbkit/training/savers/loss.py", "nonzero") <= 1
     assert not any("nbkit/" in k for k in sft["by_origin_per_step"] if k.startswith("c10d op"))
     assert calls(hf, "transformers/trainer.py", "__bool__") == 2  # torch.isnan / isinf of the loss
     assert calls(sft, "trl/trainer/sft_trainer.py") >= 5  # .item() and `if num_valid > 0` in compute_loss
@@ -103,6 +111,10 @@ def test_trainer_memory_phases_run_and_the_transformers_path_keeps_no_full_logit
     assert list(rows) == ["plain", "plain_after_sft_init", "compute_loss", "train"]
     # nbkit's chunked loss: the logits hold the last position only, never (tokens, vocab).
     assert rows["plain"]["logits_shape"][:2] == [1, 1]
-    # Under SFTTrainer (trl 1.14's chunked_nll forward) no logits come back at all.
-    assert rows["plain_after_sft_init"]["logits_shape"] is None and rows["compute_loss"]["logits_shape"] is None
+    # After SFTTrainer's __init__ the model's own forward keeps no full logits either: none with trl 1.14's
+    # chunked_nll forward, the last position with trl 1.16's fused LM head beside it; its training step's
+    # compute_loss returns no outputs.
+    shape = rows["plain_after_sft_init"]["logits_shape"]
+    assert shape is None or shape[:2] == [1, 1], shape
+    assert rows["compute_loss"]["logits_shape"] is None
     assert all(r["peak_gib"] is None for r in rows.values())  # a CPU run measures no GPU memory

@@ -175,8 +175,9 @@ def test_cpu_processor_patch_is_declared_needed_and_reversible(tiny_vl_path: str
     patching.revert("offline")
     original = ProcessorMixin.__dict__["check_argument_for_proper_class"]
     assert not declared.is_applied
-    # The transformers bug the patch exists for: the real video processor is rejected.
-    with pytest.raises(TypeError, match="BaseVideoProcessor was expected"):
+    # The transformers bug the patch exists for: the real video processor is rejected (up to 5.22 by name; from
+    # 5.23 the lookup itself fails on the placeholder that stands for the video processors' mapping).
+    with pytest.raises((TypeError, AttributeError), match="BaseVideoProcessor was expected|VIDEO_PROCESSOR_MAPPING"):
         type(processor)(**parts)
     load_processor(tiny_vl_path)
     assert declared.is_applied and ProcessorMixin.__dict__["check_argument_for_proper_class"] is not original

@@ -743,8 +743,9 @@ def _torchvision_missing() -> bool:
     reason=(
         "Without torchvision, ProcessorMixin checks video processors against the name "
         "BaseVideoProcessor looked up on the top-level transformers module, which is then a dummy "
-        "placeholder, so every real video processor is rejected and no Qwen3-VL processor can be "
-        "built for image-only use on CPU. Accept instances of the real base class."
+        "placeholder, so every real video processor is rejected (from transformers 5.23 the lookup fails on the "
+        "placeholder of the video processors' mapping instead) and no Qwen3-VL processor can be built for "
+        "image-only use on CPU. Accept instances of the real base class before that lookup."
     ),
     upstream="https://github.com/huggingface/transformers/issues/48558",
     group="offline",

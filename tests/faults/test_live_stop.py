@@ -119,7 +119,7 @@ def test_rank_failing_while_the_stop_is_pending_is_named(kernel):
     # the next step's collective, no step is ever agreed, and the set ends. Either way the cell ends at once
     # and names rank 1's error.
     cell = (
-        "%%ddp\nfrom transformers import TrainerCallback\nfrom nbkit.live import stopping\n"
+        "%%ddp\nfrom transformers import TrainerCallback\nfrom nbkit.rank_side import live_stopping as stopping\n"
         "class FailOnStop(TrainerCallback):\n"
         "    def on_step_end(self, args, state, control, **kwargs):\n"
         "        if nbkit.rank() == 1 and stopping._current is not None and stopping._current.requested:\n"
