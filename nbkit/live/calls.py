@@ -78,21 +78,21 @@ class Call:
 
     def _handle(self, message: channel.Envelope) -> None:
         """One of the relay's messages about calls (nbkit.live.engines handles the set's own)."""
-        body: object = message.body
+        rank, body = message.rank, message.body
         if isinstance(body, Output):
-            self._output.write(body.rank, body.stream, body.text)
+            self._output.write(rank, body.stream, body.text)
         elif isinstance(body, Display):
-            self._output.display(body)
+            self._output.display(rank, body)
         elif isinstance(body, CallDone):
             if body.call == self.number:
-                self._done[body.rank] = body
+                self._done[rank] = body
         elif isinstance(body, Training):
-            self._training[body.rank] = body
+            self._training[rank] = body
         elif isinstance(body, Interrupted):
             if body.call == self.number:
-                self._heard.add(body.rank)
+                self._heard.add(rank)
         elif isinstance(body, channel.Report):
-            self._output.report(message.rank, body.metrics)
+            self._output.report(rank, body.metrics)
 
     def _wait(self, ar: _Gathered, timeout: float | None) -> list[Outcome]:
         deadline = time.monotonic() + timeout if timeout else None

@@ -32,11 +32,11 @@ class CellOutput:
         if rank in self._shown:
             self._stream(rank, stream).write(text)
 
-    def display(self, body: Display) -> None:
-        """Show what a rank passed to IPython's display, where the call shows that rank: as display data in
+    def display(self, rank: int, body: Display) -> None:
+        """Show what `rank` passed to IPython's display, where the call shows that rank: as display data in
         a kernel, else its text.
         """
-        if body.rank not in self._shown:
+        if rank not in self._shown:
             return
         self._flush()  # the rank's lines before it stay before it
         try:
@@ -48,7 +48,7 @@ class CellOutput:
         if shell is None:  # a script: what display() prints outside a notebook
             text = body.data.get("text/plain")
             if text:
-                self._stream(body.rank, "stdout").write(f"{text}\n")
+                self._stream(rank, "stdout").write(f"{text}\n")
             return
         try:
             shell.display_pub.publish(

@@ -2,8 +2,9 @@
 
 Calls travel through ipyparallel (its apply requests carry these dataclasses, pickled); a rank's
 output, its dashboard events and its end-of-call marks travel over the relay connection that each
-rank opens to the notebook (nbkit.messages.rank), because they must arrive while a call still runs. The bodies
-every channel shares (Started, Report, in an Envelope naming the rank) are nbkit.messages.rank's.
+rank opens to the notebook (nbkit.messages.rank), because they must arrive while a call still runs. Every
+message on the relay is the rank channel's Envelope, which names the rank, so the bodies here carry no rank of
+their own; the bodies every channel shares (Started, Report) are nbkit.messages.rank's.
 """
 
 from __future__ import annotations
@@ -66,7 +67,6 @@ class RankPlan:
 class Output:
     """Text a rank wrote to sys.stdout or sys.stderr during a call."""
 
-    rank: int
     stream: str  # "stdout" | "stderr"
     text: str
 
@@ -75,7 +75,6 @@ class Output:
 class Display:
     """What a rank passed to IPython's display() during a call (a display_data message's fields)."""
 
-    rank: int
     data: dict
     metadata: dict
     transient: dict
@@ -86,7 +85,6 @@ class Display:
 class CallDone:
     """A rank finished call `call` (sent after its last output, so nothing of the call is behind it)."""
 
-    rank: int
     call: int
     failed: bool
 
@@ -97,7 +95,6 @@ class Interrupted:
     not a collective, so a call that goes on after it caught the KeyboardInterrupt.
     """
 
-    rank: int
     call: int
 
 
@@ -106,13 +103,11 @@ class Training:
     """A rank entered Trainer.train() (running=True) or left it (nbkit.rank_side.live_stopping).
 
     Attributes:
-        rank: the rank.
         running: whether train() runs now.
         step: Trainer's global step at that moment.
         stopped: train() ended because an interrupt asked it to stop, at `step`, the same on every rank.
     """
 
-    rank: int
     running: bool
     step: int
     stopped: bool = False

@@ -179,7 +179,7 @@ def _end_now(signum: int, frame: Any) -> None:
 
 
 def _send_output(name: str, text: str) -> None:
-    channel.send(Output(_rank, name, text))
+    channel.send(Output(name, text))
 
 
 def _relay_display() -> None:
@@ -206,7 +206,7 @@ def _relay_display() -> None:
         if _shown:
             if _output is not None:  # the rank's lines before it stay before it
                 _output.drain()
-            channel.send(Display(_rank, dict(data), dict(metadata or {}), dict(transient or {}), update))
+            channel.send(Display(dict(data), dict(metadata or {}), dict(transient or {}), update))
 
     _found_display = shell.display_pub
     _found_display.publish = publish
@@ -321,7 +321,7 @@ def _call(call: int, show: bool, want_value: bool, body: Callable[[], Any]) -> O
         _shown = False
         if previous is not None:
             signal.signal(signal.SIGINT, previous)
-        channel.send(CallDone(_rank, call, failed))
+        channel.send(CallDone(call, failed))
     return outcome
 
 
@@ -357,7 +357,7 @@ def _send_notices() -> None:
         _heard.wait()
         _heard.clear()
         with contextlib.suppress(Exception):
-            channel.send(Interrupted(_rank, _call_now))
+            channel.send(Interrupted(_call_now))
 
 
 def _rank_error(exc: BaseException) -> RankError:

@@ -43,7 +43,6 @@ Outside Trainer.train() (a plain loop in a cell) SIGINT acts as before.
 from __future__ import annotations
 
 import contextlib
-import os
 import signal
 import threading
 from typing import Any
@@ -148,10 +147,6 @@ def _stop_callback() -> type:
 __getattr__ = callbacks.lazy_module_attributes(__name__, StopCallback=_StopAtAgreedStep)
 
 
-def _rank() -> int:
-    return int(os.environ.get("RANK", "0"))
-
-
 @patching.patch(
     "transformers.trainer:Trainer.train",
     reason="in a live set, an interrupt must stop training at a step every rank agrees on: a KeyboardInterrupt "
@@ -175,7 +170,7 @@ def _train(original):
         failed = True
         try:
             run = _current = _Run()
-            channel.send(Training(_rank(), running=True, step=self.state.global_step))
+            channel.send(Training(running=True, step=self.state.global_step))
             output = original(self, *args, **kwargs)
             failed = False
         finally:
@@ -185,7 +180,7 @@ def _train(original):
                 run.end(failed=failed)
                 with contextlib.suppress(OSError):
                     stopped = run.stopped_at is not None
-                    channel.send(Training(_rank(), running=False, step=self.state.global_step, stopped=stopped))
+                    channel.send(Training(running=False, step=self.state.global_step, stopped=stopped))
         if run.stopped_at is not None:
             raise TrainingStopped(run.stopped_at)
         return output
