@@ -44,11 +44,11 @@ class Call:
         timeout: float | None,
         *,
         after: Callable[[], None] | None = None,
-        received: Callable[[list[Outcome]], None] | None = None,
+        received: Callable[[dict[int, Outcome]], None] | None = None,
     ) -> Any:
         """Run fn(number, *args, shown, wants_value) on each target and wait; returns the value of
-        the lowest target. `received` sees every rank's Outcome before errors are raised, `after` runs
-        however the call ends. Raises LiveError (a rank failed, or the set ended).
+        the lowest target. `received` sees every rank's Outcome ({rank: outcome}) before errors are raised,
+        `after` runs however the call ends. Raises LiveError (a rank failed, or the set ended).
         """
         ar = self._apply_each(fn, args)
         success = False
@@ -68,10 +68,12 @@ class Call:
 
     def _apply_each(self, fn: Callable[..., Outcome], args: tuple) -> _Gathered:
         value_rank = self._targets[0]
-        results = [
-            self._engines.apply(r, fn, self.number, *args, r in self._shown, r == value_rank) for r in self._targets
-        ]
-        return _Gathered(results)
+        return _Gathered(
+            {
+                r: self._engines.apply(r, fn, self.number, *args, r in self._shown, r == value_rank)
+                for r in self._targets
+            }
+        )
 
     def _pump(self, wait: float) -> None:
         self._engines.pump(wait, self._handle)
@@ -94,7 +96,7 @@ class Call:
         elif isinstance(body, channel.Report):
             self._output.report(rank, body.metrics)
 
-    def _wait(self, ar: _Gathered, timeout: float | None) -> list[Outcome]:
+    def _wait(self, ar: _Gathered, timeout: float | None) -> dict[int, Outcome]:
         deadline = time.monotonic() + timeout if timeout else None
         failed_at: float | None = None
         interrupted_at: float | None = None
@@ -133,7 +135,7 @@ class Call:
         except KeyboardInterrupt:
             self._on_interrupt(ar, deadline, timeout)
             raise
-        return ar.get(self._targets)
+        return ar.get()
 
     def _end_after_failure(self, ar: _Gathered, failed: list[int], still: list[int]) -> NoReturn:
         """End the set because ranks `still` neither finished nor answered an interrupt after ranks `failed`
@@ -274,14 +276,14 @@ class Call:
             )
         return f"nbkit: interrupted the cell on rank(s) {ranks_text(unfinished)}; every rank is alive with its names."
 
-    def _result(self, outcomes: list[Outcome]) -> Any:
-        errors = {o.rank: o.error for o in outcomes if o.error is not None}
+    def _result(self, outcomes: dict[int, Outcome]) -> Any:
+        errors = _errors(outcomes)
         if errors:
             raise self._call_error(errors, ended=False)
-        value = outcomes[0].value
-        if value is None:
+        answer = outcomes[self._targets[0]].answer
+        if not isinstance(answer, channel.Result):  # its value was not asked for
             return None
-        return rank_contract.load_value(value, self._targets[0], error=LiveError)
+        return rank_contract.load_value(answer.payload, self._targets[0], error=LiveError)
 
     def _call_error(self, errors: dict[int, RankError], *, ended: bool) -> LiveError:
         primary = {r: e for r, e in errors.items() if not e.secondary} or errors
@@ -313,28 +315,32 @@ _SECOND_SIGNAL_S = 0.3  # after a peer failed: when ranks in Trainer.train() get
 class _Gathered:
     """Several ipyparallel AsyncResults (one per rank, each with its own arguments) as one."""
 
-    def __init__(self, results: list[Any]):
-        self._results = results
+    def __init__(self, results: dict[int, Any]):
+        self._results = results  # {rank: its AsyncResult}
 
     def ready(self) -> bool:
-        return all(ar.ready() for ar in self._results)
+        return all(ar.ready() for ar in self._results.values())
 
-    def get(self, ranks: list[int]) -> list[Outcome]:
+    def get(self) -> dict[int, Outcome]:
         """Each rank's Outcome; an error ipyparallel itself raised (before nbkit's code ran in the
         rank) becomes that rank's Outcome with the error.
         """
-        outcomes = []
-        for rank, ar in zip(ranks, self._results):
+        outcomes: dict[int, Outcome] = {}
+        for rank, ar in self._results.items():
             try:
-                outcomes.append(ar.get())
+                outcomes[rank] = ar.get()
             except Exception as exc:
                 text = getattr(exc, "render_traceback", None)
                 tb = "\n".join(text()) if callable(text) else str(exc)
                 error = RankError(rank, type(exc).__name__, str(exc), tb, time.time())
-                outcomes.append(Outcome(rank, error=error))
+                outcomes[rank] = Outcome(channel.Raised(error))
         return outcomes
 
     def finished_errors(self) -> dict[int, RankError]:
         """The errors of the ranks that have finished (the others are still running)."""
-        outcomes = [ar.get() for ar in self._results if ar.ready() and ar.successful()]
-        return {o.rank: o.error for o in outcomes if o.error is not None}
+        return _errors({r: ar.get() for r, ar in self._results.items() if ar.ready() and ar.successful()})
+
+
+def _errors(outcomes: dict[int, Outcome]) -> dict[int, RankError]:
+    """{rank: its error} of the ranks whose call raised."""
+    return {r: o.answer.error for r, o in outcomes.items() if isinstance(o.answer, channel.Raised)}

@@ -369,10 +369,10 @@ class LiveRanks:
             raise
         binds = cell_code.usage(tree.body).binds
 
-        def received(outcomes: list[Outcome]) -> None:
-            for o in outcomes:
+        def received(outcomes: dict[int, Outcome]) -> None:
+            for rank, o in outcomes.items():
                 if o.names_loaded:  # (a name the cell bound is the rank's own value now, whatever was sent)
-                    self._names.hold(o.rank, {n: v for n, v in sending[o.rank].items() if n not in binds})
+                    self._names.hold(rank, {n: v for n, v in sending[rank].items() if n not in binds})
 
         return self._run_call(
             live_engine.run_code,
@@ -479,7 +479,7 @@ class LiveRanks:
         *,
         show: set[int] | None,
         after: Callable[[], None] | None = None,
-        received: Callable[[list[Outcome]], None] | None = None,
+        received: Callable[[dict[int, Outcome]], None] | None = None,
     ) -> Any:
         """Run fn(call, *args, shown, wants_value) on `targets` as the next call (nbkit.live.calls.Call.run)."""
         self._engines.check_running()

@@ -4,14 +4,15 @@ Calls travel through ipyparallel (its apply requests carry these dataclasses, pi
 output, its dashboard events and its end-of-call marks travel over the relay connection that each
 rank opens to the notebook (nbkit.messages.rank), because they must arrive while a call still runs. Every
 message on the relay is the rank channel's Envelope, which names the rank, so the bodies here carry no rank of
-their own; the bodies every channel shares (Started, Report) are nbkit.messages.rank's.
+their own; the bodies every channel shares (Started, Report, and Result, Raised or Returned in a call's Outcome)
+are nbkit.messages.rank's.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from nbkit.platform.errors import RankError
+from nbkit.messages.rank import Raised, Result, Returned
 
 __all__ = ["CallDone", "Display", "EngineInfo", "Lost", "Outcome", "Output", "RankPlan", "Training"]
 
@@ -133,15 +134,16 @@ class Lost:
         return f"rank {self.rank}'s connection to the notebook closed"
 
 
-@dataclass
+@dataclass(frozen=True)
 class Outcome:
-    """What a call returned on one rank: `value` (pickled, tensors on the CPU) or `error`.
+    """How a call ended on one rank (what ipyparallel's apply returns; the rank is the one it ran on).
 
-    `names_loaded`: the notebook names sent with the call (run_code) are defined on the rank (False
-    when rebuilding one failed, or the call had none); the notebook then counts them as sent there.
+    Attributes:
+        answer: the rank channel's body for it: Result (the value, pickled, tensors on the CPU, where the
+            notebook asked for it), Raised (the error), or Returned (it returned, and its value was not asked for).
+        names_loaded: the notebook names sent with the call (run_code) are defined on the rank (False when
+            rebuilding one failed, or the call had none); the notebook then counts them as sent there.
     """
 
-    rank: int
-    value: bytes | None = None
-    error: RankError | None = None
+    answer: Result | Raised | Returned
     names_loaded: bool = False

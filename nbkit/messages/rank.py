@@ -18,8 +18,9 @@ notebook's relay listener instead and hands that connection to `attach_connectio
 works the same way there, and the live set adds bodies of its own (nbkit.messages.live).
 
 These bodies are defined here once for every channel between nbkit's processes: a live set's ranks
-send Started and Report over the relay, and spawn mode's launcher process passes Report and Result on
-to the notebook (nbkit.messages.spawn). Each channel's own messages live in one module: this one for
+send Started and Report over the relay and answer each call with Result, Raised or Returned (in
+nbkit.messages.live.Outcome), and spawn mode's launcher process passes Report and Result on to the
+notebook (nbkit.messages.spawn). Each channel's own messages live in one module: this one for
 launched ranks, nbkit.messages.live for a live set, nbkit.messages.spawn for spawn mode.
 """
 
@@ -65,8 +66,8 @@ class Report:
 
 @dataclass(frozen=True)
 class Result:
-    """Rank 0's return value, pickled in the rank (rankside.pickle_for_notebook): only the notebook has the
-    classes to rebuild it.
+    """A rank's return value (a launch's rank 0, a live call's lowest target), pickled in the rank
+    (rank_contract.pickle_for_notebook): only the notebook has the classes to rebuild it.
     """
 
     payload: bytes
@@ -81,7 +82,9 @@ class Raised:
 
 @dataclass(frozen=True)
 class Returned:
-    """The rank's function returned; anything the rank does after this is the launcher's teardown."""
+    """The rank's function returned (a launch: anything the rank does after this is the launcher's teardown; a
+    live call: its value was not asked for).
+    """
 
 
 # The bodies of a launch; a live set (nbkit.messages.live) sends bodies of its own over the same wire.

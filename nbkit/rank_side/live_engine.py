@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import dataclasses
 import faulthandler
 import gc
 import linecache
@@ -251,9 +252,7 @@ def run_code(call: int, source: str, filename: str, show: bool, want_value: bool
         linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
         return run_cell(source, _namespace, filename)
 
-    outcome = _call(call, show, want_value, body)
-    outcome.names_loaded = loaded
-    return outcome
+    return dataclasses.replace(_call(call, show, want_value, body), names_loaded=loaded)
 
 
 def _rebuild(names: dict[str, bytes]) -> dict[str, Any]:
@@ -307,13 +306,14 @@ def _call(call: int, show: bool, want_value: bool, body: Callable[[], Any]) -> O
     _shown = show
     _staged.clear()  # data of a call whose send was interrupted: never used
     failed = False
+    answer: channel.Result | channel.Raised | channel.Returned
     previous = _listen_for_interrupts(call)
     try:
         value = body()
-        outcome = Outcome(_rank, value=rank_contract.pickle_for_notebook(value) if want_value else None)
+        answer = channel.Result(rank_contract.pickle_for_notebook(value)) if want_value else channel.Returned()
     except BaseException as exc:  # KeyboardInterrupt included: the rank stays alive
         failed = True
-        outcome = Outcome(_rank, error=_rank_error(exc))
+        answer = channel.Raised(_rank_error(exc))
     finally:
         if _output is not None:  # the call's last lines, both levels, while still shown
             with contextlib.suppress(Exception):
@@ -322,7 +322,7 @@ def _call(call: int, show: bool, want_value: bool, body: Callable[[], Any]) -> O
         if previous is not None:
             signal.signal(signal.SIGINT, previous)
         channel.send(CallDone(call, failed))
-    return outcome
+    return Outcome(answer)
 
 
 def _listen_for_interrupts(call: int) -> Any:
