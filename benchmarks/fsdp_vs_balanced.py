@@ -353,9 +353,9 @@ class _UtilisationSampler:
 
     def __enter__(self) -> _UtilisationSampler:
         exe = shutil.which("nvidia-smi")
-        if exe is not None:
-            count = len(subprocess.run([exe, "-L"], capture_output=True, text=True).stdout.splitlines())
-            self._ids = [str(i) for i in gpu_state.visible_indices(count)]
+        gpus = gpu_state.GpuSample.take()
+        if exe is not None and gpus is not None:
+            self._ids = [str(i) for i in gpus.indices]
             query = [
                 exe,
                 f"--id={','.join(self._ids)}",

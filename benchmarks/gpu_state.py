@@ -25,12 +25,14 @@ TOLERANCE_MIB = 128.0
 @dataclass(frozen=True)
 class GpuSample:
     """The visible GPUs at one moment: `used_mib` per GPU (as this process numbers them, honouring
-    CUDA_VISIBLE_DEVICES), and `pids`, the processes with a compute context on any of them (empty where
-    the container's process namespace hides them; `used_mib` still shows what they hold).
+    CUDA_VISIBLE_DEVICES), `pids`, the processes with a compute context on any of them (empty where
+    the container's process namespace hides them; `used_mib` still shows what they hold), and `indices`,
+    the same GPUs' NVML (nvidia-smi) indices.
     """
 
     used_mib: tuple[float, ...]
     pids: frozenset[int]
+    indices: tuple[int, ...]
 
     @classmethod
     def take(cls) -> GpuSample | None:
@@ -44,12 +46,13 @@ class GpuSample:
         except pynvml.NVMLError:
             return None
         try:
-            handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in visible_indices(pynvml.nvmlDeviceGetCount())]
+            indices = tuple(visible_indices(pynvml.nvmlDeviceGetCount()))
+            handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in indices]
             used = tuple(pynvml.nvmlDeviceGetMemoryInfo(h).used / 2**20 for h in handles)
             pids = frozenset(p.pid for h in handles for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h))
         finally:
             pynvml.nvmlShutdown()
-        return cls(used, pids) if handles else None
+        return cls(used, pids, indices) if handles else None
 
     def held_since(self, before: GpuSample) -> dict[str, list]:
         """What is held now that was not in `before`: {"processes": [pids]} and {"memory_mib": [(gpu,
@@ -103,7 +106,8 @@ def _from_nvidia_smi() -> GpuSample | None:
     if not used:
         return None
     pids = frozenset(int(line) for line in query("--query-compute-apps=pid") if line.isdigit())
-    return GpuSample(tuple(float(used[i]) for i in visible_indices(len(used))), pids)
+    indices = tuple(visible_indices(len(used)))
+    return GpuSample(tuple(float(used[i]) for i in indices), pids, indices)
 
 
 def visible_indices(count: int) -> list[int]:

@@ -196,6 +196,8 @@ def test_gpu_ranks_get_nccls_error_handling_unless_the_notebook_chose_its_own(mo
     assert gpu[wait] == "0"  # no dump is coming: the watchdog must not wait a minute for one
     monkeypatch.setenv("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")  # debugging a desync: torch's wait for the dump stays
     assert wait not in rank_contract.rank_environment(RankOptions(), use_cpu=False)
+    monkeypatch.setenv("TORCH_NCCL_DUMP_ON_TIMEOUT", "0")  # the dump set off by hand: still no wait for it
+    assert rank_contract.rank_environment(RankOptions(), use_cpu=False)[wait] == "0"
     monkeypatch.delenv("TORCH_NCCL_DUMP_ON_TIMEOUT")
     assert not any(k.startswith("TORCH_NCCL") for k in rank_contract.rank_environment(RankOptions(), use_cpu=True))
     monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")  # the user's choice, inherited as it is
