@@ -249,3 +249,27 @@ def test_a_gpu_failure_is_named_with_its_rank_its_cause_and_what_to_do(fn, says)
     message = str(caught.value)
     assert message.startswith("rank 1 "), message
     assert all(phrase in message for phrase in says), message
+
+
+def test_a_launch_blames_the_rank_elastic_reports_when_elastic_collected_every_status_first():
+    # On 2 GPUs torch elastic can collect both ranks' statuses before nbkit's supervisor reads them:
+    # rank 0 aborted by NCCL's watchdog, rank 1 (asleep) stopped by elastic. Unknown to nbkit, they
+    # arrive in any order; the cause is the one elastic's report says failed on its own.
+    from nbkit.launching import fork
+
+    aborts = subprocess.Popen([sys.executable, "-c", "import os; os.abort()"])
+    sleeps = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    aborts.wait()
+    sleeps.terminate()
+    sleeps.wait()  # both collected here, as elastic collects them
+    run = fork._Run(nprocs=2, on_event=None, timeout=None)
+    try:
+        run.pids = {1: sleeps.pid, 0: aborts.pid}  # the sleeping rank's Started came first
+        run._check_exits(drain=False)
+        assert run.failed == [], "no rank can be blamed from statuses nbkit never read"
+        with pytest.raises(nbkit.LaunchError) as caught:
+            run._conclude({0: ExitStatus(signal=signal.SIGABRT), 1: ExitStatus(signal=signal.SIGTERM)}, "")
+    finally:
+        run.pipes.close()
+    assert str(caught.value).startswith("rank 0 died from signal SIGABRT"), str(caught.value)
+    assert list(caught.value.failures) == [0]

@@ -271,6 +271,7 @@ class _Run:
         self.pipes = channel.Channel(self.nprocs)
         self._lock = threading.Lock()
         self._unsettled: dict[int, float] = {}  # rank -> when its error arrived (monotonic)
+        self._collected: list[int] = []  # ranks whose status torch elastic collected before nbkit read it
         self._in_launcher = False
         self._abandoned_at = -math.inf
         self._all_returned_at: float | None = None
@@ -351,6 +352,10 @@ class _Run:
         # A status torch elastic collected before the supervisor read it, without reporting it as a
         # failure, was code 0: any other code ends elastic's wait with that rank's failure.
         self.exits = {r: ExitStatus(code=0) if s == ExitStatus() else s for r, s in self.exits.items()}
+        if not self.failed:
+            self.failed = _first_hand(launcher_failures, self.killed) or [
+                r for r in self._collected if r not in self.errors and r not in self.killed
+            ]
         if self.failed:
             raise self._failure_error()
         if self.timed_out:
@@ -360,12 +365,7 @@ class _Run:
                 errors=self.errors,
                 timed_out=True,
             )
-        if launcher_failures or failure_text:
-            # torch elastic saw a failure the supervisor did not (a rank that died before it started)
-            for rank in launcher_failures:
-                self.failed.append(rank)
-            if self.failed:
-                raise self._failure_error()
+        if failure_text:
             raise LaunchError(f"The launch failed before any rank ran: {failure_text}")
 
     def result(self) -> Any:
@@ -434,10 +434,19 @@ class _Run:
             if rank in self.returned or rank in self.exits:
                 continue
             self.exits[rank] = status
+            if status == ExitStatus():
+                # Torch elastic collected it first: after stopping the others for one rank's failure
+                # (then every status is unknown here, in no telling order: 2 GPUs, a rank's NCCL
+                # watchdog abort took the blame to its sleeping peer), or a rank's code 0. Elastic's
+                # report decides which (_conclude); the other ranks stop now either way.
+                self._collected.append(rank)
+                if rank not in self.errors:
+                    self._stop_ranks()
+                continue
             # Once a rank exited with an error, torch elastic stops the others with SIGTERM and
             # collects their status (unknown here): such ends are consequences, not causes. An error
             # that only says a peer went away is no such failure: this end is what it reports.
-            by_elastic = status.signal == signal.SIGTERM or status == ExitStatus()
+            by_elastic = status.signal == signal.SIGTERM
             others_failed = any(r != rank for r in self.failed) or any(
                 r != rank and not e.lost_a_peer for r, e in self.errors.items()
             )
@@ -566,6 +575,14 @@ def _elastic_failures(failure: BaseException) -> dict[int, ExitStatus]:
         else:
             described[rank] = ExitStatus(code=proc.exitcode)
     return described
+
+
+def _first_hand(failures: dict[int, ExitStatus], killed: set[int]) -> list[int]:
+    """The ranks of torch elastic's report that failed on their own: not stopped by nbkit (`killed`),
+    and, where any other is there, not ended by the SIGTERM elastic stops the rest with.
+    """
+    own = [rank for rank in failures if rank not in killed]
+    return [rank for rank in own if failures[rank].signal != signal.SIGTERM] or own
 
 
 def _is_interrupt(exc: BaseException) -> bool:
