@@ -37,6 +37,7 @@
 #   bash benchmarks/gpu_suite.sh compile16k           # regional compile where the tiled MLP splits (16K), 2 GPUs side by side
 #   SUITE_DRY_RUN=1 bash benchmarks/gpu_suite.sh speed  # the same parts on the CPU with tiny:qwen3-vl (no wheels needed)
 #   bash benchmarks/gpu_suite.sh kaggle               # 2 GPUs, the Kaggle image's set: the flagship's GPU test (~7.5 min)
+#   bash benchmarks/gpu_pairs.sh 540 "fsdp2" "tests_faults"  # two GPU pairs of a 4-GPU host side by side (gpu_pairs.sh)
 #   bash benchmarks/gpu_suite.sh kaggle_transformers  # 2 GPUs, the Kaggle image's set: the flagship, transformers backend (~5 min)
 #
 # Two sets of parts can share a 4-GPU machine, one GPU pair each (a separate TMPDIR keeps unsloth's

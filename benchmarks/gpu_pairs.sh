@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Two sets of gpu_suite.sh parts side by side on a 4-GPU host, one GPU pair each, within one call's time, their
+# results packed into $OUT/pairs.tgz (a call brings back only a few files).
+#
+#   bash benchmarks/gpu_pairs.sh SECONDS "PARTS ON GPUS 0,1" "PARTS ON GPUS 2,3"
+#   bash benchmarks/gpu_pairs.sh 540 "fsdp2" "tests_faults"
+#
+# Each set gets its own TMPDIR (unsloth's compile caches), results folder and log, and is interrupted at SECONDS
+# (gpu_suite.sh's own part limits come first where they are shorter), so that the packing still happens before the
+# call's limit. The wheels are installed once, before both sets start (gpu_suite.sh env).
+set -uo pipefail
+[ $# -eq 3 ] || { sed -n 2,8p "$0"; exit 2; }
+seconds=$1
+OUT=${OUT:-$PWD/gpu-out}
+work=$(mktemp -d)
+OUT=$work/env bash benchmarks/gpu_suite.sh env > "$work/env.log" 2>&1
+pair() {  # pair NAME GPUS PARTS
+  mkdir -p "$work/$1" "$work/tmp-$1"
+  CUDA_VISIBLE_DEVICES=$2 TMPDIR=$work/tmp-$1 OUT=$work/$1 timeout --signal=INT --kill-after=15 "$seconds" \
+    bash benchmarks/gpu_suite.sh $3 > "$work/$1.log" 2>&1
+  echo "=== pair $1 (GPUs $2: $3): exit $?" >> "$work/$1.log"
+}
+pair a 0,1 "$2" &
+pair b 2,3 "$3" &
+wait
+rm -rf "$work"/tmp-*
+mkdir -p "$OUT"
+tar czf "$OUT/pairs.tgz" -C "$work" .
+grep -h "^=== \|passed\|failed\|error" "$work"/env.log "$work"/a.log "$work"/b.log | tail -60
