@@ -125,6 +125,32 @@ def test_the_run_summary_gives_the_steady_pace_with_the_first_step_apart():
     assert figures["tokens_per_second"] == pytest.approx(32 / figures["seconds_per_step"], rel=0.05)
 
 
+def _train_after_a_library_replaced_training_step() -> dict:
+    # unsloth replaces Trainer.training_step with its own copy of transformers' source when the rank imports
+    # it, after nbkit's set-up: nothing of nbkit's runs in that copy
+    from transformers import Trainer
+
+    def replaced(self, model, inputs, num_items_in_batch=None):
+        model.train()
+        loss = self.compute_loss(model, self._prepare_inputs(inputs), num_items_in_batch=num_items_in_batch)
+        self.accelerator.backward(loss)
+        return loss.detach()
+
+    Trainer.training_step = replaced
+    trainer = tiny_qwen3_trainer(max_steps=3)
+    stats = trainer.train()
+    return nbkit.run_summary.training(trainer, stats, None)
+
+
+def test_loss_and_tokens_reach_the_dashboard_when_a_library_replaced_training_step():
+    figures = nbkit.launch(_train_after_a_library_replaced_training_step, gpus=2)
+    assert figures["tokens_per_second"] is not None and figures["tokens_per_second"] > 0
+    for rank in (0, 1):
+        steps = [e for r, e in dashboard.latest().events if r == rank and "loss" in e]
+        assert [e["step"] for e in steps] == [1, 2, 3]
+        assert [e["tokens_seen"] for e in steps] == [32, 64, 96]
+
+
 @pytest.mark.gpu
 def test_trainer_on_gpus_reports_each_ranks_cuda_peak_memory():
     if torch.cuda.device_count() < 2:

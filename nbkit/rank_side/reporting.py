@@ -320,8 +320,8 @@ class _StepReporter:
     micro-batch losses, as Trainer logs it, without the cross-rank average), learning_rate,
     epoch, tokens (input tokens of the step's batches, padding included) and peak memory; each
     Trainer log adds grad_norm and evaluation metrics. nbkit adds it to every Trainer created
-    inside nbkit.launch (the loss and token counts come from nbkit's patch of
-    Trainer.training_step, applied there too).
+    inside nbkit.launch (the loss and token counts come from the trainer's training_step, which
+    nbkit wraps there too: _count_micro_batches).
     """
 
     def __init__(self) -> None:
@@ -423,29 +423,30 @@ def _trainer_init(original):
         # shows the same numbers (with logging_steps=1 the lines would pile up below it).
         if had_bar and distributed.is_main() and not dashboard.panel_shown():
             self.add_callback(PrinterCallback)
-        if not any(isinstance(cb, _StepReporter) for cb in self.callback_handler.callbacks):
-            self.add_callback(_dashboard_callback()())
+        reporter = next((cb for cb in self.callback_handler.callbacks if isinstance(cb, _StepReporter)), None)
+        if reporter is None:
+            reporter = _dashboard_callback()()
+            self.add_callback(reporter)
+        _count_micro_batches(self, reporter)
 
     return __init__
 
 
-@patching.patch(
-    "transformers.trainer:Trainer.training_step",
-    reason="the dashboard's per-step loss and tokens/s need each micro-batch's loss and input "
-    "size, which no TrainerCallback event receives",
-    upstream="https://github.com/huggingface/transformers/issues/12108",
-    group="reporting",
-    when=_in_launched_rank,
-)
-def _training_step(original):
-    def training_step(self, model, inputs, *args, **kwargs):
-        loss = original(self, model, inputs, *args, **kwargs)
-        callback = next((cb for cb in self.callback_handler.callbacks if isinstance(cb, _StepReporter)), None)
-        if callback is not None:
-            callback.add_micro_batch(loss, _count_tokens(self, inputs))
+def _count_micro_batches(trainer: Any, reporter: _StepReporter) -> None:
+    """Hand each micro-batch's loss and input size to `reporter` (no TrainerCallback event receives
+    them), by wrapping training_step on this trainer object: unsloth replaces Trainer.training_step
+    with its own copy of transformers' source when a rank imports it, after nbkit's set-up, so a
+    patch of the class was bypassed (its flagship reported no tokens/s on 2 GPUs); whichever
+    training_step the class has now runs inside this one.
+    """
+    step = trainer.training_step
+
+    def training_step(model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+        loss = step(model, inputs, *args, **kwargs)
+        reporter.add_micro_batch(loss, _count_tokens(trainer, inputs))
         return loss
 
-    return training_step
+    trainer.training_step = training_step
 
 
 def _count_tokens(trainer: Any, inputs: Any) -> int:
