@@ -80,6 +80,7 @@ class Run:
     load_in_4bit: bool
     t4: bool
     profile_dir: str | None = None  # profile the last step (left out of the median) and write rank 0's table here
+    compile: str | None = "auto"  # nbkit.savers.apply's compile: "auto" (regional on one GPU: an FSDP rank), None
 
     @property
     def precision(self) -> str:
@@ -117,7 +118,7 @@ def _model(run: Run, path: str) -> Any:
     model = get_peft_model(base, LoraConfig(r=LORA_RANK, lora_alpha=LORA_RANK, target_modules=TEXT_LORA))
     # FSDP checkpoints the layers itself; the balanced run checkpoints them with nbkit's savers.
     checkpointing = None if run.mode == "fsdp" else "recompute"
-    return savers.apply(model, checkpointing=checkpointing, tiled_mlp=False, chunked_loss=True)
+    return savers.apply(model, checkpointing=checkpointing, tiled_mlp=False, chunked_loss=True, compile=run.compile)
 
 
 def _train(run: Run, path: str, per_step: int) -> dict:
@@ -511,6 +512,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, required=True, help="JSON lines, one per run")
     p.add_argument("--md", type=Path, help="markdown table")
     p.add_argument("--profile-dir", help="profile each run's last step (left out of the median); op tables here")
+    p.add_argument(
+        "--compile",
+        choices=["auto", "regional", "none"],
+        default="auto",
+        help="nbkit.savers.apply's compile (auto: regional compilation where the model is on one GPU, an FSDP rank)",
+    )
     args = p.parse_args(argv)
     if args.warmup >= args.steps - (1 if args.profile_dir else 0):
         p.error("--warmup must be below --steps (the median needs timed steps; a profiled last step is not one)")
@@ -529,6 +536,7 @@ def main(argv: list[str] | None = None) -> int:
             args.four_bit,
             args.t4,
             None if args.profile_dir is None else str(args.profile_dir),
+            None if args.compile == "none" else args.compile,
         )
         row = _measure(run)
         rows.append(row)

@@ -388,7 +388,9 @@ for what in "$@"; do
       model_part "$model" "${FSDP2_BUILD_LIMIT:-240}" fsdp2_model &
       part fsdp2_tests 200 python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests/test_model_parallel_gpu.py
       wait
-      part fsdp2 "${FSDP2_LIMIT:-300}" python3 benchmarks/fsdp_vs_balanced.py --model "$model" "${bench[@]}" \
+      # FSDP2_ARGS: more of the benchmark's options, e.g. "--seq-len 4096" (bound by the GPU rather than the host) or
+      # "--compile none" (the ranks' layers eager, as the balanced process's are).
+      part fsdp2 "${FSDP2_LIMIT:-300}" python3 benchmarks/fsdp_vs_balanced.py --model "$model" "${bench[@]}" ${FSDP2_ARGS:-} \
         --profile-dir "$OUT/fsdp2_profile" --out "$OUT/fsdp2.json" --md "$OUT/fsdp2.md" ;;
     speed|speed_bf16|speed_t4)
       # One GPU, one process each (notebook_launcher in place), SFTTrainer, one image per sample: unsloth against
