@@ -438,6 +438,24 @@ def test_model_parallel_trains_in_one_process_and_a_plan_that_does_not_fit_says_
     assert "The plan says this does not fit" in too_big.reason and "expect to run out of memory" in too_big.reason
 
 
+def test_a_split_model_is_planned_as_transformers_balances_it_over_the_gpus():
+    # device_map="balanced" is uneven: accelerate keeps room for the 16-bit lm_head on the first GPU, and
+    # bitsandbytes' loading keeps back 10% of each GPU, so the last GPU holds most of a 4-bit model. Loaded on
+    # 2 GPUs of 15 GiB, Qwen3-14B in 4-bit held 2.86 and 6.72 GiB (70% on the second; 2x H100, 2026-11-27).
+    from nbkit.notebook import planner
+
+    config = planner.load_config("random:qwen3-14b")
+    four_bit = planner._balanced_share(config, 2, 15.0, True)
+    assert 0.66 < four_bit < 0.74
+    # the same weights over more GPUs: each holds less, never less than an even share
+    assert 1 / 4 <= planner._balanced_share(config, 4, 15.0, True) < four_bit
+    # the split plan's GPU holds at least that share of the whole model's weights (breakdown: the model on one GPU)
+    split = nbkit.plan(
+        "random:qwen3-14b", **T4, seq_len=1024, batch_size=2, load_in_4bit=True, checkpointing="recompute"
+    )
+    assert split.model_parallel_gib > split.breakdown["weights"] * four_bit
+
+
 def test_batch_settings_are_trainer_arguments(tmp_path):
     from trl import SFTConfig
 

@@ -56,6 +56,7 @@ says in one line what it chose and why.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import numbers
 import os
@@ -94,8 +95,9 @@ CUDA_CONTEXT_GIB = 0.5
 ALLOCATOR_SLACK = 0.08
 # Headroom kept free on each GPU before calling a plan a fit.
 SAFETY_MARGIN = 0.05
-# A "balanced" device map is uneven (embeddings and lm_head on the end GPUs, whole layers only).
-MODEL_PARALLEL_IMBALANCE = 1.15
+# transformers loads a bitsandbytes model with device_map="balanced" into 90% of each GPU's budget (its quantiser
+# keeps the rest for buffers made while quantising), which shifts layers onto the last GPU.
+BNB_MAX_MEMORY_FRACTION = 0.90
 # FSDP gathers one transformer layer's full weights for its forward/backward and prefetches the next one
 # (nbkit.fsdp names it in the forward; the backward does so by itself), and FSDP2 receives each all-gather
 # into one flat buffer that it then copies out into the layer's weights: while the next layer lands, three
@@ -486,33 +488,65 @@ class _Counts:
 
 
 _COUNTS: dict[tuple[str, int], _Counts] = {}
+_SHARES: dict[tuple[str, int, float, bool], float] = {}
+_MODELS: dict[str, Any] = {}  # the last few models built on the meta device, by config
+_MODELS_KEPT = 4
 
 
 def _counts(config: Any, lora_rank: int) -> _Counts:
     """Parameter counts of the model `config` describes (cached per config and LoRA rank)."""
-    key = (json.dumps(config.to_dict(), sort_keys=True, default=str), lora_rank)
+    key = (_config_key(config), lora_rank)
     if key not in _COUNTS:
-        _COUNTS[key] = _count_on_meta(config, lora_rank)
+        _COUNTS[key] = _count_on_meta(_meta_model(config), lora_rank)
     return _COUNTS[key]
 
 
-def _count_on_meta(config: Any, lora_rank: int) -> _Counts:
-    import torch
+def _config_key(config: Any) -> str:
+    return json.dumps(config.to_dict(), sort_keys=True, default=str)
 
-    model = _build_on_meta(config)
+
+def _meta_model(config: Any) -> Any:
+    key = _config_key(config)
+    if key not in _MODELS:
+        if len(_MODELS) >= _MODELS_KEPT:
+            _MODELS.pop(next(iter(_MODELS)))
+        _MODELS[key] = _build_on_meta(config)
+    return _MODELS[key]
+
+
+def _element_bytes(model: Any) -> dict[str, int]:
+    """Bytes per element of each parameter (by name; tied ones once) in 16-bit training: 4 for the
+    modules the model keeps in fp32, else 2.
+    """
     cls = type(model)
     keep_fp32 = tuple(getattr(cls, "_keep_in_fp32_modules", None) or ()) + tuple(
         getattr(cls, "_keep_in_fp32_modules_strict", None) or ()
     )
-    named = dict(model.named_parameters())  # shared (tied) parameters appear once
-    element = {id(p): 4 if any(k in name.split(".") for k in keep_fp32) else 2 for name, p in named.items()}
-    bytes_16 = sum(p.numel() * element[id(p)] for p in named.values())
+    return {name: 4 if any(k in name.split(".") for k in keep_fp32) else 2 for name, _ in model.named_parameters()}
+
+
+def _quantized_names(model: Any) -> set[str]:
+    """The parameters bitsandbytes stores in 4-bit: the weight of every nn.Linear but the output embedding."""
+    import torch
+
     output = model.get_output_embeddings()
-    quantized = {
-        id(m.weight): m.weight.numel()
-        for m in model.modules()
-        if isinstance(m, torch.nn.Linear) and m is not output and id(m.weight) in element
+    named = dict(model.named_parameters())  # a weight tied to another appears once, under the other's name
+    return {
+        f"{name}.weight"
+        for name, m in model.named_modules()
+        if isinstance(m, torch.nn.Linear) and m is not output and f"{name}.weight" in named
     }
+
+
+def _count_on_meta(model: Any, lora_rank: int) -> _Counts:
+    import torch
+
+    cls = type(model)
+    named = dict(model.named_parameters())  # shared (tied) parameters appear once
+    bytes_of = _element_bytes(model)
+    element = {id(p): bytes_of[name] for name, p in named.items()}
+    bytes_16 = sum(p.numel() * element[id(p)] for p in named.values())
+    quantized = {id(named[name]): named[name].numel() for name in _quantized_names(model)}
     bytes_4 = (
         bytes_16 - sum(n * element[i] for i, n in quantized.items()) + NF4_BYTES_PER_WEIGHT * sum(quantized.values())
     )
@@ -533,6 +567,69 @@ def _count_on_meta(config: Any, lora_rank: int) -> _Counts:
         lora_modules=tuple(m for m in LORA_TARGET_MODULES if m in lora_modules),
         qk_norm=any(name.endswith(".q_norm") for name, _ in model.named_modules()),
     )
+
+
+def _balanced_share(config: Any, gpus: int, gpu_memory_gib: float, load_in_4bit: bool) -> float:
+    """The largest share of the model's weights that one of `gpus` GPUs holds when transformers loads it
+    with device_map="balanced" (cached).
+
+    It is accelerate's own map (get_balanced_memory, then infer_auto_device_map) of the model on the meta
+    device, sized as transformers sizes it (in 4-bit: the quantised linears at half a byte, within
+    BNB_MAX_MEMORY_FRACTION of each GPU). Not an even split: accelerate keeps room for the largest module
+    (a large vocabulary's 16-bit lm_head) on every GPU but the last, which takes the rest. Qwen3-14B in
+    4-bit over 2 GPUs of 15 GiB: 70% on the second GPU, as loaded there (2.86 and 6.72 GiB, 2x H100).
+    Weights that would not fit any GPU count on the largest share: training needs them on a GPU.
+    """
+    key = (_config_key(config), gpus, float(gpu_memory_gib), load_in_4bit)
+    if key not in _SHARES:
+        _SHARES[key] = _balanced_share_on_meta(_meta_model(config), gpus, gpu_memory_gib, load_in_4bit)
+    return _SHARES[key]
+
+
+def _balanced_share_on_meta(model: Any, gpus: int, gpu_memory_gib: float, load_in_4bit: bool) -> float:
+    import torch
+    from accelerate.utils import compute_module_sizes, infer_auto_device_map
+    from accelerate.utils.dataclasses import CustomDtype
+
+    quantized = _quantized_names(model) if load_in_4bit else set()
+    dtypes = {4: torch.float32, 2: torch.float16}
+    sizing = {
+        "dtype": CustomDtype.INT4 if load_in_4bit else torch.float16,
+        "special_dtypes": {n: dtypes[b] for n, b in _element_bytes(model).items() if n not in quantized},
+    }
+    no_split = list(getattr(model, "_no_split_modules", None) or [])
+    sizes = compute_module_sizes(model, **sizing)
+    budget = _balanced_budget(model, sizes, gpus, int(gpu_memory_gib * GIB), no_split)
+    if load_in_4bit:
+        budget = {device: int(limit * BNB_MAX_MEMORY_FRACTION) for device, limit in budget.items()}
+    # accelerate warns that each GPU index is "not available" here: the planner runs where those GPUs are not.
+    accelerate_log = logging.getLogger("accelerate.utils.modeling")
+    level = accelerate_log.level
+    accelerate_log.setLevel(logging.ERROR)
+    try:
+        device_map = infer_auto_device_map(model, max_memory=budget, no_split_module_classes=no_split, **sizing)
+    finally:
+        accelerate_log.setLevel(level)
+    held = [0] * gpus
+    spilled = 0
+    for name, device in device_map.items():
+        if isinstance(device, int):
+            held[device] += sizes[name]
+        else:
+            spilled += sizes[name]
+    return (max(held) + spilled) / sizes[""]
+
+
+def _balanced_budget(model: Any, sizes: dict[str, int], gpus: int, limit: int, no_split: list[str]) -> dict[int, int]:
+    """What accelerate's get_balanced_memory gives each of `gpus` GPUs of `limit` bytes for `model`: an even
+    share plus 1.25 of its largest unsplittable block (a decoder layer) on every GPU but the last, which keeps
+    `limit`. Computed here because get_balanced_memory before accelerate 1.13 resolves GPU indices through
+    torch.device, which raises where no GPU is (the planner runs there too).
+    """
+    kinds = {name: type(module).__name__ for name, module in model.named_modules()}
+    blocks = [size for name, size in sizes.items() if name and kinds.get(name) in no_split]
+    share = sizes[""] // gpus + int(1.25 * max(blocks, default=0))
+    return {i: min(share, limit) if i < gpus - 1 else limit for i in range(gpus)}
 
 
 def _build_on_meta(config: Any) -> Any:
@@ -702,7 +799,7 @@ def _estimate(
         weights = sharded / fsdp_shards + replicated + _fsdp_gathered(counts, s, config, sharded)
         lora = float(counts.lora_parameters * LORA_BYTES_PER_PARAM) / fsdp_shards
     if split > 1:
-        share = MODEL_PARALLEL_IMBALANCE / split
+        share = _balanced_share(config, split, gpu_memory_gib, load_in_4bit)
         weights, lora, persistent = weights * share, lora * share, persistent * share
     return _Estimate(
         float(weights), float(lora), float(persistent), float(layer_phase), float(loss_phase), float(vision_phase)
