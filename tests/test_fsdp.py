@@ -234,6 +234,59 @@ def test_sharding_frees_the_loaded_weights_as_it_goes_and_prefetches_the_next_la
     assert result["gathered_after_forward"] == [False] * (layers - 1) + [True]
 
 
+def _steps_with_units(accelerates_units: bool) -> dict:
+    """In each rank: shard the tiny model (accelerate's checkpointing on, as nbkit sets it up) with nbkit's units,
+    or with accelerate's own where `accelerates_units`; two optimizer steps on this rank's batch, with gradient
+    clipping. Returns the units, the losses, the clipped gradients and the trained LoRA weights (gathered)."""
+    import accelerate.utils.fsdp_utils  # noqa: F401  (nbkit's patch of it is applied on import)
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule
+
+    if accelerates_units:
+        fsdp._OUTERMOST_UNITS.revert()
+    model = tiny_model("qwen3")
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    sharded = fsdp.shard(model, optimizer)
+    batches, items = _batches(sharded, dist.get_world_size())
+    losses, norms = [], []
+    for _ in range(2):
+        loss = sharded(**batches[dist.get_rank()], num_items_in_batch=items, use_cache=False).loss
+        (loss * dist.get_world_size()).backward()
+        norms.append(torch.nn.utils.clip_grad_norm_([p for p in sharded.parameters() if p.requires_grad], 0.5))
+        grads = _full_grads(sharded)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return {
+        "units": [type(m).__name__ for m in sharded.modules() if isinstance(m, FSDPModule)],
+        "losses": losses,
+        "norms": [float(n.full_tensor() if hasattr(n, "full_tensor") else n) for n in norms],
+        "grads": grads,
+        "weights": {name: w.full_tensor() for name, w in sharded.named_parameters() if w.requires_grad},
+    }
+
+
+@pytest.mark.parametrize("precision", ["no", "bf16"])
+def test_each_checkpointed_layer_is_one_unit_and_trains_as_accelerates_two_do(precision):
+    """accelerate makes a checkpointed layer two FSDP units (its checkpoint wrapper and the layer inside); nbkit makes
+    the wrapper its one unit, whose hooks then run once per layer and forward. The same weights are gathered and
+    reduced in the same order: losses, clipped gradients and trained weights are identical, in fp32 and under
+    FSDP's bf16 mixed precision (inputs cast once by the wrapper, where the layer cast them again)."""
+    env = {**FSDP_ENV, "ACCELERATE_MIXED_PRECISION": precision}
+    ours = nbkit.launch(_steps_with_units, False, gpus=2, env=env, timeout=300)
+    theirs = nbkit.launch(_steps_with_units, True, gpus=2, env=env, timeout=300)
+    layers = tiny_model("qwen3").config.num_hidden_layers
+    assert ours["units"].count("FSDPCheckpointWrapper") == layers and "FSDPQwen3DecoderLayer" not in ours["units"]
+    assert theirs["units"].count("FSDPCheckpointWrapper") == theirs["units"].count("FSDPQwen3DecoderLayer") == layers
+    assert len(theirs["units"]) - len(ours["units"]) == layers
+    assert ours["losses"] == theirs["losses"] and ours["norms"] == theirs["norms"]
+    assert ours["losses"][1] != ours["losses"][0]  # the first step changed the weights
+    for kind in ("grads", "weights"):
+        assert ours[kind].keys() == theirs[kind].keys()
+        for name, value in ours[kind].items():
+            assert torch.equal(value, theirs[kind][name]), (kind, name)
+
+
 def test_settings_are_accelerates_fsdp2_environment():
     env = fsdp.FsdpSettings().environment()
     assert env["ACCELERATE_USE_FSDP"] == "true" and env["FSDP_VERSION"] == "2"

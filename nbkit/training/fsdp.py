@@ -3,7 +3,8 @@
 nbkit does no sharding of its own. A rank started with the fsdp strategy gets the environment that
 `accelerate launch --use_fsdp` would give it (ACCELERATE_USE_FSDP and the FSDP_* variables that
 accelerate's FullyShardedDataParallelPlugin reads): FSDP version 2, transformer-layer auto-wrap
-(the model's `_no_split_modules`), full sharding (reshard after forward), efficient loading (rank 0
+(the model's `_no_split_modules`: one unit per decoder layer, its checkpoint wrapper where the layer
+is checkpointed), full sharding (reshard after forward), efficient loading (rank 0
 reads the weights, the other ranks get theirs by broadcast when the model is sharded), activation
 checkpointing, and a full state dict gathered to rank 0 for saving. transformers' Trainer builds
 its Accelerator from that environment, so `Trainer(...).train()` trains sharded with no change to
@@ -509,11 +510,13 @@ def _sharded_model_kept(original: Callable[..., Any]) -> Callable[..., Any]:
     """Patch factory: Accelerator's FSDP2 preparation takes a model that is sharded already as it is.
 
     accelerate returns such a model unchanged from fsdp2_prepare_model, but only after looking up the
-    transformer layer classes for activation checkpointing and auto-wrap, which fully_shard has renamed
-    (Qwen3DecoderLayer is FSDPQwen3DecoderLayer now): training again, resuming after a stop, or a new
-    Trainer of trainer.model failed with "Could not find the transformer layer class". The layers keep
-    the checkpointing and sharding of the first preparation; the optimizer and the rest are prepared as
-    accelerate prepares them, and the optimizer already holds the sharded parameters.
+    transformer layer classes for activation checkpointing and auto-wrap. Where the layers are the units,
+    fully_shard has renamed them (Qwen3DecoderLayer is FSDPQwen3DecoderLayer now): training again, resuming
+    after a stop, or a new Trainer of trainer.model failed with "Could not find the transformer layer
+    class". Where their checkpoint wrappers are (nbkit's units under activation checkpointing), it finds the
+    layers inside and would wrap each in a second checkpoint. The layers keep the checkpointing and sharding
+    of the first preparation; the optimizer and the rest are prepared as accelerate prepares them, and the
+    optimizer already holds the sharded parameters.
     """
 
     @functools.wraps(original)
@@ -536,7 +539,8 @@ patch(
     "accelerate.accelerator:Accelerator._prepare_fsdp2",
     reason="accelerate looks up the transformer layer classes of a model that FSDP2 has sharded already (renamed "
     "FSDP<Layer>) before it would return it unchanged, so training an FSDP model again, resuming after a stop or a "
-    "new Trainer of trainer.model failed with 'Could not find the transformer layer class'",
+    "new Trainer of trainer.model failed with 'Could not find the transformer layer class' (or, with the checkpoint "
+    "wrappers as the units, would checkpoint each layer a second time)",
     upstream="none filed yet: accelerate/accelerator.py _prepare_fsdp2 applies activation checkpointing before "
     "fsdp2_prepare_model's check for an FSDPModule",
     group="fsdp",
@@ -653,9 +657,10 @@ def _lean_fsdp2_preparation(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _weight_units(units: list[Any]) -> list[Any]:
-    """The units among `units` that hold weights themselves: accelerate's activation checkpointing wraps each
-    decoder layer in a CheckpointWrapper that becomes an FSDP unit of its own, with no weights, around the
-    layer's unit (prefetching the wrapper would gather nothing).
+    """The units among `units` that hold weights themselves: accelerate's own policy makes each checkpointed
+    decoder layer's CheckpointWrapper an FSDP unit with no weights around the layer's unit (prefetching it would
+    gather nothing). nbkit's patch of that policy (_outermost_layer_units) leaves the wrapper the only unit,
+    where the policy is still accelerate's to patch.
     """
     from torch.distributed.fsdp import FSDPModule
 
@@ -678,3 +683,45 @@ patch(
     "unconditionally; forward_prefetch refused for FSDP2)",
     group="fsdp",
 )(_lean_fsdp2_preparation)
+
+
+def _outermost_layer_units(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Patch factory: accelerate's transformer-layer policy makes each checkpointed decoder layer one FSDP unit,
+    at its checkpoint wrapper, instead of two.
+
+    accelerate checkpoints a layer by wrapping it in a CheckpointWrapper before sharding, and its policy looks
+    through the wrapper so that the layer still gets a unit; but the layer inside matches as well, and is
+    sharded first (bottom-up): it becomes the unit that holds the weights, and the wrapper a second unit around
+    it that holds none. FSDP's hooks then run three times per layer and forward (the wrapper's, the layer's, and
+    the layer's again in the backward's recomputation), each casting the inputs and walking the outputs. With
+    the wrapper alone as the unit (how torch's examples shard a checkpointed block) its hooks run once: its
+    pre-backward gathers the weights before the recomputation, which then runs without FSDP's hooks. The same
+    weights are gathered and reduced in the same units and order, so the results are the same.
+    """
+
+    @functools.wraps(original)
+    def fsdp2_prepare_auto_wrap_policy(plugin: Any, model: torch.nn.Module) -> Callable[[torch.nn.Module], bool] | None:
+        policy = original(plugin, model)
+        if policy is None:
+            return None
+        wrapped = {id(m._checkpoint_wrapped_module) for m in model.modules() if _is_wrapper(m) and policy(m)}
+        if not wrapped:
+            return policy
+        return lambda module: id(module) not in wrapped and policy(module)
+
+    return fsdp2_prepare_auto_wrap_policy
+
+
+def _is_wrapper(module: torch.nn.Module) -> bool:
+    return isinstance(getattr(module, "_checkpoint_wrapped_module", None), torch.nn.Module)
+
+
+_OUTERMOST_UNITS = patch(
+    "accelerate.utils.fsdp_utils:fsdp2_prepare_auto_wrap_policy",
+    reason="under activation checkpointing accelerate's transformer-layer policy matches both each decoder layer and "
+    "the checkpoint wrapper around it, so every layer became two FSDP units (one without weights) and FSDP's hooks "
+    "ran three times per layer and forward (recomputation included): host time per step on host-bound GPUs",
+    upstream="none filed yet: accelerate/utils/fsdp_utils.py fsdp2_prepare_auto_wrap_policy looks through "
+    "CheckpointWrapper but still matches the wrapped layer",
+    group="fsdp",
+)(_outermost_layer_units)
