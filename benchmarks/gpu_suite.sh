@@ -29,6 +29,7 @@
 #   bash benchmarks/gpu_suite.sh trainermem           # unsloth at 16K: peak memory by hand vs under SFTTrainer, largest allocations
 #   bash benchmarks/gpu_suite.sh fsdp                 # FSDP-QLoRA vs device_map="balanced", T4 profile (1 GPU: the dry run)
 #   bash benchmarks/gpu_suite.sh fsdp2                # 2 GPUs, one call (~7-9 min): Qwen3-14B shapes in 4-bit, FSDP vs balanced, T4 profile
+#   bash benchmarks/gpu_suite.sh fsdphost             # 2 GPUs, one call: an FSDP rank's host time against a DDP rank's, by phase and library
 #   bash benchmarks/gpu_suite.sh speed                # 1 GPU: unsloth vs transformers+savers+Liger+regional compile, bf16 and T4 profile (~9.8 min)
 #   bash benchmarks/gpu_suite.sh speed_bf16 / speed_t4  # the same, one precision per call (up to ~9 minutes each)
 #   bash benchmarks/gpu_suite.sh profile1k            # 1 GPU, 1K x 4: each backend's step taken apart (host, kernels), profiled
@@ -394,6 +395,22 @@ for what in "$@"; do
       # "--compile none" (the ranks' layers eager, as the balanced process's are).
       part fsdp2 "${FSDP2_LIMIT:-300}" python3 benchmarks/fsdp_vs_balanced.py --model "$model" "${bench[@]}" ${FSDP2_ARGS:-} \
         --profile-dir "$OUT/fsdp2_profile" --out "$OUT/fsdp2.json" --md "$OUT/fsdp2.md" ;;
+    fsdphost)
+      # Two GPUs, one call: where an FSDP rank's host time goes, against a DDP rank's (benchmarks/fsdp_host_cost.py;
+      # the CPU figures are in RESULTS.md). Qwen3-14B shapes in 4-bit under the T4 profile at 1K x 1 per GPU, as
+      # fsdp2's FSDP run: nbkit's FSDP, accelerate's two units per checkpointed layer, and DDP (a full 4-bit copy per
+      # GPU: 13.7 GiB of a T4's 14.25 by the planner); FSDPHOST_VARIANTS for others (fsdp+nocompile, fsdp+keep, ...).
+      # The JSON is rewritten after each variant. SUITE_DRY_RUN=1: tiny:qwen3 with 8 layers, CPU.
+      model=${FSDPHOST_MODEL:-random:qwen3-14b}
+      run=(--model "$model" --layers 0 --4bit --t4 --seq-len 1024 --steps 6 --warmup 3 --profile-steps 1)
+      if [ -n "${SUITE_DRY_RUN:-}" ]; then
+        run=(--model tiny:qwen3 --layers 8 --seq-len 64 --steps 2 --warmup 1 --profile-steps 1)
+      else
+        model_part "$model" "${FSDP2_BUILD_LIMIT:-240}" fsdphost_model
+      fi
+      part fsdphost "${FSDPHOST_LIMIT:-330}" python3 benchmarks/fsdp_host_cost.py "${run[@]}" \
+        --variants "${FSDPHOST_VARIANTS:-fsdp,fsdp+twounits,ddp}" --stats-dir "$OUT/fsdphost_stats" \
+        --out "$OUT/fsdphost.json" --md "$OUT/fsdphost.md" ;;
     speed|speed_bf16|speed_t4)
       # One GPU, one process each (notebook_launcher in place), SFTTrainer, one image per sample: unsloth against
       # transformers+peft+nbkit.savers with Liger's kernels, regional compilation of the decoder layers and vision

@@ -202,7 +202,8 @@ def _fsdp_step(savers: dict) -> tuple[dict, int]:
         (dict(checkpointing="offload", tiled_mlp=3, chunked_loss=True), "false"),
         # the same with the MLP whole: FSDP2's hooks on each layer keep the checkpoint outside the compiled layer
         (dict(checkpointing="offload", tiled_mlp=False, chunked_loss=True), "false"),
-        # accelerate's checkpointing (nbkit's fsdp set-up); whole layers compiled, each carrying FSDP's hooks
+        # accelerate's checkpointing (nbkit's fsdp set-up); whole layers compiled, each inside its checkpoint
+        # wrapper, the FSDP unit that carries FSDP's hooks
         (dict(checkpointing=None, tiled_mlp=False, chunked_loss=True), "true"),
     ],
     ids=["offload-tiled", "offload-whole-mlp", "fsdp-checkpointing-whole-layers"],
