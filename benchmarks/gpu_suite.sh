@@ -408,7 +408,8 @@ for what in "$@"; do
       else
         model_part "$model" "${FSDP2_BUILD_LIMIT:-240}" fsdphost_model
       fi
-      part fsdphost "${FSDPHOST_LIMIT:-330}" python3 benchmarks/fsdp_host_cost.py "${run[@]}" \
+      # FSDPHOST_ARGS: more of the script's options (e.g. "--seq-len 4096").
+      part fsdphost "${FSDPHOST_LIMIT:-330}" python3 benchmarks/fsdp_host_cost.py "${run[@]}" ${FSDPHOST_ARGS:-} \
         --variants "${FSDPHOST_VARIANTS:-fsdp,fsdp+twounits,ddp}" --stats-dir "$OUT/fsdphost_stats" \
         --out "$OUT/fsdphost.json" --md "$OUT/fsdphost.md" ;;
     speed|speed_bf16|speed_t4)
