@@ -38,7 +38,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Iterator
-from typing import Any, cast
+from typing import Any, ClassVar, cast
 
 import torch
 from torch import nn
@@ -207,10 +207,10 @@ class _TiledRun(torch.autograd.Function):
         return grad_out, None, None
 
 
-@torch.compiler.disable
 def _run_tiled(mlp: nn.Module, x: torch.Tensor, shards: int) -> torch.Tensor:
-    """`mlp` on `x` in `shards` sequence shards. Never traced: inside a compiled layer the graph breaks here
-    (dynamo cannot trace the RNG capture or the backward's autograd.grad) and the shards run eagerly.
+    """`mlp` on `x` in `shards` sequence shards. Never traced (_TiledMLP calls it through torch.compiler.disable):
+    inside a compiled layer the graph breaks here (dynamo cannot trace the RNG capture or the backward's
+    autograd.grad) and the shards run eagerly.
     """
     call = functools.partial(nn.Module.__call__, mlp)
     params = [p for p in mlp.parameters() if p.requires_grad]
@@ -224,6 +224,9 @@ class _TiledMLP:
 
     _nbkit_shards: int | None  # requested, or None: automatic
     _nbkit_tokens: int | None  # tokens per automatic shard on a GPU (tokens_per_shard), decided at enable()
+    # _run_tiled as torch.compiler.disable wraps it, set by the first enable(): wrapping it at import imported
+    # torch._dynamo (a second of CPU) in every rank nbkit starts, which imports the savers and mostly never tiles.
+    _nbkit_run: ClassVar[Callable[[nn.Module, torch.Tensor, int], torch.Tensor]]
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if len(args) != 1 or kwargs or not isinstance(args[0], torch.Tensor) or args[0].dim() < 2:
@@ -232,7 +235,7 @@ class _TiledMLP:
         shards = self._nbkit_shards_for(x)
         if shards == 1:
             return nn.Module.__call__(cast(nn.Module, self), x)
-        return _run_tiled(cast(nn.Module, self), x, shards)
+        return type(self)._nbkit_run(cast(nn.Module, self), x, shards)
 
     def _nbkit_shards_for(self, x: torch.Tensor) -> int:
         tokens = x.numel() // x.shape[-1]
@@ -262,6 +265,8 @@ def enable(model: nn.Module, *, shards: int | None = None) -> None:
     """
     if shards is not None and shards < 1:
         raise ValueError(f"tiled_mlp shard count must be at least 1, got {shards}.")
+    if not hasattr(_TiledMLP, "_nbkit_run"):
+        _TiledMLP._nbkit_run = torch.compiler.disable(_run_tiled)
     for layer in decoder_layers(base_model(model)):
         mlp = layer_mlp(layer)
         if mlp is None or hasattr(mlp, "experts"):
