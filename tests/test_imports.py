@@ -118,6 +118,21 @@ def test_import_nbkit_and_the_api_modules_import_no_ipython():
     assert result.stdout.strip() == "ok", result.stderr[-2000:]
 
 
+def test_a_ranks_set_up_imports_no_torch_dynamo():
+    # Every rank nbkit starts runs prepare_rank, which imports the savers; importing torch._dynamo takes a
+    # second of CPU, in each rank of each launch from a process that has not imported it (a kernel's %%ddp,
+    # spawn mode, a live set's engines), and only a rank that compiles or tiles needs it.
+    code = (
+        "import os, sys\n"
+        "os.environ.update(RANK='0', LOCAL_RANK='0', WORLD_SIZE='2', LOCAL_WORLD_SIZE='2')\n"
+        "from nbkit.rank_side.setup import prepare_rank\n"
+        "prepare_rank(owns_exit=False)\n"
+        "print(sorted(m for m in sys.modules if m.startswith('torch._dynamo')) or 'ok')\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.stdout.strip() == "ok", (result.stdout[-2000:], result.stderr[-2000:])
+
+
 def test_documented_submodules_are_reachable_after_import_nbkit():
     code = (
         "import nbkit\n"
