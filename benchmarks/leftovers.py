@@ -28,7 +28,8 @@ class Snapshot:
     threads: Python threads as 'name#ident'. os_threads: the process's kernel threads (tids; torch
     and gloo start threads Python does not see). listening: TCP ports. tmp_files: paths in the
     temporary directory, except ipykernel_PID folders (where ipykernel keeps its cells' code: the
-    kernel's, not nbkit's). dev_shm: entry names. rss_mib: resident memory.
+    kernel's, not nbkit's) and torch's compile cache, torchinductor_USER (made by any process's first import
+    of torch._dynamo, kept for the next). dev_shm: entry names. rss_mib: resident memory.
     """
 
     children: frozenset[int]
@@ -125,7 +126,10 @@ def _listening_ports() -> list[int]:
 
 
 def _tmp_files() -> list[str]:
-    return [p for p in glob.glob(os.path.join(tempfile.gettempdir(), "*")) if "ipykernel_" not in p]
+    others = ("ipykernel_", "torchinductor_")
+    return [
+        p for p in glob.glob(os.path.join(tempfile.gettempdir(), "*")) if not os.path.basename(p).startswith(others)
+    ]
 
 
 def _rss_mib() -> float:

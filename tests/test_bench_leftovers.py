@@ -30,6 +30,7 @@ def test_a_child_a_listening_port_a_thread_a_descriptor_and_a_temp_file_each_sho
     thread = threading.Thread(target=stop.wait, name="left-behind")
     thread.start()
     (tmp_path / "nbkit-run.json").write_text("{}")
+    (tmp_path / "torchinductor_root").mkdir()  # torch's compile cache, made by a first import of torch._dynamo
     try:
         grown = Snapshot.take().grown_since(before)
         assert grown["child processes"] == [child.pid]

@@ -76,14 +76,11 @@ def _train_then_end(rounds: int, destroy: bool) -> float:
 
 
 @pytest.mark.parametrize("destroy", [True, False], ids=["destroy_process_group", "group_left_alive"])
-def test_a_function_that_ends_with_its_ddp_model_alive_returns_every_time(tmp_path, leftovers, destroy):
-    # DDP makes torch create its compile cache directory; kept out of the temporary directory that
-    # the leftover check watches (it is torch's cache, not a leftover of the launch).
-    env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}
+def test_a_function_that_ends_with_its_ddp_model_alive_returns_every_time(leftovers, destroy):
     for _ in range(3):
         with failed_within(LAUNCH_S):
             # The timeout turns a hang back into a failure of this test instead of a stuck run.
-            value = nbkit.launch(_train_then_end, 20, destroy, gpus=2, timeout=LAUNCH_S, env=env, dashboard=False)
+            value = nbkit.launch(_train_then_end, 20, destroy, gpus=2, timeout=LAUNCH_S, dashboard=False)
         assert value == 2.0  # both ranks' pids were gathered: both ran to the end
         assert not Snapshot.take().grown_since(leftovers)
 
