@@ -41,6 +41,7 @@ def test_a_connection_that_closes_says_which_rank_it_was_or_that_it_never_said()
         relay.close()
 
 
+@pytest.mark.version_independent  # a live set whose cell uses the standard library alone
 def test_a_set_whose_connection_closes_before_it_says_its_rank_ends_saying_so():
     """The live set's message names what happened in words: no rank number it does not have.
 
