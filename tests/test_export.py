@@ -77,6 +77,7 @@ def test_the_script_holds_what_the_cell_needs_and_nothing_else(exported):
     assert "total = nbkit.launch(joined(ddp_cell), gpus=2, quiet=True)" in text
 
 
+@pytest.mark.version_independent  # torchrun and a cell of torch alone
 def test_runs_under_torchrun_with_two_gloo_processes(exported):
     script, out_dir = exported
     proc = torchrun(script, timeout=240)
