@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import gc
 import os
 import signal
 import subprocess
@@ -55,6 +56,32 @@ def test_returns_rank0_value_and_sets_up_each_rank(capfd):
     assert not _alive(out["pid"])
     # Nothing of the launch leaks into the notebook process's environment.
     assert "NBKIT_LAUNCHED" not in os.environ and "ACCELERATE_USE_CPU" not in os.environ
+
+
+def _rank() -> int:
+    return nbkit.rank()
+
+
+def _raises_on_rank1() -> None:
+    if nbkit.rank() == 1:
+        raise ValueError("rank 1 fails")
+
+
+def test_a_launch_leaves_the_collectors_frozen_objects_as_it_found_them():
+    # A launch sets the notebook's objects aside (gc.freeze) so that its collection walks only what it made;
+    # whatever way it ends, nothing stays frozen after it, and what the notebook froze itself stays frozen.
+    assert gc.get_freeze_count() == 0
+    assert nbkit.launch(_rank, gpus=2) == 0
+    assert gc.get_freeze_count() == 0
+    with pytest.raises(nbkit.LaunchError):
+        nbkit.launch(_raises_on_rank1, gpus=2)
+    assert gc.get_freeze_count() == 0
+    gc.freeze()
+    try:
+        assert nbkit.launch(_rank, gpus=2) == 0
+        assert gc.get_freeze_count() > 0  # not unfrozen by the launch
+    finally:
+        gc.unfreeze()
 
 
 def _print_from_each_rank() -> None:

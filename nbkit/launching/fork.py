@@ -289,6 +289,7 @@ class _Run:
         failure: BaseException | None = None
         launcher_failures: dict[int, ExitStatus] = {}
         watcher.start()
+        froze = _freeze_existing_objects()
         try:
             with (
                 environment(env),
@@ -327,7 +328,7 @@ class _Run:
             # collect them now, in this process where their threads exist.
             failure_text = f"{type(failure).__name__}: {failure}" if failure is not None else ""
             failure = None
-            gc.collect()
+            _collect_the_launchs_garbage(froze)
         self._conclude(launcher_failures, failure_text)
 
     def _conclude(self, launcher_failures: dict[int, ExitStatus], failure_text: str) -> None:
@@ -706,6 +707,25 @@ def _kernel_signals_kept() -> Iterator[None]:
         for name, handler in saved.items():
             if handler is not None:
                 signal.signal(getattr(signal, name), handler)
+
+
+def _freeze_existing_objects() -> bool:
+    """Set the notebook's objects aside for the launch's collection (gc.freeze), unless something froze objects
+    already (then the collection walks what is not frozen, as before); returns whether it did. Only objects made
+    during a launch form the cycles it must collect (torch elastic's), and a full collection in a notebook that
+    holds a model and its libraries walks ~500,000 objects: 0.27 s after every launch on 2 cores.
+    """
+    if gc.get_freeze_count():
+        return False
+    gc.freeze()
+    return True
+
+
+def _collect_the_launchs_garbage(froze: bool) -> None:
+    """Collect the garbage made during the launch, then put back what _freeze_existing_objects set aside."""
+    gc.collect()
+    if froze:
+        gc.unfreeze()
 
 
 @patching.patch(
