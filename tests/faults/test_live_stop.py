@@ -173,6 +173,8 @@ def test_second_interrupt_while_the_stop_is_pending_interrupts_at_once(kernel):
     assert still_running(procs) == []
 
 
+# version_independent: no Trainer, a cell of torch alone, on sets that this test starts itself.
+@pytest.mark.version_independent
 def test_rank_0_cell_waiting_in_a_collective_is_named(kernel):
     started = kernel.run("if nbkit.live.current() is None:\n    nbkit.start(gpus=2)")
     assert started["error"] is None, started
