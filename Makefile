@@ -23,11 +23,13 @@ DEMO_OUT ?= notebooks/outputs
 DEMO_HUB ?= $(if $(shell command -v nvidia-smi),1,0)
 # Which tests `make test-oldest` runs: all but the browser test, which checks the dashboard's HTML in
 # JupyterLab and Notebook 7 (nothing there depends on the transformers / trl line) and runs on the newest set,
-# and the tests marked version_independent: live sets and their faults (nbkit's own process handling on
-# ipyparallel and torch, which both sets share) and an install into an environment of its own, whose processes
-# import none of the libraries the two sets differ in, so a second run repeated the same code (tests/conftest.py
-# fails a marked test that imports one). They are 40 tests and took 340 s of the oldest set's 908 s on 2 shared
-# cores (2026-11-25), which had pushed CI past 30 minutes. Nor the end-to-end runs of the benchmark harness
+# and the tests marked version_independent: nbkit's own process handling where only torch and the notebook stack
+# run (both sets share them): live sets and their faults, stop() on plain processes, the exported script of a
+# torch-only cell under torchrun, an install into an environment of its own. Their processes import none of the
+# libraries the two sets differ in, so a second run repeated the same code (tests/conftest.py fails a marked test
+# that imports one). A forked or spawned launch is never one: it starts through accelerate's notebook_launcher,
+# whose version differs. 40 such tests took 340 s of the oldest set's 908 s on 2 shared cores (2026-11-25), which
+# had pushed CI past 30 minutes; they are 59 now. Nor the end-to-end runs of the benchmark harness
 # (benchmarks/): a tool of ours, run on GPU hosts with the newest set (with the oldest only in gpu_suite.sh's
 # SUITE_SET=oldest parts, where a failure shows in its own log), not code a user runs: ~100 s of the CPU.
 # (test_host_cost_cpu stays: it also checks what nbkit's reporting patches read per step under each trl.)
