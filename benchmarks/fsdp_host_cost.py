@@ -29,7 +29,7 @@ A variant is a strategy and options joined by "+":
 
 Per step, on rank 0, over `--steps` steps after `--warmup` (no profiler): the main thread's CPU time and the wall
 time of each phase (medians), from wrappers and Trainer callbacks: forward (compute_loss), backward
-(accelerator.backward), clip (Trainer's _clip_grad_norm; Trainer computes the norm even with max_grad_norm=0),
+(accelerator.backward), clip (accelerator.clip_grad_norm_; Trainer 5 computes the norm even with max_grad_norm=0),
 optimizer, zero_grad and scheduler, and the rest (data, loss bookkeeping, logging, callbacks). CPU time leaves
 out what a rank waits for: gloo's collectives on a CPU (on a GPU, NCCL's run on the GPU and the host waits for
 neither). Then `--profile-steps` steps under cProfile: function calls by library (the file a Python function lives
@@ -190,7 +190,7 @@ def _now() -> tuple[float, float]:
 
 class _PhaseClock:
     """Wall and main-thread CPU seconds per phase of each optimizer step (see the module docstring), from wrappers
-    around Trainer's compute_loss, accelerator.backward and _clip_grad_norm and from Trainer callbacks; also runs
+    around Trainer's compute_loss, accelerator.backward and accelerator.clip_grad_norm_ and from Trainer callbacks; also runs
     the profilers over the steps after the timed ones.
     """
 
@@ -328,7 +328,8 @@ def _trainer(job: Job, model: Any, out: str, clock: _PhaseClock) -> Any:
     trainer = Trainer(model=model, args=args, train_dataset=pool * total, callbacks=callbacks)
     trainer.compute_loss = clock.timed("forward", trainer.compute_loss)
     trainer.accelerator.backward = clock.timed("backward", trainer.accelerator.backward)
-    trainer._clip_grad_norm = clock.timed("clip", trainer._clip_grad_norm)
+    # what Trainer 4.57 and 5 both call to clip and to compute the norm (5's _clip_grad_norm among them)
+    trainer.accelerator.clip_grad_norm_ = clock.timed("clip", trainer.accelerator.clip_grad_norm_)
     return trainer
 
 

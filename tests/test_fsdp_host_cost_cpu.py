@@ -47,7 +47,9 @@ def test_fsdp_and_ddp_steps_by_phase_and_library(tmp_path):
     assert "FSDP2" not in ddp["python_calls"] and "DTensor" not in ddp["python_calls"]
     # Both ranks gather the step's token count and loss (Trainer); the FSDP rank also each unit's weights.
     assert fsdp["collectives"]["gloo:all_gather"] >= ddp["collectives"]["gloo:all_gather"] + 2 * 2
-    assert two["python_calls"]["all"] > fsdp["python_calls"]["all"] and two["aten_ops"] == fsdp["aten_ops"]
+    # accelerate 1.15's own policy makes two units of each checkpointed layer (more calls), 1.12's one (as many):
+    # test_fsdp checks the units themselves on each set
+    assert two["python_calls"]["all"] >= fsdp["python_calls"]["all"] and two["aten_ops"] == fsdp["aten_ops"]
     assert two["losses"] == fsdp["losses"]
     text = md.read_text()
     assert all(f"| {variant} |" in text for variant in rows)
