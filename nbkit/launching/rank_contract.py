@@ -25,6 +25,7 @@ import traceback
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from nbkit.platform import config
 from nbkit.platform.errors import LaunchError, RanksError
 
 if TYPE_CHECKING:
@@ -205,8 +206,6 @@ _NCCL_ERROR_HANDLING = {
     # The watchdog beats several times a second, so a minute without a beat is no slow step.
     "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": "60",
 }
-# The values torch's environment parser (c10 getCvarBool) reads as on.
-_TORCH_TRUE = frozenset({"1", "true", "yes", "y", "on"})
 # TORCH_NCCL_BLOCKING_WAIT stays off: it makes every collective's wait hold the host until the GPU has
 # finished it, losing DDP's overlap of communication and compute, and the watchdog above catches the
 # same timeouts without that cost.
@@ -218,7 +217,7 @@ def nccl_environment() -> dict[str, str]:
     """
     chosen = {name: value for name, value in _NCCL_ERROR_HANDLING.items() if name not in os.environ}
     # A user who turns the dump on gets torch's wait for it; one who sets it off (0) still gets no wait.
-    if os.environ.get("TORCH_NCCL_DUMP_ON_TIMEOUT", "").strip().lower() in _TORCH_TRUE:
+    if config.flag("TORCH_NCCL_DUMP_ON_TIMEOUT"):
         chosen.pop(_DUMP_WAIT, None)
     return chosen
 
