@@ -27,3 +27,4 @@ rm -rf "$work"/tmp-*
 mkdir -p "$OUT"
 tar czf "$OUT/pairs.tgz" -C "$work" .
 grep -h "^=== \|passed\|failed\|error" "$work"/env.log "$work"/a.log "$work"/b.log | tail -60
+rm -rf "$work"
