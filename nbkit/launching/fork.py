@@ -678,15 +678,8 @@ def _elastic_quiet() -> Iterator[None]:
 
     roots = ("torch.distributed.elastic", "torch.multiprocessing")
     names = [name for name in logging.root.manager.loggerDict if name.startswith(tuple(f"{r}." for r in roots))]
-    logs = [logging.getLogger(name) for name in (*roots, *names)]
-    levels = [log.level for log in logs]
-    for log in logs:
-        log.setLevel(logging.CRITICAL)
-    try:
+    with notices.quieted([logging.getLogger(name) for name in (*roots, *names)], logging.CRITICAL):
         yield
-    finally:
-        for log, level in zip(logs, levels):
-            log.setLevel(level)
 
 
 _HANDLED_SIGNALS = [s for s in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT") if hasattr(signal, s)]

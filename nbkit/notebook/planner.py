@@ -63,7 +63,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from nbkit.platform import distributed
+from nbkit.platform import distributed, notices
 from nbkit.training import emulation
 from nbkit.training.offline import load_config
 
@@ -603,13 +603,8 @@ def _balanced_share_on_meta(model: Any, gpus: int, gpu_memory_gib: float, load_i
     if load_in_4bit:
         budget = {device: int(limit * BNB_MAX_MEMORY_FRACTION) for device, limit in budget.items()}
     # accelerate warns that each GPU index is "not available" here: the planner runs where those GPUs are not.
-    accelerate_log = logging.getLogger("accelerate.utils.modeling")
-    level = accelerate_log.level
-    accelerate_log.setLevel(logging.ERROR)
-    try:
+    with notices.quieted([logging.getLogger("accelerate.utils.modeling")], logging.ERROR):
         device_map = infer_auto_device_map(model, max_memory=budget, no_split_module_classes=no_split, **sizing)
-    finally:
-        accelerate_log.setLevel(level)
     held = [0] * gpus
     spilled = 0
     for name, device in device_map.items():

@@ -20,11 +20,13 @@ one, a test runner's for instance, would send its notices to that handler, in th
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 import threading
+from collections.abc import Iterable, Iterator
 
-__all__ = ["ROOT", "logger"]
+__all__ = ["ROOT", "logger", "quieted"]
 
 ROOT = "nbkit"
 
@@ -63,3 +65,18 @@ def logger(name: str = ROOT) -> logging.Logger:
             root.addHandler(_handler)
             root.propagate = False
     return logging.getLogger(name)
+
+
+@contextlib.contextmanager
+def quieted(loggers: Iterable[logging.Logger], level: int) -> Iterator[None]:
+    """Set each of `loggers` to `level` while the block runs (another library's loggers, whose messages
+    nbkit reports in its own words or knows to be beside the point), then give each back the level it had.
+    """
+    held = [(log, log.level) for log in loggers]
+    for log, _ in held:
+        log.setLevel(level)
+    try:
+        yield
+    finally:
+        for log, before in held:
+            log.setLevel(before)
