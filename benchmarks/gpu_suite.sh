@@ -81,6 +81,11 @@ if [ "${SUITE_SET:-newest}" = kaggle ]; then
   export NBKIT_CACHE=${NBKIT_CACHE:-/tmp/nbkit-cache-kaggle}
 fi
 export NBKIT_CACHE=${NBKIT_CACHE:-/tmp/nbkit-cache} NBKIT_RESULTS_DIR=$OUT TOKENIZERS_PARALLELISM=false
+# STACK_SAMPLES=1: every Python process samples its main thread's stack in Trainer's loop (the flagship's ranks
+# included), into $OUT/stacks; benchmarks/stack_report.py summarises them (stack_sampler/sitecustomize.py says how).
+if [ -n "${STACK_SAMPLES:-}" ]; then
+  export PYTHONPATH=$PWD/benchmarks/stack_sampler:$PYTHONPATH NBKIT_STACK_SAMPLES=$OUT/stacks
+fi
 
 part() {  # part NAME SECONDS COMMAND...
   local name=$1 limit=$2; shift 2
@@ -509,3 +514,6 @@ for what in "$@"; do
     *) echo "unknown part: $what" >&2 ;;
   esac
 done
+if [ -d "${NBKIT_STACK_SAMPLES:-/nonexistent}" ]; then
+  python3 benchmarks/stack_report.py "$NBKIT_STACK_SAMPLES" --md "$OUT/stacks.md" > /dev/null
+fi

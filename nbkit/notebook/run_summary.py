@@ -27,9 +27,10 @@ def training(trainer: Any, stats: Any, resumed_from: str | None) -> dict[str, An
 
     Returns:
         {"global_step", "resumed_from", "last_loss", "seconds_per_step" and "tokens_per_second" (this rank's
-        steady pace: the steps after this call's first, which holds compilation and warm-up; in a rank nbkit
-        started, from the dashboard callback's clock), "first_step_seconds", "mean_seconds_per_step" (this
-        call's run time over its steps, the first included), "batch": {"per_device", "accumulation",
+        steady pace: medians over the steps after this call's first, which holds compilation and warm-up; in a
+        rank nbkit started, from the dashboard callback's clock), "first_step_seconds", "step_seconds" (each
+        step's, in order; empty outside such a rank), "mean_seconds_per_step" (this call's run time over its
+        steps, the first included), "batch": {"per_device", "accumulation",
         "processes"}, "peak_memory_gib" (as the dashboard shows it)}. Outside a rank nbkit started, or after a
         single step, the steady figures fall back to the mean (tokens/s then None). Call it on any rank;
         each returns its own figures.
@@ -48,6 +49,7 @@ def training(trainer: Any, stats: Any, resumed_from: str | None) -> dict[str, An
         "seconds_per_step": pace.get("seconds_per_step") or mean,
         "tokens_per_second": pace.get("tokens_per_second"),
         "first_step_seconds": pace.get("first_step_seconds"),
+        "step_seconds": [round(seconds, 3) for seconds in pace.get("step_seconds", [])],
         "mean_seconds_per_step": mean,
         "batch": {
             "per_device": trainer.args.per_device_train_batch_size,

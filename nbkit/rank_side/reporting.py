@@ -23,10 +23,12 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import itertools
 import logging
 import numbers
 import os
 import resource
+import statistics
 import sys
 import threading
 import time
@@ -297,7 +299,7 @@ _local = _LocalDashboard()
 # --------------------------------------------------------------------------------------------
 
 
-def trainer_pace(trainer: Any) -> dict[str, float | None]:
+def trainer_pace(trainer: Any) -> dict[str, Any]:
     """The pace of `trainer`'s last train() as nbkit's dashboard callback clocked it on this rank
     (`_StepReporter.pace`); {} for a Trainer without the callback (outside a rank nbkit started).
     """
@@ -345,21 +347,23 @@ class _StepReporter:
         self.began, self.steps = time.monotonic(), []
         report(step=state.global_step, total_steps=state.max_steps)
 
-    def pace(self) -> dict[str, float | None]:
-        """This rank's pace in the last train(): {"first_step_seconds", "seconds_per_step" and
-        "tokens_per_second" over the steps after the first (None where fewer than two steps ran)}.
+    def pace(self) -> dict[str, Any]:
+        """This rank's pace in the last train(): "first_step_seconds"; "seconds_per_step" and
+        "tokens_per_second", the medians over the steps after the first (None where fewer than two
+        ran), so that a checkpoint save or a recompilation inside the run does not count as the pace;
+        and "step_seconds", every step's seconds in order, the first included.
         """
         if self.began is None or not self.steps:
-            return {"first_step_seconds": None, "seconds_per_step": None, "tokens_per_second": None}
-        first = self.steps[0][0] - self.began
-        if len(self.steps) < 2:
-            return {"first_step_seconds": first, "seconds_per_step": None, "tokens_per_second": None}
-        span = self.steps[-1][0] - self.steps[0][0]
-        tokens = sum(t for _, t in self.steps[1:])
+            return {"first_step_seconds": None, "seconds_per_step": None, "tokens_per_second": None, "step_seconds": []}
+        ends = [self.began] + [end for end, _ in self.steps]
+        seconds = [later - earlier for earlier, later in itertools.pairwise(ends)]
+        steady = list(zip(seconds[1:], (tokens for _, tokens in self.steps[1:])))
+        rates = [tokens / span for span, tokens in steady if span > 0 and tokens]
         return {
-            "first_step_seconds": first,
-            "seconds_per_step": span / (len(self.steps) - 1),
-            "tokens_per_second": tokens / span if span > 0 and tokens else None,
+            "first_step_seconds": seconds[0],
+            "seconds_per_step": statistics.median(span for span, _ in steady) if steady else None,
+            "tokens_per_second": statistics.median(rates) if rates else None,
+            "step_seconds": seconds,
         }
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
