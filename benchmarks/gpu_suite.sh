@@ -86,6 +86,10 @@ export NBKIT_CACHE=${NBKIT_CACHE:-/tmp/nbkit-cache} NBKIT_RESULTS_DIR=$OUT TOKEN
 if [ -n "${STACK_SAMPLES:-}" ]; then
   export PYTHONPATH=$PWD/benchmarks/stack_sampler:$PYTHONPATH NBKIT_STACK_SAMPLES=$OUT/stacks
 fi
+# RECOMPILE_LOGS=1: torch logs why each compiled graph was compiled again, every process into $OUT/recompiles.log.
+if [ -n "${RECOMPILE_LOGS:-}" ]; then
+  export TORCH_LOGS=recompiles TORCH_LOGS_OUT=$OUT/recompiles.log
+fi
 
 part() {  # part NAME SECONDS COMMAND...
   local name=$1 limit=$2; shift 2

@@ -193,7 +193,11 @@ def assert_matrix_on_two_gpus(kind: str, matrix_savers: dict[str, dict]) -> None
         f"import sys; sys.path[:0] = [{str(here)!r}, {str(here.parent)!r}]; "
         f"import test_savers_ddp; test_savers_ddp.matrix_on_two_gpus({kind!r}, {matrix_savers!r})"
     )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    # faulthandler: a crash of the interpreter (a C++ abort) shows each thread's Python stack in stderr
+    code += "; print('matrix checked', flush=True)"
+    proc = subprocess.run(
+        [sys.executable, "-X", "faulthandler", "-c", code], capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, (proc.stdout[-4000:], proc.stderr[-6000:])
 
 
