@@ -516,6 +516,16 @@ for what in "$@"; do
       part loss_chunks 240 python3 benchmarks/loss_chunks.py --out "$OUT/loss_chunks.json" --md "$OUT/loss_chunks.md" ;;
     liger)
       part liger 240 python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests/test_liger_gpu.py ;;
+    savers_checks)
+      # The savers' GPU tests after a change to them (~5 minutes): Liger's DDP cases, then the same with every
+      # process under the stack sampler (their interpreter aborted at exit, "terminate called without an active
+      # exception", in two calls that both ran the sampler), the savers' and FSDP's GPU tests.
+      pytest=(python3 -m pytest -m gpu -q -rs -p no:cacheprovider)
+      part liger_ddp 200 "${pytest[@]}" tests/test_liger_gpu.py -k under_ddp
+      part liger_ddp_sampled 200 env PYTHONPATH="$PWD/benchmarks/stack_sampler:$PYTHONPATH" \
+        NBKIT_STACK_SAMPLES="$OUT/stacks_liger" "${pytest[@]}" tests/test_liger_gpu.py -k under_ddp
+      part savers_gpu 150 "${pytest[@]}" tests/test_savers_gpu.py
+      part fsdp_gpu 150 "${pytest[@]}" tests/test_fsdp_gpu.py ;;
     *) echo "unknown part: $what" >&2 ;;
   esac
 done

@@ -198,6 +198,8 @@ def assert_matrix_on_two_gpus(kind: str, matrix_savers: dict[str, dict]) -> None
     proc = subprocess.run(
         [sys.executable, "-X", "faulthandler", "-c", code], capture_output=True, text=True, timeout=600
     )
+    if proc.returncode != 0:  # in full under "Captured stdout" (the assertion's repr is cut short)
+        print(proc.stdout[-4000:], proc.stderr[-12000:], sep="\n")
     assert proc.returncode == 0, (proc.stdout[-4000:], proc.stderr[-6000:])
 
 
