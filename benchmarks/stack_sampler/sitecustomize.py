@@ -34,15 +34,18 @@ def _frames(frame: object) -> list[str]:
 
 
 def _sample(folder: str, interval: float) -> None:
-    main = threading.main_thread().ident
+    main = threading.main_thread()
     path = os.path.join(folder, f"stacks-{os.getpid()}.txt")
     began = time.monotonic()
     out = None
-    while True:
+    # Ends when the main thread does, before the interpreter finalises: as a daemon thread, asleep when the
+    # interpreter ended, it aborted processes at exit on the GPU host ("terminate called without an active
+    # exception"; benchmarks/RESULTS.md).
+    while main.is_alive():
         time.sleep(interval)
-        frame = sys._current_frames().get(main)  # type: ignore[arg-type]
+        frame = sys._current_frames().get(main.ident)  # type: ignore[arg-type]
         if frame is None:
-            return
+            break
         names = _frames(frame)
         if not any(_TRAINING in name for name in names):
             continue
@@ -57,7 +60,7 @@ def _start() -> None:
         return
     os.makedirs(folder, exist_ok=True)
     interval = float(os.environ.get("NBKIT_STACK_INTERVAL", "0.2"))
-    threading.Thread(target=_sample, args=(folder, interval), name="nbkit-stack-sampler", daemon=True).start()
+    threading.Thread(target=_sample, args=(folder, interval), name="nbkit-stack-sampler", daemon=False).start()
 
 
 _start()
