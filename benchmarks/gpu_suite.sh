@@ -393,7 +393,9 @@ for what in "$@"; do
       # 4 timed, the last profiled (kernel time by kind; rank 0's op table in fsdp2_profile/). Qwen3-32B shapes do not fit one such call: in 4-bit each FSDP rank loads 18.4 GiB (the planner)
       # before it shards, over a T4's 15, and its checkpoint is 65.5 GB. SUITE_DRY_RUN=1: tiny:qwen3, 16-bit, CPU.
       model=${FSDP2_MODEL:-random:qwen3-14b}
-      bench=(--gpus 2 --t4 --seq-len 1024 --batch 1 --steps 8 --warmup 3)
+      # FSDP2_T4=0: bf16 without the T4 profile's cap (no loss scaler: whether a difference is fp16's)
+      bench=(--gpus 2 --seq-len 1024 --batch 1 --steps 8 --warmup 3)
+      [ "${FSDP2_T4:-1}" = 0 ] || bench+=(--t4)
       if [ -n "${SUITE_DRY_RUN:-}" ]; then
         model=tiny:qwen3
         bench=(--gpus 2 --16bit --seq-len 64 --steps 4 --warmup 1)
