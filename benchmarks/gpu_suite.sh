@@ -4,7 +4,7 @@
 #   bash benchmarks/gpu_suite.sh env model planner    # versions, build random:qwen3-vl-2b, planner accuracy
 #   bash benchmarks/gpu_suite.sh tests                # every gpu-marked test: the parts below in turn (~40 min)
 #   bash benchmarks/gpu_suite.sh tests_faults         # one part of them (under 9 min each; TEST_PARTS below):
-#     tests_watchdog tests_kernel tests_a tests_b tests_c tests_notebooks tests_notebooks4 tests_gguf  # SUITE_DRY_RUN=1: collected on the CPU
+#     tests_watchdog tests_kernel tests_a tests_b tests_c tests_notebooks tests_notebooks4 tests_saving  # SUITE_DRY_RUN=1: collected on the CPU
 #   bash benchmarks/gpu_suite.sh soak                 # 20 live sets in a row on 2 GPUs: memory and processes per cycle (~9 min)
 #   bash benchmarks/gpu_suite.sh matrix               # the 1K/16K launcher/backend matrix
 #   bash benchmarks/gpu_suite.sh savers               # memory savers 8K-64K
@@ -123,9 +123,9 @@ TEST_PARTS=(
   # another part, 2026-11-27: 16-bit 275 s, 4-bit 324 s)
   "tests_notebooks 360 tests/test_notebooks_gpu.py:-k:trains_on_two_capped_gpus_with_unsloth_in_fp16[16bit"
   "tests_notebooks4 400 tests/test_notebooks_gpu.py:-k:trains_on_two_capped_gpus_with_unsloth_in_fp16[4bit"
-  # the flagship saving merged weights and GGUF with unsloth (the test allows itself 20 minutes: alone here,
-  # it may still not finish within one call)
-  "tests_gguf 540 tests/test_notebooks_gpu.py:-k:gguf"
+  # the flagship saving merged 16-bit weights, then GGUF (unsloth's savers; GGUF skips on a host that is offline
+  # and has no llama.cpp, which unsloth would download)
+  "tests_saving 540 tests/test_notebooks_gpu.py:-k:saves_merged_or_gguf"
 )
 
 test_part() {  # test_part NAME SECONDS PYTEST-ARGS...: see TEST_PARTS; SUITE_DRY_RUN=1 collects instead
