@@ -2,22 +2,20 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 from dashboard_events import step_event
 
 from nbkit.notebook.dashboard.board import Board
 
 
-def test_eta_follows_the_pace_since_the_first_step():
+def test_eta_follows_the_steady_pace_not_the_first_step_or_a_pause():
     board = Board(1)
-    board.record(0, step_event(1, 1.0))
-    time.sleep(0.2)
-    board.record(0, step_event(3, 1.0))
-    eta = board.snapshot().eta
-    # 2 steps took ~0.2 s, 7 steps are left
-    assert eta == pytest.approx(0.7, rel=0.5)
+    # step 1 took 30 s (compilation), step 3 had a 10 s checkpoint save, the others 0.5 s each
+    for step, elapsed in ((1, 30.0), (2, 30.5), (3, 40.5), (4, 41.0), (5, 41.5)):
+        board.record(0, step_event(step, 1.0, elapsed=elapsed))
+    # 5 steps are left at 0.5 s each
+    assert board.snapshot().eta == pytest.approx(2.5)
+    assert board.summary()["seconds_per_step"] == pytest.approx(0.5)
 
 
 def test_summary_rate_counts_from_the_first_token_report():
@@ -39,7 +37,9 @@ def test_summary_pace_leaves_the_first_step_out():
         board.record(rank, step_event(1, 2.0, seen=100, elapsed=40.0))  # 30 s of compilation in step 1
         for step in range(2, 6):
             board.record(rank, step_event(step, 1.0, seen=100 * step, elapsed=40.0 + pace * (step - 1)))
-    assert board.summary()["seconds_per_step"] == pytest.approx(0.25)
+    summary = board.summary()
+    assert summary["seconds_per_step"] == pytest.approx(0.25)
+    assert summary["tokens_per_second"] == pytest.approx(100 / 0.25 + 100 / 0.5)  # each rank at its own pace
     lone = Board(1)
     lone.record(0, step_event(1, 2.0, seen=100, elapsed=40.0))
     assert lone.summary()["seconds_per_step"] is None  # one step: no pace after it

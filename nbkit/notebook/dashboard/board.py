@@ -5,6 +5,8 @@ its end-of-run summary. No display here: nbkit.dashboard shows what this compute
 from __future__ import annotations
 
 import collections
+import itertools
+import statistics
 import threading
 import time
 from dataclasses import dataclass, field
@@ -44,7 +46,8 @@ class Snapshot:
 
     step/total_steps: the furthest step any rank reported, and the run's length. loss: mean of
     the ranks' latest losses. tokens_per_second: all ranks together, each rank's rate measured over
-    its reports of the last 10 s. eta: seconds left, from the pace since the first step event.
+    its reports of the last 10 s. eta: seconds left at the median step after the first (a save or a
+    recompilation inside the run does not stretch it).
     ranks: {rank: its latest value of every key, tokens_per_second smoothed as above}.
     peak_memory_gib: {rank: (GiB, device)}; device "cuda:N" means torch's peak allocation on that
     GPU, "cpu" the process's peak resident memory. curve: [(step, loss averaged over the ranks that
@@ -79,17 +82,13 @@ class Board:
         self._ranks: dict[int, dict[str, Any]] = {}
         self._peaks: dict[int, tuple[float, str]] = {}
         self._losses: dict[int, dict[int, float]] = {}  # step -> {rank: loss}
-        self._pace: tuple[float, int] | None = None  # (time, step) of the first step event
-        # rank -> the (elapsed, step) of its first step event after step 0, and of its latest
-        self._step_span: dict[int, tuple[tuple[float, int], tuple[float, int]]] = {}
+        # rank -> (elapsed, step, tokens_seen or None) of each of its step events after step 0: the pace
+        self._step_marks: dict[int, list[tuple[float, int, float | None]]] = {}
         # rank -> its (elapsed, tokens_seen) reports: all but the window's are dropped as they age
         self._token_reports: dict[int, collections.deque[tuple[float, float]]] = {}
-        # rank -> the first and the latest (tokens_seen, elapsed) it reported
-        self._token_span: dict[int, tuple[tuple[float, float], tuple[float, float]]] = {}
 
     def record(self, rank: int, metrics: dict[str, Any]) -> None:
         """Add one event of `rank` to the state."""
-        now = time.monotonic()
         with self._lock:
             self.events.append((rank, metrics))
             merged = self._ranks.setdefault(rank, {})
@@ -98,17 +97,11 @@ class Board:
             if is_number(loss) and isinstance(step, int):
                 self._losses.setdefault(step, {})[rank] = float(loss)
             seen, elapsed = metrics.get("tokens_seen"), metrics.get("elapsed")
-            if isinstance(step, int) and step > 0:
-                if self._pace is None:
-                    self._pace = (now, step)
-                if is_number(elapsed):
-                    mark = (float(elapsed), step)
-                    self._step_span[rank] = (self._step_span.get(rank, (mark,))[0], mark)
+            if isinstance(step, int) and step > 0 and is_number(elapsed):
+                marks = self._step_marks.setdefault(rank, [])
+                if not marks or step > marks[-1][1]:
+                    marks.append((float(elapsed), step, float(seen) if is_number(seen) else None))
             if is_number(seen) and is_number(elapsed):
-                # The run's average rate counts from the first token report on: model loading and
-                # imports before training do not dilute it.
-                first = self._token_span.get(rank, ((seen, elapsed),))[0]
-                self._token_span[rank] = (first, (seen, elapsed))
                 reports = self._token_reports.setdefault(rank, collections.deque())
                 reports.append((float(elapsed), float(seen)))
                 while len(reports) > 2 and reports[1][0] <= elapsed - _RATE_WINDOW_S:
@@ -138,34 +131,48 @@ class Board:
             rates = [m["tokens_per_second"] for m in ranks.values() if is_number(m.get("tokens_per_second"))]
             snap.tokens_per_second = sum(rates) if rates else None
             snap.curve = [(s, sum(by_rank.values()) / len(by_rank)) for s, by_rank in sorted(self._losses.items())]
-            if self._pace is not None and snap.step and snap.total_steps and snap.step > self._pace[1]:
-                t0, s0 = self._pace
-                snap.eta = (now - t0) / (snap.step - s0) * max(snap.total_steps - snap.step, 0)
+            per_step = self._steady_step_seconds()
+            if per_step is not None and snap.step and snap.total_steps:
+                snap.eta = per_step * max(snap.total_steps - snap.step, 0)
         return snap
+
+    def _steady_step_seconds(self) -> float | None:
+        """The median of the lowest rank's step times (rank 0's where it reports), each from one step
+        event to the next, so the first step (compilation, warm-up) is apart; None before two steps.
+        """
+        if not self._step_marks:
+            return None
+        marks = self._step_marks[min(self._step_marks)]
+        spans = [(t1 - t0) / (s1 - s0) for (t0, s0, _), (t1, s1, _) in itertools.pairwise(marks)]
+        return statistics.median(spans) if spans else None
+
+    def _steady_tokens_per_second(self, rank: int) -> float | None:
+        """The median of `rank`'s tokens per second from one step event to the next; None before two."""
+        marks = [(t, seen) for t, _, seen in self._step_marks.get(rank, []) if seen is not None]
+        rates = [(n1 - n0) / (t1 - t0) for (t0, n0), (t1, n1) in itertools.pairwise(marks) if t1 > t0]
+        return statistics.median(rates) if rates else None
 
     def summary(self, success: bool = True) -> dict[str, Any]:
         """What the run came to.
 
         Returns:
-            {"success", "final_loss", "step", "total_steps", "total_time" (s), "seconds_per_step" (from
-            the first step's end to the last's: the first step, which holds compilation and warm-up, apart;
-            None before two steps), "tokens_per_second" (all ranks, averaged from each rank's first token
-            report, at its first step's end, to its last), "peak_memory_gib"
+            {"success", "final_loss", "step", "total_steps", "total_time" (s), "seconds_per_step" (the
+            median step after the first, which holds compilation and warm-up, on the lowest rank's clock;
+            None before two steps), "tokens_per_second" (all ranks, each its median rate from one step
+            to the next; the last 10 s where a rank reported one step), "peak_memory_gib"
             ({rank: (GiB, device)}), "metrics" (the other numbers of rank 0's latest reports, e.g.
             eval_loss, mean_token_accuracy)}.
         """
         snap = self.snapshot()
         rates = []
         with self._lock:
-            for rank, (first, last) in self._token_span.items():
-                if last[1] > first[1]:
-                    rates.append((last[0] - first[0]) / (last[1] - first[1]))
-                elif "tokens_per_second" in snap.ranks.get(rank, {}):
-                    rates.append(snap.ranks[rank]["tokens_per_second"])
-            per_step = None
-            if self._step_span:  # the lowest rank's clock (rank 0's where it reports)
-                (t0, s0), (t1, s1) = self._step_span[min(self._step_span)]
-                per_step = (t1 - t0) / (s1 - s0) if s1 > s0 else None
+            for rank in snap.ranks:
+                rate = self._steady_tokens_per_second(rank)
+                if rate is None:
+                    rate = snap.ranks[rank].get("tokens_per_second")
+                if is_number(rate):
+                    rates.append(float(rate))
+            per_step = self._steady_step_seconds()
         return {
             "success": success,
             "final_loss": snap.curve[-1][1] if snap.curve else snap.loss,
