@@ -465,6 +465,13 @@ def markdown(rows: list[dict], command: str, env: dict) -> str:
     fsdp, balanced = ({r["mode"]: r for r in rows if r["status"] == "ok"}.get(m) for m in ("fsdp", "balanced"))
     if fsdp and balanced:
         lines += ["", f"FSDP / balanced tokens/s: {fsdp['tokens_per_s'] / balanced['tokens_per_s']:.2f}x."]
+        same = agreement(fsdp, balanced)
+        norms = same["grad_norm_ratio"]
+        lines.append(
+            f"The same training? First loss {same['first_loss_difference']:+.2%} (FSDP against balanced); steps the fp16 "
+            f"loss scaler skipped: {same['skipped'][0]} against {same['skipped'][1]}; gradient norm at the first step "
+            f"both took: " + ("-" if norms is None else f"{norms:.3g}x") + "."
+        )
     for r in rows:
         if r["status"] == "ok" and r["peak_allocated_gib"]:
             error = r["planned_gib"] / max(r["peak_allocated_gib"]) - 1
@@ -480,6 +487,28 @@ def markdown(rows: list[dict], command: str, env: dict) -> str:
             elif profile:
                 lines.append(f"{r['mode']} process {rank}: profiler failed: {profile['error'][:160]}")
     return "\n".join(lines) + "\n"
+
+
+def agreement(fsdp: dict, balanced: dict) -> dict:
+    """Whether the two runs trained alike (they see the same sequences per optimizer step from the same weights).
+
+    Returns {"first_loss_difference": FSDP's first loss over the balanced one's, minus 1 (before any update, so
+    only arithmetic separates them); "skipped": the steps each run's fp16 loss scaler skipped (non-finite gradient
+    norm); "grad_norm_ratio": FSDP's gradient norm over the balanced one's at the first step where both are
+    finite (None where there is none)}.
+    """
+    import math
+
+    def finite(norm: float | None) -> bool:
+        return norm is not None and math.isfinite(norm)
+
+    pairs = list(zip(fsdp["grad_norms"], balanced["grad_norms"]))
+    both = next(((f, b) for f, b in pairs if finite(f) and finite(b) and b), None)
+    return {
+        "first_loss_difference": fsdp["losses"][0] / balanced["losses"][0] - 1,
+        "skipped": tuple(sum(not finite(n) for n in r["grad_norms"]) for r in (fsdp, balanced)),
+        "grad_norm_ratio": None if both is None else both[0] / both[1],
+    }
 
 
 def _losses(losses: list[float]) -> str:

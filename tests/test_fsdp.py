@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 
 import pytest
 import torch
@@ -390,3 +391,8 @@ def test_fsdp_vs_balanced_script_runs_on_cpu_ranks(tmp_path):
         assert (tmp_path / "profile" / f"{mode}.txt").is_file()
     # The same sequences per optimizer step: two FSDP ranks train as the one balanced process does.
     assert fsdp_row["losses"] == pytest.approx(balanced["losses"], rel=1e-4)
+    assert fsdp_row["grad_norms"] == pytest.approx(balanced["grad_norms"], rel=1e-3)
+    same = fsdp_vs_balanced.agreement(fsdp_row, balanced)
+    assert abs(same["first_loss_difference"]) < 1e-4 and same["skipped"] == (0, 0)
+    assert same["grad_norm_ratio"] == pytest.approx(1, rel=1e-3)
+    assert re.search(r"The same training\? First loss [+-]0\.00%", md.read_text())

@@ -95,3 +95,36 @@ def test_liger_kernels_and_savers_under_fsdp_give_the_reference_gradients():
     savers = dict(checkpointing=None, tiled_mlp=3, chunked_loss=True, kernels="liger", compile=None)
     result = nbkit.launch(_sharded_step, None, savers, "cuda", gpus=1, env=FSDP_ENV, timeout=600)
     _check_against_reference(result, 1, tolerance=GPU_TOLERANCE)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+@pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="needs bitsandbytes")
+def test_qlora_under_fsdp_on_two_gpus_trains_as_one_process_does_in_fp16(tmp_path):
+    """FSDP-QLoRA on 2 GPUs under the T4 profile (fp16, its loss scaler, compiled layers where nbkit compiles them)
+    against the same 4-bit model in one process split over the 2 GPUs, on the same sequences per step
+    (benchmarks/fsdp_vs_balanced.py, as the fsdp2 benchmark runs it): the same first loss, the same steps skipped by
+    the loss scaler and the same gradient norm, within fp16's arithmetic."""
+    import json
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    out = tmp_path / "rows.json"
+    argv = ["--model", "tiny:qwen3", "--gpus", "2", "--t4", "--seq-len", "256", "--steps", "5", "--warmup", "1"]
+    # A process of its own: the FSDP ranks are launched from a process without CUDA, which this one may not be.
+    run = subprocess.run(
+        [sys.executable, str(repo / "benchmarks" / "fsdp_vs_balanced.py"), *argv, "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=repo,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    sys.path.insert(0, str(repo))
+    from benchmarks import fsdp_vs_balanced
+
+    fsdp_row, balanced = [json.loads(line) for line in out.read_text().splitlines()]
+    assert fsdp_row["status"] == balanced["status"] == "ok", (fsdp_row, balanced)
+    same = fsdp_vs_balanced.agreement(fsdp_row, balanced)
+    assert abs(same["first_loss_difference"]) < 0.005, same
+    assert same["skipped"][0] == same["skipped"][1], same
+    assert same["grad_norm_ratio"] == pytest.approx(1, rel=0.2), (same, fsdp_row["grad_norms"], balanced["grad_norms"])
