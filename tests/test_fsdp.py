@@ -205,6 +205,7 @@ def _sharding_watched() -> dict:
     policy = states[0]._mp_policy
     batch = make_batch(sharded, [12], seed=0)
     loss = sharded(**batch, use_cache=False).loss
+    loss_dtype = str(loss.dtype)
     # Between the forward and the backward: which layers still hold their gathered (plain, not sharded) weights.
     gathered = [not any(isinstance(p, DTensor) for p in layer.parameters()) for layer in layers]
     loss.backward()
@@ -212,7 +213,7 @@ def _sharding_watched() -> dict:
         "alive": alive,
         "loaded": sorted(loaded),
         "prefetched": prefetched,
-        "dtypes": (str(policy.param_dtype), str(policy.reduce_dtype)),
+        "dtypes": (str(policy.param_dtype), str(policy.reduce_dtype), str(policy.output_dtype), loss_dtype),
         "gathered_after_forward": gathered,
         "layers": sharded.config.num_hidden_layers,
     }
@@ -230,7 +231,8 @@ def test_sharding_frees_the_loaded_weights_as_it_goes_and_prefetches_the_next_la
     assert all(".layers." not in name for name in alive), alive
     layers = result["layers"]
     assert layers >= 2 and result["prefetched"] == [[i + 1] for i in range(layers - 1)] + [[]]
-    assert result["dtypes"] == ("torch.bfloat16", "torch.float32")
+    # computed in bf16, gradients reduced in fp32, and the loss kept in the fp32 it is computed in (not cast to bf16)
+    assert result["dtypes"] == ("torch.bfloat16", "torch.float32", "None", "torch.float32")
     # The last layer keeps its gathered weights from its forward into its backward, which follows at once.
     assert result["gathered_after_forward"] == [False] * (layers - 1) + [True]
 

@@ -629,14 +629,26 @@ def _lean_fsdp2_preparation(original: Callable[..., Any]) -> Callable[..., Any]:
     gradient times the loss scale may overflow in the sum over ranks and a small one vanishes, and bf16
     keeps 8 bits of it; the trainable weights are fp32 and few, so they are reduced in fp32 (as torch's
     own FSDP2 examples do), for a few MiB more per step.
+
+    accelerate also has every unit cast its outputs to the compute dtype, the model's loss included: in
+    bf16 the loss kept 8 bits (6.969 for 6.954, tiny Qwen3 on CPU ranks), and in fp16 the loss scaler's
+    first scale, 65,536, is one above fp16's largest number, so the scaled loss's gradient entered the
+    model as inf and the first steps were skipped (2x H100, Qwen3-14B in 4-bit: two steps, where the same
+    model in one process skipped none). The units compute in the compute dtype anyway (their weights are
+    cast to it), so outputs keep the dtype they were computed in.
     """
 
     @functools.wraps(original)
     def fsdp2_prepare_model(accelerator: Any, model: torch.nn.Module) -> torch.nn.Module:
         plugin = accelerator.state.fsdp_plugin
         policy = plugin.mixed_precision_policy
-        if policy is not None and policy.reduce_dtype in (torch.float16, torch.bfloat16):
-            plugin.mixed_precision_policy = dataclasses.replace(policy, reduce_dtype=torch.float32)
+        if policy is not None:
+            sixteen = (torch.float16, torch.bfloat16)
+            reduce_dtype = torch.float32 if policy.reduce_dtype in sixteen else policy.reduce_dtype
+            output_dtype = None if policy.output_dtype in sixteen else policy.output_dtype
+            plugin.mixed_precision_policy = dataclasses.replace(
+                policy, reduce_dtype=reduce_dtype, output_dtype=output_dtype
+            )
         four_bit = any(type(p).__name__ == "Params4bit" for p in model.parameters())
         if plugin.cpu_ram_efficient_loading and not four_bit:
             prepared = original(accelerator, model)
@@ -677,8 +689,10 @@ patch(
     "16-bit efficient loading: a 4-bit rank held its full model and all its shards at once (14.1 GiB per GPU for "
     "a 14B model on 2 GPUs); FSDP2 overlaps a layer's all-gather with the previous layer's compute only when "
     "the CPU runs ahead, so each layer names the next one for forward prefetch (and the last layer stays gathered "
-    "into its backward); and the (LoRA) gradients are "
-    "reduced in fp32, not in the 16-bit compute dtype, where fp16's loss-scaled sums overflow",
+    "into its backward); the (LoRA) gradients are "
+    "reduced in fp32, not in the 16-bit compute dtype, where fp16's loss-scaled sums overflow; and the units' "
+    "outputs, the loss included, keep their dtype instead of being cast to the 16-bit one (an fp16 loss turned the "
+    "loss scaler's first scale into an inf gradient)",
     upstream="none filed yet: accelerate/utils/fsdp_utils.py fsdp2_prepare_model (original_sd taken "
     "unconditionally; forward_prefetch refused for FSDP2)",
     group="fsdp",
