@@ -285,3 +285,33 @@ def test_a_launch_blames_the_rank_elastic_reports_when_elastic_collected_every_s
         run.pipes.close()
     assert str(caught.value).startswith("rank 0 died from signal SIGABRT"), str(caught.value)
     assert list(caught.value.failures) == [0]
+
+
+def test_a_rank_that_exited_0_before_its_peer_lost_it_is_blamed_when_elastic_collected_it_first():
+    # Rank 1 exits 0 mid-run; torch elastic, taking code 0 for success, collects its status before nbkit's
+    # supervisor reads it (unknown to nbkit). Rank 0's barrier then fails with "Connection reset by peer" and
+    # it exits 1, which elastic reports as the launch's one failure. The cause is rank 1's silent end, not the
+    # error that only says a peer went away (a CPU CI run blamed rank 0 this way).
+    from nbkit.launching import fork
+    from nbkit.platform.errors import RankError
+
+    exits_0 = subprocess.Popen([sys.executable, "-c", "import os; os._exit(0)"])
+    exits_0.wait()  # collected here, as elastic collects it
+    lost_peer = subprocess.Popen([sys.executable, "-c", "import os; os._exit(1)"])
+    while supervisor.exit_status(lost_peer.pid) is None:  # ended, its status left for nbkit to read
+        time.sleep(0.01)
+    message = "[gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:55681: Connection reset by peer."
+    run = fork._Run(nprocs=2, on_event=None, timeout=None)
+    try:
+        run.pids = {0: lost_peer.pid, 1: exits_0.pid}
+        run.errors[0] = RankError(rank=0, type="RuntimeError", message=message, traceback="", time=time.time())
+        run._check_exits(drain=False)
+        assert run.failed == [], "a rank that lost its peer is not the cause, and rank 1's status was never read"
+        with pytest.raises(nbkit.LaunchError) as caught:
+            run._conclude({0: ExitStatus(code=1)}, "")
+    finally:
+        run.pipes.close()
+        lost_peer.wait()
+    message = str(caught.value)
+    assert message.startswith(("rank 1 exited with code 0", "rank 1 ended without returning")), message
+    assert list(caught.value.failures) == [1]

@@ -354,9 +354,14 @@ class _Run:
         # failure, was code 0: any other code ends elastic's wait with that rank's failure.
         self.exits = {r: ExitStatus(code=0) if s == ExitStatus() else s for r, s in self.exits.items()}
         if not self.failed:
-            self.failed = _first_hand(launcher_failures, self.killed) or [
-                r for r in self._collected if r not in self.errors and r not in self.killed
-            ]
+            # A rank elastic collected first, with no error of its own, ended before its peers: where every
+            # failure elastic reports only says that a peer went away (gloo: "Connection reset by peer"),
+            # that silent end is the cause (a rank that exited 0 mid-run lost the race to elastic).
+            silent = [r for r in self._collected if r not in self.errors and r not in self.killed]
+            reported = _first_hand(launcher_failures, self.killed)
+            if silent and reported and all(r in self.errors and self.errors[r].lost_a_peer for r in reported):
+                reported = []
+            self.failed = reported or silent
         if self.failed:
             raise self._failure_error()
         if self.timed_out:
