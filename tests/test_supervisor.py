@@ -305,7 +305,9 @@ def test_a_rank_that_exited_0_before_its_peer_lost_it_is_blamed_when_elastic_col
     try:
         run.pids = {0: lost_peer.pid, 1: exits_0.pid}
         run.errors[0] = RankError(rank=0, type="RuntimeError", message=message, traceback="", time=time.time())
+        run._unsettled[0] = time.monotonic() - 10  # its error arrived long ago: no death was seen before it
         run._check_exits(drain=False)
+        run._settle_errors(time.monotonic())
         assert run.failed == [], "a rank that lost its peer is not the cause, and rank 1's status was never read"
         with pytest.raises(nbkit.LaunchError) as caught:
             run._conclude({0: ExitStatus(code=1)}, "")

@@ -357,7 +357,7 @@ class _Run:
             # A rank elastic collected first, with no error of its own, ended before its peers: where every
             # failure elastic reports only says that a peer went away (gloo: "Connection reset by peer"),
             # that silent end is the cause (a rank that exited 0 mid-run lost the race to elastic).
-            silent = [r for r in self._collected if r not in self.errors and r not in self.killed]
+            silent = self._silent_ends()
             reported = _first_hand(launcher_failures, self.killed)
             if silent and reported and all(r in self.errors and self.errors[r].lost_a_peer for r in reported):
                 reported = []
@@ -460,6 +460,10 @@ class _Run:
             if rank not in self.errors and not consequence and self.stopped_at is None:
                 self._fail(rank)
 
+    def _silent_ends(self) -> list[int]:
+        """Ranks that ended without an error of their own, their status collected by torch elastic first."""
+        return [r for r in self._collected if r not in self.errors and r not in self.killed]
+
     def _settle_errors(self, arrived_before: float) -> None:
         """Decide about the errors that arrived before `arrived_before` (monotonic time).
 
@@ -468,12 +472,14 @@ class _Run:
         error waits _CAUSE_WINDOW_S for such a death, which is then the cause, and the error a
         consequence. The first error without a death before it is the failure; errors after it
         are its consequences too (the peers of a rank that raised lose it in their next collective).
+        An error that says a peer went away is also a consequence where a rank ended silently, its
+        status collected by torch elastic first (a rank that exited 0): _conclude names that rank.
         """
         for rank, arrived in sorted(self._unsettled.items(), key=lambda item: item[1]):
             if arrived >= arrived_before:
                 break
             del self._unsettled[rank]
-            if self.failed:
+            if self.failed or (self.errors[rank].lost_a_peer and self._silent_ends()):
                 self.errors[rank] = dataclasses.replace(self.errors[rank], secondary=True)
             else:
                 self._fail(rank)
