@@ -28,7 +28,6 @@ import logging
 import numbers
 import os
 import resource
-import statistics
 import sys
 import threading
 import time
@@ -37,6 +36,7 @@ from typing import Any
 
 from nbkit.messages import rank as channel
 from nbkit.notebook import dashboard
+from nbkit.notebook.dashboard import board
 from nbkit.platform import distributed, patching
 from nbkit.platform import shell as nbkit_shell
 from nbkit.training import callbacks
@@ -349,21 +349,21 @@ class _StepReporter:
 
     def pace(self) -> dict[str, Any]:
         """This rank's pace in the last train(): "first_step_seconds"; "seconds_per_step" and
-        "tokens_per_second", the medians over the steps after the first (None where fewer than two
-        ran), so that a checkpoint save or a recompilation inside the run does not count as the pace;
-        and "step_seconds", every step's seconds in order, the first included.
+        "tokens_per_second", the steady pace the dashboard's summary also gives (board.steady_pace: medians
+        over the steps after the first, None where fewer than two ran); and "step_seconds", every step's
+        seconds in order, the first included.
         """
         if self.began is None or not self.steps:
             return {"first_step_seconds": None, "seconds_per_step": None, "tokens_per_second": None, "step_seconds": []}
         ends = [self.began] + [end for end, _ in self.steps]
-        seconds = [later - earlier for earlier, later in itertools.pairwise(ends)]
-        steady = list(zip(seconds[1:], (tokens for _, tokens in self.steps[1:])))
-        rates = [tokens / span for span, tokens in steady if span > 0 and tokens]
+        seen = itertools.accumulate(tokens for _, tokens in self.steps)
+        marks = [(end, step, total) for step, ((end, _), total) in enumerate(zip(self.steps, seen), start=1)]
+        per_step, rate = board.steady_pace(marks)
         return {
-            "first_step_seconds": seconds[0],
-            "seconds_per_step": statistics.median(span for span, _ in steady) if steady else None,
-            "tokens_per_second": statistics.median(rates) if rates else None,
-            "step_seconds": seconds,
+            "first_step_seconds": ends[1] - ends[0],
+            "seconds_per_step": per_step,
+            "tokens_per_second": rate,
+            "step_seconds": [later - earlier for earlier, later in itertools.pairwise(ends)],
         }
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:

@@ -9,6 +9,7 @@ import itertools
 import statistics
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeGuard
 
@@ -137,20 +138,8 @@ class Board:
         return snap
 
     def _steady_step_seconds(self) -> float | None:
-        """The median of the lowest rank's step times (rank 0's where it reports), each from one step
-        event to the next, so the first step (compilation, warm-up) is apart; None before two steps.
-        """
-        if not self._step_marks:
-            return None
-        marks = self._step_marks[min(self._step_marks)]
-        spans = [(t1 - t0) / (s1 - s0) for (t0, s0, _), (t1, s1, _) in itertools.pairwise(marks)]
-        return statistics.median(spans) if spans else None
-
-    def _steady_tokens_per_second(self, rank: int) -> float | None:
-        """The median of `rank`'s tokens per second from one step event to the next; None before two."""
-        marks = [(t, seen) for t, _, seen in self._step_marks.get(rank, []) if seen is not None]
-        rates = [(n1 - n0) / (t1 - t0) for (t0, n0), (t1, n1) in itertools.pairwise(marks) if t1 > t0]
-        return statistics.median(rates) if rates else None
+        """The lowest rank's steady seconds per step (rank 0's where it reports): `steady_pace` of its marks."""
+        return steady_pace(self._step_marks[min(self._step_marks)])[0] if self._step_marks else None
 
     def summary(self, success: bool = True) -> dict[str, Any]:
         """What the run came to.
@@ -167,7 +156,7 @@ class Board:
         rates = []
         with self._lock:
             for rank in snap.ranks:
-                rate = self._steady_tokens_per_second(rank)
+                rate = steady_pace(self._step_marks.get(rank, []))[1]
                 if rate is None:
                     rate = snap.ranks[rank].get("tokens_per_second")
                 if is_number(rate):
@@ -184,6 +173,19 @@ class Board:
             "peak_memory_gib": snap.peak_memory_gib,
             "metrics": other_metrics(snap),
         }
+
+
+def steady_pace(marks: Sequence[tuple[float, int, float | None]]) -> tuple[float | None, float | None]:
+    """A run's steady pace from (time, step, tokens seen so far or None) at the end of its steps, the first
+    step's end first: (the median seconds per step, the median tokens per second), each from one mark to the
+    next, so that the first step (compilation, warm-up), a checkpoint save or a recompilation inside the run is
+    not the pace; None where fewer than two marks (for tokens, two that carry a count and a rise in it).
+    The dashboard's summary and a rank's own figures (nbkit.rank_side.reporting) both come from here.
+    """
+    spans = [(t1 - t0) / (s1 - s0) for (t0, s0, _), (t1, s1, _) in itertools.pairwise(marks)]
+    counted = [(t, seen) for t, _, seen in marks if seen is not None]
+    rates = [(n1 - n0) / (t1 - t0) for (t0, n0), (t1, n1) in itertools.pairwise(counted) if t1 > t0 and n1 > n0]
+    return (statistics.median(spans) if spans else None, statistics.median(rates) if rates else None)
 
 
 def other_metrics(snap: Snapshot) -> dict[str, float]:
