@@ -141,7 +141,7 @@ def test_regional_compile_in_fp16_with_4bit_weights_gives_the_eager_gradients():
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from nbkit.training import fsdp
+    from nbkit.training import fsdp, mixed_precision
 
     base = AutoModelForCausalLM.from_pretrained(
         nbkit.resolve_model("tiny:qwen3"),
@@ -153,9 +153,7 @@ def test_regional_compile_in_fp16_with_4bit_weights_gives_the_eager_gradients():
     model = get_peft_model(
         base, LoraConfig(r=4, lora_alpha=8, target_modules=LANGUAGE_LINEARS, init_lora_weights=False)
     )
-    for parameter in model.parameters():  # trainable weights in fp32, as nbkit.mixed_precision leaves them under fp16
-        if parameter.requires_grad:
-            parameter.data = parameter.data.float()
+    mixed_precision.fit_for_fp16(model)  # trainable weights in fp32, as nbkit's ranks give them under fp16
     batches = [_on_gpu(make_batch(model, lengths, seed=3)) for lengths in ([24, 17], [300])]
     scale = 65536.0
 
