@@ -497,7 +497,6 @@ def agreement(fsdp: dict, balanced: dict) -> dict:
     norm); "grad_norm_ratio": FSDP's gradient norm over the balanced one's at the first step where both are
     finite (None where there is none)}.
     """
-    import math
 
     def finite(norm: float | None) -> bool:
         return norm is not None and math.isfinite(norm)
