@@ -81,6 +81,7 @@ class Run:
     t4: bool
     profile_dir: str | None = None  # profile the last step (left out of the median) and write rank 0's table here
     compile: str | None = "auto"  # nbkit.savers.apply's compile: "auto" (regional on one GPU: an FSDP rank), None
+    by_layer: bool = False  # LoRA weight and gradient norms by layer at every step (a few ms of syncs per step)
 
     @property
     def precision(self) -> str:
@@ -140,6 +141,7 @@ def _train(run: Run, path: str, per_step: int) -> dict:
     timer = _timer_callback(device)
     phases = _phases_callback(devices, run.warmup)
     profiler = _profile_callback(devices, run)
+    gradients = _gradient_callback(run)
     with tempfile.TemporaryDirectory() as out:
         args = TrainingArguments(
             output_dir=out,
@@ -155,7 +157,7 @@ def _train(run: Run, path: str, per_step: int) -> dict:
             seed=0,
             use_cpu=not cuda,
         )
-        trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[timer, phases, profiler])
+        trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[timer, phases, profiler, gradients])
         trainer.train()
     logged = [e for e in trainer.state.log_history if "loss" in e]
     scaler = trainer.accelerator.scaler
@@ -168,6 +170,7 @@ def _train(run: Run, path: str, per_step: int) -> dict:
         "alloc_conf": os.environ.get(rank_contract.ALLOC_CONF),
         "window": phases.window,
         "profile": profiler.summary,
+        "squares": gradients.squares,
         "memory": [{**phases.loading[i], **_train_memory(each)} if cuda else None for i, each in enumerate(devices)],
     }
 
@@ -256,6 +259,45 @@ def _profile_callback(devices: list[torch.device], run: Run) -> Any:
     return StepProfile()
 
 
+def _gradient_callback(run: Run) -> Any:
+    """A TrainerCallback that keeps, at each optimizer step (after Trainer unscaled and clipped), the sum of squares
+    of this process's LoRA weights and gradients by decoder layer and by A/B, {"layer.A": [weights, gradient]}; an
+    FSDP rank sums its own shards (the sums over ranks are the whole model's). A step whose gradients are not finite
+    is kept too: which layers first overflow is part of the answer.
+    """
+    import re
+
+    from transformers import TrainerCallback
+
+    layer = re.compile(r"layers\.(\d+)\..*lora_([AB])")
+
+    class Squares(TrainerCallback):
+        def __init__(self) -> None:
+            self.squares: list[dict[str, list[float]]] = []
+
+        def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+            if not run.by_layer:
+                return
+            sums: dict[str, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+            for name, p in model.named_parameters():
+                found = layer.search(name)
+                if found is None or not p.requires_grad:
+                    continue
+                weights, grads = sums.setdefault(f"{found[1]}.{found[2]}", ([], []))
+                weights.append(_local(p).detach().float().square().sum())
+                if p.grad is not None:
+                    grads.append(_local(p.grad).float().square().sum())
+            self.squares.append({k: [float(sum(w)), float(sum(g))] for k, (w, g) in sums.items()})
+
+    return Squares()
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of an FSDP2 parameter or gradient (a DTensor), or the tensor itself."""
+    to_local = getattr(tensor, "to_local", None)
+    return tensor if to_local is None else to_local()
+
+
 def _phases_callback(devices: list[torch.device], warmup: int) -> Any:
     """A TrainerCallback that keeps, per device, the peak memory of loading and sharding (Trainer shards before
     on_train_begin) and then resets the peak counters (not the cache: a fragmented cache is part of the
@@ -329,6 +371,7 @@ def _measure(run: Run) -> dict:
         "tokens_per_s": run.seq_len * run.batch * run.gpus / stats["median"],  # the same tokens per step in both
         "losses": losses,
         "grad_norms": first["grad_norms"],
+        "by_layer": _by_layer([rank["squares"] for rank in ranks]) if run.by_layer else None,
         "loss_scale": first["loss_scale"],
         "profile": [rank["profile"] for rank in ranks],
         "alloc_conf": [rank["alloc_conf"] for rank in ranks],
@@ -338,6 +381,17 @@ def _measure(run: Run) -> dict:
         "utilisation": sampler.summary(*first["window"]) if len(first["window"]) == 2 else None,
         **_planned(run),
     }
+
+
+def _by_layer(ranks: list[list[dict[str, list[float]]]]) -> list[dict[str, list[float]]]:
+    """Per optimizer step, {"layer.A": [weight norm, gradient norm]} of the whole model: the ranks' sums of squares
+    added (an FSDP rank holds a shard of each) and square-rooted.
+    """
+    steps = []
+    for per_rank in zip(*ranks):
+        keys = sorted(per_rank[0], key=lambda k: (int(k.split(".")[0]), k))
+        steps.append({k: [math.sqrt(sum(r[k][i] for r in per_rank)) for i in (0, 1)] for k in keys})
+    return steps
 
 
 class _UtilisationSampler:
@@ -546,6 +600,12 @@ def main(argv: list[str] | None = None) -> int:
         default="auto",
         help="nbkit.savers.apply's compile (auto: regional compilation where the model is on one GPU, an FSDP rank)",
     )
+    p.add_argument(
+        "--by-layer",
+        action="store_true",
+        help="record the LoRA weights' and gradients' norms by decoder layer at every step (whether both runs train "
+        "the same layers alike)",
+    )
     args = p.parse_args(argv)
     if args.warmup >= args.steps - (1 if args.profile_dir else 0):
         p.error("--warmup must be below --steps (the median needs timed steps; a profiled last step is not one)")
@@ -565,6 +625,7 @@ def main(argv: list[str] | None = None) -> int:
             args.t4,
             None if args.profile_dir is None else str(args.profile_dir),
             None if args.compile == "none" else args.compile,
+            args.by_layer,
         )
         row = _measure(run)
         rows.append(row)

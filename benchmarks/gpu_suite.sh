@@ -407,6 +407,26 @@ for what in "$@"; do
       # "--compile none" (the ranks' layers eager, as the balanced process's are).
       part fsdp2 "${FSDP2_LIMIT:-300}" python3 benchmarks/fsdp_vs_balanced.py --model "$model" "${bench[@]}" ${FSDP2_ARGS:-} \
         --profile-dir "$OUT/fsdp2_profile" --out "$OUT/fsdp2.json" --md "$OUT/fsdp2.md" ;;
+    fsdpgrad)
+      # Two GPUs, one call (~6 minutes): whether FSDP-QLoRA and the balanced split train alike, and which setting
+      # parts them: Qwen3-1.7B shapes in 4-bit (a quick build), 1K x 1 per GPU, 5 steps, the LoRA weights' and
+      # gradients' norms by layer at every step (--by-layer), once per FSDPGRAD_VARIANTS entry (';'-separated
+      # fsdp_vs_balanced.py options). SUITE_DRY_RUN=1: tiny:qwen3, 16-bit, CPU.
+      model=${FSDPGRAD_MODEL:-random:qwen3-1.7b}
+      bench=(--gpus 2 --seq-len 1024 --batch 1 --steps 5 --warmup 1 --by-layer)
+      if [ -n "${SUITE_DRY_RUN:-}" ]; then
+        model=tiny:qwen3
+        bench=(--gpus 2 --16bit --seq-len 64 --steps 3 --warmup 1 --by-layer)
+      else
+        model_part "$model" 120 fsdpgrad_model
+      fi
+      IFS=';' read -ra variants <<< "${FSDPGRAD_VARIANTS:---t4;--t4 --compile none;--compile none}"
+      for i in "${!variants[@]}"; do
+        # shellcheck disable=SC2086  # each variant is a list of options
+        part "fsdpgrad$i" "${FSDPGRAD_LIMIT:-150}" python3 benchmarks/fsdp_vs_balanced.py --model "$model" "${bench[@]}" \
+          ${variants[$i]} --out "$OUT/fsdpgrad$i.json" --md "$OUT/fsdpgrad$i.md"
+        grep -h "The same training" "$OUT/fsdpgrad$i.md" 2>/dev/null | sed "s/^/fsdpgrad$i (${variants[$i]}): /"
+      done ;;
     fsdphost)
       # Two GPUs, one call: where an FSDP rank's host time goes, against a DDP rank's (benchmarks/fsdp_host_cost.py;
       # the CPU figures are in RESULTS.md). Qwen3-14B shapes in 4-bit under the T4 profile at 1K x 1 per GPU, as
