@@ -44,6 +44,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -81,12 +82,15 @@ class Run:
     t4: bool
     profile_dir: str | None = None  # profile the last step (left out of the median) and write rank 0's table here
     compile: str | None = "auto"  # nbkit.savers.apply's compile: "auto" (regional on one GPU: an FSDP rank), None
+    dtype: str | None = None  # "fp16" / "bf16" / "fp32"; None: fp16 under the T4 profile, else nbkit's choice
     by_layer: bool = False  # LoRA weight and gradient norms by layer at every step (a few ms of syncs per step)
 
     @property
     def precision(self) -> str:
         from nbkit.platform import distributed
 
+        if self.dtype is not None:
+            return self.dtype
         return "fp16" if self.t4 else distributed.precision()
 
 
@@ -356,7 +360,12 @@ def _measure(run: Run) -> dict:
                 ranks = [_train(run, path, run.batch * run.gpus)]
     except Exception as exc:  # recorded: the other side still runs
         oom = "out of memory" in str(exc).lower()
-        return row | {"status": "oom" if oom else "error", "error": f"{type(exc).__name__}: {exc}"[-2000:]}
+        where = "".join(traceback.format_tb(exc.__traceback__)[-4:])
+        return row | {
+            "status": "oom" if oom else "error",
+            "error": f"{type(exc).__name__}: {exc}"[-2000:],
+            "where": where[-3000:],
+        }
     finally:
         gc.collect()
     first = ranks[0]
@@ -601,6 +610,11 @@ def main(argv: list[str] | None = None) -> int:
         help="nbkit.savers.apply's compile (auto: regional compilation where the model is on one GPU, an FSDP rank)",
     )
     p.add_argument(
+        "--precision",
+        choices=["fp16", "bf16", "fp32"],
+        help="the training precision of both runs (default: fp16 under --t4, else bf16 where the GPU has it)",
+    )
+    p.add_argument(
         "--by-layer",
         action="store_true",
         help="record the LoRA weights' and gradients' norms by decoder layer at every step (whether both runs train "
@@ -625,6 +639,7 @@ def main(argv: list[str] | None = None) -> int:
             args.t4,
             None if args.profile_dir is None else str(args.profile_dir),
             None if args.compile == "none" else args.compile,
+            args.precision,
             args.by_layer,
         )
         row = _measure(run)

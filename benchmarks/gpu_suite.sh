@@ -413,20 +413,25 @@ for what in "$@"; do
       # gradients' norms by layer at every step (--by-layer), once per FSDPGRAD_VARIANTS entry (';'-separated
       # fsdp_vs_balanced.py options). SUITE_DRY_RUN=1: tiny:qwen3, 16-bit, CPU.
       model=${FSDPGRAD_MODEL:-random:qwen3-1.7b}
-      bench=(--gpus 2 --seq-len 1024 --batch 1 --steps 5 --warmup 1 --by-layer)
+      bench=(--gpus 2 --seq-len 1024 --batch 1 --steps 5 --warmup 1 --by-layer --compile none)
       if [ -n "${SUITE_DRY_RUN:-}" ]; then
         model=tiny:qwen3
         bench=(--gpus 2 --16bit --seq-len 64 --steps 3 --warmup 1 --by-layer)
       else
         model_part "$model" 120 fsdpgrad_model
       fi
-      IFS=';' read -ra variants <<< "${FSDPGRAD_VARIANTS:---t4;--t4 --compile none;--compile none}"
+      IFS=';' read -ra variants <<< "${FSDPGRAD_VARIANTS:---t4 --gpus 1;--precision fp32;--precision fp16;--t4 --16bit}"
       for i in "${!variants[@]}"; do
         # shellcheck disable=SC2086  # each variant is a list of options
         part "fsdpgrad$i" "${FSDPGRAD_LIMIT:-150}" python3 benchmarks/fsdp_vs_balanced.py --model "$model" "${bench[@]}" \
           ${variants[$i]} --out "$OUT/fsdpgrad$i.json" --md "$OUT/fsdpgrad$i.md"
         grep -h "The same training" "$OUT/fsdpgrad$i.md" 2>/dev/null | sed "s/^/fsdpgrad$i (${variants[$i]}): /"
       done ;;
+    fp16checks)
+      # Two GPUs (~4 minutes): the GPU tests of training in fp16 where it differs from one process in bf16: FSDP-QLoRA
+      # on 2 GPUs against the balanced split, and regional compilation of 4-bit layers against eager.
+      part fp16_fsdp 300 python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests/test_fsdp_gpu.py -k two_gpus
+      part fp16_compile 200 python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests/test_liger_gpu.py -k fp16 ;;
     fsdphost)
       # Two GPUs, one call: where an FSDP rank's host time goes, against a DDP rank's (benchmarks/fsdp_host_cost.py;
       # the CPU figures are in RESULTS.md). Qwen3-14B shapes in 4-bit under the T4 profile at 1K x 1 per GPU, as
