@@ -68,6 +68,23 @@ def test_value_and_grads_equal_transformers(kwargs, chunk_size):
         assert _rel(g, r) < 1e-5, name
 
 
+def test_the_count_trainer_repeats_per_gpu_divides_once():
+    """Trainer in one process that sees 2 GPUs passes num_items_in_batch as 2 copies of the count, also where it
+    does not replicate the model (4-bit, or placed on one GPU): the loss and gradients are those of one count, where
+    the backward failed on the copies' shape."""
+    hidden, weight, bias, labels = _inputs()
+    count = torch.tensor(40)
+    ref = chunked.linear_cross_entropy(hidden, weight, labels, bias=bias, num_items_in_batch=count)
+    ref_grads = torch.autograd.grad(ref, (hidden, weight, bias))
+    copies = count.unsqueeze(0).expand(2, -1)  # what Trainer.get_batch_samples makes of it for n_gpu=2
+    ours = chunked.linear_cross_entropy(hidden, weight, labels, bias=bias, num_items_in_batch=copies, chunk_size=4)
+    grads = torch.autograd.grad(ours, (hidden, weight, bias))
+
+    assert ours.shape == () and abs(ours.item() - ref.item()) <= 1e-6 * ref.item()
+    for name, g, r in zip(("hidden", "weight", "bias"), grads, ref_grads):
+        assert _rel(g, r) < 1e-6, name
+
+
 def test_shift_false_takes_aligned_labels():
     hidden, weight, _, labels = _inputs()
     shifted = F.pad(labels, (0, 1), value=-100)[..., 1:]

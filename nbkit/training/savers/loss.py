@@ -220,7 +220,7 @@ def linear_cross_entropy(
         bias: the lm_head bias (V,), if any.
         ignore_index: labels equal to it do not count.
         num_items_in_batch: the divisor of the summed loss (transformers' gradient-accumulation
-            normalisation); None: the number of counted tokens.
+            normalisation), or Trainer's copies of it, one per GPU; None: the number of counted tokens.
         softcap: c applies `c * tanh(logits / c)` first (Gemma 2's `final_logit_softcapping`).
         chunk_size: rows per chunk (default: rows_per_chunk, about 256 MiB of logits).
         shift: True predicts token t+1 from position t, exactly like transformers' causal-LM loss;
@@ -247,6 +247,11 @@ def linear_cross_entropy(
         labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
     hidden = hidden.reshape(-1, hidden.shape[-1])
     labels = labels.reshape(-1)
+    if isinstance(num_items_in_batch, torch.Tensor) and num_items_in_batch.numel() > 1:
+        # Trainer in a process that sees n GPUs hands over the count n times (copies for DataParallel's
+        # replicas) even where it does not replicate the model: a 4-bit model, or one that device_map
+        # placed on one of them. Its own loss then comes out n times and is averaged; one copy is the same.
+        num_items_in_batch = num_items_in_batch.reshape(-1)[0]
     compute_dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else weight.dtype
     if kernel is not None:
         return kernel(
