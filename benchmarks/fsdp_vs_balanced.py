@@ -82,6 +82,7 @@ class Run:
     t4: bool
     profile_dir: str | None = None  # profile the last step (left out of the median) and write rank 0's table here
     compile: str | None = "auto"  # nbkit.savers.apply's compile: "auto" (regional on one GPU: an FSDP rank), None
+    storage: str = "compute"  # 4-bit weights stored in the compute dtype (sharded), or "uint8" (bitsandbytes' own)
     dtype: str | None = None  # "fp16" / "bf16" / "fp32"; None: fp16 under the T4 profile, else nbkit's choice
     by_layer: bool = False  # LoRA weight and gradient norms by layer at every step (a few ms of syncs per step)
 
@@ -114,6 +115,8 @@ def _model(run: Run, path: str) -> Any:
     options: dict[str, Any] = {"dtype": dtype}
     if run.load_in_4bit:
         options["quantization_config"] = fsdp.qlora_config(dtype)
+        if run.storage == "uint8":  # accelerate leaves such weights unsharded: a full 4-bit copy per GPU
+            options["quantization_config"].bnb_4bit_quant_storage = torch.uint8
     if run.mode == "balanced":
         options["device_map"] = "balanced"
         if run.t4:
@@ -175,6 +178,7 @@ def _train(run: Run, path: str, per_step: int) -> dict:
         "window": phases.window,
         "profile": profiler.summary,
         "squares": gradients.squares,
+        "hidden": {i: float(v) for i, v in sorted(gradients.hidden.items())},
         "memory": [{**phases.loading[i], **_train_memory(each)} if cuda else None for i, each in enumerate(devices)],
     }
 
@@ -274,10 +278,31 @@ def _gradient_callback(run: Run) -> Any:
     from transformers import TrainerCallback
 
     layer = re.compile(r"layers\.(\d+)\..*lora_([AB])")
+    block = re.compile(r"layers\.(\d+)(\._checkpoint_wrapped_module)?$")
 
     class Squares(TrainerCallback):
         def __init__(self) -> None:
             self.squares: list[dict[str, list[float]]] = []
+            # Each decoder layer's output RMS in the first forward (this process's sequences): weights that
+            # load or gather wrong show here before any gradient does.
+            self.hidden: dict[int, Any] = {}
+            self._hooks: list[Any] = []
+
+        def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+            if not run.by_layer:
+                return
+            for name, module in model.named_modules():
+                found = block.search(name)
+                if found is None or isinstance(getattr(module, "_checkpoint_wrapped_module", None), torch.nn.Module):
+                    continue
+                index = int(found[1])
+
+                def keep(module: Any, args: Any, output: Any, index: int = index) -> None:
+                    out = output[0] if isinstance(output, tuple) else output
+                    if index not in self.hidden and torch.is_tensor(out):
+                        self.hidden[index] = out.detach().float().square().mean().sqrt()
+
+                self._hooks.append(module.register_forward_hook(keep))
 
         def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
             if not run.by_layer:
@@ -292,6 +317,9 @@ def _gradient_callback(run: Run) -> Any:
                 if p.grad is not None:
                     grads.append(_local(p.grad).float().square().sum())
             self.squares.append({k: [float(sum(w)), float(sum(g))] for k, (w, g) in sums.items()})
+            for hook in self._hooks:
+                hook.remove()
+            self._hooks = []
 
     return Squares()
 
@@ -381,6 +409,7 @@ def _measure(run: Run) -> dict:
         "losses": losses,
         "grad_norms": first["grad_norms"],
         "by_layer": _by_layer([rank["squares"] for rank in ranks]) if run.by_layer else None,
+        "hidden_rms": first["hidden"] if run.by_layer else None,
         "loss_scale": first["loss_scale"],
         "profile": [rank["profile"] for rank in ranks],
         "alloc_conf": [rank["alloc_conf"] for rank in ranks],
@@ -610,6 +639,12 @@ def main(argv: list[str] | None = None) -> int:
         help="nbkit.savers.apply's compile (auto: regional compilation where the model is on one GPU, an FSDP rank)",
     )
     p.add_argument(
+        "--storage",
+        choices=["compute", "uint8"],
+        default="compute",
+        help="the packed 4-bit weights' dtype: the compute dtype (FSDP shards them) or uint8 (FSDP leaves them whole)",
+    )
+    p.add_argument(
         "--precision",
         choices=["fp16", "bf16", "fp32"],
         help="the training precision of both runs (default: fp16 under --t4, else bf16 where the GPU has it)",
@@ -639,6 +674,7 @@ def main(argv: list[str] | None = None) -> int:
             args.t4,
             None if args.profile_dir is None else str(args.profile_dir),
             None if args.compile == "none" else args.compile,
+            args.storage,
             args.precision,
             args.by_layer,
         )

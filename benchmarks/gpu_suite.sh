@@ -420,7 +420,7 @@ for what in "$@"; do
       else
         model_part "$model" 120 fsdpgrad_model
       fi
-      IFS=';' read -ra variants <<< "${FSDPGRAD_VARIANTS:---t4 --gpus 1;--precision fp32;--precision fp16;--t4 --16bit}"
+      IFS=';' read -ra variants <<< "${FSDPGRAD_VARIANTS:---precision fp16;--precision fp16 --storage uint8;--precision bf16;--precision fp16 --gpus 1}"
       for i in "${!variants[@]}"; do
         # shellcheck disable=SC2086  # each variant is a list of options
         part "fsdpgrad$i" "${FSDPGRAD_LIMIT:-150}" python3 benchmarks/fsdp_vs_balanced.py --model "$model" "${bench[@]}" \
