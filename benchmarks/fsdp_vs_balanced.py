@@ -164,6 +164,11 @@ def _train(run: Run, path: str, per_step: int) -> dict:
             seed=0,
             use_cpu=not cuda,
         )
+        if run.mode == "balanced":
+            # One process drives the model. Trainer counts the GPUs it sees (n_gpu) for DataParallel, which it skips
+            # for a 4-bit model, yet still multiplies the loss by that count where device_map left a small model
+            # on one GPU (2x H100, Qwen3-1.7B shapes in 4-bit: every loss twice FSDP's); a split model sets it to 1.
+            args._n_gpu = 1
         trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[timer, phases, profiler, gradients])
         trainer.train()
     logged = [e for e in trainer.state.log_history if "loss" in e]

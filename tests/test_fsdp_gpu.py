@@ -97,6 +97,26 @@ def test_liger_kernels_and_savers_under_fsdp_give_the_reference_gradients():
     _check_against_reference(result, 1, tolerance=GPU_TOLERANCE)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_fsdp_gathers_every_16bit_word_exactly(dtype):
+    """FSDP2 copies each rank's shards into its all-gather buffer with torch._foreach_copy_ in the dtype
+    _get_all_gather_input_metadatas picks; under nbkit's fsdp patches that copy keeps every 16-bit word, NaN bit
+    patterns included, as packed 4-bit weights stored in fp16 or bf16 need (torch's CUDA kernel writes fp16 and
+    bf16 NaNs back as one canonical NaN)."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives as collectives
+
+    from nbkit.platform import patching
+
+    patching.apply("fsdp")
+    words = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).cuda()  # every bit pattern once
+    shards = list(words.view(dtype).chunk(2))
+    _, _, gather_dtype = collectives._get_all_gather_input_metadatas([shards])
+    inputs = [shard.view(gather_dtype) for shard in shards]
+    buffer = torch.empty(sum(t.numel() for t in inputs), dtype=gather_dtype, device="cuda")
+    torch._foreach_copy_(list(torch.split(buffer, [t.numel() for t in inputs])), inputs)  # FSDP2's copy-in
+    assert torch.equal(buffer.view(torch.int16), words)
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 @pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="needs bitsandbytes")
 def test_qlora_under_fsdp_on_two_gpus_trains_as_one_process_does_in_fp16(tmp_path):
