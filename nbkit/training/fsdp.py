@@ -676,9 +676,10 @@ def _byte_all_gather(original: Callable[..., Any]) -> Callable[..., Any]:
     Before its all-gather FSDP2 copies every shard into one buffer with torch._foreach_copy_, whose CUDA
     kernel takes 16-bit values through fp32 and writes every NaN back as the one canonical NaN: four codes
     of each such word changed, on every gather, with more than one rank (one rank copies with copy_).
-    Qwen3-1.7B shapes in 4-bit on 2 H100s in fp16: its last layer's output RMS 14.6 where the same weights
-    unsharded give 4.3, gradient norms a tenth of theirs, a loss that fell a fifth as far. Gathering the
-    bytes (FSDP2's own path for units of mixed dtypes) copies them exactly, and moves the same bytes.
+    Qwen3-1.7B shapes in 4-bit on 2 GPUs in fp16: the last layer's output RMS 14.6 where the same weights
+    unsharded give 4.3, gradient norms a tenth of theirs, a loss that fell a third as far (benchmarks/
+    RESULTS.md). Gathering the bytes (FSDP2's own path for units of mixed dtypes) copies them exactly, and
+    moves the same bytes.
     """
 
     @functools.wraps(original)
