@@ -4,7 +4,7 @@
 #   bash benchmarks/gpu_suite.sh env model planner    # versions, build random:qwen3-vl-2b, planner accuracy
 #   bash benchmarks/gpu_suite.sh tests                # every gpu-marked test: the parts below in turn (~40 min)
 #   bash benchmarks/gpu_suite.sh tests_faults         # one part of them (under 9 min each; TEST_PARTS below):
-#     tests_watchdog tests_kernel tests_a tests_b tests_c tests_notebooks tests_notebooks4 tests_saving  # SUITE_DRY_RUN=1: collected on the CPU
+#     tests_watchdog tests_kernel tests_a tests_b tests_c tests_notebooks tests_notebooks4 tests_saving tests_split  # SUITE_DRY_RUN=1: collected on the CPU
 #   bash benchmarks/gpu_suite.sh soak                 # 20 live sets in a row on 2 GPUs: memory and processes per cycle (~9 min)
 #   bash benchmarks/gpu_suite.sh matrix               # the 1K/16K launcher/backend matrix
 #   bash benchmarks/gpu_suite.sh savers               # memory savers 8K-64K
@@ -126,6 +126,9 @@ TEST_PARTS=(
   # the flagship saving merged 16-bit weights, then GGUF (unsloth's savers; GGUF skips on a host that is offline
   # and has no llama.cpp, which unsloth would download)
   "tests_saving 540 tests/test_notebooks_gpu.py:-k:saves_merged_or_gguf"
+  # the model_parallel notebook splitting Qwen3-1.7B's shapes in 4-bit over both GPUs under the T4 profile (not yet
+  # run on a GPU; one process, a few minutes at most)
+  "tests_split 300 tests/test_notebooks_gpu.py:-k:model_parallel_notebook"
 )
 
 test_part() {  # test_part NAME SECONDS PYTEST-ARGS...: see TEST_PARTS; SUITE_DRY_RUN=1 collects instead

@@ -163,3 +163,33 @@ def test_flagship_saves_merged_or_gguf_with_unsloth(tmp_path: Path, saving: str)
         assert (merged / "config.json").is_file() and list(merged.glob("*.safetensors")), sorted(out.iterdir())
     else:
         assert list(out.rglob("*.gguf")), sorted(p.name for p in out.rglob("*"))
+
+
+@pytest.mark.gpu
+def test_model_parallel_notebook_splits_a_4bit_model_over_two_gpus_in_fp16(tmp_path: Path) -> None:
+    """notebooks/model_parallel.ipynb with load_in_4bit=True under the T4 profile: Qwen3-1.7B's shapes loaded in
+    4-bit and split over both GPUs in one process (the baseline fsdp_vs_balanced.py compares FSDP-QLoRA with), the
+    planner asked about 4-bit, and a finite, falling loss."""
+    if len(nbkit.visible_gpus()) < 2:
+        pytest.skip("needs 2 GPUs")
+    if importlib.util.find_spec("bitsandbytes") is None:
+        pytest.skip("needs bitsandbytes")
+    runner = _load_runner()
+    nbkit.resolve_model("random:qwen3-1.7b")
+    (executed,) = runner.run(
+        ["model_parallel"],
+        tmp_path,
+        dict(model_name="random:qwen3-1.7b", dataset_name="synthetic", load_in_4bit=True, emulate="T4", max_steps=8),
+        timeout=400,
+    )
+    nb = nbformat.read(executed, as_version=4)
+    errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
+    assert not errors, errors
+    text = "\n".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
+    assert "(4-bit)" in text, "the planning cell planned for 16-bit weights"
+    (layout,) = [line for line in text.splitlines() if line.startswith("layout:")]
+    assert layout.startswith("layout: [0, 1] "), layout  # both GPUs hold layers
+    summary = json.loads((tmp_path / "model_parallel" / "summary.json").read_text())
+    assert summary["load_in_4bit"] is True and summary["precision"] == "fp16"
+    losses = summary["losses"]
+    assert all(math.isfinite(loss) for loss in losses) and sum(losses[-3:]) < sum(losses[:3]), losses
