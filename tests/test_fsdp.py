@@ -88,6 +88,8 @@ def _sharded_step(adapter_dir: str | None, savers: dict | None, device_type: str
     grads = {name: g.cpu() for name, g in _full_grads(model).items()}
     if adapter_dir is not None:
         fsdp.save_adapter(model, adapter_dir)
+        # what save_adapter gathers to rank 0: parameter names only (a 4-bit base would be gigabytes)
+        mine["gathered"] = sorted(k for k in fsdp._trainable_state_dict(model) if "." in k and "rotary" not in k)
         model.zero_grad(set_to_none=True)
         with torch.no_grad():
             mine["logits"] = model(input_ids=batches[0]["input_ids"]).logits.detach()
@@ -154,6 +156,13 @@ def test_adapter_saved_from_shards_loads_in_one_process_with_the_same_outputs(tm
     with torch.no_grad():
         logits = loaded(input_ids=batch["input_ids"]).logits
     assert relative_error(logits, result["ranks"][0]["logits"]) < TOLERANCE
+    # Only the trainable (LoRA) weights travel to rank 0, not the frozen base's shards; torch keeps one frozen
+    # weight, the output layer that tiny Qwen3 ties to its embeddings (a second name for a parameter).
+    gathered = result["ranks"][0]["gathered"]
+    lora = [k for k in gathered if "lora_" in k]
+    assert set(gathered) - set(lora) <= {"base_model.model.lm_head.weight"}, gathered
+    assert len(lora) == sum(p.requires_grad for p in tiny_model("qwen3").parameters())
+    assert result["ranks"][1]["gathered"] == []
 
 
 def _trainer_run(path: str, out: str) -> dict:

@@ -355,13 +355,14 @@ def _ranks_missing(timeout: float) -> list[int]:
         time.sleep(0.05)
 
 
-def _full_state_dict(model: torch.nn.Module) -> dict[str, Any]:
-    """Every parameter of a sharded model, gathered to rank 0's CPU memory (an empty dict elsewhere).
-    Collective: every rank must call it.
+def _trainable_state_dict(model: torch.nn.Module) -> dict[str, Any]:
+    """The trainable parameters of a sharded model (and its buffers), gathered to rank 0's CPU memory (an empty
+    dict elsewhere). Collective: every rank must call it. The frozen base stays sharded: gathering it too would
+    put a 14B model's 9.3 GB of packed 4-bit weights into rank 0's RAM to save 64M LoRA weights.
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
     return get_model_state_dict(model, options=options)
 
 
@@ -370,9 +371,8 @@ def save_adapter(model: torch.nn.Module, path: str | os.PathLike[str]) -> Path |
     peft's format (adapter_config.json + adapter_model.safetensors); a plain single process loads it with
     PeftModel.from_pretrained.
 
-    Collective: call it on every rank (each sends its shards). torch gathers the whole state dict
-    (base weights included) into rank 0's CPU memory, never onto a GPU; peft then keeps the adapter's
-    keys only. For a 4-bit base that is its packed size.
+    Collective: call it on every rank (each sends its shards of the trainable weights). torch gathers
+    them into rank 0's CPU memory, never onto a GPU; the frozen base weights are not gathered.
 
     Args:
         model: a peft model sharded by Trainer or shard().
@@ -381,7 +381,7 @@ def save_adapter(model: torch.nn.Module, path: str | os.PathLike[str]) -> Path |
     Returns:
         The directory on rank 0, None on the other ranks.
     """
-    state = _full_state_dict(model)
+    state = _trainable_state_dict(model)
     if distributed.rank() != 0:
         return None
     target = Path(path)
