@@ -89,7 +89,7 @@ def _sharded_step(adapter_dir: str | None, savers: dict | None, device_type: str
     if adapter_dir is not None:
         fsdp.save_adapter(model, adapter_dir)
         # what save_adapter gathers to rank 0: parameter names only (a 4-bit base would be gigabytes)
-        mine["gathered"] = sorted(k for k in fsdp._trainable_state_dict(model) if "." in k and "rotary" not in k)
+        mine["gathered"] = sorted(k for k in fsdp._saved_state_dict(model) if "rotary" not in k)
         model.zero_grad(set_to_none=True)
         with torch.no_grad():
             mine["logits"] = model(input_ids=batches[0]["input_ids"]).logits.detach()
@@ -172,7 +172,14 @@ def _trainer_run(path: str, out: str) -> dict:
     trainer.train()
     trainer.save_model(out)
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
-    return {"class": type(trainer.model_wrapped).__name__, "losses": losses, "fsdp": trainer.is_fsdp_enabled}
+    # what Trainer's saves gather to rank 0 (names only)
+    gathered = sorted(k for k in trainer.accelerator.get_state_dict(trainer.model) if "rotary" not in k)
+    return {
+        "class": type(trainer.model_wrapped).__name__,
+        "losses": losses,
+        "fsdp": trainer.is_fsdp_enabled,
+        "gathered": gathered,
+    }
 
 
 def test_trainer_trains_sharded_and_saves_the_adapter(tiny_text_path, tmp_path):
@@ -183,6 +190,9 @@ def test_trainer_trains_sharded_and_saves_the_adapter(tiny_text_path, tmp_path):
 
     saved = load_file(tmp_path / "adapter_model.safetensors")
     assert saved and all("lora_" in key and "_checkpoint_wrapped_module" not in key for key in saved), list(saved)
+    # Trainer's saves gathered the adapter (and the output layer tied to the embeddings), not the frozen base.
+    lora = [k for k in result["gathered"] if "lora_" in k]
+    assert len(lora) == len(saved) and set(result["gathered"]) - set(lora) <= {"base_model.model.lm_head.weight"}
 
 
 def _sharding_watched() -> dict:
