@@ -165,6 +165,18 @@ def test_adapter_saved_from_shards_loads_in_one_process_with_the_same_outputs(tm
     assert result["ranks"][1]["gathered"] == []
 
 
+def test_saves_leave_the_frozen_weights_out_only_where_every_adapter_trains():
+    """A save gathers the trainable weights alone for a peft model whose frozen weights are its base; a second,
+    inactive adapter (frozen) or a model without adapters keeps every parameter in the save."""
+    from peft import LoraConfig
+
+    model = tiny_model("qwen3")
+    assert fsdp._only_the_base_is_frozen(model)
+    model.add_adapter("other", LoraConfig(r=2, target_modules=["q_proj"]))  # added inactive: frozen
+    assert not fsdp._only_the_base_is_frozen(model)
+    assert not fsdp._only_the_base_is_frozen(tiny_model("qwen3", lora=False))
+
+
 def _trainer_run(path: str, out: str) -> dict:
     from tiny_training import saving_trainer
 
