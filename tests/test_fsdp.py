@@ -177,6 +177,34 @@ def test_saves_leave_the_frozen_weights_out_only_where_every_adapter_trains():
     assert not fsdp._only_the_base_is_frozen(tiny_model("qwen3", lora=False))
 
 
+def _generated_without_adapter_then_saved(adapter_dir: str) -> dict:
+    """In each rank: shard, a forward without grad inside peft's disable_adapter() (what a notebook's "before"
+    answers do), then save_adapter; which LoRA weights are frozen in the sharded model afterwards."""
+    from torch.distributed.fsdp import FSDPModule
+
+    model = fsdp.shard(tiny_model("qwen3"))
+    batch = make_batch(model, [12], seed=0)
+    with torch.no_grad(), model.disable_adapter():
+        model(input_ids=batch["input_ids"], use_cache=False)
+    fsdp.save_adapter(model, adapter_dir)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+    return {"frozen_lora": [n for n, p in model.named_parameters() if "lora_" in n and not p.requires_grad]}
+
+
+def test_adapter_switched_off_for_a_forward_trains_and_saves_whole_afterwards(tmp_path):
+    """peft's disable_adapter() switches requires_grad off and on again on the weights each module holds; the
+    last decoder layer, kept gathered after a forward for its backward, must not keep its sharded LoRA weights
+    frozen after a forward without grad, and the saved adapter has every LoRA weight."""
+    from safetensors.torch import load_file
+
+    result = nbkit.launch(_generated_without_adapter_then_saved, str(tmp_path), gpus=2, env=FSDP_ENV, timeout=300)
+    assert result["frozen_lora"] == []
+    saved = load_file(tmp_path / "adapter_model.safetensors")
+    assert len(saved) == sum(p.requires_grad for p in tiny_model("qwen3").parameters())
+
+
 def _trainer_run(path: str, out: str) -> dict:
     from tiny_training import saving_trainer
 

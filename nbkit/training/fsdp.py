@@ -364,7 +364,13 @@ def _saved_state_dict(model: torch.nn.Module, *, broadcast: bool = False) -> dic
     into rank 0's RAM to save 64M LoRA weights, at every checkpoint.
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.fsdp import FSDPModule
 
+    # torch reads the sharded weights: decide on those, not on gathered copies a module may hold (peft switches
+    # requires_grad on whichever weights its modules hold).
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
     options = StateDictOptions(
         full_state_dict=True,
         cpu_offload=True,
@@ -670,7 +676,10 @@ def _lean_fsdp2_preparation(original: Callable[..., Any]) -> Callable[..., Any]:
     issues its all-gather as soon as the layer starts (one more layer's weights in memory; the backward
     already prefetches one layer by itself, and checkpointed recomputation gathers through it). The last
     layer keeps its gathered weights after its forward: its backward follows right after the loss, so
-    freeing them would only gather them again where nothing can hide the wait.
+    freeing them would only gather them again where nothing can hide the wait. After a forward without
+    grad (generation, evaluation) no backward follows, and it reshards: left gathered, it also held the
+    weights peft's disable_adapter() switches requires_grad on, so the last layer's sharded LoRA weights
+    stayed frozen after the context (a save that gathers trainable weights lost them).
 
     Under mixed precision accelerate reduces the gradients in the compute dtype. In fp16 (T4s) a LoRA
     gradient times the loss scale may overflow in the sum over ranks and a small one vanishes, and bf16
@@ -710,6 +719,7 @@ def _lean_fsdp2_preparation(original: Callable[..., Any]) -> Callable[..., Any]:
             layer.set_modules_to_forward_prefetch([following])
         if layers and plugin.reshard_after_forward:
             layers[-1].set_reshard_after_forward(False, recurse=False)
+            layers[-1].register_forward_hook(_reshard_without_grad)
         return prepared
 
     return fsdp2_prepare_model
@@ -747,6 +757,12 @@ patch(
     upstream="https://github.com/bitsandbytes-foundation/bitsandbytes/issues/1945 (the same in bf16; open)",
     group="fsdp",
 )(_byte_all_gather)
+
+
+def _reshard_without_grad(module: Any, args: Any, output: Any) -> None:
+    """Forward hook of the last decoder layer's unit: free its gathered weights where no backward will."""
+    if not torch.is_grad_enabled():
+        module.reshard()
 
 
 def _weight_units(units: list[Any]) -> list[Any]:
