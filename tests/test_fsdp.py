@@ -180,16 +180,12 @@ def test_saves_leave_the_frozen_weights_out_only_where_every_adapter_trains():
 def _generated_without_adapter_then_saved(adapter_dir: str) -> dict:
     """In each rank: shard, a forward without grad inside peft's disable_adapter() (what a notebook's "before"
     answers do), then save_adapter; which LoRA weights are frozen in the sharded model afterwards."""
-    from torch.distributed.fsdp import FSDPModule
-
     model = fsdp.shard(tiny_model("qwen3"))
     batch = make_batch(model, [12], seed=0)
     with torch.no_grad(), model.disable_adapter():
         model(input_ids=batch["input_ids"], use_cache=False)
     fsdp.save_adapter(model, adapter_dir)
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.reshard()
+    fsdp._reshard(model)  # the sharded weights, whatever save_adapter left gathered
     return {"frozen_lora": [n for n, p in model.named_parameters() if "lora_" in n and not p.requires_grad]}
 
 

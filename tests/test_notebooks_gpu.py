@@ -32,6 +32,11 @@ def _load_runner():
     return module
 
 
+def _code_outputs(nb: nbformat.NotebookNode) -> list:
+    """Every output of the executed notebook's code cells, in order."""
+    return [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("load_in_4bit", [None, True], ids=["16bit-by-the-planner", "4bit"])
 def test_flagship_trains_on_two_capped_gpus_with_unsloth_in_fp16(tmp_path: Path, load_in_4bit: bool | None) -> None:
@@ -73,7 +78,7 @@ def test_flagship_trains_on_two_capped_gpus_with_unsloth_in_fp16(tmp_path: Path,
     wall = time.monotonic() - start
 
     nb = nbformat.read(executed, as_version=4)
-    errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
+    errors = [o for o in _code_outputs(nb) if o.output_type == "error"]
     assert not errors, errors
     summary = json.loads((tmp_path / "qwen3_vl_2xT4" / "summary.json").read_text())
     train = summary["train"]
@@ -155,7 +160,7 @@ def test_flagship_saves_merged_or_gguf_with_unsloth(tmp_path: Path, saving: str)
         timeout=1200,
     )
     nb = nbformat.read(executed, as_version=4)
-    errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
+    errors = [o for o in _code_outputs(nb) if o.output_type == "error"]
     assert not errors, errors
     out = tmp_path / "qwen3_vl_2xT4"
     if saving == "merged":
@@ -183,9 +188,9 @@ def test_model_parallel_notebook_splits_a_4bit_model_over_two_gpus_in_fp16(tmp_p
         timeout=400,
     )
     nb = nbformat.read(executed, as_version=4)
-    errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
+    errors = [o for o in _code_outputs(nb) if o.output_type == "error"]
     assert not errors, errors
-    text = "\n".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
+    text = "\n".join(o.get("text", "") for o in _code_outputs(nb))
     assert "(4-bit)" in text, "the planning cell planned for 16-bit weights"
     (layout,) = [line for line in text.splitlines() if line.startswith("layout:")]
     assert layout.startswith("layout: [0, 1] "), layout  # both GPUs hold layers

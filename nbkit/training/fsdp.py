@@ -355,29 +355,31 @@ def _ranks_missing(timeout: float) -> list[int]:
         time.sleep(0.05)
 
 
-def _saved_state_dict(model: torch.nn.Module, *, broadcast: bool = False) -> dict[str, Any]:
-    """What saving a sharded model needs, gathered to rank 0's CPU memory (an empty dict elsewhere, or on every rank
-    with `broadcast`): its trainable weights only where the model is a peft model whose adapters all train (peft
-    keeps the adapters' keys of a state dict), else every parameter. Collective: every rank must call it.
+def _saved_state_dict(model: torch.nn.Module) -> dict[str, Any]:
+    """What saving a sharded model needs, gathered to rank 0's CPU memory (an empty dict elsewhere): its trainable
+    weights only where the model is a peft model whose adapters all train (peft keeps the adapters' keys of a state
+    dict), else every parameter. Collective: every rank must call it.
 
     The frozen base stays sharded where it can: gathering it would put a 14B model's 9.3 GB of packed 4-bit weights
     into rank 0's RAM to save 64M LoRA weights, at every checkpoint.
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-    from torch.distributed.fsdp import FSDPModule
 
     # torch reads the sharded weights: decide on those, not on gathered copies a module may hold (peft switches
     # requires_grad on whichever weights its modules hold).
+    _reshard(model)
+    frozen_left_out = _only_the_base_is_frozen(model)
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=frozen_left_out)
+    return get_model_state_dict(model, options=options)
+
+
+def _reshard(model: torch.nn.Module) -> None:
+    """Every FSDP unit of `model` back to its shards, its gathered weights freed (FSDPModule.reshard is per unit)."""
+    from torch.distributed.fsdp import FSDPModule
+
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.reshard()
-    options = StateDictOptions(
-        full_state_dict=True,
-        cpu_offload=True,
-        broadcast_from_rank0=broadcast,
-        ignore_frozen_params=_only_the_base_is_frozen(model),
-    )
-    return get_model_state_dict(model, options=options)
 
 
 def _only_the_base_is_frozen(model: torch.nn.Module) -> bool:
@@ -432,17 +434,18 @@ def save_merged(model: torch.nn.Module, path: str | os.PathLike[str]) -> None:
 
 
 def _adapter_state_dict(original: Callable[..., Any]) -> Callable[..., Any]:
-    """Patch factory: Accelerator.get_state_dict of a sharded peft model gathers what saving it needs
-    (_saved_state_dict: its trainable weights where every adapter trains), not every parameter.
+    """Patch factory: Accelerator.get_state_dict of an FSDP2 model gathers what saving it needs
+    (_saved_state_dict: a peft model's trainable weights where every adapter trains, else every parameter).
 
     Trainer saves through it (save_model and every checkpoint) and peft then keeps the adapter's keys; accelerate
-    gathered the whole model to rank 0's CPU memory first, a 4-bit base included.
+    gathered the whole model to rank 0's CPU memory first, a 4-bit base included. Otherwise its options are
+    accelerate's (a full state dict on rank 0's CPU; its broadcast_from_rank0 only matters when loading).
     """
 
     @functools.wraps(original)
     def get_state_dict(self: Any, model: torch.nn.Module, unwrap: bool = True) -> dict[str, Any]:
-        if getattr(self, "is_fsdp2", False) and _only_the_base_is_frozen(model):
-            return _saved_state_dict(model, broadcast=True)  # accelerate's own options, less the frozen weights
+        if getattr(self, "is_fsdp2", False):
+            return _saved_state_dict(model)
         return original(self, model, unwrap)
 
     return get_state_dict
