@@ -732,7 +732,7 @@ def _byte_all_gather(original: Callable[..., Any]) -> Callable[..., Any]:
     """Patch factory: FSDP2 gathers 16-bit parameters as their bytes.
 
     FSDP-QLoRA stores bitsandbytes' packed 4-bit weights in the compute dtype so that FSDP shards them
-    (qlora_config), and about one fp16 word in 32 of packed codes reads as a NaN (one bf16 word in 256).
+    (qlora_config), and about one fp16 word in 32 of packed codes reads as a NaN (one bf16 word in 258).
     Before its all-gather FSDP2 copies every shard into one buffer with torch._foreach_copy_, whose CUDA
     kernel takes 16-bit values through fp32 and writes every NaN back as the one canonical NaN: four codes
     of each such word changed, on every gather, with more than one rank (one rank copies with copy_).
