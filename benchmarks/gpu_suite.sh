@@ -12,6 +12,7 @@
 #   bash benchmarks/gpu_suite.sh t4both               # the rest of the T4 matrix, both sets, six streams side by side (~9.5 min)
 #   bash benchmarks/gpu_suite.sh scaling              # unsloth 1 -> 2 GPUs: checkpointing paths x DDP knobs, profiled
 #   bash benchmarks/gpu_suite.sh launchers            # the same function via nbkit.launch, notebook_launcher, accelerate
+#   bash benchmarks/gpu_suite.sh scaling2             # 1 -> 2 GPUs, transformers+peft+nbkit: nbkit.launch and a live set, bf16 and T4 profile (~8 min)
 #   bash benchmarks/gpu_suite.sh scaling4             # SFTTrainer on 1, 2 and 4 GPUs, both backends (needs 4; ~9.5 min)
 #   bash benchmarks/gpu_suite.sh accum                # 1K x 4 with gradient accumulation 4, 1 -> 2 GPUs
 #   bash benchmarks/gpu_suite.sh ddp1k                # 1K x 4 under DDP: options that cut host work, profiled
@@ -317,6 +318,29 @@ for what in "$@"; do
         --out "$OUT/scaling4_unsloth.json" --md "$OUT/scaling4_unsloth.md"
       part scaling4_transformers 200 python3 benchmarks/trainer_bench.py --configs "$liger" --shapes "$shapes" \
         "${run[@]}" --time-limit 120 --out "$OUT/scaling4_transformers.json" --md "$OUT/scaling4_transformers.md" ;;
+    scaling2)
+      # One GPU against two on one 2-GPU host, every ratio from this call: transformers+peft+nbkit (Liger's kernels)
+      # in place on 1 GPU, through nbkit.launch and through a live set (the shipped notebooks' path) on 2, at 1K x 4
+      # and 16K x 1, in bf16 and then under the T4 profile (fp16, 15 GiB per process). ~50 s a launch, six
+      # launches; SCALING2_CONFIGS / SCALING2_PRECISIONS replace the defaults (e.g. unsloth's, ~120 s a launch).
+      # SUITE_DRY_RUN=1: the transformers path on CPU ranks, tiny:qwen3-vl.
+      model=random:qwen3-vl-2b
+      configs=${SCALING2_CONFIGS:-liger:1@notebook,liger:2,liger:2@live}
+      run=(--steps 8 --warmup 3 --launch-timeout 240)
+      shapes=1024x4,16384x1
+      if [ -n "${SUITE_DRY_RUN:-}" ]; then
+        model=tiny:qwen3-vl configs=${configs//liger/transformers}
+        run=(--model $model --device cpu --steps 2 --warmup 1 --launch-timeout 240) shapes=128x2
+      fi
+      model_part "$model" 120 scaling2_model
+      for precision in ${SCALING2_PRECISIONS:-bf16 t4}; do
+        emulate=()
+        [ "$precision" != t4 ] || emulate=(--emulate T4)
+        [ -n "${SUITE_DRY_RUN:-}" ] || [ "$precision" = t4 ] || emulate=(--precision "$precision")
+        part "scaling2_$precision" "${SCALING2_LIMIT:-240}" python3 benchmarks/trainer_bench.py --configs "$configs" \
+          --shapes "$shapes" "${run[@]}" "${emulate[@]}" --time-limit $((${SCALING2_LIMIT:-240} - 60)) \
+          --out "$OUT/scaling2_$precision.json" --md "$OUT/scaling2_$precision.md"
+      done ;;
     long)
       limit=${LONG_LIMIT:-330}
       part long "$limit" python3 benchmarks/savers.py --seq-lens 64k --configs ${LONG_CONFIGS:-all,plain,recompute} \
