@@ -78,3 +78,42 @@ def test_a_model_split_over_two_gpus_trains_in_fp16(tiny_text_path, tmp_path, fo
     assert all(math.isfinite(x) and x > 0 for x in losses), logged
     assert all(math.isfinite(x) for x in norms), logged
     assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3, losses
+
+
+def test_a_4bit_model_on_one_gpu_of_two_logs_the_loss_of_its_own_batch(tiny_text_path, tmp_path):
+    """A 4-bit model that fits one GPU lands whole on one of two (accelerate's "balanced" map put Qwen3-1.7B's on
+    the second): Trainer, in the notebook's process, counts one GPU with nbkit's trainer_defaults group installed,
+    as the model_parallel notebook does, so the first logged loss is the batch's loss, not twice it."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+
+    import nbkit
+    from nbkit.training import fsdp
+
+    model = AutoModelForCausalLM.from_pretrained(
+        tiny_text_path, dtype=torch.float16, device_map={"": 1}, quantization_config=fsdp.qlora_config(torch.float16)
+    )
+    model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"))
+    ids = torch.randint(8, 1000, (64,), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.float16):
+        forward = float(model(input_ids=ids[None].cuda(1), labels=ids[None].cuda(1)).loss)
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        max_steps=1,
+        per_device_train_batch_size=1,
+        learning_rate=0.0,
+        fp16=True,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        disable_tqdm=True,
+    )
+    nbkit.install("trainer_defaults")
+    try:
+        trainer = Trainer(model=model, args=args, train_dataset=[{"input_ids": ids, "labels": ids}])
+        trainer.train()
+    finally:
+        nbkit.uninstall("trainer_defaults")
+    logged = next(e["loss"] for e in trainer.state.log_history if "loss" in e)
+    assert trainer.args.n_gpu == 1
+    assert logged == pytest.approx(forward, rel=1e-2), (logged, forward)

@@ -171,10 +171,11 @@ def test_flagship_saves_merged_or_gguf_with_unsloth(tmp_path: Path, saving: str)
 
 
 @pytest.mark.gpu
-def test_model_parallel_notebook_splits_a_4bit_model_over_two_gpus_in_fp16(tmp_path: Path) -> None:
-    """notebooks/model_parallel.ipynb with load_in_4bit=True under the T4 profile: Qwen3-1.7B's shapes loaded in
-    4-bit and split over both GPUs in one process (the baseline fsdp_vs_balanced.py compares FSDP-QLoRA with), the
-    planner asked about 4-bit, and a finite, falling loss."""
+def test_model_parallel_notebook_trains_a_4bit_model_on_two_gpus_in_fp16(tmp_path: Path) -> None:
+    """notebooks/model_parallel.ipynb with load_in_4bit=True under the T4 profile, two GPUs visible: Qwen3-1.7B's
+    shapes in 4-bit, which fit one GPU, so accelerate's "balanced" map puts them whole on one (2x H100; the split
+    itself is tests/test_model_parallel_gpu.py's and fsdp_vs_balanced.py's); the planner asked about 4-bit; a
+    finite, falling loss that is the batch's own (Trainer counted both GPUs for a 4-bit model and logged twice it)."""
     if len(nbkit.visible_gpus()) < 2:
         pytest.skip("needs 2 GPUs")
     if importlib.util.find_spec("bitsandbytes") is None:
@@ -193,8 +194,10 @@ def test_model_parallel_notebook_splits_a_4bit_model_over_two_gpus_in_fp16(tmp_p
     text = "\n".join(o.get("text", "") for o in _code_outputs(nb))
     assert "(4-bit)" in text, "the planning cell planned for 16-bit weights"
     (layout,) = [line for line in text.splitlines() if line.startswith("layout:")]
-    assert layout.startswith("layout: [0, 1] "), layout  # both GPUs hold layers
+    assert layout.startswith("layout: ['cuda:"), layout  # the weights on GPUs, none left on the CPU
     summary = json.loads((tmp_path / "model_parallel" / "summary.json").read_text())
     assert summary["load_in_4bit"] is True and summary["precision"] == "fp16"
     losses = summary["losses"]
     assert all(math.isfinite(loss) for loss in losses) and sum(losses[-3:]) < sum(losses[:3]), losses
+    # A random model starts near ln(vocabulary) = 11.9 (151,936 tokens); counted twice it logged about 24.
+    assert losses[0] < 1.3 * math.log(151936), losses

@@ -79,3 +79,25 @@ def test_sft_trainer_searches_for_unused_weights_only_where_vision_weights_train
     assert _sft_find_unused(tiny_vl_path, LANGUAGE_LAYERS, tmp_path, nbkit_decides=True) is False
     # Vision weights train too: TRL's choice stands where it made one.
     assert _sft_find_unused(tiny_vl_path, AND_VISION_LAYERS, tmp_path, nbkit_decides=True) is (by_trl is True)
+
+
+def test_a_quantised_model_in_a_process_that_sees_two_gpus_trains_on_its_own_batch(tmp_path, peft_model):
+    """Trainer keeps a bitsandbytes-quantised model out of DataParallel but counted every visible GPU: twice the
+    batch per step, twice the logged loss (2x H100, benchmarks/split_probe.py). This machine has no GPU, so the
+    count a process seeing two GPUs gets is set on the arguments; the model carries the flag transformers reads."""
+    from transformers import Trainer
+
+    def two_gpus() -> TrainingArguments:
+        args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=4, report_to=[])
+        args._n_gpu = 2
+        return args
+
+    peft_model.base_model.model.is_loaded_in_4bit = True  # what transformers sets on a 4-bit load
+    nbkit.install("trainer_defaults")
+    try:
+        trainer = Trainer(model=peft_model, args=two_gpus())
+        assert (trainer.args.n_gpu, trainer._train_batch_size) == (1, 4)
+    finally:
+        nbkit.uninstall("trainer_defaults")
+    unpatched = Trainer(model=peft_model, args=two_gpus())
+    assert (unpatched.args.n_gpu, unpatched._train_batch_size) == (2, 8)  # what the patch is for

@@ -115,9 +115,11 @@ GROUPS: dict[str, Group] = {
         Group(
             "trainer_defaults",
             "nbkit.training.trainer_defaults",
-            "in every rank nbkit starts: Trainer's find_unused_parameters for a peft model as for the model it "
-            "wraps (and TRL's for a vision-language model whose vision weights do not train), and no pinned memory "
-            "without an accelerator, where the user left them at their defaults",
+            "in every rank nbkit starts, and by `nbkit.install('trainer_defaults')` in a process that trains "
+            "itself (the model_parallel notebook): Trainer's find_unused_parameters for a peft model as for the "
+            "model it wraps (and TRL's for a vision-language model whose vision weights do not train), no pinned "
+            "memory without an accelerator, where the user left them at their defaults, and one GPU counted for a "
+            "quantised model Trainer does not replicate",
         ),
         Group(
             "attention",

@@ -20,7 +20,14 @@ the ranks nbkit starts, and each prints a warning into every training cell:
   torch's DataLoader warns about it for every data loader Trainer builds. Here it is off where there is no
   accelerator.
 
-Both are set on the trainer's own arguments before Trainer reads them, so what ran is what
+A third misfires in a process that trains on its own with several GPUs visible (the model_parallel notebook,
+which installs this group): Trainer wraps no bitsandbytes-quantised model in DataParallel, yet still counts every
+visible GPU, so a 4-bit model that accelerate's "balanced" map put on one GPU (a model that fits one: Qwen3-1.7B
+on two GPUs lands whole on the second) trained on twice the batch per step and logged twice its loss (2x H100:
+24.37 logged for a forward's 12.18, benchmarks/split_probe.py). Such a model counts one GPU here, as Trainer
+counts one for a model it finds split over several.
+
+All are set on the trainer's own arguments before Trainer reads them, so what ran is what
 `trainer.args` shows.
 """
 
@@ -37,9 +44,10 @@ __all__ = ["choose"]
 
 
 def choose(args: Any, model: Any, left_to_default: bool = False) -> None:
-    """Set, on TrainingArguments `args` for `model`, the two defaults the module docstring names, where the
-    user left them at their defaults. Changes nothing a user set. `left_to_default`: the user left
-    find_unused_parameters unset and a library (TRL's SFTTrainer) may have set it since.
+    """Set, on TrainingArguments `args` for `model`, the defaults the module docstring names, where the
+    user left them at their defaults, and the GPU count of a quantised model. Changes nothing a user set.
+    `left_to_default`: the user left find_unused_parameters unset and a library (TRL's SFTTrainer) may have set
+    it since.
     """
     chosen_by_trl = left_to_default and args.ddp_find_unused_parameters is True
     if args.ddp_find_unused_parameters is None or chosen_by_trl:
@@ -51,6 +59,13 @@ def choose(args: Any, model: Any, left_to_default: bool = False) -> None:
             args.ddp_find_unused_parameters = not _checkpointing(args, base)
     if args.dataloader_pin_memory and not _has_accelerator():
         args.dataloader_pin_memory = False
+    if args.n_gpu > 1 and _not_replicated(model):
+        args._n_gpu = 1
+
+
+def _not_replicated(model: Any) -> bool:
+    """Whether Trainer leaves `model` out of DataParallel: a bitsandbytes-quantised model (its own test)."""
+    return bool(getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False))
 
 
 def _pretrained_model(model: Any) -> Any:
@@ -101,9 +116,13 @@ _left_to_default: ContextVar[bool] = ContextVar("nbkit_find_unused_left_to_defau
     reason="a peft model gets DDP's find_unused_parameters as the model it wraps would (False under gradient "
     "checkpointing, where Trainer's isinstance(PreTrainedModel) check gives a peft model True: an extra "
     "autograd traversal per step and a DDP warning), and data loaders pin no memory where there is no "
-    "accelerator (torch warns for each one); only where the user left these settings at their defaults",
+    "accelerator (torch warns for each one); only where the user left these settings at their defaults. In a "
+    "process that sees several GPUs, a quantised model, which Trainer does not wrap in DataParallel, counts one "
+    "GPU: counted as several, it trained on that many times the batch and logged that many times its loss",
     upstream="https://github.com/huggingface/transformers/issues/9802 (find_unused_parameters hard-wired); "
-    "https://github.com/huggingface/transformers/pull/9857 (pin memory by default, on every device)",
+    "https://github.com/huggingface/transformers/pull/9857 (pin memory by default, on every device); "
+    "https://github.com/huggingface/transformers/pull/45407 (quantised models kept out of DataParallel, "
+    "their GPU count left as it was)",
     group="trainer_defaults",
 )
 def _create_accelerator(original: Callable[..., Any]) -> Callable[..., Any]:
