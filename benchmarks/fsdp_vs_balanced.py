@@ -81,7 +81,7 @@ class Run:
     load_in_4bit: bool
     t4: bool
     profile_dir: str | None = None  # profile the last step (left out of the median) and write rank 0's table here
-    compile: str | None = "auto"  # nbkit.savers.apply's compile: "auto" (regional on one GPU: an FSDP rank), None
+    compile: str | None = "auto"  # nbkit.savers.apply's compile: "auto" (none for a 4-bit FSDP rank), "regional", None
     storage: str = "compute"  # 4-bit weights stored in the compute dtype (sharded), or "uint8" (bitsandbytes' own)
     dtype: str | None = None  # "fp16" / "bf16" / "fp32"; None: fp16 under the T4 profile, else nbkit's choice
     by_layer: bool = False  # LoRA weight and gradient norms by layer at every step (a few ms of syncs per step)
@@ -641,7 +641,7 @@ def main(argv: list[str] | None = None) -> int:
         "--compile",
         choices=["auto", "regional", "none"],
         default="auto",
-        help="nbkit.savers.apply's compile (auto: regional compilation where the model is on one GPU, an FSDP rank)",
+        help="nbkit.savers.apply's compile (auto: none for a 4-bit model in an FSDP rank, regional for a 16-bit one)",
     )
     p.add_argument(
         "--storage",

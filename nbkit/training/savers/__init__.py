@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from nbkit.platform import config
 from nbkit.training.savers import checkpointing as _checkpointing
 from nbkit.training.savers import compiling as _compiling
 from nbkit.training.savers import liger as _liger
@@ -47,7 +48,9 @@ _COMPILE = ("regional", "auto", None)
 # 1.00-1.03x at 16K in bf16, 1.05x at 16K under the T4 profile and 1.16-1.66x at 1K x 4 there (single runs); 64K
 # tokens under the T4 profile train compiled.
 # A model split over several GPUs (device_map) stays uncompiled: not measured, and each layer's graph would be
-# specialised per device.
+# specialised per device. So does a 4-bit (bitsandbytes) model in an FSDP rank: its 4-bit matmul breaks each
+# compiled layer into ~7 graphs whose calls, beside FSDP's hooks, cost the host more than compiling saves
+# (Qwen3-14B shapes, T4 profile, 4K tokens per GPU, 2x H100: 1.48 s per step eager against 1.76 compiled).
 DEFAULT_COMPILE: str | None = "auto"
 
 
@@ -85,7 +88,10 @@ class _Options:
             on_one_gpu = len(devices) == 1 and devices.pop().type == "cuda"
             # unsloth compiles its own layers; its models carry the version that loaded them.
             by_unsloth = getattr(getattr(base_model(model), "config", None), "unsloth_version", None) is not None
-            compile = "regional" if on_one_gpu and not by_unsloth else None
+            four_bit_fsdp = config.strategy() == "fsdp" and any(
+                type(p).__name__ == "Params4bit" for p in model.parameters()
+            )
+            compile = "regional" if on_one_gpu and not by_unsloth and not four_bit_fsdp else None
         tiled = None if tiled_mlp is False else "auto" if tiled_mlp is True else tiled_mlp
         return cls(checkpointing, tiled, bool(chunked_loss), kernels, compile)
 
@@ -117,7 +123,8 @@ def apply(
             place; each compiles on its first call, see nbkit.savers.compiling), "auto" (the default:
             regional where the whole model is on one CUDA GPU, as in a single-GPU, DDP or FSDP rank;
             none on the CPU, where compiling costs more than it saves, for a model split over several
-            GPUs, and for a model unsloth loaded, which compiles its own layers) or None.
+            GPUs, for a 4-bit model in an FSDP rank, and for a model unsloth loaded, which compiles its
+            own layers) or None.
 
     How the kernels compose with the savers: with compile="regional", only Liger's fused linear
     cross-entropy applies; the compiled regions fuse their own RMSNorm, RoPE and SwiGLU (Liger's
