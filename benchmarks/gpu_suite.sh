@@ -127,9 +127,9 @@ TEST_PARTS=(
   # the flagship saving merged 16-bit weights, then GGUF (unsloth's savers; GGUF skips on a host that is offline
   # and has no llama.cpp, which unsloth would download)
   "tests_saving 540 tests/test_notebooks_gpu.py:-k:saves_merged_or_gguf"
-  # the model_parallel notebook splitting Qwen3-1.7B's shapes in 4-bit over both GPUs under the T4 profile (not yet
-  # run on a GPU; one process, a few minutes at most)
-  "tests_split 300 tests/test_notebooks_gpu.py:-k:model_parallel_notebook"
+  # one process training on both GPUs: the model_parallel notebook with Qwen3-1.7B's shapes in 4-bit under the T4
+  # profile (154 s on 2x H100), and a model split over both, or in 4-bit on one of the two (~40 s)
+  "tests_split 360 tests/test_notebooks_gpu.py:-k:model_parallel_notebook tests/test_model_parallel_gpu.py"
 )
 
 test_part() {  # test_part NAME SECONDS PYTEST-ARGS...: see TEST_PARTS; SUITE_DRY_RUN=1 collects instead
@@ -305,7 +305,7 @@ for what in "$@"; do
       # recorded as skipped. SUITE_DRY_RUN=1: the transformers path on CPU ranks, tiny:qwen3-vl.
       model=random:qwen3-vl-2b
       liger=${SCALING4_LIGER:-liger:1@notebook,liger:4,liger:2,liger:4@live}
-      unsloth=${SCALING4_UNSLOTH:-unsloth:1@notebook,unsloth:4}
+      unsloth=${SCALING4_UNSLOTH-unsloth:1@notebook,unsloth:4}  # set empty: no unsloth launch
       run=(--steps 8 --warmup 3 --launch-timeout 240)
       shapes=1024x4,16384x1
       if [ -n "${SUITE_DRY_RUN:-}" ]; then
@@ -316,18 +316,20 @@ for what in "$@"; do
       [ -z "$unsloth" ] || part scaling4_unsloth 290 python3 benchmarks/trainer_bench.py --configs "$unsloth" \
         --shapes "${SCALING4_UNSLOTH_SHAPES:-16384x1}" "${run[@]}" --time-limit 150 \
         --out "$OUT/scaling4_unsloth.json" --md "$OUT/scaling4_unsloth.md"
-      part scaling4_transformers 200 python3 benchmarks/trainer_bench.py --configs "$liger" --shapes "$shapes" \
-        "${run[@]}" --time-limit 120 --out "$OUT/scaling4_transformers.json" --md "$OUT/scaling4_transformers.md" ;;
+      limit=${SCALING4_LIGER_LIMIT:-200}
+      part scaling4_transformers "$limit" python3 benchmarks/trainer_bench.py --configs "$liger" --shapes "$shapes" \
+        "${run[@]}" --time-limit $((limit - 80)) --out "$OUT/scaling4_transformers.json" --md "$OUT/scaling4_transformers.md" ;;
     scaling2)
       # One GPU against two on one 2-GPU host, every ratio from this call: transformers+peft+nbkit (Liger's kernels)
       # in place on 1 GPU, through nbkit.launch and through a live set (the shipped notebooks' path) on 2, at 1K x 4
       # and 16K x 1, in bf16 and then under the T4 profile (fp16, 15 GiB per process). ~50 s a launch, six
-      # launches; SCALING2_CONFIGS / SCALING2_PRECISIONS replace the defaults (e.g. unsloth's, ~120 s a launch).
+      # launches; SCALING2_CONFIGS / SCALING2_SHAPES / SCALING2_PRECISIONS replace the defaults (unsloth: ~120 s a
+      # launch, ~90 s more for a second shape's compilation).
       # SUITE_DRY_RUN=1: the transformers path on CPU ranks, tiny:qwen3-vl.
       model=random:qwen3-vl-2b
       configs=${SCALING2_CONFIGS:-liger:1@notebook,liger:2,liger:2@live}
       run=(--steps 8 --warmup 3 --launch-timeout 240)
-      shapes=1024x4,16384x1
+      shapes=${SCALING2_SHAPES:-1024x4,16384x1}
       if [ -n "${SUITE_DRY_RUN:-}" ]; then
         model=tiny:qwen3-vl configs=${configs//liger/transformers}
         run=(--model $model --device cpu --steps 2 --warmup 1 --launch-timeout 240) shapes=128x2
@@ -341,6 +343,12 @@ for what in "$@"; do
           --shapes "$shapes" "${run[@]}" "${emulate[@]}" --time-limit $((${SCALING2_LIMIT:-240} - 60)) \
           --out "$OUT/scaling2_$precision.json" --md "$OUT/scaling2_$precision.md"
       done ;;
+    splitprobe)
+      # Two GPUs (~2 minutes): what transformers and Trainer make of a model split over both, 16-bit and 4-bit,
+      # device_map="balanced" and an explicit map (benchmarks/split_probe.py). SUITE_DRY_RUN=1 does nothing.
+      [ -n "${SUITE_DRY_RUN:-}" ] && continue
+      model_part random:qwen3-1.7b 120 splitprobe_model
+      part splitprobe 240 python3 benchmarks/split_probe.py --out "$OUT/splitprobe.json" ;;
     long)
       limit=${LONG_LIMIT:-330}
       part long "$limit" python3 benchmarks/savers.py --seq-lens 64k --configs ${LONG_CONFIGS:-all,plain,recompute} \
