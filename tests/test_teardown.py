@@ -1,8 +1,8 @@
 """How a rank of an outside launcher ends (nbkit.rank_side.teardown.destroy_at_exit): a script run by torchrun
-whose training function leaves its gloo group alive has the group destroyed at exit, before the
-interpreter's finalization, and every rank exits 0. Without that, such a script aborted in about one
-run in three ("terminate called without an active exception", SIGABRT; the measurement is in
-nbkit/rank_side/teardown.py's docstring)."""
+whose training function leaves its gloo group alive has the group destroyed at exit, its threads
+joined before the interpreter's finalization, and every rank exits 0. Without that, such a script
+aborted in about one run in three ("terminate called without an active exception", SIGABRT; the
+measurements are in nbkit/rank_side/teardown.py's docstring)."""
 
 from __future__ import annotations
 
@@ -29,6 +29,9 @@ SCRIPT = textwrap.dedent(
     @atexit.register
     def _report() -> None:
         print(f"rank {os.environ['RANK']}: groups alive at exit: {dist.is_initialized()}", flush=True)
+        # a group that is only unregistered keeps its worker threads, which can abort finalization
+        names = [open(f"/proc/self/task/{task}/comm").read().strip() for task in os.listdir("/proc/self/task")]
+        print(f"rank {os.environ['RANK']}: gloo threads at exit: {sum('gloo' in n for n in names)}", flush=True)
 
 
     def train():
@@ -60,3 +63,4 @@ def test_a_torchrun_rank_that_leaves_its_group_alive_has_it_destroyed_at_exit(tm
     assert "value: [0, 1]" in proc.stdout
     for rank in (0, 1):
         assert f"rank {rank}: groups alive at exit: False" in proc.stdout, proc.stdout
+        assert f"rank {rank}: gloo threads at exit: 0" in proc.stdout, proc.stdout

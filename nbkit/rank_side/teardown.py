@@ -36,12 +36,23 @@ then the end of the script): 13 of 30 runs aborted, 7 of 20 through nbkit.launch
 garbage (DDP models in reference cycles, as a Trainer keeps them, let go of the group) and then
 destroys the process groups, which joins their threads. 0 of 30 runs aborted with both steps, 6 of
 30 with the destroy alone. A DDP model a script keeps in a global still outlives the group.
+
+One more holder kept the group alive through both steps: the first DDP model of a process imports
+torch._dynamo, which imports torch.distributed.nn.functional, whose functions take `group=group.WORLD`
+as default arguments, bound when the module is imported. Imported after init_process_group, they hold
+the default group for the life of the process: destroy_process_group unregistered it, but its gloo
+threads lived on, and on a loaded machine one of them still freeing the last collective's tensors when
+finalization began aborted the rank (2 of 40, then 1 of 57, torchrun runs of tests/test_teardown.py's
+script beside three busy processes on 2 cores; core dump: `~AsyncAllgatherWork` -> `decref_pyobject` ->
+`take_gil` -> `pthread_exit` -> `std::terminate`). `destroy_at_exit` therefore imports that module
+while no group exists yet, so its defaults hold None (the default group, looked up at each call).
 """
 
 from __future__ import annotations
 
 import atexit
 import gc
+import importlib
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -64,10 +75,15 @@ def destroy_at_exit() -> None:
 
     For a rank that ends through the interpreter's shutdown (an outside launcher's); not together with
     `enable`, whose kept groups would then be destroyed by finalization after all. A script that
-    destroys its groups itself leaves the handler nothing to do.
+    destroys its groups itself leaves the handler nothing to do. Call it before the rank's process group
+    exists (prepare_rank does).
     """
     atexit.unregister(_destroy_groups)
     atexit.register(_destroy_groups)
+    import torch.distributed as dist
+
+    if dist.is_available() and not dist.is_initialized():
+        importlib.import_module("torch.distributed.nn.functional")  # its defaults bound to no group (above)
 
 
 def _destroy_groups() -> None:
