@@ -23,7 +23,9 @@ def probe(model_path: str, four_bit: bool, device_map: str) -> dict[str, object]
     placement: object = device_map
     if device_map == "explicit":
         n = AutoConfig.from_pretrained(model_path).num_hidden_layers
-        placement = {"model.embed_tokens": 0, "model.rotary_emb": 0, "model.norm": gpus - 1, "lm_head": gpus - 1}
+        # the output layer beside the embeddings: small Qwen3 models tie them, and a tied pair split over two GPUs
+        # fails at the embedding lookup (its index on one GPU, the shared weight on the other)
+        placement = {"model.embed_tokens": 0, "model.rotary_emb": 0, "model.norm": gpus - 1, "lm_head": 0}
         placement.update({f"model.layers.{i}": i * gpus // n for i in range(n)})
     quantization = None
     if four_bit:
