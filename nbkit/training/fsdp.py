@@ -52,6 +52,7 @@ __all__ = [
     "compute_dtype",
     "device_map",
     "generate",
+    "holds_4bit_weights",
     "qlora_config",
     "requested",
     "save_adapter",
@@ -176,6 +177,11 @@ def device_map(quantized: bool) -> Any:
     loads the 4-bit model there (a quarter of the 16-bit size) before it is sharded.
     """
     return {"": distributed.device()} if quantized else None
+
+
+def holds_4bit_weights(model: torch.nn.Module) -> bool:
+    """Whether `model` holds bitsandbytes' packed 4-bit weights (Params4bit), as a QLoRA load gives it."""
+    return any(type(p).__name__ == "Params4bit" for p in model.parameters())
 
 
 def without_training_cache(model: Any) -> None:
@@ -708,8 +714,7 @@ def _lean_fsdp2_preparation(original: Callable[..., Any]) -> Callable[..., Any]:
             plugin.mixed_precision_policy = dataclasses.replace(
                 policy, reduce_dtype=reduce_dtype, output_dtype=output_dtype
             )
-        four_bit = any(type(p).__name__ == "Params4bit" for p in model.parameters())
-        if plugin.cpu_ram_efficient_loading and not four_bit:
+        if plugin.cpu_ram_efficient_loading and not holds_4bit_weights(model):
             prepared = original(accelerator, model)
         else:
             model.__dict__["state_dict"] = _no_state_dict

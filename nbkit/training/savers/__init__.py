@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from nbkit.platform import config
+from nbkit.training import fsdp
 from nbkit.training.savers import checkpointing as _checkpointing
 from nbkit.training.savers import compiling as _compiling
 from nbkit.training.savers import liger as _liger
@@ -88,9 +88,7 @@ class _Options:
             on_one_gpu = len(devices) == 1 and devices.pop().type == "cuda"
             # unsloth compiles its own layers; its models carry the version that loaded them.
             by_unsloth = getattr(getattr(base_model(model), "config", None), "unsloth_version", None) is not None
-            four_bit_fsdp = config.strategy() == "fsdp" and any(
-                type(p).__name__ == "Params4bit" for p in model.parameters()
-            )
+            four_bit_fsdp = fsdp.requested() and fsdp.holds_4bit_weights(model)
             compile = "regional" if on_one_gpu and not by_unsloth and not four_bit_fsdp else None
         tiled = None if tiled_mlp is False else "auto" if tiled_mlp is True else tiled_mlp
         return cls(checkpointing, tiled, bool(chunked_loss), kernels, compile)
