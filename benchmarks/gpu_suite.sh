@@ -30,6 +30,7 @@
 #   bash benchmarks/gpu_suite.sh trainermem           # unsloth at 16K: peak memory by hand vs under SFTTrainer, largest allocations
 #   bash benchmarks/gpu_suite.sh fsdp                 # FSDP-QLoRA vs device_map="balanced", T4 profile (1 GPU: the dry run)
 #   bash benchmarks/gpu_suite.sh fsdp2                # 2 GPUs, one call (~7-9 min): Qwen3-14B shapes in 4-bit, FSDP vs balanced, T4 profile
+#   bash benchmarks/gpu_suite.sh fsdp32               # 4 GPUs, one call (~10 min): Qwen3-32B shapes in 4-bit, T4 profile, FSDP on 2 (offloaded) and on 4 against balanced
 #   bash benchmarks/gpu_suite.sh fsdphost             # 2 GPUs, one call: an FSDP rank's host time against a DDP rank's, by phase and library
 #   bash benchmarks/gpu_suite.sh speed                # 1 GPU: unsloth vs transformers+savers+Liger+regional compile, bf16 and T4 profile (~9.8 min)
 #   bash benchmarks/gpu_suite.sh speed_bf16 / speed_t4  # the same, one precision per call (up to ~9 minutes each)
@@ -324,7 +325,8 @@ for what in "$@"; do
       # in place on 1 GPU, through nbkit.launch and through a live set (the shipped notebooks' path) on 2, at 1K x 4
       # and 16K x 1, in bf16 and then under the T4 profile (fp16, 15 GiB per process). ~50 s a launch, six
       # launches; SCALING2_CONFIGS / SCALING2_SHAPES / SCALING2_PRECISIONS replace the defaults (unsloth: ~120 s a
-      # launch, ~90 s more for a second shape's compilation).
+      # launch, ~90 s more for a second shape's compilation). SCALING2_REPEATS=3: each launch three times,
+      # interleaved (every configuration once, then again), the report taking the median per configuration.
       # SUITE_DRY_RUN=1: the transformers path on CPU ranks, tiny:qwen3-vl.
       model=random:qwen3-vl-2b
       configs=${SCALING2_CONFIGS:-liger:1@notebook,liger:2,liger:2@live}
@@ -340,7 +342,7 @@ for what in "$@"; do
         [ "$precision" != t4 ] || emulate=(--emulate T4)
         [ -n "${SUITE_DRY_RUN:-}" ] || [ "$precision" = t4 ] || emulate=(--precision "$precision")
         part "scaling2_$precision" "${SCALING2_LIMIT:-240}" python3 benchmarks/trainer_bench.py --configs "$configs" \
-          --shapes "$shapes" "${run[@]}" "${emulate[@]}" --time-limit $((${SCALING2_LIMIT:-240} - 60)) \
+          --shapes "$shapes" "${run[@]}" "${emulate[@]}" --repeats "${SCALING2_REPEATS:-1}" --time-limit $((${SCALING2_LIMIT:-240} - 60)) \
           --out "$OUT/scaling2_$precision.json" --md "$OUT/scaling2_$precision.md"
       done ;;
     splitprobe)
@@ -442,6 +444,30 @@ for what in "$@"; do
       # "--compile none" (the ranks' layers eager, as the balanced process's are).
       part fsdp2 "${FSDP2_LIMIT:-300}" python3 benchmarks/fsdp_vs_balanced.py --model "$model" "${bench[@]}" ${FSDP2_ARGS:-} \
         --profile-dir "$OUT/fsdp2_profile" --out "$OUT/fsdp2.json" --md "$OUT/fsdp2.md" ;;
+    fsdp32)
+      # Qwen3-32B shapes in 4-bit under the T4 profile, one call on a 4-GPU host (~10 minutes): the random checkpoint
+      # (65.5 GB) is built while the 2-GPU FSDP tests run (a load on the host among them); then FSDP on 2 GPUs, whose
+      # ranks load their shares of the weights on the host (the whole 4-bit model, 18.4 GiB, is over a T4's 15) and,
+      # with FSDP32_OFFLOAD=1 (the default), keep their shards in CPU memory while training (accelerate's
+      # FSDP_OFFLOAD_PARAMS: the planner puts training at 15.7 GiB per GPU without it); then FSDP on 4 GPUs against the
+      # balanced split over the same 4. 1K x 1 per FSDP rank, 6 steps (2 of warm-up). SUITE_DRY_RUN=1: tiny:qwen3,
+      # 16-bit, CPU ranks.
+      model=random:qwen3-32b
+      bench=(--t4 --seq-len 1024 --batch 1 --steps 6 --warmup 2)
+      if [ -n "${SUITE_DRY_RUN:-}" ]; then
+        model=tiny:qwen3
+        bench=(--16bit --seq-len 64 --steps 3 --warmup 1)
+      fi
+      model_part "$model" "${FSDP32_BUILD_LIMIT:-300}" fsdp32_model &
+      [ -n "${SUITE_DRY_RUN:-}" ] || CUDA_VISIBLE_DEVICES=2,3 part fsdp32_tests 240 python3 -m pytest -m gpu -q -rs \
+        -p no:cacheprovider tests/test_fsdp_gpu.py -k two_gpus
+      wait
+      offload=()
+      [ -n "${SUITE_DRY_RUN:-}" ] || [ "${FSDP32_OFFLOAD:-1}" = 0 ] || offload=(env FSDP_OFFLOAD_PARAMS=true)
+      CUDA_VISIBLE_DEVICES=0,1 part fsdp32_2gpus "${FSDP32_LIMIT:-200}" "${offload[@]}" python3 benchmarks/fsdp_vs_balanced.py \
+        --model "$model" --gpus 2 --modes fsdp "${bench[@]}" --out "$OUT/fsdp32_2gpus.json" --md "$OUT/fsdp32_2gpus.md"
+      part fsdp32_4gpus "${FSDP32_LIMIT4:-300}" python3 benchmarks/fsdp_vs_balanced.py --model "$model" --gpus 4 \
+        "${bench[@]}" --out "$OUT/fsdp32_4gpus.json" --md "$OUT/fsdp32_4gpus.md" ;;
     fsdpgrad)
       # Two GPUs, one call (~6 minutes): whether FSDP-QLoRA and the balanced split train alike, and which setting
       # parts them: Qwen3-1.7B shapes in 4-bit (a quick build), 1K x 1 per GPU, 5 steps, the LoRA weights' and

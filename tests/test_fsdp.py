@@ -423,6 +423,62 @@ def test_qlora_settings_store_4bit_weights_in_the_compute_dtype(dtype):
     assert config.bnb_4bit_quant_storage == config.bnb_4bit_compute_dtype == dtype
 
 
+def _qlora_shards(path: str, out: str) -> dict:
+    """In each rank: load the tiny Qwen3 in 4-bit as an fsdp rank does, try a forward, shard, and save this rank's
+    shards of the 4-bit weights (as their bytes: packed codes stored as bf16 read as NaN at times); every rank's
+    results, gathered."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+    from transformers import AutoModelForCausalLM
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    dtype = torch.bfloat16
+    model = AutoModelForCausalLM.from_pretrained(
+        path, quantization_config=fsdp.qlora_config(dtype), dtype=dtype, device_map="auto"
+    )
+    on_host = sum(bool(getattr(p, "_nbkit_rows_on_host", False)) for p in model.parameters())
+    ids = torch.arange(8, 40).reshape(2, 16)
+    try:
+        model(input_ids=ids)
+        refused = ""
+    except nbkit.StrategyError as exc:
+        refused = str(exc)
+    model = fsdp.shard(model)
+    shards = {n: p.to_local().view(torch.int16).clone() for n, p in model.named_parameters() if isinstance(p, DTensor)}
+    torch.save(shards, f"{out}-{dist.get_rank()}.pt")
+    mine = {"on_host": on_host, "refused": refused, "loss": model(input_ids=ids, labels=ids).loss.item()}
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    return every
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("bitsandbytes") is None or transformers_major() < 5,
+    reason="needs bitsandbytes (its CPU backend) and transformers 5's conversion of 4-bit weights while loading",
+)
+def test_a_4bit_load_on_the_host_gives_each_rank_the_shards_of_a_whole_load(tiny_text_path, tmp_path):
+    """The fsdp_4bit_load setting: "host" keeps only each rank's rows of the quantised weights and refuses a forward
+    before sharding, naming what to do; once sharded, every rank holds the same bytes as after a whole load ("gpu")
+    and computes the same loss."""
+    results = {}
+    for where in ("gpu", "host"):
+        env = {**FSDP_ENV, "NBKIT_FSDP_4BIT_LOAD": where}
+        results[where] = nbkit.launch(
+            _qlora_shards, tiny_text_path, str(tmp_path / where), gpus=2, env=env, timeout=300
+        )
+    for rank in range(2):
+        whole, host = results["gpu"][rank], results["host"][rank]
+        assert whole["on_host"] == 0 and not whole["refused"]
+        assert host["on_host"] == 14  # the 7 linear layers of each of the 2 decoder layers
+        assert "cannot run until it is sharded" in host["refused"] and "nbkit.fsdp.shard(model)" in host["refused"]
+        assert host["loss"] == whole["loss"]
+        expected, got = (torch.load(tmp_path / f"{where}-{rank}.pt") for where in ("gpu", "host"))
+        assert expected.keys() == got.keys() and any("proj" in name for name in expected)
+        for name, shard in expected.items():
+            assert torch.equal(shard, got[name]), (rank, name)
+
+
 def test_fsdp_vs_balanced_script_runs_on_cpu_ranks(tmp_path):
     """benchmarks/fsdp_vs_balanced.py on the CPU: FSDP on 2 gloo ranks and the balanced process, rows with the
     harness's median, losses that fall, and a table."""

@@ -119,11 +119,15 @@ def test_fsdp_gathers_every_16bit_word_exactly(dtype):
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 @pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="needs bitsandbytes")
-def test_qlora_under_fsdp_on_two_gpus_trains_as_one_process_does_in_fp16(tmp_path):
+@pytest.mark.parametrize("load", ["gpu", "host"])
+def test_qlora_under_fsdp_on_two_gpus_trains_as_one_process_does_in_fp16(tmp_path, monkeypatch, load):
     """FSDP-QLoRA on 2 GPUs under the T4 profile (fp16, its loss scaler, compiled layers where nbkit compiles them)
     against the same 4-bit model in one process split over the 2 GPUs, on the same sequences per step
     (benchmarks/fsdp_vs_balanced.py, as the fsdp2 benchmark runs it): the same first loss, the same steps skipped by
-    the loss scaler and the same gradient norm, within fp16's arithmetic."""
+    the loss scaler and the same gradient norm, within fp16's arithmetic. The FSDP ranks load the whole model on
+    their GPUs, or keep their shares of it on the host until sharding (fsdp_4bit_load="host", as for a model too big
+    for one GPU)."""
+    monkeypatch.setenv("NBKIT_FSDP_4BIT_LOAD", load)
     import json
     from pathlib import Path
 

@@ -480,20 +480,26 @@ def test_fsdp_shards_weights_and_lora_state_per_rank_and_keeps_each_ranks_activa
     assert plans[2].fsdp_load_gib is None  # 16-bit weights load in CPU memory and are sharded from there
 
 
-def test_fsdp_in_4bit_is_chosen_only_where_a_rank_can_load_the_quantised_model():
-    # An fsdp rank quantises the whole model on its own GPU and shards it only afterwards (nbkit.fsdp.device_map).
+def test_fsdp_in_4bit_loads_on_the_host_where_the_whole_quantised_model_does_not_fit_a_gpu():
+    # An fsdp rank quantises the whole model on its own GPU and shards it only afterwards (nbkit.fsdp.device_map)...
     thirty_two_b = nbkit.plan("random:qwen3-32b", gpus=2, gpu_memory_gib=24, seq_len=1024, load_in_4bit=True)
-    assert thirty_two_b.strategy == "fsdp"
+    assert thirty_two_b.strategy == "fsdp" and not thirty_two_b.fsdp_host_load
     assert thirty_two_b.fsdp_load_gib is not None and thirty_two_b.fsdp_load_gib <= thirty_two_b.usable_gib
-    assert "first loads and quantises" not in str(thirty_two_b)
-    # A 4-bit 70B would shard to what a 24 GiB GPU holds, but its 4-bit copy does not load on one: split instead.
+    assert "CPU memory until they are sharded" not in str(thirty_two_b)
+    # ... unless that copy is more than a GPU holds: a 4-bit 70B on 24 GiB GPUs. Each rank then keeps its rows of the
+    # quantised weights on the host (nbkit.fsdp.load_4bit_on_host), and its GPU holds only what is not quantised
+    # (the 16-bit embeddings), the quantisation state and the weight being quantised.
     seventy_b = nbkit.plan(llama_70b(), gpus=4, gpu_memory_gib=24, load_in_4bit=True)
+    assert seventy_b.fsdp_host_load and seventy_b.strategy == "fsdp"
     assert seventy_b.fsdp_gib is not None and seventy_b.fsdp_load_gib is not None
-    assert seventy_b.fsdp_gib <= seventy_b.usable_gib < seventy_b.fsdp_load_gib
-    assert seventy_b.strategy == "model_parallel"
-    text = str(seventy_b)
-    loads = f"each FSDP rank first loads and quantises the whole model on its own GPU, about {seventy_b.fsdp_load_gib:.1f} GiB"
-    assert loads in text, text
+    assert max(seventy_b.fsdp_gib, seventy_b.fsdp_load_gib) <= seventy_b.usable_gib
+    config = llama_70b()
+    embeddings = 2 * 2 * config.vocab_size * config.hidden_size / 2**30
+    assert embeddings < seventy_b.fsdp_load_gib < embeddings + 4, seventy_b.fsdp_load_gib
+    assert "keeps its share of the quantised weights in CPU memory until they are sharded" in str(seventy_b)
+    # Where one GPU loads the whole model, so does FSDP: no host load on a single GPU either.
+    one_gpu = nbkit.plan(llama_70b(), gpus=1, gpu_memory_gib=24, load_in_4bit=True)
+    assert not one_gpu.fsdp_host_load
 
 
 def test_fsdp_in_4bit_shards_the_packed_weights_and_keeps_the_quantisation_state_on_every_rank():

@@ -186,8 +186,12 @@ class Plan:
         and its parts, keyed as `breakdown` ("weights" is the rank's shard plus the gathered layers);
         for gpus=1, FSDP in one process (nothing sharded, the same gathering).
     fsdp_load_gib: in 4-bit, the peak per GPU while an FSDP rank loads: it quantises the whole model on
-        its own GPU and shards it only afterwards (nbkit.fsdp.device_map), so "fsdp" is chosen only
-        where this fits too. None in 16-bit, where the weights load in CPU memory.
+        its own GPU and shards it only afterwards (nbkit.fsdp.device_map), or, where that would not fit
+        (fsdp_host_load), keeps each quantised weight's rows of its shard in CPU memory as it is made.
+        None in 16-bit, where the weights load in CPU memory.
+    fsdp_host_load: in 4-bit, whether FSDP ranks load that way (nbkit.fsdp.load_4bit_on_host, which the
+        guard uses where this is True); the ranks of a host then hold about the packed 4-bit model in
+        CPU memory together until it is sharded.
     usable_gib: the memory a plan may use per GPU (gpu_memory_gib minus a safety margin).
     recommended_batch_size: the per-GPU batch (Trainer's per_device_train_batch_size) of seq_len
         sequences that keeps the GPU, not the host, the bound of each step and fits in memory;
@@ -226,6 +230,7 @@ class Plan:
     fsdp_gib: float | None = None
     fsdp_breakdown: dict[str, float] = field(default_factory=dict)
     fsdp_load_gib: float | None = None
+    fsdp_host_load: bool = False
 
     @property
     def peak_allocated_gib(self) -> float:
@@ -358,11 +363,12 @@ class Plan:
                 f"shard + the gathered layers) {f['weights']:.2f}, LoRA + grads + AdamW {f['lora']:.2f}, activations "
                 f"{f['activations']:.2f}, logits/loss {f['logits']:.2f}, CUDA overhead {f['overhead']:.2f}."
             )
-            if self.fsdp_load_gib is not None and self.fsdp_load_gib > self.usable_gib:
+            if self.fsdp_host_load:
                 lines.append(
-                    "But in 4-bit each FSDP rank first loads and quantises the whole model on its own GPU, about "
-                    f"{self.fsdp_load_gib:.1f} GiB, and shards it only afterwards: more than a GPU has, so FSDP cannot "
-                    "load it here (16-bit weights load in CPU memory and are sharded from there)."
+                    "The whole model in 4-bit would not fit one GPU while it loads, so each FSDP rank keeps its share "
+                    "of the quantised weights in CPU memory until they are sharded (about "
+                    f"{self.fsdp_load_gib or 0:.1f} GiB per GPU while loading; the ranks of a machine need about the "
+                    "4-bit model's size in CPU memory together)."
                 )
         if self.strategy == "ddp":
             lines.append(
@@ -811,14 +817,16 @@ def _fsdp_weights(counts: _Counts, load_in_4bit: bool) -> tuple[float, float]:
     return packed, NF4_DOUBLE_QUANT_STATE_BYTES_PER_WEIGHT * counts.quantized
 
 
-def _fsdp_load(counts: _Counts) -> float:
-    """Peak bytes while a 4-bit fsdp rank loads: the whole quantised model on its GPU, one 16-bit weight
-    being quantised, and then the LoRA weights (fp32) that peft adds there before anything is sharded.
-    Sharding itself frees each loaded layer as its shard is made (nbkit.fsdp's "fsdp" group), so the
-    shards never sit beside the whole model.
+def _fsdp_load(counts: _Counts, on_host: bool) -> float:
+    """Peak bytes while a 4-bit fsdp rank loads: the whole quantised model on its GPU (on_host: only the
+    16-bit weights that are not quantised and the quantisation state, nbkit.fsdp.load_4bit_on_host), one
+    16-bit weight being quantised, and then the LoRA weights (fp32) that peft adds there before anything
+    is sharded. Sharding itself frees each loaded layer as its shard is made (nbkit.fsdp's "fsdp" group), so
+    the shards never sit beside the whole model.
     """
     packed, state = _fsdp_weights(counts, True)
-    return packed + state + max(2.0 * counts.largest_linear, 4.0 * counts.lora_parameters)
+    kept = counts.bytes_4bit - NF4_BYTES_PER_WEIGHT * counts.quantized if on_host else packed
+    return kept + state + max(2.0 * counts.largest_linear, 4.0 * counts.lora_parameters)
 
 
 def _fsdp_gathered(counts: _Counts, s: _Shape, config: Any, weights: float) -> float:
@@ -867,8 +875,14 @@ def _plan(
         *common, fsdp_checkpointing, fsdp_shards=gpus, gpu_memory_gib=gpu_memory_gib
     ).bytes_per_gpu()
     # In 4-bit an fsdp rank loads and quantises the whole model on its own GPU, one 16-bit weight at a time,
-    # and shards it only afterwards (nbkit.fsdp.device_map): that copy must fit the GPU first.
-    fsdp_load = _Estimate(_fsdp_load(counts), 0, 0, 0, 0, 0).bytes_per_gpu()[1] if load_in_4bit else None
+    # and shards it only afterwards (nbkit.fsdp.device_map); where that copy would not fit, it keeps each
+    # quantised weight's rows of its shard on the host instead (nbkit.fsdp.load_4bit_on_host).
+    fsdp_load, host_load = None, False
+    if load_in_4bit:
+        fsdp_load = _Estimate(_fsdp_load(counts, on_host=False), 0, 0, 0, 0, 0).bytes_per_gpu()[1]
+        host_load = gpus > 1 and fsdp_load > usable
+        if host_load:
+            fsdp_load = _Estimate(_fsdp_load(counts, on_host=True), 0, 0, 0, 0, 0).bytes_per_gpu()[1]
     if total <= usable:
         strategy = "ddp"
     elif gpus > 1 and fsdp_total <= usable and (fsdp_load is None or fsdp_load <= usable):
@@ -899,6 +913,7 @@ def _plan(
         fsdp_gib=fsdp_total,
         fsdp_breakdown=fsdp_breakdown,
         fsdp_load_gib=fsdp_load,
+        fsdp_host_load=host_load,
     )
 
 

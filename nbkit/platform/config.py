@@ -91,6 +91,10 @@ SETTINGS: dict[str, Setting] = {
     "host_address": Setting("NBKIT_HOST_ADDRESS", ""),
     # Set by nbkit.live for each engine it starts: the file a native crash's stack is written to.
     "live_log": Setting("NBKIT_LIVE_LOG", ""),
+    # Where an fsdp rank keeps a 4-bit model's quantised weights between loading and sharding: "gpu" the whole
+    # model on its GPU; "host" only the rows its shard will hold, in CPU memory; "auto" the host where the planner
+    # finds that the whole quantised model would not fit one GPU (nbkit.fsdp.load_4bit_on_host).
+    "fsdp_4bit_load": Setting("NBKIT_FSDP_4BIT_LOAD", "auto", ("auto", "host", "gpu")),
     # Seconds a collective of GPU ranks may wait for a peer before NCCL's watchdog ends the rank (the
     # process group's timeout where nbkit creates the group: a live set's; torch's own default for NCCL).
     # nbkit names a rank that dies within a second either way; this ends a rank whose peer hangs.

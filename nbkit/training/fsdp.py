@@ -34,6 +34,7 @@ import dataclasses
 import functools
 import itertools
 import os
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,6 +54,7 @@ __all__ = [
     "device_map",
     "generate",
     "holds_4bit_weights",
+    "load_4bit_on_host",
     "qlora_config",
     "requested",
     "save_adapter",
@@ -177,6 +179,106 @@ def device_map(quantized: bool) -> Any:
     loads the 4-bit model there (a quarter of the 16-bit size) before it is sharded.
     """
     return {"": distributed.device()} if quantized else None
+
+
+# (this rank, ranks) while a 4-bit load keeps its weights on the host (load_4bit_on_host). A module variable, not a
+# context variable: transformers may run a load's conversions in worker threads, which a context does not reach.
+_host_rows: tuple[int, int] | None = None
+
+
+def load_4bit_on_host(load: Callable[[], Any]) -> Any:
+    """Run `load` (a 4-bit from_pretrained in an fsdp rank) keeping each quantised weight in CPU memory as soon as
+    bitsandbytes has made it on the GPU, with only the rows this rank's FSDP shard will hold written.
+
+    Loaded whole, a 4-bit Qwen3-32B is 18.4 GiB on each rank's GPU before FSDP shards it, more than a T4 has.
+    Here a rank's GPU holds, while it loads, the 16-bit weights that are not quantised (embeddings, norms),
+    the quantisation state and the weight being quantised; its host memory holds its share of the packed
+    weights (1/ranks of them: the other rows of each host tensor are never written, so their pages are never
+    resident). FSDP2 moves each unit's weights to the GPU when it shards them and keeps this rank's dim-0
+    chunk, which is exactly the rows written here. Until the model is sharded, its weights are not whole on
+    any rank, so a forward before that (a generation before training) is refused with a StrategyError.
+    The guard calls this where the planner finds that the whole quantised model would not fit one GPU
+    (nbkit.configure(fsdp_4bit_load="host" | "gpu") decides otherwise).
+
+    Args:
+        load: a call that loads and returns the model, with nbkit.fsdp.qlora_config() (weights stored in a
+            16-bit dtype, which FSDP shards by rows).
+
+    Returns:
+        What `load` returned.
+    """
+    global _host_rows
+    _host_rows = (distributed.rank(), distributed.world_size())
+    try:
+        model = load()
+    finally:
+        _host_rows = None
+    if any(getattr(p, "_nbkit_rows_on_host", False) for p in model.parameters()):
+        model.__dict__["_nbkit_rows_on_host"] = (distributed.rank(), distributed.world_size())
+        _refuse_forward_until_sharded(model)
+    return model
+
+
+def _keep_rows_on_host(weight: torch.Tensor, rank: int, ranks: int) -> None:
+    """Replace `weight`'s data by CPU memory where only this rank's FSDP2 chunk (torch.chunk over dim 0, the
+    split fully_shard makes) is written.
+    """
+    rows = weight.shape[0]
+    step = -(-rows // ranks)
+    start, stop = min(rank * step, rows), min((rank + 1) * step, rows)
+    host = torch.empty(weight.shape, dtype=weight.dtype, device="cpu")
+    host[start:stop].copy_(weight.data[start:stop])
+    weight.data = host
+    weight._nbkit_rows_on_host = True  # type: ignore[attr-defined]
+
+
+def _refuse_forward_until_sharded(model: Any) -> None:
+    """A pre-hook on the input embeddings (every forward calls them, also through peft's wrappers) that refuses a
+    forward of the model while its weights are held as rows on the host, and removes itself once it is sharded.
+    """
+    owner = weakref.ref(model)
+
+    def check(module: torch.nn.Module, args: Any) -> None:
+        loaded = owner()
+        if loaded is None or _is_sharded(loaded):
+            handle.remove()
+            return
+        raise StrategyError(
+            "This 4-bit model was loaded for FSDP with each rank keeping only its share of the weights in CPU memory "
+            "(the whole model does not fit one GPU), so it cannot run until it is sharded. Train it "
+            "(Trainer(...).train() shards it), or shard it first with model = nbkit.fsdp.shard(model) on every rank, "
+            "then generate with nbkit.fsdp.generate(model, ...)."
+        )
+
+    handle = model.get_input_embeddings().register_forward_pre_hook(check)
+
+
+def _quantised_on_host(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Patch factory: transformers' bitsandbytes conversion keeps each 4-bit weight it makes as rows on the host
+    while load_4bit_on_host runs (see there).
+    """
+
+    @functools.wraps(original)
+    def convert(self: Any, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:
+        made = original(self, *args, **kwargs)
+        if _host_rows is not None:
+            for weight in made.values():
+                if type(weight).__name__ == "Params4bit":
+                    _keep_rows_on_host(weight, *_host_rows)
+        return made
+
+    return convert
+
+
+patch(
+    "transformers.integrations.bitsandbytes:Bnb4bitQuantize.convert",
+    reason="an fsdp rank quantises the whole model on its GPU before FSDP shards it (18.4 GiB for Qwen3-32B, over "
+    "a T4's 15); under nbkit.fsdp.load_4bit_on_host each quantised weight goes to host memory as it is made, "
+    "only the rows of this rank's shard written",
+    upstream="none filed yet: transformers loads a bitsandbytes model whole on each rank under FSDP (efficient "
+    "loading does not apply to quantised weights)",
+    group="fsdp",
+)(_quantised_on_host)
 
 
 def holds_4bit_weights(model: torch.nn.Module) -> bool:
@@ -722,6 +824,7 @@ def _lean_fsdp2_preparation(original: Callable[..., Any]) -> Callable[..., Any]:
                 prepared = original(accelerator, model)
             finally:
                 model.__dict__.pop("state_dict", None)
+        _check_rows_on_host(prepared)
         layers = _weight_units(_decoder_layer_units(prepared))
         for layer, following in itertools.pairwise(layers):
             layer.set_modules_to_forward_prefetch([following])
@@ -765,6 +868,26 @@ patch(
     upstream="https://github.com/bitsandbytes-foundation/bitsandbytes/issues/1945 (the same in bf16; open)",
     group="fsdp",
 )(_byte_all_gather)
+
+
+def _check_rows_on_host(model: torch.nn.Module) -> None:
+    """Raise StrategyError where a model loaded by load_4bit_on_host was sharded other than over every rank in rank
+    order (a device mesh of the user's): its shards would then hold rows this rank never loaded.
+    """
+    from torch.distributed.tensor import DTensor
+
+    rows = getattr(model, "_nbkit_rows_on_host", None)
+    sharded = next((p for p in model.parameters() if isinstance(p, DTensor)), None)
+    if rows is None or sharded is None:
+        return
+    mesh = sharded.device_mesh
+    if mesh.ndim != 1 or mesh.size() != rows[1] or mesh.get_local_rank() != rows[0]:
+        raise StrategyError(
+            f"This 4-bit model was loaded with rank {rows[0]} of {rows[1]} keeping only its share of each weight, but "
+            f"FSDP sharded it over a device mesh of shape {tuple(mesh.shape)}: its shards would hold rows that were "
+            "never loaded. Shard over all ranks (accelerate's default), or load with "
+            'nbkit.configure(fsdp_4bit_load="gpu").'
+        )
 
 
 def _reshard_without_grad(module: Any, args: Any, output: Any) -> None:

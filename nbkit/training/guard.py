@@ -288,32 +288,71 @@ def _fsdp_load(
     """
     if loader is _UNSLOTH:
         raise fsdp.unsloth_error()
-    resolved = fsdp.device_map(loader.quantized(passed))
+    quantized = loader.quantized(passed)
+    resolved = fsdp.device_map(quantized)
     if "device_map" in params:
         bound.arguments["device_map"] = resolved
     elif var_keyword is not None:
         bound.arguments.setdefault(var_keyword, {})["device_map"] = resolved
-    model = original(*bound.args, **bound.kwargs)
+
+    def load() -> Any:
+        return original(*bound.args, **bound.kwargs)
+
+    model = fsdp.load_4bit_on_host(load) if quantized and _4bit_load_on_host(passed, loader) else load()
     fsdp.without_training_cache(model)
     return model
 
 
-def _check_fits_one_gpu(values: dict[str, Any], loader: _Loader, quantized: bool) -> None:
-    """Raise DeviceMapError before any weight loads if one GPU cannot hold this model for training."""
-    config = values.get("config")
-    given_config = config is not None and not isinstance(config, (str, os.PathLike))
-    source = config if given_config else values.get(loader.model_arg)
-    if source is None:
-        return
+def _4bit_load_on_host(values: dict[str, Any], loader: _Loader) -> bool:
+    """Whether an fsdp rank's 4-bit load keeps its weights on the host (nbkit.fsdp.load_4bit_on_host): as the
+    fsdp_4bit_load setting says, or under "auto" where the planner finds that the whole quantised model would not
+    fit one GPU while it loads (a config that cannot be read: no).
+    """
+    chosen = setting("fsdp_4bit_load")
+    if chosen != "auto":
+        return chosen == "host"
+    if distributed.world_size() < 2:
+        return False
     from nbkit.notebook import planner
+
+    loaded = _model_config(values, loader)
+    try:
+        planned = None if loaded is None else planner.plan(loaded[1], gpus=distributed.world_size(), load_in_4bit=True)
+    except Exception:
+        return False
+    return planned is not None and planned.fsdp_host_load
+
+
+def _model_config(values: dict[str, Any], loader: _Loader) -> tuple[Any, Any] | None:
+    """(what is loaded, its config) for a load's arguments (the `config` passed where it is an object), or None where
+    no config can be read.
+    """
+    config_arg = values.get("config")
+    given_config = config_arg is not None and not isinstance(config_arg, (str, os.PathLike))
+    source = config_arg if given_config else values.get(loader.model_arg)
+    if source is None:
+        return None
     from nbkit.training.offline import load_config
 
     hub = {k: values[k] for k in _HUB_KWARGS if values.get(k) is not None}
+    try:
+        return source, load_config(source, **hub)
+    except Exception:
+        return None
+
+
+def _check_fits_one_gpu(values: dict[str, Any], loader: _Loader, quantized: bool) -> None:
+    """Raise DeviceMapError before any weight loads if one GPU cannot hold this model for training."""
+    loaded = _model_config(values, loader)
+    if loaded is None:
+        return
+    source, model_config = loaded
+    from nbkit.notebook import planner
+
     seq_len = int(values.get("max_seq_length") or FIT_CHECK_SEQ_LEN)
     try:
-        config = load_config(source, **hub)
         # 8-bit is estimated as 4-bit: a lower bound, so the check never refuses a load that could fit.
-        estimate = planner.plan(config, gpus=1, seq_len=seq_len, load_in_4bit=quantized)
+        estimate = planner.plan(model_config, gpus=1, seq_len=seq_len, load_in_4bit=quantized)
     except Exception:
         return
     message = fit_error(estimate, source)
