@@ -446,7 +446,8 @@ for what in "$@"; do
         --profile-dir "$OUT/fsdp2_profile" --out "$OUT/fsdp2.json" --md "$OUT/fsdp2.md" ;;
     fsdp32)
       # Qwen3-32B shapes in 4-bit under the T4 profile, one call on a 4-GPU host (~10 minutes): the random checkpoint
-      # (65.5 GB) is built while the 2-GPU FSDP tests run (a load on the host among them); then FSDP on 2 GPUs, whose
+      # (65.5 GB) is built while the 2-GPU FSDP tests run on GPUs 2 and 3 (a load on the host among them); then FSDP
+      # on GPUs 0 and 1, whose
       # ranks load their shares of the weights on the host (the whole 4-bit model, 18.4 GiB, is over a T4's 15) and,
       # with FSDP32_OFFLOAD=1 (the default), keep their shards in CPU memory while training (accelerate's
       # FSDP_OFFLOAD_PARAMS: the planner puts training at 15.7 GiB per GPU without it); then FSDP on 4 GPUs against the
@@ -459,13 +460,15 @@ for what in "$@"; do
         bench=(--16bit --seq-len 64 --steps 3 --warmup 1)
       fi
       model_part "$model" "${FSDP32_BUILD_LIMIT:-300}" fsdp32_model &
+      build=$!
       [ -n "${SUITE_DRY_RUN:-}" ] || CUDA_VISIBLE_DEVICES=2,3 part fsdp32_tests 240 python3 -m pytest -m gpu -q -rs \
-        -p no:cacheprovider tests/test_fsdp_gpu.py -k two_gpus
-      wait
+        -p no:cacheprovider tests/test_fsdp_gpu.py -k two_gpus &
+      wait $build
       offload=()
       [ -n "${SUITE_DRY_RUN:-}" ] || [ "${FSDP32_OFFLOAD:-1}" = 0 ] || offload=(env FSDP_OFFLOAD_PARAMS=true)
       CUDA_VISIBLE_DEVICES=0,1 part fsdp32_2gpus "${FSDP32_LIMIT:-200}" "${offload[@]}" python3 benchmarks/fsdp_vs_balanced.py \
         --model "$model" --gpus 2 --modes fsdp "${bench[@]}" --out "$OUT/fsdp32_2gpus.json" --md "$OUT/fsdp32_2gpus.md"
+      wait  # the tests on GPUs 2 and 3
       part fsdp32_4gpus "${FSDP32_LIMIT4:-300}" python3 benchmarks/fsdp_vs_balanced.py --model "$model" --gpus 4 \
         "${bench[@]}" --out "$OUT/fsdp32_4gpus.json" --md "$OUT/fsdp32_4gpus.md" ;;
     fsdpgrad)
