@@ -4,7 +4,7 @@
 #   bash benchmarks/gpu_suite.sh env model planner    # versions, build random:qwen3-vl-2b, planner accuracy
 #   bash benchmarks/gpu_suite.sh tests                # every gpu-marked test: the parts below in turn (~40 min)
 #   bash benchmarks/gpu_suite.sh tests_faults         # one part of them (under 9 min each; TEST_PARTS below):
-#     tests_watchdog tests_kernel tests_a tests_b tests_c tests_notebooks tests_notebooks4 tests_saving tests_split  # SUITE_DRY_RUN=1: collected on the CPU
+#     tests_watchdog tests_kernel tests_a tests_b tests_c tests_notebooks tests_notebooks4 tests_saving tests_split tests_fsdp_notebook  # SUITE_DRY_RUN=1: collected on the CPU
 #   bash benchmarks/gpu_suite.sh soak                 # 20 live sets in a row on 2 GPUs: memory and processes per cycle (~9 min)
 #   bash benchmarks/gpu_suite.sh matrix               # the 1K/16K launcher/backend matrix
 #   bash benchmarks/gpu_suite.sh savers               # memory savers 8K-64K
@@ -131,6 +131,8 @@ TEST_PARTS=(
   # one process training on both GPUs: the model_parallel notebook with Qwen3-1.7B's shapes in 4-bit under the T4
   # profile (154 s on 2x H100), and a model split over both, or in 4-bit on one of the two (~40 s)
   "tests_split 360 tests/test_notebooks_gpu.py:-k:model_parallel_notebook tests/test_model_parallel_gpu.py"
+  # the big-model notebook: FSDP-QLoRA on two T4-capped GPUs, the ranks loading their shares on the host
+  "tests_fsdp_notebook 420 tests/test_notebooks_gpu.py:-k:big_model_fsdp_notebook"
 )
 
 test_part() {  # test_part NAME SECONDS PYTEST-ARGS...: see TEST_PARTS; SUITE_DRY_RUN=1 collects instead

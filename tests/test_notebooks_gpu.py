@@ -201,3 +201,48 @@ def test_model_parallel_notebook_trains_a_4bit_model_on_two_gpus_in_fp16(tmp_pat
     assert all(math.isfinite(loss) for loss in losses) and sum(losses[-3:]) < sum(losses[:3]), losses
     # A random model starts near ln(vocabulary) = 11.9 (151,936 tokens); counted twice it logged about 24.
     assert losses[0] < 1.3 * math.log(151936), losses
+
+
+@pytest.mark.gpu
+def test_big_model_fsdp_notebook_trains_in_4bit_on_two_capped_gpus_loading_on_the_host(tmp_path, monkeypatch):
+    """notebooks/big_model_fsdp.ipynb on two GPUs under the T4 profile in 4-bit (FSDP-QLoRA), its ranks keeping their
+    shares of the quantised weights on the host until sharding, as for a model too big for one T4
+    (fsdp_4bit_load="host"; Qwen3-VL-2B's shapes stand in for the big model): every step, a falling finite loss,
+    a saved adapter, and answers generated on the sharded model after training."""
+    if len(nbkit.visible_gpus()) < 2:
+        pytest.skip("needs 2 GPUs")
+    if importlib.util.find_spec("bitsandbytes") is None:
+        pytest.skip("needs bitsandbytes")
+    monkeypatch.setenv("NBKIT_FSDP_4BIT_LOAD", "host")  # the kernel and the ranks it starts read it
+    runner = _load_runner()
+    nbkit.resolve_model("random:qwen3-vl-2b")
+    steps = 8
+    (executed,) = runner.run(
+        ["big_model_fsdp"],
+        tmp_path,
+        dict(
+            model_name="random:qwen3-vl-2b",
+            dataset_name="synthetic",
+            load_in_4bit=True,
+            emulate="T4",
+            gpus=2,
+            max_steps=steps,
+            save_steps=steps,
+            num_samples=32,
+            image_size=128,
+            max_seq_length=512,
+            learning_rate=1e-3,
+        ),
+        timeout=420,
+    )
+    nb = nbformat.read(executed, as_version=4)
+    errors = [o for o in _code_outputs(nb) if o.output_type == "error"]
+    assert not errors, errors
+    summary = json.loads((tmp_path / "big_model_fsdp" / "summary.json").read_text())
+    assert summary["strategy"] == "fsdp" and summary["load_in_4bit"] is True and summary["precision"] == "fp16"
+    assert summary["train"]["global_step"] == steps
+    losses = summary["losses"]
+    assert all(math.isfinite(loss) for loss in losses) and sum(losses[-3:]) < sum(losses[:3]), losses
+    assert 0 < summary["train"]["peak_memory_gib"] <= T4_USABLE_GIB
+    assert (Path(summary["adapter_dir"]) / "adapter_model.safetensors").is_file()
+    assert summary["answers"] and all(isinstance(a["after"], str) for a in summary["answers"])
