@@ -395,6 +395,53 @@ def test_guard_in_an_fsdp_rank_loads_for_sharding_and_refuses_unsloth(monkeypatc
     assert calls == [None, {"": "cpu"}]
 
 
+@pytest.mark.parametrize(
+    ("model", "gpus", "host", "offload"),
+    [
+        ("random:qwen3-14b", 2, False, False),  # 9.3 GiB in 4-bit: loads whole, trains sharded on the GPUs
+        ("random:qwen3-32b", 4, True, False),  # 18.4 GiB in 4-bit: over a T4 while loading, not once sharded over 4
+        ("random:qwen3-32b", 2, True, True),  # over 2 T4s even sharded, and too big to split: the shards offloaded
+    ],
+)
+def test_guard_in_an_fsdp_rank_loads_on_the_host_and_offloads_where_the_plan_needs_it(
+    monkeypatch, capsys, model, gpus, host, offload
+):
+    """Under the T4 profile (15 GiB): the guard asks the planner about the model over all the ranks, keeps the 4-bit
+    weights on the host while loading where the whole model would not fit a GPU, and turns FSDP's CPU offload on
+    (FSDP_OFFLOAD_PARAMS, which accelerate reads when Trainer makes its Accelerator) where FSDP fits only that way,
+    saying so on rank 0; a value the user set is kept."""
+    from nbkit.training import guard
+
+    for name, value in {
+        fsdp.STRATEGY_VARIABLE: "fsdp",
+        "NBKIT_EMULATE": "T4",
+        "WORLD_SIZE": str(gpus),
+        "RANK": "0",
+    }.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv(fsdp.OFFLOAD_VARIABLE, "")  # unset for accelerate, and put back as it was afterwards
+    loads: list = []
+    monkeypatch.setattr(fsdp, "load_4bit_on_host", lambda load: loads.append("host") or load())
+
+    def from_pretrained(pretrained_model_name_or_path, *args, device_map=None, **kwargs):
+        return "loaded"
+
+    wrapped = guard._guarded(guard._TRANSFORMERS)(from_pretrained)
+    assert wrapped(model, quantization_config=object()) == "loaded"
+    assert loads == (["host"] if host else [])
+    assert (os.environ.get(fsdp.OFFLOAD_VARIABLE) == "true") is offload
+    said = capsys.readouterr().out
+    assert ("FSDP's CPU offload is on (FSDP_OFFLOAD_PARAMS=true" in said) is offload, said
+    if offload:  # the user's choice wins
+        monkeypatch.setenv(fsdp.OFFLOAD_VARIABLE, "false")
+        wrapped(model, quantization_config=object())
+        assert os.environ[fsdp.OFFLOAD_VARIABLE] == "false"
+    # 16-bit weights load in CPU memory anyway: never on the host as 4-bit rows
+    loads.clear()
+    wrapped("random:qwen3-14b", load_in_4bit=False)
+    assert loads == []
+
+
 def test_unsloth_error_names_the_transformers_way():
     message = str(fsdp.unsloth_error())
     assert "no FSDP" in message and "qlora_config()" in message and "ddp strategy" in message

@@ -502,6 +502,35 @@ def test_fsdp_in_4bit_loads_on_the_host_where_the_whole_quantised_model_does_not
     assert not one_gpu.fsdp_host_load
 
 
+def test_fsdp_offloads_its_shards_only_where_neither_fsdp_on_the_gpus_nor_the_split_fits():
+    """Qwen3-32B's shapes in 4-bit on 2 GPUs of 15 GiB: sharded over 2 they still need more than a GPU (the shard is
+    half the model), and split over 2 as well; with FSDP's CPU offload a GPU holds the gathered layers, the
+    quantisation state and the activations only. On 4 such GPUs FSDP fits without it."""
+    two = nbkit.plan("random:qwen3-32b", gpus=2, gpu_memory_gib=15, seq_len=1024, load_in_4bit=True)
+    assert two.strategy == "fsdp" and two.fsdp_offload and two.fsdp_gib is not None
+    assert two.model_parallel_gib > two.usable_gib >= two.fsdp_gib
+    assert two.fsdp_breakdown["lora"] == 0  # LoRA's shards, gradients and AdamW state live in CPU memory
+    on_gpus = planner._estimate(
+        planner._counts(load_config("random:qwen3-32b"), 16),
+        load_config("random:qwen3-32b"),
+        2,
+        1024,
+        1,
+        True,
+        16,
+        "recompute",
+        fsdp_shards=2,
+        gpu_memory_gib=15,
+    )
+    assert on_gpus.bytes_per_gpu()[1] > two.usable_gib
+    assert "FSDP's CPU offload" in str(two)
+    four = nbkit.plan("random:qwen3-32b", gpus=4, gpu_memory_gib=15, seq_len=1024, load_in_4bit=True)
+    assert four.strategy == "fsdp" and not four.fsdp_offload and four.fsdp_breakdown["lora"] > 0
+    # Where the split fits, it is chosen before offloading (every step would move the weights over PCIe).
+    fourteen = nbkit.plan("random:qwen3-14b", gpus=2, gpu_memory_gib=12, seq_len=1024, load_in_4bit=True)
+    assert not fourteen.fsdp_offload
+
+
 def test_fsdp_in_4bit_shards_the_packed_weights_and_keeps_the_quantisation_state_on_every_rank():
     """What a 4-bit FSDP rank holds, counted from the model on the meta device: its share of the packed weights
     (half a byte per quantised weight, 16-bit elsewhere), the whole double-quantisation state (not a parameter, so

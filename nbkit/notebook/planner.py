@@ -192,6 +192,12 @@ class Plan:
     fsdp_host_load: in 4-bit, whether FSDP ranks load that way (nbkit.fsdp.load_4bit_on_host, which the
         guard uses where this is True); the ranks of a host then hold about the packed 4-bit model in
         CPU memory together until it is sharded.
+    fsdp_offload: whether FSDP fits only with its shards, their gradients and the optimizer's state kept in
+        CPU memory (FSDP2's CPU offload, which the guard then turns on: FSDP_OFFLOAD_PARAMS), where neither
+        FSDP without it nor the split fits (4-bit weights only); fsdp_gib is then with it. Each step then moves
+        every layer's weights to the GPU over PCIe.
+    fsdp_host_gib: the CPU memory the ranks of a machine hold together while loading on the host or training
+        with offload (the packed 4-bit weights; LoRA's fp32 weights and AdamW state too under offload), else 0.
     usable_gib: the memory a plan may use per GPU (gpu_memory_gib minus a safety margin).
     recommended_batch_size: the per-GPU batch (Trainer's per_device_train_batch_size) of seq_len
         sequences that keeps the GPU, not the host, the bound of each step and fits in memory;
@@ -231,6 +237,8 @@ class Plan:
     fsdp_breakdown: dict[str, float] = field(default_factory=dict)
     fsdp_load_gib: float | None = None
     fsdp_host_load: bool = False
+    fsdp_offload: bool = False
+    fsdp_host_gib: float = 0.0
 
     @property
     def peak_allocated_gib(self) -> float:
@@ -367,9 +375,16 @@ class Plan:
                 lines.append(
                     "The whole model in 4-bit would not fit one GPU while it loads, so each FSDP rank keeps its share "
                     "of the quantised weights in CPU memory until they are sharded (about "
-                    f"{self.fsdp_load_gib or 0:.1f} GiB per GPU while loading; the ranks of a machine need about the "
-                    "4-bit model's size in CPU memory together)."
+                    f"{self.fsdp_load_gib or 0:.1f} GiB per GPU while loading; the ranks of a machine hold about "
+                    f"{self.fsdp_host_gib:.1f} GiB of CPU memory together)."
                 )
+        if self.fsdp_offload:
+            lines.append(
+                "That is with FSDP's CPU offload: the shards, their gradients and the optimizer's state stay in CPU "
+                f"memory (the ranks of a machine hold the whole model there together, about {self.fsdp_host_gib:.1f} "
+                "GiB) and each layer's weights cross to the GPU in every forward and backward, since neither FSDP "
+                "without it nor the split fits."
+            )
         if self.strategy == "ddp":
             lines.append(
                 "Strategy: ddp. A full copy fits on one GPU, so DDP (a live set, %%ddp or nbkit.launch) trains one "
@@ -754,10 +769,12 @@ def _estimate(
     fsdp_shards: int = 0,
     *,
     gpu_memory_gib: float,
+    fsdp_offload: bool = False,
 ) -> _Estimate:
     """Peak bytes for one GPU of gpu_memory_gib (the tiled MLP's automatic shards depend on it); split > 1
     spreads the weights and checkpoints over that many GPUs; fsdp_shards > 0 shards the weights and LoRA state
-    over that many FSDP ranks (see the module docstring).
+    over that many FSDP ranks (see the module docstring), and fsdp_offload keeps those shards, their gradients
+    and the optimizer's state in CPU memory (FSDP2's CPU offload): the GPU holds the gathered layers only.
     """
     s = _Shape.of(config)
     tokens = seq_len * batch_size
@@ -797,8 +814,10 @@ def _estimate(
     lora = float(counts.lora_parameters * (LORA_BYTES_PER_PARAM + ddp_buckets))
     if fsdp_shards:
         sharded, replicated = _fsdp_weights(counts, load_in_4bit)
-        weights = sharded / fsdp_shards + replicated + _fsdp_gathered(counts, s, config, sharded)
-        lora = float(counts.lora_parameters * LORA_BYTES_PER_PARAM) / fsdp_shards
+        weights = (
+            (0 if fsdp_offload else sharded / fsdp_shards) + replicated + _fsdp_gathered(counts, s, config, sharded)
+        )
+        lora = 0.0 if fsdp_offload else float(counts.lora_parameters * LORA_BYTES_PER_PARAM) / fsdp_shards
     if split > 1:
         share = _balanced_share(config, split, gpu_memory_gib, load_in_4bit)
         weights, lora, persistent = weights * share, lora * share, persistent * share
@@ -827,6 +846,16 @@ def _fsdp_load(counts: _Counts, on_host: bool) -> float:
     packed, state = _fsdp_weights(counts, True)
     kept = counts.bytes_4bit - NF4_BYTES_PER_WEIGHT * counts.quantized if on_host else packed
     return kept + state + max(2.0 * counts.largest_linear, 4.0 * counts.lora_parameters)
+
+
+def _fsdp_host(counts: _Counts, load_in_4bit: bool, host_load: bool, offload: bool) -> float:
+    """Bytes of CPU memory the ranks of a machine hold together: the packed 4-bit weights while loading on the host
+    or training with offload, and under offload LoRA's fp32 weights, gradients and AdamW state as well.
+    """
+    if not (host_load or offload):
+        return 0.0
+    packed, _ = _fsdp_weights(counts, load_in_4bit)
+    return packed + (counts.lora_parameters * (4 + 4 + 8) if offload else 0)
 
 
 def _fsdp_gathered(counts: _Counts, s: _Shape, config: Any, weights: float) -> float:
@@ -883,9 +912,19 @@ def _plan(
         host_load = gpus > 1 and fsdp_load > usable
         if host_load:
             fsdp_load = _Estimate(_fsdp_load(counts, on_host=True), 0, 0, 0, 0, 0).bytes_per_gpu()[1]
+    loads = fsdp_load is None or fsdp_load <= usable
+    # Offloading the shards moves each layer's weights over PCIe in every forward, recomputation and backward:
+    # the last resort, after the split, and for 4-bit weights only (the ranks of a machine hold the whole model in
+    # pinned CPU memory together: 18.4 GiB for a 32B model in 4-bit, four times that in 16-bit, where loading
+    # in 4-bit is the better advice).
+    offload = load_in_4bit and gpus > 1 and loads and fsdp_total > usable and split_total > usable
+    if offload:
+        fsdp_breakdown, fsdp_total = _estimate(
+            *common, fsdp_checkpointing, fsdp_shards=gpus, gpu_memory_gib=gpu_memory_gib, fsdp_offload=True
+        ).bytes_per_gpu()
     if total <= usable:
         strategy = "ddp"
-    elif gpus > 1 and fsdp_total <= usable and (fsdp_load is None or fsdp_load <= usable):
+    elif gpus > 1 and fsdp_total <= usable and loads:
         strategy = "fsdp"
     elif gpus > 1 and split_total <= usable:
         strategy = "model_parallel"
@@ -914,6 +953,8 @@ def _plan(
         fsdp_breakdown=fsdp_breakdown,
         fsdp_load_gib=fsdp_load,
         fsdp_host_load=host_load,
+        fsdp_offload=offload,
+        fsdp_host_gib=_fsdp_host(counts, load_in_4bit, host_load, offload) / GIB,
     )
 
 

@@ -42,12 +42,13 @@ from typing import Any
 
 import torch
 
-from nbkit.platform import config, distributed
+from nbkit.platform import config, distributed, notices
 from nbkit.platform.errors import StrategyError
 from nbkit.platform.patching import patch
 
 __all__ = [
     "EVERY_RANK_TIMEOUT_S",
+    "OFFLOAD_VARIABLE",
     "STRATEGY_VARIABLE",
     "FsdpSettings",
     "compute_dtype",
@@ -55,6 +56,7 @@ __all__ = [
     "generate",
     "holds_4bit_weights",
     "load_4bit_on_host",
+    "offload_shards",
     "qlora_config",
     "requested",
     "save_adapter",
@@ -67,6 +69,8 @@ __all__ = [
 
 # The variable nbkit.launch / nbkit.start / the magics put into the ranks' environment.
 STRATEGY_VARIABLE = config.STRATEGY
+# accelerate's switch for FSDP's CPU offload of the shards (offload_shards).
+OFFLOAD_VARIABLE = "FSDP_OFFLOAD_PARAMS"
 # Seconds a generation on a sharded model waits for every rank to call it before it is refused.
 EVERY_RANK_TIMEOUT_S = 30.0
 
@@ -179,6 +183,27 @@ def device_map(quantized: bool) -> Any:
     loads the 4-bit model there (a quarter of the 16-bit size) before it is sharded.
     """
     return {"": distributed.device()} if quantized else None
+
+
+def offload_shards(planned: Any) -> None:
+    """Have accelerate keep this rank's shards, their gradients and the optimizer's state in CPU memory (FSDP2's CPU
+    offload: FSDP_OFFLOAD_PARAMS=true), unless that variable is set already; rank 0 says so once.
+
+    The guard calls it while an fsdp rank loads, where the planner finds that FSDP fits the GPUs only this way
+    (`planned.fsdp_offload`, a Plan): Trainer's Accelerator, made after the load, reads the variable. Slower than
+    FSDP on the GPUs (every layer's weights cross PCIe in each forward and backward), and the ranks of a machine hold
+    the whole model in pinned CPU memory together.
+    """
+    if config.flag(OFFLOAD_VARIABLE) is not None:
+        return
+    os.environ[OFFLOAD_VARIABLE] = "true"
+    if distributed.rank() == 0:
+        notices.logger(__name__).info(
+            f"nbkit: {planned.model} fits {planned.gpus} GPUs of {planned.gpu_memory_gib:.0f} GiB under FSDP only with "
+            f"its shards in CPU memory (about {planned.fsdp_gib:.1f} GiB per GPU that way): FSDP's CPU offload is on "
+            f"({OFFLOAD_VARIABLE}=true; every layer's weights now cross to the GPU in each step, so steps are slower). "
+            f"Set {OFFLOAD_VARIABLE}=false before the load to keep the shards on the GPUs."
+        )
 
 
 # (this rank, ranks) while a 4-bit load keeps its weights on the host (load_4bit_on_host). A module variable, not a

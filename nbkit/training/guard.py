@@ -294,33 +294,34 @@ def _fsdp_load(
         bound.arguments["device_map"] = resolved
     elif var_keyword is not None:
         bound.arguments.setdefault(var_keyword, {})["device_map"] = resolved
+    planned = _fsdp_plan(passed, loader, quantized)
+    if planned is not None and planned.fsdp_offload:
+        fsdp.offload_shards(planned)
+    chosen = setting("fsdp_4bit_load")
+    on_host = chosen == "host" or (chosen == "auto" and planned is not None and planned.fsdp_host_load)
 
     def load() -> Any:
         return original(*bound.args, **bound.kwargs)
 
-    model = fsdp.load_4bit_on_host(load) if quantized and _4bit_load_on_host(passed, loader) else load()
+    model = fsdp.load_4bit_on_host(load) if quantized and on_host else load()
     fsdp.without_training_cache(model)
     return model
 
 
-def _4bit_load_on_host(values: dict[str, Any], loader: _Loader) -> bool:
-    """Whether an fsdp rank's 4-bit load keeps its weights on the host (nbkit.fsdp.load_4bit_on_host): as the
-    fsdp_4bit_load setting says, or under "auto" where the planner finds that the whole quantised model would not
-    fit one GPU while it loads (a config that cannot be read: no).
+def _fsdp_plan(values: dict[str, Any], loader: _Loader, quantized: bool) -> planner.Plan | None:
+    """The planner's view of an fsdp rank's load over all the ranks (at the fit check's sequence length: the
+    shortest a user trains), or None with one rank or where the config or the GPUs cannot be read.
     """
-    chosen = setting("fsdp_4bit_load")
-    if chosen != "auto":
-        return chosen == "host"
-    if distributed.world_size() < 2:
-        return False
+    loaded = _model_config(values, loader) if distributed.world_size() > 1 else None
+    if loaded is None:
+        return None
     from nbkit.notebook import planner
 
-    loaded = _model_config(values, loader)
+    seq_len = int(values.get("max_seq_length") or FIT_CHECK_SEQ_LEN)
     try:
-        planned = None if loaded is None else planner.plan(loaded[1], gpus=distributed.world_size(), load_in_4bit=True)
+        return planner.plan(loaded[1], gpus=distributed.world_size(), seq_len=seq_len, load_in_4bit=quantized)
     except Exception:
-        return False
-    return planned is not None and planned.fsdp_host_load
+        return None
 
 
 def _model_config(values: dict[str, Any], loader: _Loader) -> tuple[Any, Any] | None:
