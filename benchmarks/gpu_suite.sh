@@ -447,14 +447,12 @@ for what in "$@"; do
       part fsdp2 "${FSDP2_LIMIT:-300}" python3 benchmarks/fsdp_vs_balanced.py --model "$model" "${bench[@]}" ${FSDP2_ARGS:-} \
         --profile-dir "$OUT/fsdp2_profile" --out "$OUT/fsdp2.json" --md "$OUT/fsdp2.md" ;;
     fsdp32)
-      # Qwen3-32B shapes in 4-bit under the T4 profile, one call on a 4-GPU host (~10 minutes): the random checkpoint
-      # (65.5 GB) is built while the 2-GPU FSDP tests run on GPUs 2 and 3 (a load on the host among them); then FSDP
-      # on GPUs 0 and 1, whose
-      # ranks load their shares of the weights on the host (the whole 4-bit model, 18.4 GiB, is over a T4's 15) and,
-      # with FSDP32_OFFLOAD=1 (the default), keep their shards in CPU memory while training (accelerate's
-      # FSDP_OFFLOAD_PARAMS: the planner puts training at 15.7 GiB per GPU without it); then FSDP on 4 GPUs against the
-      # balanced split over the same 4. 1K x 1 per FSDP rank, 6 steps (2 of warm-up). SUITE_DRY_RUN=1: tiny:qwen3,
-      # 16-bit, CPU ranks.
+      # Qwen3-32B shapes in 4-bit under the T4 profile, one call on a 4-GPU host (~9 minutes): the random checkpoint
+      # (65.5 GB, ~90 s) is built while the 2-GPU FSDP tests run on GPUs 2 and 3 (a load on the host among them); then
+      # FSDP on GPUs 0 and 1, whose ranks load their shares of the weights on the host (the whole 4-bit model, 18.4
+      # GiB, is over a T4's 15) and train with their shards in CPU memory (FSDP's CPU offload, which nbkit turns on
+      # there: FSDP32_OFFLOAD=0 / 1 sets FSDP_OFFLOAD_PARAMS instead); then FSDP on 4 GPUs against the balanced split
+      # over the same 4. 1K x 1 per FSDP rank, 6 steps (2 of warm-up). SUITE_DRY_RUN=1: tiny:qwen3, 16-bit, CPU ranks.
       model=random:qwen3-32b
       bench=(--t4 --seq-len 1024 --batch 1 --steps 6 --warmup 2)
       if [ -n "${SUITE_DRY_RUN:-}" ]; then
@@ -467,7 +465,7 @@ for what in "$@"; do
         -p no:cacheprovider tests/test_fsdp_gpu.py -k two_gpus &
       wait $build
       offload=()
-      [ -n "${SUITE_DRY_RUN:-}" ] || [ "${FSDP32_OFFLOAD:-1}" = 0 ] || offload=(env FSDP_OFFLOAD_PARAMS=true)
+      case ${FSDP32_OFFLOAD:-} in 0) offload=(env FSDP_OFFLOAD_PARAMS=false) ;; 1) offload=(env FSDP_OFFLOAD_PARAMS=true) ;; esac
       CUDA_VISIBLE_DEVICES=0,1 part fsdp32_2gpus "${FSDP32_LIMIT:-200}" "${offload[@]}" python3 benchmarks/fsdp_vs_balanced.py \
         --model "$model" --gpus 2 --modes fsdp "${bench[@]}" --out "$OUT/fsdp32_2gpus.json" --md "$OUT/fsdp32_2gpus.md"
       wait  # the tests on GPUs 2 and 3
