@@ -11,6 +11,11 @@ its Accelerator from that environment, so `Trainer(...).train()` trains sharded 
 the user's code; `shard(model)` does the same for a loop of one's own (accelerate's prepare). A
 setting the user exported in the rank's environment wins over nbkit's.
 
+A model too big for one GPU even in 4-bit loads with each rank keeping only its rows of the quantised
+weights in CPU memory until sharding (`load_4bit_on_host`), and where even its shards would not fit the
+GPUs, they stay in CPU memory while training (`offload_shards`: FSDP's CPU offload); the guard chooses
+both from the planner's figures.
+
 What a sharded model needs besides: generation on every rank (`generate`, which refuses within
 seconds a call made on some ranks only, where the weights' other shards would never come), and the
 adapter gathered to rank 0 to be saved once (`save_adapter`; `save_merged` says why it is not offered).
@@ -85,7 +90,8 @@ class FsdpSettings:
             TrainingArguments: transformers refuses the two together.
         cpu_ram_efficient_loading: only rank 0 reads the checkpoint; the others build the model
             empty and receive their shards by broadcast when it is sharded (4-bit models excepted:
-            accelerate loads those on every rank, since bitsandbytes' parameters cannot move to meta).
+            every rank quantises them itself, since bitsandbytes' parameters cannot move to meta; see
+            device_map and load_4bit_on_host).
         reshard_after_forward: free each layer's gathered weights after its forward (full sharding,
             ZeRO-3); False keeps them until the backward (ZeRO-2: more memory, less communication).
         state_dict_type: FULL_STATE_DICT gathers the weights to rank 0 for saving (the adapter is
@@ -180,7 +186,8 @@ def device_map(quantized: bool) -> Any:
     16-bit: None: the model loads on CPU (only rank 0 reads the weights under efficient loading) and
     accelerate moves each rank's shards to its GPU while sharding, so no GPU holds a full copy.
     4-bit: {"": this rank's device}: bitsandbytes quantises on the GPU while loading, so each rank
-    loads the 4-bit model there (a quarter of the 16-bit size) before it is sharded.
+    loads the 4-bit model there (a quarter of the 16-bit size) before it is sharded, or, where that
+    would not fit, keeps each weight's rows of its shard in CPU memory as it is made (load_4bit_on_host).
     """
     return {"": distributed.device()} if quantized else None
 
