@@ -429,8 +429,8 @@ for what in "$@"; do
       # Two GPUs, one call (~7-9 minutes on 2x H100): the random Qwen3-14B checkpoint (29.5 GB) is built in the
       # background while the split-model fp16 GPU test runs, then FSDP-QLoRA against the balanced split under the
       # T4 profile: Qwen3-14B shapes in 4-bit, 1K x 1 per GPU (the balanced process 1K x 2), 8 steps: 3 of warm-up,
-      # 4 timed, the last profiled (kernel time by kind; rank 0's op table in fsdp2_profile/). Qwen3-32B shapes do not fit one such call: in 4-bit each FSDP rank loads 18.4 GiB (the planner)
-      # before it shards, over a T4's 15, and its checkpoint is 65.5 GB. SUITE_DRY_RUN=1: tiny:qwen3, 16-bit, CPU.
+      # 4 timed, the last profiled (kernel time by kind; rank 0's op table in fsdp2_profile/). Qwen3-32B shapes: the
+      # fsdp32 part. SUITE_DRY_RUN=1: tiny:qwen3, 16-bit, CPU.
       model=${FSDP2_MODEL:-random:qwen3-14b}
       # FSDP2_T4=0: bf16 without the T4 profile's cap (no loss scaler: whether a difference is fp16's)
       bench=(--gpus 2 --seq-len 1024 --batch 1 --steps 8 --warmup 3)
