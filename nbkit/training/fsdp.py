@@ -43,13 +43,16 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from nbkit.platform import config, distributed, notices
 from nbkit.platform.errors import StrategyError
 from nbkit.platform.patching import patch
+
+if TYPE_CHECKING:
+    from nbkit.notebook.planner import Plan
 
 __all__ = [
     "EVERY_RANK_TIMEOUT_S",
@@ -192,12 +195,12 @@ def device_map(quantized: bool) -> Any:
     return {"": distributed.device()} if quantized else None
 
 
-def offload_shards(planned: Any) -> None:
+def offload_shards(planned: Plan) -> None:
     """Have accelerate keep this rank's shards, their gradients and the optimizer's state in CPU memory (FSDP2's CPU
     offload: FSDP_OFFLOAD_PARAMS=true), unless that variable is set already; rank 0 says so once.
 
     The guard calls it while an fsdp rank loads, where the planner finds that FSDP fits the GPUs only this way
-    (`planned.fsdp_offload`, a Plan): Trainer's Accelerator, made after the load, reads the variable. Slower than
+    (`planned.fsdp_offload`): Trainer's Accelerator, made after the load, reads the variable. Slower than
     FSDP on the GPUs (every layer's weights cross PCIe in each forward and backward), and the ranks of a machine hold
     the whole model in pinned CPU memory together.
     """
