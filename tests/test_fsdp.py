@@ -432,10 +432,17 @@ def test_guard_in_an_fsdp_rank_loads_on_the_host_and_offloads_where_the_plan_nee
     assert (os.environ.get(fsdp.OFFLOAD_VARIABLE) == "true") is offload
     said = capsys.readouterr().out
     assert ("FSDP's CPU offload is on (FSDP_OFFLOAD_PARAMS=true" in said) is offload, said
-    if offload:  # the user's choice wins
+    if offload:
+        # A live set's rank keeps its environment: a later load of a model that fits takes nbkit's choice back...
+        wrapped("random:qwen3-14b", quantization_config=object())
+        assert not os.environ.get(fsdp.OFFLOAD_VARIABLE)
+        # ... and the user's choice wins, either way.
         monkeypatch.setenv(fsdp.OFFLOAD_VARIABLE, "false")
         wrapped(model, quantization_config=object())
         assert os.environ[fsdp.OFFLOAD_VARIABLE] == "false"
+        monkeypatch.setenv(fsdp.OFFLOAD_VARIABLE, "true")
+        wrapped("random:qwen3-14b", quantization_config=object())
+        assert os.environ[fsdp.OFFLOAD_VARIABLE] == "true"
     # 16-bit weights load in CPU memory anyway: never on the host as 4-bit rows
     loads.clear()
     wrapped("random:qwen3-14b", load_in_4bit=False)

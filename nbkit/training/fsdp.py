@@ -197,16 +197,24 @@ def device_map(quantized: bool) -> Any:
 
 def offload_shards(planned: Plan) -> None:
     """Have accelerate keep this rank's shards, their gradients and the optimizer's state in CPU memory (FSDP2's CPU
-    offload: FSDP_OFFLOAD_PARAMS=true), unless that variable is set already; rank 0 says so once.
+    offload: FSDP_OFFLOAD_PARAMS=true) where `planned.fsdp_offload` says FSDP fits the GPUs only this way, and not
+    where it does not; a value the user set is kept. Rank 0 says when it turns the offload on.
 
-    The guard calls it while an fsdp rank loads, where the planner finds that FSDP fits the GPUs only this way
-    (`planned.fsdp_offload`): Trainer's Accelerator, made after the load, reads the variable. Slower than
-    FSDP on the GPUs (every layer's weights cross PCIe in each forward and backward), and the ranks of a machine hold
-    the whole model in pinned CPU memory together.
+    The guard calls it while an fsdp rank loads (the model's plan over all the ranks): Trainer's Accelerator, made
+    after the load, reads the variable. A live set's ranks keep their environment from cell to cell, so a later load
+    of a model that fits turns the offload nbkit chose off again. Slower than FSDP on the GPUs (every layer's weights
+    cross PCIe in each forward and backward), and the ranks of a machine hold the whole model in pinned CPU memory.
     """
+    global _offload_chosen
+    if not planned.fsdp_offload:
+        if _offload_chosen:
+            os.environ.pop(OFFLOAD_VARIABLE, None)
+            _offload_chosen = False
+        return
     if config.flag(OFFLOAD_VARIABLE) is not None:
         return
     os.environ[OFFLOAD_VARIABLE] = "true"
+    _offload_chosen = True
     if distributed.rank() == 0:
         notices.logger(__name__).info(
             f"nbkit: {planned.model} fits {planned.gpus} GPUs of {planned.gpu_memory_gib:.0f} GiB under FSDP only with "
@@ -214,6 +222,10 @@ def offload_shards(planned: Plan) -> None:
             f"({OFFLOAD_VARIABLE}=true; every layer's weights now cross to the GPU in each step, so steps are slower). "
             f"Set {OFFLOAD_VARIABLE}=false before the load to keep the shards on the GPUs."
         )
+
+
+# Whether offload_shards set FSDP_OFFLOAD_PARAMS in this process (and may take it back).
+_offload_chosen = False
 
 
 # (this rank, ranks) while a 4-bit load keeps its weights on the host (load_4bit_on_host). A module variable, not a

@@ -295,7 +295,7 @@ def _fsdp_load(
     elif var_keyword is not None:
         bound.arguments.setdefault(var_keyword, {})["device_map"] = resolved
     planned = _fsdp_plan(passed, loader, quantized)
-    if planned is not None and planned.fsdp_offload:
+    if planned is not None:
         fsdp.offload_shards(planned)
     chosen = setting("fsdp_4bit_load")
     on_host = chosen == "host" or (chosen == "auto" and planned is not None and planned.fsdp_host_load)
