@@ -899,32 +899,10 @@ def _plan(
     common = (counts, config, gpus, seq_len, batch_size, load_in_4bit, lora_rank)
     breakdown, total = _estimate(*common, checkpointing, gpu_memory_gib=gpu_memory_gib).bytes_per_gpu()
     split_total = per_gpu(split=gpus) if gpus > 1 else total
-    fsdp_checkpointing = None if checkpointing is None else "recompute"  # accelerate's checkpointing keeps inputs
-    fsdp_breakdown, fsdp_total = _estimate(
-        *common, fsdp_checkpointing, fsdp_shards=gpus, gpu_memory_gib=gpu_memory_gib
-    ).bytes_per_gpu()
-    # In 4-bit an fsdp rank loads and quantises the whole model on its own GPU, one 16-bit weight at a time,
-    # and shards it only afterwards (nbkit.fsdp.device_map); where that copy would not fit, it keeps each
-    # quantised weight's rows of its shard on the host instead (nbkit.fsdp.load_4bit_on_host).
-    fsdp_load, host_load = None, False
-    if load_in_4bit:
-        fsdp_load = _Estimate(_fsdp_load(counts, on_host=False), 0, 0, 0, 0, 0).bytes_per_gpu()[1]
-        host_load = gpus > 1 and fsdp_load > usable
-        if host_load:
-            fsdp_load = _Estimate(_fsdp_load(counts, on_host=True), 0, 0, 0, 0, 0).bytes_per_gpu()[1]
-    loads = fsdp_load is None or fsdp_load <= usable
-    # Offloading the shards moves each layer's weights over PCIe in every forward, recomputation and backward:
-    # the last resort, after the split, and for 4-bit weights only (the ranks of a machine hold the whole model in
-    # pinned CPU memory together: 18.4 GiB for a 32B model in 4-bit, four times that in 16-bit, where loading
-    # in 4-bit is the better advice).
-    offload = load_in_4bit and gpus > 1 and loads and fsdp_total > usable and split_total > usable
-    if offload:
-        fsdp_breakdown, fsdp_total = _estimate(
-            *common, fsdp_checkpointing, fsdp_shards=gpus, gpu_memory_gib=gpu_memory_gib, fsdp_offload=True
-        ).bytes_per_gpu()
+    fsdp = _fsdp_fit(common, checkpointing, gpu_memory_gib, usable, split_total)
     if total <= usable:
         strategy = "ddp"
-    elif gpus > 1 and fsdp_total <= usable and loads:
+    elif gpus > 1 and fsdp.total <= usable and (fsdp.load is None or fsdp.load <= usable):
         strategy = "fsdp"
     elif gpus > 1 and split_total <= usable:
         strategy = "model_parallel"
@@ -949,13 +927,63 @@ def _plan(
         model_parallel_gib=split_total,
         usable_gib=usable,
         advice=tuple(advice),
-        fsdp_gib=fsdp_total,
-        fsdp_breakdown=fsdp_breakdown,
-        fsdp_load_gib=fsdp_load,
-        fsdp_host_load=host_load,
-        fsdp_offload=offload,
-        fsdp_host_gib=_fsdp_host(counts, load_in_4bit, host_load, offload) / GIB,
+        fsdp_gib=fsdp.total,
+        fsdp_breakdown=fsdp.breakdown,
+        fsdp_load_gib=fsdp.load,
+        fsdp_host_load=fsdp.host_load,
+        fsdp_offload=fsdp.offload,
+        fsdp_host_gib=_fsdp_host(counts, load_in_4bit, fsdp.host_load, fsdp.offload) / GIB,
     )
+
+
+@dataclass(frozen=True)
+class _FsdpFit:
+    """How FSDP fits (_fsdp_fit): the per-rank breakdown and total while training, the peak while loading (4-bit),
+    whether the load keeps the weights on the host and whether the shards are offloaded.
+    """
+
+    breakdown: dict[str, float]
+    total: float
+    load: float | None
+    host_load: bool
+    offload: bool
+
+
+def _fsdp_fit(
+    common: tuple[_Counts, Any, int, int, int, bool, int],
+    checkpointing: str | None,
+    gpu_memory_gib: float,
+    usable: float,
+    split_total: float,
+) -> _FsdpFit:
+    """FSDP over common's GPUs (the _estimate arguments _plan shares): on the GPUs, loading on the host where a
+    rank's GPU cannot hold the whole quantised model, and offloading the shards where neither that nor the split fits.
+    """
+    counts, gpus, load_in_4bit = common[0], common[2], common[5]
+    fsdp_checkpointing = None if checkpointing is None else "recompute"  # accelerate's checkpointing keeps inputs
+    breakdown, total = _estimate(
+        *common, fsdp_checkpointing, fsdp_shards=gpus, gpu_memory_gib=gpu_memory_gib
+    ).bytes_per_gpu()
+    # In 4-bit an fsdp rank loads and quantises the whole model on its own GPU, one 16-bit weight at a time,
+    # and shards it only afterwards (nbkit.fsdp.device_map); where that copy would not fit, it keeps each
+    # quantised weight's rows of its shard on the host instead (nbkit.fsdp.load_4bit_on_host).
+    load, host_load = None, False
+    if load_in_4bit:
+        load = _Estimate(_fsdp_load(counts, on_host=False), 0, 0, 0, 0, 0).bytes_per_gpu()[1]
+        host_load = gpus > 1 and load > usable
+        if host_load:
+            load = _Estimate(_fsdp_load(counts, on_host=True), 0, 0, 0, 0, 0).bytes_per_gpu()[1]
+    loads = load is None or load <= usable
+    # Offloading the shards moves each layer's weights over PCIe in every forward, recomputation and backward:
+    # the last resort, after the split, and for 4-bit weights only (the ranks of a machine hold the whole model in
+    # pinned CPU memory together: 18.4 GiB for a 32B model in 4-bit, four times that in 16-bit, where loading
+    # in 4-bit is the better advice).
+    offload = load_in_4bit and gpus > 1 and loads and total > usable and split_total > usable
+    if offload:
+        breakdown, total = _estimate(
+            *common, fsdp_checkpointing, fsdp_shards=gpus, gpu_memory_gib=gpu_memory_gib, fsdp_offload=True
+        ).bytes_per_gpu()
+    return _FsdpFit(breakdown, total, load, host_load, offload)
 
 
 def _advice(
