@@ -284,7 +284,9 @@ def _fsdp_load(
 ) -> Any:
     """A load in an fsdp rank: unsloth refused (StrategyError), otherwise the device map FSDP needs
     (nbkit.fsdp.device_map) in place of whatever was asked, so no rank loads a full 16-bit copy onto
-    its GPU and no rank splits the model over the others' GPUs.
+    its GPU and no rank splits the model over the others' GPUs; and, from the model's plan over all the
+    ranks, a 4-bit load on the host (nbkit.fsdp.load_4bit_on_host) and FSDP's CPU offload
+    (nbkit.fsdp.offload_shards) where the GPUs need them.
     """
     if loader is _UNSLOTH:
         raise fsdp.unsloth_error()
