@@ -43,16 +43,13 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from nbkit.platform import config, distributed, notices
 from nbkit.platform.errors import StrategyError
 from nbkit.platform.patching import patch
-
-if TYPE_CHECKING:
-    from nbkit.notebook.planner import Plan
 
 __all__ = [
     "EVERY_RANK_TIMEOUT_S",
@@ -195,10 +192,11 @@ def device_map(quantized: bool) -> Any:
     return {"": distributed.device()} if quantized else None
 
 
-def offload_shards(planned: Plan) -> None:
+def offload_shards(planned: Any) -> None:
     """Have accelerate keep this rank's shards, their gradients and the optimizer's state in CPU memory (FSDP2's CPU
-    offload: FSDP_OFFLOAD_PARAMS=true) where `planned.fsdp_offload` says FSDP fits the GPUs only this way, and not
-    where it does not; a value the user set is kept. Rank 0 says when it turns the offload on.
+    offload: FSDP_OFFLOAD_PARAMS=true) where `planned.fsdp_offload` (a nbkit.plan Plan, not imported here: the
+    planner imports this package's savers) says FSDP fits the GPUs only this way, and not where it does not; a
+    value the user set is kept. Rank 0 says when it turns the offload on.
 
     The guard calls it while an fsdp rank loads (the model's plan over all the ranks): Trainer's Accelerator, made
     after the load, reads the variable. A live set's ranks keep their environment from cell to cell, so a later load
