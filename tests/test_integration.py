@@ -192,17 +192,17 @@ _ABSENT = object()
 
 def _values(group: str) -> dict[str, Any]:
     """target -> what the patched owner holds itself now (its __dict__ entry, _ABSENT for an inherited
-    attribute), for the group's targets whose module is imported; imports nothing."""
+    attribute), for the group's targets whose module is imported and whose owner exists in this version (the
+    registry skips the others: transformers 4.x has no Bnb4bitQuantize); imports nothing."""
     found = {}
     for p in patching.registered(group):
         module, _, path = p.target.partition(":")
         owner: Any = sys.modules.get(module)
-        if owner is None:
-            continue
         *parents, attr = path.split(".")
         for name in parents:
-            owner = getattr(owner, name)
-        found[p.target] = vars(owner).get(attr, _ABSENT)
+            owner = getattr(owner, name, None)
+        if owner is not None:
+            found[p.target] = vars(owner).get(attr, _ABSENT)
     return found
 
 

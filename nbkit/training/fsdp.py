@@ -243,7 +243,8 @@ def load_4bit_on_host(load: Callable[[], Any]) -> Any:
     chunk, which is exactly the rows written here. Until the model is sharded, its weights are not whole on
     any rank, so a forward before that (a generation before training) is refused with a StrategyError.
     The guard calls this where the planner finds that the whole quantised model would not fit one GPU
-    (nbkit.configure(fsdp_4bit_load="host" | "gpu") decides otherwise).
+    (nbkit.configure(fsdp_4bit_load="host" | "gpu") decides otherwise). Under transformers 4.x, which has no
+    per-weight conversion to hook, the model loads whole on the GPU as before.
 
     Args:
         load: a call that loads and returns the model, with nbkit.fsdp.qlora_config() (weights stored in a
