@@ -254,13 +254,13 @@ def load_4bit_on_host(load: Callable[[], Any]) -> Any:
         What `load` returned.
     """
     global _host_rows
-    _host_rows = (distributed.rank(), distributed.world_size())
+    rows = _host_rows = (distributed.rank(), distributed.world_size())
     try:
         model = load()
     finally:
         _host_rows = None
     if any(getattr(p, "_nbkit_rows_on_host", False) for p in model.parameters()):
-        model.__dict__["_nbkit_rows_on_host"] = (distributed.rank(), distributed.world_size())
+        model.__dict__["_nbkit_rows_on_host"] = rows
         _refuse_forward_until_sharded(model)
     return model
 
@@ -309,7 +309,7 @@ def _quantised_on_host(original: Callable[..., Any]) -> Callable[..., Any]:
         made = original(self, *args, **kwargs)
         if _host_rows is not None:
             for weight in made.values():
-                if type(weight).__name__ == "Params4bit":
+                if _is_4bit_weight(weight):
                     _keep_rows_on_host(weight, *_host_rows)
         return made
 
@@ -351,7 +351,12 @@ patch(
 
 def holds_4bit_weights(model: torch.nn.Module) -> bool:
     """Whether `model` holds bitsandbytes' packed 4-bit weights (Params4bit), as a QLoRA load gives it."""
-    return any(type(p).__name__ == "Params4bit" for p in model.parameters())
+    return any(_is_4bit_weight(p) for p in model.parameters())
+
+
+def _is_4bit_weight(tensor: torch.Tensor) -> bool:
+    # By class name: bitsandbytes may be absent, and importing it creates a CUDA context.
+    return type(tensor).__name__ == "Params4bit"
 
 
 def without_training_cache(model: Any) -> None:

@@ -319,9 +319,8 @@ def _fsdp_plan(values: dict[str, Any], loader: _Loader, quantized: bool) -> plan
         return None
     from nbkit.notebook import planner
 
-    seq_len = int(values.get("max_seq_length") or FIT_CHECK_SEQ_LEN)
     try:
-        return planner.plan(loaded[1], gpus=distributed.world_size(), seq_len=seq_len, load_in_4bit=quantized)
+        return planner.plan(loaded[1], gpus=distributed.world_size(), seq_len=FIT_CHECK_SEQ_LEN, load_in_4bit=quantized)
     except Exception:
         return None
 
