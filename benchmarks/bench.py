@@ -221,18 +221,8 @@ def _command(spec: cases.LaunchSpec, spec_path: Path) -> list[str]:
     if spec.launcher in ("nbkit", "notebook"):
         return [sys.executable, me, "--run-launch", str(spec_path)]
     if spec.launcher == "accelerate":
-        return launching.accelerate_command(spec.gpus, me, "--worker", str(spec_path))
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        str(spec.gpus),
-        me,
-        "--worker",
-        str(spec_path),
-    ]
+        return launching.accelerate_command(spec.gpus, spec_path.parent, me, "--worker", str(spec_path))
+    return launching.torchrun_command(spec.gpus, spec_path.parent, me, "--worker", str(spec_path))
 
 
 def _placeholder(spec: cases.LaunchSpec, case: cases.Case, status: str, why: str, **extra: Any) -> dict:

@@ -67,25 +67,28 @@ def _gpu_count() -> int:
     return torch.cuda.device_count()
 
 
-def accelerate_command(gpus: int, script: str, *script_args: str) -> list[str]:
+def accelerate_command(gpus: int, log_dir: Path, script: str, *script_args: str) -> list[str]:
     """`accelerate launch` of `script` on `gpus` processes of this machine, no mixed precision or dynamo
-    of accelerate's own (the script decides), a free rendezvous port.
+    of accelerate's own (the script decides), a free rendezvous port, torch elastic's log folder in
+    `log_dir` (without one it makes a torchelastic_* folder in the temporary directory and never removes it).
     """
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(gpus), "--num_machines", "1"]
     cmd += ["--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port())]
+    cmd += ["--log_dir", str(log_dir)]
     if gpus > 1:
         cmd.append("--multi_gpu")  # with ACCELERATE_USE_CPU=true this is gloo on the CPU
     return cmd + [script, *script_args]
 
 
-def torchrun_command(gpus: int, script: str, *script_args: str) -> list[str]:
-    """The torchrun command of `script` on `gpus` processes of this machine, meeting on a free port of 127.0.0.1.
+def torchrun_command(gpus: int, log_dir: Path, script: str, *script_args: str) -> list[str]:
+    """The torchrun command of `script` on `gpus` processes of this machine, meeting on a free port of 127.0.0.1,
+    its log folder in `log_dir` (as accelerate_command's).
 
     torchrun, like `accelerate launch`, gives every rank OMP_NUM_THREADS=1 where the environment does
     not set it.
     """
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", str(gpus)]
-    cmd += ["--master_addr", "127.0.0.1", "--master_port", str(free_port())]
+    cmd += ["--master_addr", "127.0.0.1", "--master_port", str(free_port()), "--log-dir", str(log_dir)]
     return cmd + [script, *script_args]
 
 

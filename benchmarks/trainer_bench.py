@@ -575,9 +575,9 @@ def _worker_mode(path: str) -> int:
 def _command(launch: Launch, path: Path) -> list[str]:
     me = str(Path(__file__).resolve())
     if launch.launcher == "accelerate":
-        return launching.accelerate_command(launch.gpus, me, "--worker-mode", str(path))
+        return launching.accelerate_command(launch.gpus, path.parent, me, "--worker-mode", str(path))
     if launch.launcher == "torchrun":
-        return launching.torchrun_command(launch.gpus, me, "--worker-mode", str(path))
+        return launching.torchrun_command(launch.gpus, path.parent, me, "--worker-mode", str(path))
     return [sys.executable, me, "--launch-mode", str(path)]
 
 
@@ -918,71 +918,73 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--quant takes {QUANTS}")
     path = nbkit.resolve_model(a.model)
     gpu_count = len(nbkit.visible_gpus())
-    workdir = Path(tempfile.mkdtemp(prefix="trainer-bench-"))
     env, rows, started = host.environment(), [], time.monotonic()
     for package in ("liger-kernel", "triton"):  # not in host.environment()'s list
         with contextlib.suppress(importlib.metadata.PackageNotFoundError):
             env["versions"][package] = importlib.metadata.version(package)
     command = " ".join(["python3", "benchmarks/trainer_bench.py", *(argv if argv is not None else sys.argv[1:])])
-    for repeat in range(a.repeats):
-        for spec, gpus, launcher in configs:
-            backend, extras = split_backend(spec)
-            for quant in quants:
-                launch = Launch(
-                    backend,
-                    gpus,
-                    launcher,
-                    a.model,
-                    path,
-                    a.device,
-                    precision,
-                    quant,
-                    shapes,
-                    "",
-                    a.steps,
-                    a.warmup,
-                    not a.no_image,
-                    a.trainer,
-                    repeat,
-                    a.memory_cap_gib,
-                    a.longest,
-                    trainer_options=trainer_options,
-                    emulate=profile.name if profile else None,
-                    unsloth_loss=a.unsloth_loss,
-                    extras=extras,
-                    windows=a.windows,
-                    compile_backend=a.compile_backend,
-                    profile_steps=a.profile_steps,
-                )
-                skip = None
-                if a.time_limit is not None and time.monotonic() - started > a.time_limit:
-                    skip = f"not started: the {a.time_limit:.0f} s time limit had passed"
-                elif a.device == "cuda" and gpus > gpu_count:
-                    skip = f"needs {gpus} GPUs, this machine has {gpu_count}"
-                elif backend == "unsloth" and a.device != "cuda":
-                    skip = "unsloth trains only on GPUs"
-                if skip:
-                    rows += [
-                        dict(_identity(launch), seq_len=s, batch=b, status="skipped", error=skip) for s, b in shapes
-                    ]
-                    continue
-                rows += run_launch(launch, workdir, a.launch_timeout)
-                summary = summarise(rows)
-                if a.out:
-                    Path(a.out).write_text(
-                        json.dumps(
-                            {
-                                "command": command,
-                                "environment": env,
-                                "wall_s": time.monotonic() - started,
-                                "summary": summary,
-                                "results": rows,
-                            },
-                            indent=1,
-                        )
+    # Each launch's spec and rows, and the launchers' log folders: gone when the benchmark ends.
+    with tempfile.TemporaryDirectory(prefix="trainer-bench-") as scratch:
+        workdir = Path(scratch)
+        for repeat in range(a.repeats):
+            for spec, gpus, launcher in configs:
+                backend, extras = split_backend(spec)
+                for quant in quants:
+                    launch = Launch(
+                        backend,
+                        gpus,
+                        launcher,
+                        a.model,
+                        path,
+                        a.device,
+                        precision,
+                        quant,
+                        shapes,
+                        "",
+                        a.steps,
+                        a.warmup,
+                        not a.no_image,
+                        a.trainer,
+                        repeat,
+                        a.memory_cap_gib,
+                        a.longest,
+                        trainer_options=trainer_options,
+                        emulate=profile.name if profile else None,
+                        unsloth_loss=a.unsloth_loss,
+                        extras=extras,
+                        windows=a.windows,
+                        compile_backend=a.compile_backend,
+                        profile_steps=a.profile_steps,
                     )
-                if a.md:
-                    Path(a.md).write_text(markdown(env, command, summary, rows))
+                    skip = None
+                    if a.time_limit is not None and time.monotonic() - started > a.time_limit:
+                        skip = f"not started: the {a.time_limit:.0f} s time limit had passed"
+                    elif a.device == "cuda" and gpus > gpu_count:
+                        skip = f"needs {gpus} GPUs, this machine has {gpu_count}"
+                    elif backend == "unsloth" and a.device != "cuda":
+                        skip = "unsloth trains only on GPUs"
+                    if skip:
+                        rows += [
+                            dict(_identity(launch), seq_len=s, batch=b, status="skipped", error=skip) for s, b in shapes
+                        ]
+                        continue
+                    rows += run_launch(launch, workdir, a.launch_timeout)
+                    summary = summarise(rows)
+                    if a.out:
+                        Path(a.out).write_text(
+                            json.dumps(
+                                {
+                                    "command": command,
+                                    "environment": env,
+                                    "wall_s": time.monotonic() - started,
+                                    "summary": summary,
+                                    "results": rows,
+                                },
+                                indent=1,
+                            )
+                        )
+                    if a.md:
+                        Path(a.md).write_text(markdown(env, command, summary, rows))
     print(markdown(env, command, summarise(rows), rows))
     return 0
 

@@ -61,7 +61,7 @@ def test_one_shot_ranks_print_whole_lines_as_they_print_them(tmp_path: Path, lau
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env=rank_env(),
+        env=rank_env(tmp_path),
     )
     stderr: list[str] = []
     threading.Thread(target=lambda: stderr.append(proc.stderr.read()), daemon=True).start()  # type: ignore[union-attr]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -64,8 +65,12 @@ def test_summary_takes_the_median_of_repeats_and_scales_against_one_gpu():
 
 
 @pytest.mark.slow
-def test_trainer_runs_under_every_launcher_and_records_what_cannot_run(tmp_path):
+def test_trainer_runs_under_every_launcher_and_records_what_cannot_run(tmp_path, monkeypatch):
     out, md = tmp_path / "trainer.json", tmp_path / "trainer.md"
+    scratch = tmp_path / "tmp"  # the temporary directory of the benchmark and of every process it starts
+    scratch.mkdir()
+    monkeypatch.setenv("TMPDIR", str(scratch))
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
     code = trainer_bench.main(
         [
             "--configs",
@@ -112,3 +117,7 @@ def test_trainer_runs_under_every_launcher_and_records_what_cannot_run(tmp_path)
     text = md.read_text()
     assert "| transformers:2@accelerate | fp32 16bit 128x2 | 1/1 |" in text
     assert "liger:1@notebook fp32 16bit 128x2: error: " in text
+    # Left behind: only caches, the launches' working folder (unsloth's compiled code) and inductor's; no specs,
+    # rows or launcher logs (torch elastic's torchelastic_* folders went with them).
+    caches = ("nbkit-trainer-bench", "torchinductor_")
+    assert [p.name for p in scratch.iterdir() if not p.name.startswith(caches)] == []

@@ -8,6 +8,7 @@ process that launches ranks should not have done.
 
 from __future__ import annotations
 
+import os
 import tempfile
 from typing import Any
 
@@ -74,7 +75,6 @@ def tiny_qwen3_trainer(use_cpu: bool = True, callbacks: list | None = None, **ar
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(load_config("tiny:qwen3"))
     data = [{"input_ids": torch.randint(0, 100, (16,)), "labels": torch.randint(0, 100, (16,))} for _ in range(16)]
-    # Trainer creates output_dir even with save_strategy="no": somewhere temporary, not the cwd.
     options: dict[str, Any] = {"max_steps": 4, **arguments}
     args = TrainingArguments(
         output_dir=tempfile.mkdtemp(prefix="nbkit-test-"),
@@ -84,4 +84,8 @@ def tiny_qwen3_trainer(use_cpu: bool = True, callbacks: list | None = None, **ar
         use_cpu=use_cpu,
         **options,
     )
-    return Trainer(model=model, args=args, train_dataset=data, callbacks=callbacks)
+    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=callbacks)
+    # Trainer makes output_dir at once though save_strategy="no" writes nothing there, and ranks end by
+    # os._exit, which runs no cleanup: the empty folder goes now (a save would make it again).
+    os.rmdir(args.output_dir)
+    return trainer

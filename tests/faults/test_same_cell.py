@@ -59,9 +59,7 @@ def _run_on(path: str, tmp_path: Path, setup: str, cell: str) -> str:
 
 
 def _exported(tmp_path: Path, setup: str, cell: str) -> str:
-    """What the exported script prints last on rank 0 under torchrun (whose own temporary files go
-    to the case's folder: they are torchrun's, not nbkit's).
-    """
+    """What the exported script prints last on rank 0 under torchrun."""
     notebook = new_notebook()
     notebook.cells = [new_code_cell(setup), new_code_cell(f"%%ddp --gpus 2\n{cell}")]
     nbformat.write(notebook, tmp_path / "cells.ipynb")
@@ -72,7 +70,7 @@ def _exported(tmp_path: Path, setup: str, cell: str) -> str:
         capture_output=True,
         text=True,
         timeout=240,
-        env={**rank_env(), "TMPDIR": str(tmp_path)},
+        env=rank_env(tmp_path),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout.strip().splitlines()[-1]
