@@ -361,12 +361,14 @@ for what in "$@"; do
       # Where a rank that nbkit starts loses time against other launchers of the same training code: each launch's
       # step times, rank 0's host counters (main-thread and process CPU, context switches, threads) and 2 profiled
       # steps. One-GPU configurations see one GPU (CUDA_VISIBLE_DEVICES), so scaling ratios come from this call.
+      # A launch that trains two shapes under the T4 profile (unsloth's live set: its compile, 1K and 16K) needs
+      # more than the default 240 s: PATHS_LAUNCH_TIMEOUT.
       limit=${PATHS_LIMIT:-480}
       # shellcheck disable=SC2086  # PATHS_ARGS holds several options
       part "paths${PATHS_TAG:-}" "$limit" python3 benchmarks/trainer_bench.py \
         --configs "${PATHS_CONFIGS:-unsloth:1@notebook,unsloth:2,unsloth:2@live,unsloth:2@torchrun,unsloth:2@accelerate}" \
         --shapes "${PATHS_SHAPES:-1024x4}" --steps "${PATHS_STEPS:-8}" --warmup 3 --profile-steps 2 \
-        --repeats "${PATHS_REPEATS:-1}" --launch-timeout 240 --time-limit $((limit - 100)) ${PATHS_ARGS:-} \
+        --repeats "${PATHS_REPEATS:-1}" --launch-timeout "${PATHS_LAUNCH_TIMEOUT:-240}" --time-limit $((limit - 100)) ${PATHS_ARGS:-} \
         --out "$OUT/paths${PATHS_TAG:-}.json" --md "$OUT/paths${PATHS_TAG:-}.md" ;;
     trainer)
       # Issue 16's comparison with the flagship's training code (TRL SFTTrainer, one small image per sample):

@@ -548,9 +548,14 @@ def window_medians(times: list[float], windows: int) -> list[float]:
 
 
 def _preload(launch: Launch) -> None:
-    """What a notebook has imported in earlier cells: transformers and the model's modeling module
-    (never unsloth, peft or bitsandbytes: they initialise CUDA or make both notebook launchers refuse to fork).
+    """What a notebook has imported in earlier cells: transformers and the model's modeling module (never
+    unsloth, peft or bitsandbytes where ranks fork: they initialise CUDA or make both notebook launchers refuse
+    to fork). unsloth's one-GPU notebooks, which train in the kernel itself, import unsloth in their first cell,
+    before transformers, as unsloth asks (imported after it, it warns that its optimisations may not all apply;
+    that is how 16K x 1 under the T4 profile ran out of memory on a 9.27 GiB fp32 copy of the full logits).
     """
+    if launch.backend == "unsloth" and launch.launcher == "notebook" and launch.gpus == 1:
+        import unsloth  # noqa: F401
     from transformers.models.auto import modeling_auto
 
     config = common_config(launch)
