@@ -85,6 +85,7 @@ class Run:
     storage: str = "compute"  # 4-bit weights stored in the compute dtype (sharded), or "uint8" (bitsandbytes' own)
     dtype: str | None = None  # "fp16" / "bf16" / "fp32"; None: fp16 under the T4 profile, else nbkit's choice
     by_layer: bool = False  # LoRA weight and gradient norms by layer at every step (a few ms of syncs per step)
+    memory_steps: int = 0  # record the allocator's history over the first steps: what was live at their peak
 
     @property
     def precision(self) -> str:
@@ -149,6 +150,7 @@ def _train(run: Run, path: str, per_step: int) -> dict:
     phases = _phases_callback(devices, run.warmup)
     profiler = _profile_callback(devices, run)
     gradients = _gradient_callback(run)
+    peaks = _peak_callback(devices, run.memory_steps)
     with tempfile.TemporaryDirectory() as out:
         args = TrainingArguments(
             output_dir=out,
@@ -169,7 +171,9 @@ def _train(run: Run, path: str, per_step: int) -> dict:
             # for a 4-bit model, yet still multiplies the loss by that count where device_map left a small model
             # on one GPU (2x H100, Qwen3-1.7B shapes in 4-bit: every loss twice FSDP's); a split model sets it to 1.
             args._n_gpu = 1
-        trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[timer, phases, profiler, gradients])
+        trainer = Trainer(
+            model=model, args=args, train_dataset=data, callbacks=[timer, phases, profiler, gradients, peaks]
+        )
         trainer.train()
     logged = [e for e in trainer.state.log_history if "loss" in e]
     scaler = trainer.accelerator.scaler
@@ -185,6 +189,7 @@ def _train(run: Run, path: str, per_step: int) -> dict:
         "squares": gradients.squares,
         "hidden": {i: float(v) for i, v in sorted(gradients.hidden.items())},
         "memory": [{**phases.loading[i], **_train_memory(each)} if cuda else None for i, each in enumerate(devices)],
+        "at_peak": peaks.breakdowns,
     }
 
 
@@ -366,6 +371,34 @@ def _phases_callback(devices: list[torch.device], warmup: int) -> Any:
     return Phases()
 
 
+def _peak_callback(devices: list[torch.device], steps: int) -> Any:
+    """A TrainerCallback that records the allocator's history on `devices` over the first `steps` steps (after the
+    phases callback's reset, before the timed steps) and keeps, per device, what was live at their peak
+    (benchmarks.memory_at_peak); nothing where steps is 0 or there is no GPU.
+    """
+    from transformers import TrainerCallback
+
+    from benchmarks import memory_at_peak
+
+    recorded = steps > 0 and all(d.type == "cuda" for d in devices)
+
+    class Peaks(TrainerCallback):
+        def __init__(self) -> None:
+            self.before: dict[int, int] = {}
+            self.breakdowns: dict[int, dict[str, Any]] = {}
+
+        def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if recorded:
+                self.before = memory_at_peak.start(devices)
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if self.before and state.global_step == steps:
+                self.breakdowns = memory_at_peak.stop(self.before)
+                self.before = {}
+
+    return Peaks()
+
+
 def _fsdp_rank(run: Run, path: str) -> list[dict]:
     """One FSDP rank (under nbkit.launch): capped like a T4 where asked; every rank's figures, on rank 0."""
     from benchmarks.ranks import gather
@@ -420,6 +453,7 @@ def _measure(run: Run) -> dict:
         "alloc_conf": [rank["alloc_conf"] for rank in ranks],
         "trains": bool(losses) and all(math.isfinite(x) and x > 0 for x in losses) and losses[-1] < losses[0],
         "memory": memory,
+        "at_peak": [rank["at_peak"] for rank in ranks],
         "peak_allocated_gib": [max(m["load_allocated"], m["train_allocated"]) for m in memory],
         "utilisation": sampler.summary(*first["window"]) if len(first["window"]) == 2 else None,
         **_planned(run),
@@ -583,6 +617,16 @@ def markdown(rows: list[dict], command: str, env: dict) -> str:
                 )
             elif profile:
                 lines.append(f"{r['mode']} process {rank}: profiler failed: {profile['error'][:160]}")
+    for r in rows:
+        for rank, devices in enumerate(r.get("at_peak") or []):
+            for device, peak in devices.items():
+                origins = "; ".join(f"{o['origin']} {o['gib']:.2f}" for o in peak["origins"][:8])
+                lines.append(
+                    f"{r['mode']} process {rank} GPU {device}, live at the first steps' peak of {peak['peak_gib']:.2f} "
+                    f"GiB: {peak['before_gib']:.2f} from before them, {origins}; other {peak['other_gib']:.2f}"
+                    + (" (the recording lost its oldest entries)" if peak["truncated"] else "")
+                    + "."
+                )
     return "\n".join(lines) + "\n"
 
 
@@ -660,9 +704,18 @@ def main(argv: list[str] | None = None) -> int:
         help="record the LoRA weights' and gradients' norms by decoder layer at every step (whether both runs train "
         "the same layers alike)",
     )
+    p.add_argument(
+        "--memory-steps",
+        type=int,
+        default=0,
+        help="record the allocator's history over this many first steps (at most --warmup: recording slows them) "
+        "and report what was live at their peak, by the code that allocated it",
+    )
     args = p.parse_args(argv)
     if args.warmup >= args.steps - (1 if args.profile_dir else 0):
         p.error("--warmup must be below --steps (the median needs timed steps; a profiled last step is not one)")
+    if args.memory_steps > args.warmup:
+        p.error("--memory-steps must be at most --warmup: the recorded steps are slower, so none may be timed")
     rows = []
     for mode in args.modes.split(","):
         if mode == "balanced":  # the allocator settings nbkit gives its ranks, for a like-for-like comparison
@@ -682,6 +735,7 @@ def main(argv: list[str] | None = None) -> int:
             args.storage,
             args.precision,
             args.by_layer,
+            args.memory_steps,
         )
         row = _measure(run)
         rows.append(row)

@@ -454,13 +454,16 @@ for what in "$@"; do
       # FSDP on GPUs 0 and 1, whose ranks load their shares of the weights on the host (the whole 4-bit model, 18.4
       # GiB, is over a T4's 15) and train with their shards in CPU memory (FSDP's CPU offload, which nbkit turns on
       # there: FSDP32_OFFLOAD=0 / 1 sets FSDP_OFFLOAD_PARAMS instead); then FSDP on 4 GPUs against the balanced split
-      # over the same 4. 1K x 1 per FSDP rank, 6 steps (2 of warm-up). SUITE_DRY_RUN=1: tiny:qwen3, 16-bit, CPU ranks.
+      # over the same 4. 1K x 1 per FSDP rank, 6 steps (2 of warm-up); FSDP32_ARGS adds fsdp_vs_balanced.py options
+      # (--memory-steps 2: what is live at the peak; --seq-len 4096). SUITE_DRY_RUN=1: tiny:qwen3, 16-bit, CPU ranks.
       model=random:qwen3-32b
       bench=(--t4 --seq-len 1024 --batch 1 --steps 6 --warmup 2)
       if [ -n "${SUITE_DRY_RUN:-}" ]; then
         model=tiny:qwen3
         bench=(--16bit --seq-len 64 --steps 3 --warmup 1)
       fi
+      # shellcheck disable=SC2206  # FSDP32_ARGS holds several options
+      bench+=(${FSDP32_ARGS:-})
       model_part "$model" "${FSDP32_BUILD_LIMIT:-300}" fsdp32_model &
       build=$!
       [ -n "${SUITE_DRY_RUN:-}" ] || CUDA_VISIBLE_DEVICES=2,3 part fsdp32_tests 240 python3 -m pytest -m gpu -q -rs \

@@ -545,7 +545,7 @@ def test_fsdp_vs_balanced_script_runs_on_cpu_ranks(tmp_path):
 
     out, md = tmp_path / "rows.json", tmp_path / "rows.md"
     argv = ["--model", "tiny:qwen3", "--gpus", "2", "--16bit", "--seq-len", "32", "--steps", "4", "--warmup", "1"]
-    argv += ["--profile-dir", str(tmp_path / "profile")]
+    argv += ["--profile-dir", str(tmp_path / "profile"), "--memory-steps", "1"]
     assert fsdp_vs_balanced.main([*argv, "--modes", "fsdp,balanced", "--out", str(out), "--md", str(md)]) == 0
     fsdp_row, balanced = [json.loads(line) for line in out.read_text().splitlines()]
     for row, mode in ((fsdp_row, "fsdp"), (balanced, "balanced")):
@@ -556,6 +556,7 @@ def test_fsdp_vs_balanced_script_runs_on_cpu_ranks(tmp_path):
         # The last step is profiled (and left out of the median).
         assert all(p is not None and "error" not in p and p["step_ms"] > 0 for p in row["profile"]), row["profile"]
         assert (tmp_path / "profile" / f"{mode}.txt").is_file()
+        assert row["at_peak"] == [{}] * (2 if mode == "fsdp" else 1)  # the allocator's history is CUDA's only
     # The same sequences per optimizer step: two FSDP ranks train as the one balanced process does.
     assert fsdp_row["losses"] == pytest.approx(balanced["losses"], rel=1e-4)
     assert fsdp_row["grad_norms"] == pytest.approx(balanced["grad_norms"], rel=1e-3)
