@@ -404,7 +404,7 @@ def test_guard_in_an_fsdp_rank_loads_for_sharding_and_refuses_unsloth(monkeypatc
     ],
 )
 def test_guard_in_an_fsdp_rank_loads_on_the_host_and_offloads_where_the_plan_needs_it(
-    monkeypatch, capsys, model, gpus, host, offload
+    monkeypatch, capsys, tmp_path, model, gpus, host, offload
 ):
     """Under the T4 profile (15 GiB): the guard asks the planner about the model over all the ranks, keeps the 4-bit
     weights on the host while loading where the whole model would not fit a GPU, and turns FSDP's CPU offload on
@@ -420,6 +420,7 @@ def test_guard_in_an_fsdp_rank_loads_on_the_host_and_offloads_where_the_plan_nee
     }.items():
         monkeypatch.setenv(name, value)
     monkeypatch.setenv(fsdp.OFFLOAD_VARIABLE, "")  # unset for accelerate, and put back as it was afterwards
+    _machine_memory(monkeypatch, tmp_path, 64)
     loads: list = []
     monkeypatch.setattr(fsdp, "load_4bit_on_host", lambda load: loads.append("host") or load())
 
@@ -447,6 +448,60 @@ def test_guard_in_an_fsdp_rank_loads_on_the_host_and_offloads_where_the_plan_nee
     loads.clear()
     wrapped("random:qwen3-14b", load_in_4bit=False)
     assert loads == []
+
+
+def _machine_memory(monkeypatch: pytest.MonkeyPatch, tmp_path, gib: float) -> None:
+    """Make nbkit.platform.host read a machine of `gib` GiB and no container limit."""
+    from nbkit.platform import host
+
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text(f"MemTotal:       {int(gib * 2**20)} kB\nMemFree:        1024 kB\n")
+    monkeypatch.setattr(host, "MEMINFO", meminfo)
+    monkeypatch.setattr(host, "CGROUP_LIMITS", (tmp_path / "no-cgroup",))
+
+
+@pytest.mark.parametrize("gib", [16, 26])
+def test_guard_refuses_an_fsdp_load_the_machines_memory_cannot_hold(monkeypatch, capsys, tmp_path, gib):
+    """Qwen3-32B in 4-bit on 2 T4s trains only with its shards offloaded, 22.8 GiB of pinned CPU memory on the
+    machine (torch rounds each shard up to a power of two): on a 16 GiB machine the load is refused before it
+    starts, naming the figures and what to do; on 26 GiB rank 0 says the run is at the machine's edge."""
+    from nbkit.training import guard
+
+    for name, value in {fsdp.STRATEGY_VARIABLE: "fsdp", "NBKIT_EMULATE": "T4", "WORLD_SIZE": "2", "RANK": "0"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv(fsdp.OFFLOAD_VARIABLE, "")
+    _machine_memory(monkeypatch, tmp_path, gib)
+    monkeypatch.setattr(fsdp, "load_4bit_on_host", lambda load: load())
+    loads: list = []
+
+    def from_pretrained(pretrained_model_name_or_path, *args, **kwargs):
+        loads.append(pretrained_model_name_or_path)
+        return "loaded"
+
+    wrapped = guard._guarded(guard._TRANSFORMERS)(from_pretrained)
+    if gib == 16:
+        with pytest.raises(nbkit.errors.StrategyError) as refused:
+            wrapped("random:qwen3-32b", quantization_config=object())
+        message = str(refused.value)
+        assert "needs about 22.8 GiB of CPU memory" in message and "this machine gives 16.0 GiB" in message
+        assert "more GPUs" in message and "nbkit.plan(" in message and loads == []
+        return
+    assert wrapped("random:qwen3-32b", quantization_config=object()) == "loaded"
+    said = capsys.readouterr().out
+    assert "needs about 22.8 GiB of CPU memory" in said and "this machine gives 26.0 GiB" in said, said
+    assert "at the edge of its memory" in said
+
+
+def test_the_machines_memory_is_its_containers_where_that_is_lower(monkeypatch, tmp_path):
+    from nbkit.platform import host
+
+    _machine_memory(monkeypatch, tmp_path, 64)
+    assert host.memory_gib() == 64
+    limit = tmp_path / "memory.max"
+    monkeypatch.setattr(host, "CGROUP_LIMITS", (limit,))
+    for text, expected in (("max\n", 64), (f"{30 * 2**30}\n", 30), (f"{2**62}\n", 64)):
+        limit.write_text(text)
+        assert host.memory_gib() == expected
 
 
 def test_unsloth_error_names_the_transformers_way():
@@ -500,8 +555,16 @@ def _qlora_shards(path: str, out: str) -> dict:
         refused = str(exc)
     model = fsdp.shard(model)
     shards = {n: p.to_local().view(torch.int16).clone() for n, p in model.named_parameters() if isinstance(p, DTensor)}
+    # Each shard's padded storage, what FSDP2's CPU offload pins parameter by parameter (read before the forward, which
+    # leaves the root's and the last layer's weights gathered for the backward).
+    shard_bytes = sorted(p.to_local().untyped_storage().nbytes() for p in model.parameters() if isinstance(p, DTensor))
     torch.save(shards, f"{out}-{dist.get_rank()}.pt")
-    mine = {"on_host": on_host, "refused": refused, "loss": model(input_ids=ids, labels=ids).loss.item()}
+    mine = {
+        "on_host": on_host,
+        "refused": refused,
+        "loss": model(input_ids=ids, labels=ids).loss.item(),
+        "shard_bytes": shard_bytes,
+    }
     every: list = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
     return every
@@ -515,6 +578,10 @@ def test_a_4bit_load_on_the_host_gives_each_rank_the_shards_of_a_whole_load(tiny
     """The fsdp_4bit_load setting: "host" keeps only each rank's rows of the quantised weights and refuses a forward
     before sharding, naming what to do; once sharded, every rank holds the same bytes as after a whole load ("gpu")
     and computes the same loss."""
+    from transformers import AutoConfig
+
+    from nbkit.notebook import planner
+
     results = {}
     for where in ("gpu", "host"):
         env = {**FSDP_ENV, "NBKIT_FSDP_4BIT_LOAD": where}
@@ -531,6 +598,9 @@ def test_a_4bit_load_on_the_host_gives_each_rank_the_shards_of_a_whole_load(tiny
         assert expected.keys() == got.keys() and any("proj" in name for name in expected)
         for name, shard in expected.items():
             assert torch.equal(shard, got[name]), (rank, name)
+        # The planner's count of what each rank's shards take (its CPU memory under offload) is FSDP2's own.
+        frozen, _ = planner._shards(AutoConfig.from_pretrained(tiny_text_path), 16, 2)
+        assert host["shard_bytes"] == whole["shard_bytes"] == sorted(frozen)
 
 
 def test_fsdp_vs_balanced_script_runs_on_cpu_ranks(tmp_path):

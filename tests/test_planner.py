@@ -523,7 +523,13 @@ def test_fsdp_offloads_its_shards_only_where_neither_fsdp_on_the_gpus_nor_the_sp
         gpu_memory_gib=15,
     )
     assert on_gpus.bytes_per_gpu()[1] > two.usable_gib
-    assert "FSDP's CPU offload" in str(two)
+    assert "FSDP's CPU offload" in str(two) and "pinned" in str(two)
+    # The machine's CPU memory: every rank's shards pinned, each rounded up to a power of two by torch (Qwen3-32B's
+    # 10 MiB q_proj shard takes 16), so more than the packed model and LoRA's fp32 weights, gradients and AdamW state.
+    config = load_config("random:qwen3-32b")
+    packed, _ = planner._fsdp_weights(planner._counts(config, 16), True)
+    exact = packed + planner._counts(config, 16).lora_parameters * (4 + 4 + 8)
+    assert 1.1 * exact / 2**30 < two.fsdp_host_gib < 1.5 * exact / 2**30
     four = nbkit.plan("random:qwen3-32b", gpus=4, gpu_memory_gib=15, seq_len=1024, load_in_4bit=True)
     assert four.strategy == "fsdp" and not four.fsdp_offload and four.fsdp_breakdown["lora"] > 0
     # Where the split fits, it is chosen before offloading (every step would move the weights over PCIe).

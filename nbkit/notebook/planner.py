@@ -196,8 +196,10 @@ class Plan:
         CPU memory (FSDP2's CPU offload, which the guard then turns on: FSDP_OFFLOAD_PARAMS), where neither
         FSDP without it nor the split fits (4-bit weights only); fsdp_gib is then with it. Each step then moves
         every layer's weights to the GPU over PCIe.
-    fsdp_host_gib: the CPU memory the ranks of a machine hold together while loading on the host or training
-        with offload (the packed 4-bit weights; LoRA's fp32 weights and AdamW state too under offload), else 0.
+    fsdp_host_gib: the CPU memory the ranks of a machine hold together while loading on the host (the packed
+        4-bit weights) or training with offload (every shard, LoRA's fp32 weights and their gradients in pinned
+        memory, which torch rounds up to a power of two per allocation, and AdamW's state), else 0. The ranks'
+        own processes come on top.
     usable_gib: the memory a plan may use per GPU (gpu_memory_gib minus a safety margin).
     recommended_batch_size: the per-GPU batch (Trainer's per_device_train_batch_size) of seq_len
         sequences that keeps the GPU, not the host, the bound of each step and fits in memory;
@@ -382,8 +384,8 @@ class Plan:
             lines.append(
                 "That is with FSDP's CPU offload: the shards, their gradients and the optimizer's state stay in CPU "
                 f"memory (the ranks of a machine hold the whole model there together, about {self.fsdp_host_gib:.1f} "
-                "GiB) and each layer's weights cross to the GPU in every forward and backward, since neither FSDP "
-                "without it nor the split fits."
+                "GiB, most of it pinned, which torch rounds up to a power of two per shard) and each layer's weights "
+                "cross to the GPU in every forward and backward, since neither FSDP without it nor the split fits."
             )
         if self.strategy == "ddp":
             lines.append(
@@ -560,7 +562,6 @@ def _quantized_names(model: Any) -> set[str]:
 
 
 def _count_on_meta(model: Any, lora_rank: int) -> _Counts:
-    import torch
 
     cls = type(model)
     named = dict(model.named_parameters())  # shared (tied) parameters appear once
@@ -571,12 +572,9 @@ def _count_on_meta(model: Any, lora_rank: int) -> _Counts:
     bytes_4 = (
         bytes_16 - sum(n * element[i] for i, n in quantized.items()) + NF4_BYTES_PER_WEIGHT * sum(quantized.values())
     )
-    lora_params, lora_modules = 0, set()
-    for name, module in model.named_modules():
-        leaf = name.rsplit(".", 1)[-1]
-        if isinstance(module, torch.nn.Linear) and leaf in LORA_TARGET_MODULES and not _in_vision_tower(name):
-            lora_params += lora_rank * (module.in_features + module.out_features)
-            lora_modules.add(leaf)
+    lora = _lora_linears(model)
+    lora_modules = {name.rsplit(".", 1)[-1] for name, _ in lora}
+    lora_params = sum(lora_rank * (m.in_features + m.out_features) for _, m in lora)
     return _Counts(
         architecture=cls.__name__,
         parameters=sum(p.numel() for p in named.values()),
@@ -588,6 +586,21 @@ def _count_on_meta(model: Any, lora_rank: int) -> _Counts:
         lora_modules=tuple(m for m in LORA_TARGET_MODULES if m in lora_modules),
         qk_norm=any(name.endswith(".q_norm") for name, _ in model.named_modules()),
     )
+
+
+def _lora_linears(model: Any) -> list[tuple[str, Any]]:
+    """(name, nn.Linear) of the language model's linears LoRA adapts (LORA_TARGET_MODULES; vision towers are left
+    out).
+    """
+    import torch
+
+    return [
+        (name, module)
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.Linear)
+        and name.rsplit(".", 1)[-1] in LORA_TARGET_MODULES
+        and not _in_vision_tower(name)
+    ]
 
 
 def _balanced_share(config: Any, gpus: int, gpu_memory_gib: float, load_in_4bit: bool) -> float:
@@ -848,14 +861,60 @@ def _fsdp_load(counts: _Counts, on_host: bool) -> float:
     return kept + state + max(2.0 * counts.largest_linear, 4.0 * counts.lora_parameters)
 
 
-def _fsdp_host(counts: _Counts, load_in_4bit: bool, host_load: bool, offload: bool) -> float:
-    """Bytes of CPU memory the ranks of a machine hold together: the packed 4-bit weights while loading on the host
-    or training with offload, and under offload LoRA's fp32 weights, gradients and AdamW state as well.
+def _fsdp_host(counts: _Counts, config: Any, lora_rank: int, ranks: int, host_load: bool, offload: bool) -> float:
+    """Bytes of CPU memory the `ranks` 4-bit FSDP ranks of a machine hold together: under offload every shard in
+    pinned memory (_offloaded_per_rank), else while loading on the host the packed weights (each rank writes only
+    its rows, in pageable memory: exactly their bytes).
     """
-    if not (host_load or offload):
-        return 0.0
-    packed, _ = _fsdp_weights(counts, load_in_4bit)
-    return packed + (counts.lora_parameters * (4 + 4 + 8) if offload else 0)
+    if offload:
+        return ranks * _offloaded_per_rank(config, lora_rank, ranks)
+    return _fsdp_weights(counts, True)[0] if host_load else 0.0
+
+
+def _offloaded_per_rank(config: Any, lora_rank: int, ranks: int) -> float:
+    """Bytes of CPU memory one of `ranks` FSDP ranks holds under FSDP2's CPU offload of a 4-bit model (cached): its
+    shards (_shards) pinned, LoRA's fp32 gradients pinned too after each reduce-scatter, and AdamW's two states
+    (pageable). torch's pinned allocator rounds every allocation up to a power of two (_pinned): for Qwen3-32B on 2
+    ranks that is 10.3 GiB of pinned frozen shards per rank for 8.7 GiB of packed weights and embeddings.
+    """
+    key = (_config_key(config), lora_rank, ranks)
+    if key not in _OFFLOADED:
+        frozen, lora = _shards(config, lora_rank, ranks)
+        pinned = sum(map(_pinned, frozen)) + 2 * sum(map(_pinned, lora))  # LoRA's weights and their gradients
+        _OFFLOADED[key] = float(pinned + 2 * sum(lora))
+    return _OFFLOADED[key]
+
+
+def _shards(config: Any, lora_rank: int, ranks: int) -> tuple[list[int], list[int]]:
+    """Bytes of each parameter's shard on one of `ranks` FSDP2 ranks of the 4-bit model: (the frozen weights: NF4
+    codes and the 16-bit rest, LoRA's fp32 weights). FSDP2 gives every rank torch.chunk's first chunk along dim 0,
+    padded, and the 4-bit codes are stored two per byte in 16-bit words, one column (nbkit.fsdp.qlora_config).
+    """
+    model = _meta_model(config)
+    quantized, element = _quantized_names(model), _element_bytes(model)
+    frozen = []
+    for name, p in model.named_parameters():
+        rows, row_bytes = (
+            (math.ceil(p.numel() / 4), 2) if name in quantized else (p.shape[0], element[name] * p[0].numel())
+        )
+        frozen.append(math.ceil(rows / ranks) * row_bytes)
+    lora = [
+        math.ceil(rows / ranks) * columns * 4
+        for _, m in _lora_linears(model)
+        for rows, columns in ((lora_rank, m.in_features), (m.out_features, lora_rank))  # lora_A, lora_B
+    ]
+    return frozen, lora
+
+
+_OFFLOADED: dict[tuple[str, int, int], float] = {}
+
+
+def _pinned(nbytes: int) -> int:
+    """The bytes torch's pinned-memory allocator (CachingHostAllocator) takes for nbytes: the next power of two, so
+    that freed blocks are found again by size. Newer torch can skip the rounding above PYTORCH_ALLOC_CONF's
+    pinned_max_round_threshold_mb, which nbkit leaves unset (torch 2.10, Kaggle's, has no such setting).
+    """
+    return 1 << (nbytes - 1).bit_length() if nbytes > 0 else 0
 
 
 def _fsdp_gathered(counts: _Counts, s: _Shape, config: Any, weights: float) -> float:
@@ -932,7 +991,7 @@ def _plan(
         fsdp_load_gib=fsdp.load,
         fsdp_host_load=fsdp.host_load,
         fsdp_offload=fsdp.offload,
-        fsdp_host_gib=_fsdp_host(counts, load_in_4bit, fsdp.host_load, fsdp.offload) / GIB,
+        fsdp_host_gib=_fsdp_host(counts, config, lora_rank, gpus, fsdp.host_load, fsdp.offload) / GIB,
     )
 
 
@@ -976,8 +1035,8 @@ def _fsdp_fit(
     loads = load is None or load <= usable
     # Offloading the shards moves each layer's weights over PCIe in every forward, recomputation and backward:
     # the last resort, after the split, and for 4-bit weights only (the ranks of a machine hold the whole model in
-    # pinned CPU memory together: 18.4 GiB for a 32B model in 4-bit, four times that in 16-bit, where loading
-    # in 4-bit is the better advice).
+    # pinned CPU memory together: 22.8 GiB for a 32B model in 4-bit on 2 ranks, about four times that in 16-bit,
+    # where loading in 4-bit is the better advice).
     offload = load_in_4bit and gpus > 1 and loads and total > usable and split_total > usable
     if offload:
         breakdown, total = _estimate(

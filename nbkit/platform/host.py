@@ -21,6 +21,10 @@ The marks read:
 - A headless run: papermill, nbclient, nbconvert, nbmake, pytest or testbook among the command
   lines of the kernel's parent processes (Linux /proc).
 
+`memory_gib()` reads how much CPU memory the machine gives this process: the smaller of the kernel's total and
+the memory limit of the control group it runs in (Kaggle's and Colab's notebooks run in containers, whose
+/proc/meminfo shows the whole host).
+
 `current()` looks again at every call: it reads a few environment variables and, in a kernel, up
 to four /proc files, and what it reads can change within a process (%env, a test's environment).
 """
@@ -35,7 +39,11 @@ from typing import Any
 
 from nbkit.platform import shell as nbkit_shell
 
-__all__ = ["KAGGLE_INPUT", "Platform", "current", "detect", "kaggle_input"]
+__all__ = ["KAGGLE_INPUT", "Platform", "current", "detect", "kaggle_input", "memory_gib"]
+
+# The memory limits of this process's control group (v2, then v1), and the kernel's view of the machine.
+CGROUP_LIMITS = (Path("/sys/fs/cgroup/memory.max"), Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"))
+MEMINFO = Path("/proc/meminfo")
 
 # Where Kaggle attaches datasets and saved notebook outputs (a module attribute so that tests can
 # point it at a temporary folder).
@@ -173,3 +181,24 @@ def _ancestor_cmdlines(depth: int = 4) -> list[str]:
         except (OSError, ValueError, IndexError):
             break
     return lines
+
+
+def memory_gib() -> float | None:
+    """GiB of CPU memory this process's machine gives it: MEMINFO's MemTotal, or its control group's limit where that
+    is lower (a container's); None where neither can be read (not Linux).
+    """
+    sizes = []
+    for limit in CGROUP_LIMITS:
+        try:
+            text = limit.read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit():  # "max" (v2) means no limit; v1 writes a huge number instead
+            sizes.append(int(text))
+    try:
+        for line in MEMINFO.read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                sizes.append(int(line.split()[1]) * 1024)
+    except OSError:
+        pass
+    return min(sizes) / 2**30 if sizes else None

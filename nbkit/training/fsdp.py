@@ -47,7 +47,7 @@ from typing import Any
 
 import torch
 
-from nbkit.platform import config, distributed, notices
+from nbkit.platform import config, distributed, host, notices
 from nbkit.platform.errors import StrategyError
 from nbkit.platform.patching import patch
 
@@ -56,6 +56,7 @@ __all__ = [
     "OFFLOAD_VARIABLE",
     "STRATEGY_VARIABLE",
     "FsdpSettings",
+    "check_host_memory",
     "compute_dtype",
     "device_map",
     "generate",
@@ -217,10 +218,49 @@ def offload_shards(planned: Any) -> None:
         notices.logger(__name__).info(
             f"nbkit: {planned.model} fits {planned.gpus} GPUs of {planned.gpu_memory_gib:.0f} GiB under FSDP only with "
             f"its shards in CPU memory (about {planned.fsdp_gib:.1f} GiB per GPU that way): FSDP's CPU offload is on "
-            f"({OFFLOAD_VARIABLE}=true; every layer's weights now cross to the GPU in each step, so steps are slower). "
+            f"({OFFLOAD_VARIABLE}=true; every layer's weights now cross to the GPU in each step, so steps are slower, "
+            f"and the ranks of this machine hold about {planned.fsdp_host_gib:.1f} GiB of CPU memory together). "
             f"Set {OFFLOAD_VARIABLE}=false before the load to keep the shards on the GPUs."
         )
 
+
+def check_host_memory(planned: Any) -> None:
+    """Refuse a load whose CPU memory the machine cannot give: `planned.fsdp_host_gib` (a nbkit.plan Plan), what the
+    ranks of this machine hold there together while loading on the host or training with offloaded shards, against
+    nbkit.platform.host.memory_gib(). Above HOST_MEMORY_WARNING of it, rank 0 says the run is at the machine's edge
+    (the ranks' own processes and the notebook's come on top).
+
+    Raises:
+        StrategyError: more than the machine has; the load would end minutes later with a rank killed for memory.
+    """
+    needed, have = planned.fsdp_host_gib, host.memory_gib()
+    if not needed or have is None or needed <= HOST_MEMORY_WARNING * have:
+        return
+    what = (
+        "its shards in pinned memory (FSDP's CPU offload, which its GPUs need), LoRA's weights, gradients and "
+        "optimizer state"
+        if planned.fsdp_offload
+        else "its quantised weights while they load, before they are sharded onto the GPUs"
+    )
+    figures = (
+        f"{planned.model} in 4-bit on {planned.gpus} GPUs of {planned.gpu_memory_gib:.0f} GiB needs about "
+        f"{needed:.1f} GiB of CPU memory across its FSDP ranks for {what}, and this machine gives {have:.1f} GiB"
+    )
+    if needed > have:
+        raise StrategyError(
+            f"{figures}: the load would end with a rank killed for lack of memory. Train it on more GPUs, or on GPUs "
+            "with more memory, where its shards stay on them (nbkit.plan(model, gpus=..., gpu_memory_gib=...) gives "
+            "the figures), or choose a smaller model."
+        )
+    if distributed.rank() == 0:
+        notices.logger(__name__).info(
+            f"nbkit: {figures}, with the ranks' own processes and this notebook's on top: a run at the edge of its "
+            "memory. Free what the notebook holds (other models, big data) before training."
+        )
+
+
+# The share of the machine's CPU memory above which check_host_memory warns.
+HOST_MEMORY_WARNING = 0.8
 
 # Whether offload_shards set FSDP_OFFLOAD_PARAMS in this process (and may take it back).
 _offload_chosen = False

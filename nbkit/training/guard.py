@@ -286,7 +286,8 @@ def _fsdp_load(
     (nbkit.fsdp.device_map) in place of whatever was asked, so no rank loads a full 16-bit copy onto
     its GPU and no rank splits the model over the others' GPUs; and, from the model's plan over all the
     ranks, a 4-bit load on the host (nbkit.fsdp.load_4bit_on_host) and FSDP's CPU offload
-    (nbkit.fsdp.offload_shards) where the GPUs need them.
+    (nbkit.fsdp.offload_shards) where the GPUs need them, refused where the machine's CPU memory cannot hold
+    what those keep there (nbkit.fsdp.check_host_memory).
     """
     if loader is _UNSLOTH:
         raise fsdp.unsloth_error()
@@ -298,6 +299,7 @@ def _fsdp_load(
         bound.arguments.setdefault(var_keyword, {})["device_map"] = resolved
     planned = _fsdp_plan(passed, loader, quantized)
     if planned is not None:
+        fsdp.check_host_memory(planned)
         fsdp.offload_shards(planned)
     chosen = setting("fsdp_4bit_load")
     on_host = chosen == "host" or (chosen == "auto" and planned is not None and planned.fsdp_host_load)
