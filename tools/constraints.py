@@ -29,9 +29,10 @@ ROOT = Path(__file__).resolve().parent.parent
 NEWEST = ROOT / "constraints.txt"
 # The sets whose held pins differ from the newest set and which take its versions for everything else.
 FOLLOWERS = (ROOT / "constraints-oldest.txt", ROOT / "constraints-kaggle.txt")
-# nbkit's extras whose packages CI or the GPU hosts install with constraints.txt (unsloth and bitsandbytes need a
-# GPU to install or import; the GPU image's wheelhouse pins them). The other sets install the test extras only.
-EXTRAS = "test,browser,liger"
+# nbkit's extras whose packages CI or the GPU hosts install with constraints.txt (unsloth needs a GPU to install or
+# import; the GPU image's wheelhouse pins it; bitsandbytes has a CPU backend, which CI's newest set tests with). The
+# other sets install the test extras only.
+EXTRAS = "test,browser,liger,quant"
 FOLLOWER_EXTRAS = "test"
 PIN = re.compile(r"^(?P<name>[A-Za-z0-9][A-Za-z0-9._-]*)==(?P<version>[^\s#]+)(?P<rest>.*)$")
 HELD = re.compile(r"#\s*held\b")
