@@ -512,6 +512,7 @@ class _Counts:
 
 _COUNTS: dict[tuple[str, int], _Counts] = {}
 _SHARES: dict[tuple[str, int, float, bool], float] = {}
+_OFFLOADED: dict[tuple[str, int, int], float] = {}
 _MODELS: dict[str, Any] = {}  # the last few models built on the meta device, by config
 _MODELS_KEPT = 4
 
@@ -562,7 +563,6 @@ def _quantized_names(model: Any) -> set[str]:
 
 
 def _count_on_meta(model: Any, lora_rank: int) -> _Counts:
-
     cls = type(model)
     named = dict(model.named_parameters())  # shared (tied) parameters appear once
     bytes_of = _element_bytes(model)
@@ -906,13 +906,10 @@ def _shards(config: Any, lora_rank: int, ranks: int) -> tuple[list[int], list[in
     return frozen, lora
 
 
-_OFFLOADED: dict[tuple[str, int, int], float] = {}
-
-
 def _pinned(nbytes: int) -> int:
     """The bytes torch's pinned-memory allocator (CachingHostAllocator) takes for nbytes: the next power of two, so
     that freed blocks are found again by size. Newer torch can skip the rounding above PYTORCH_ALLOC_CONF's
-    pinned_max_round_threshold_mb, which nbkit leaves unset (torch 2.10, Kaggle's, has no such setting).
+    pinned_max_round_threshold_mb, which nbkit leaves unset: a torch without that setting refuses the unknown key.
     """
     return 1 << (nbytes - 1).bit_length() if nbytes > 0 else 0
 
