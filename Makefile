@@ -42,14 +42,11 @@ OLDEST_TESTS ?= --ignore=tests/test_browser.py $(HARNESS_TESTS:%=--ignore=tests/
 # and the ranks), instead of a third environment: 13 s on 2 shared cores, where making an environment (a torch and
 # ~100 packages) took 39-55 s. `make constraints` checks that pip resolves the two files together.
 KAGGLE_SITE := .kaggle-site
-# The newest set also has bitsandbytes, whose CPU backend runs the 4-bit FSDP tests (they need transformers 5's
-# loading of 4-bit weights: a 43 MB wheel, ~10 s of tests).
-COMMA := ,
 KAGGLE_TESTS ?= "tests/test_notebooks.py::test_notebook_trains_saves_and_answers_on_cpu[qwen3_vl_2xT4]"
 
 .PHONY: setup setup-oldest setup-kaggle lint suite test test-oldest test-kaggle dist demo clean constraints
 
-# $(1): the environment's folder, $(2): the constraints file it is installed with, $(3): nbkit's extras. pip compiles every module to
+# $(1): the environment's folder, $(2): the constraints file it is installed with. pip compiles every module to
 # bytecode as it installs (16 of torch's and transformers' 21 s on 2 cores), and that must stay: where
 # PYTHONDONTWRITEBYTECODE=1 is set (this project's CI machine), Python never writes bytecode itself, so without
 # pip's every process compiled transformers, trl and torch again (9.6 s to import them instead of 4.5; the suite
@@ -58,7 +55,7 @@ define make-venv
 	$(PYTHON) -m venv $(1)
 	$(1)/bin/python -m pip install -q --upgrade pip
 	$(1)/bin/python -m pip install -q "torch==2.13.0" $(TORCH_INDEX)
-	$(1)/bin/python -m pip install -q -c $(2) -e ".[$(3)]"
+	$(1)/bin/python -m pip install -q -c $(2) -e ".[test]"
 	touch $(1)/.installed
 endef
 
@@ -69,10 +66,10 @@ define run-tests
 endef
 
 $(VENV)/.installed: pyproject.toml constraints.txt
-	$(call make-venv,$(VENV),constraints.txt,test$(COMMA)quant)
+	$(call make-venv,$(VENV),constraints.txt)
 
 $(OLDEST)/.installed: pyproject.toml constraints-oldest.txt
-	$(call make-venv,$(OLDEST),constraints-oldest.txt,test)
+	$(call make-venv,$(OLDEST),constraints-oldest.txt)
 
 setup: $(VENV)/.installed
 
