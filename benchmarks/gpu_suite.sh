@@ -464,18 +464,24 @@ for what in "$@"; do
       fi
       # shellcheck disable=SC2206  # FSDP32_ARGS holds several options
       bench+=(${FSDP32_ARGS:-})
+      # The machine's CPU memory every 5 s (MiB, free's columns): the ranks' share of it loading on the host and
+      # under offload, against the planner's fsdp_host_gib.
+      (while :; do echo "$(date +%T) $(free -m | grep Mem:)"; sleep 5; done) > "$OUT/fsdp32_free.log" &
+      sampler=$!
       model_part "$model" "${FSDP32_BUILD_LIMIT:-300}" fsdp32_model &
       build=$!
       [ -n "${SUITE_DRY_RUN:-}" ] || CUDA_VISIBLE_DEVICES=2,3 part fsdp32_tests 240 python3 -m pytest -m gpu -q -rs \
         -p no:cacheprovider tests/test_fsdp_gpu.py -k two_gpus &
+      tests=$!
       wait $build
       offload=()
       case ${FSDP32_OFFLOAD:-} in 0) offload=(env FSDP_OFFLOAD_PARAMS=false) ;; 1) offload=(env FSDP_OFFLOAD_PARAMS=true) ;; esac
       CUDA_VISIBLE_DEVICES=0,1 part fsdp32_2gpus "${FSDP32_LIMIT:-200}" "${offload[@]}" python3 benchmarks/fsdp_vs_balanced.py \
         --model "$model" --gpus 2 --modes fsdp "${bench[@]}" --out "$OUT/fsdp32_2gpus.json" --md "$OUT/fsdp32_2gpus.md"
-      wait  # the tests on GPUs 2 and 3
+      wait "$tests"  # on GPUs 2 and 3 (a bare wait would wait for the memory sampler too)
       part fsdp32_4gpus "${FSDP32_LIMIT4:-300}" python3 benchmarks/fsdp_vs_balanced.py --model "$model" --gpus 4 \
-        "${bench[@]}" --out "$OUT/fsdp32_4gpus.json" --md "$OUT/fsdp32_4gpus.md" ;;
+        "${bench[@]}" --out "$OUT/fsdp32_4gpus.json" --md "$OUT/fsdp32_4gpus.md"
+      kill "$sampler" ;;
     fsdpgrad)
       # Two GPUs, one call (~6 minutes): whether FSDP-QLoRA and the balanced split train alike, and which setting
       # parts them: Qwen3-1.7B shapes in 4-bit (a quick build), 1K x 1 per GPU, 5 steps, the LoRA weights' and
