@@ -377,8 +377,13 @@ class Plan:
                 lines.append(
                     "The whole model in 4-bit would not fit one GPU while it loads, so each FSDP rank keeps its share "
                     "of the quantised weights in CPU memory until they are sharded (about "
-                    f"{self.fsdp_load_gib or 0:.1f} GiB per GPU while loading; the ranks of a machine hold about "
-                    f"{self.fsdp_host_gib:.1f} GiB of CPU memory together)."
+                    f"{self.fsdp_load_gib or 0:.1f} GiB per GPU while loading"
+                    + (
+                        ")."
+                        if self.fsdp_offload  # the offload's sentence gives the CPU memory, its larger figure
+                        else f"; the ranks of a machine hold about {self.fsdp_host_gib:.1f} GiB of CPU memory "
+                        "together)."
+                    )
                 )
         if self.fsdp_offload:
             lines.append(
