@@ -517,7 +517,6 @@ class _Counts:
 
 _COUNTS: dict[tuple[str, int], _Counts] = {}
 _SHARES: dict[tuple[str, int, float, bool], float] = {}
-_OFFLOADED: dict[tuple[str, int, int], float] = {}
 _MODELS: dict[str, Any] = {}  # the last few models built on the meta device, by config
 _MODELS_KEPT = 4
 
@@ -877,17 +876,14 @@ def _fsdp_host(counts: _Counts, config: Any, lora_rank: int, ranks: int, host_lo
 
 
 def _offloaded_per_rank(config: Any, lora_rank: int, ranks: int) -> float:
-    """Bytes of CPU memory one of `ranks` FSDP ranks holds under FSDP2's CPU offload of a 4-bit model (cached): its
+    """Bytes of CPU memory one of `ranks` FSDP ranks holds under FSDP2's CPU offload of a 4-bit model: its
     shards (_shards) pinned, LoRA's fp32 gradients pinned too after each reduce-scatter, and AdamW's two states
     (pageable). torch's pinned allocator rounds every allocation up to a power of two (_pinned): for Qwen3-32B on 2
     ranks that is 10.3 GiB of pinned frozen shards per rank for 8.7 GiB of packed weights and embeddings.
     """
-    key = (_config_key(config), lora_rank, ranks)
-    if key not in _OFFLOADED:
-        frozen, lora = _shards(config, lora_rank, ranks)
-        pinned = sum(map(_pinned, frozen)) + 2 * sum(map(_pinned, lora))  # LoRA's weights and their gradients
-        _OFFLOADED[key] = float(pinned + 2 * sum(lora))
-    return _OFFLOADED[key]
+    frozen, lora = _shards(config, lora_rank, ranks)
+    pinned = sum(map(_pinned, frozen)) + 2 * sum(map(_pinned, lora))  # LoRA's weights and their gradients
+    return float(pinned + 2 * sum(lora))
 
 
 def _shards(config: Any, lora_rank: int, ranks: int) -> tuple[list[int], list[int]]:
