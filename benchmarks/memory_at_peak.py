@@ -2,7 +2,7 @@
 replay it, and group what was live at the peak by the code that allocated it.
 
 The planner's estimates are checked against `torch.cuda.max_memory_allocated`, which says how much but not what.
-torch's snapshot (`torch.cuda.memory._snapshot`, the format pytorch.org/memory_viz reads) holds every allocation and
+torch's snapshot (`torch.cuda.memory._snapshot`, the format torch's memory visualiser reads) holds every allocation and
 free with the Python stack that made it; replaying it gives the bytes live at the highest point and their origins
 (nbkit's savers, bitsandbytes' dequantisation, FSDP's all-gathers, the loss...). Allocations older than the
 recording (the loaded or sharded weights) have no stack: they are reported together, as `before_gib`.
@@ -30,24 +30,26 @@ ORIGINS = (
     "/trl/",
 )
 NO_FRAME = "(no Python frame: autograd's backward or C++)"
+# Trace entries the recording keeps (a ring: the oldest go first; breakdown() says when it filled).
+MAX_ENTRIES = 2_000_000
 GIB = 2**30
 
 
-def start(devices: list[torch.device], max_entries: int = 2_000_000) -> dict[int, int]:
+def start(devices: list[torch.device]) -> dict[int, int]:
     """Start recording allocations with their Python stacks; returns the bytes allocated on each device now (what the
     replay cannot attribute). Every process records for all its devices; call stop() to end it.
     """
-    torch.cuda.memory._record_memory_history(enabled="all", context="alloc", stacks="python", max_entries=max_entries)
+    torch.cuda.memory._record_memory_history(enabled="all", context="alloc", stacks="python", max_entries=MAX_ENTRIES)
     return {d.index: torch.cuda.memory_allocated(d) for d in devices}
 
 
-def stop(before: dict[int, int], max_entries: int = 2_000_000, top: int = 25) -> dict[int, dict[str, Any]]:
+def stop(before: dict[int, int], top: int = 25) -> dict[int, dict[str, Any]]:
     """End the recording that start() began; {device index: breakdown(...)} for each device start() was given."""
     snapshot = torch.cuda.memory._snapshot()
     torch.cuda.memory._record_memory_history(enabled=None)
     traces = snapshot["device_traces"]
     return {
-        index: breakdown(traces[index] if index < len(traces) else [], allocated, max_entries, top)
+        index: breakdown(traces[index] if index < len(traces) else [], allocated, MAX_ENTRIES, top)
         for index, allocated in before.items()
     }
 
