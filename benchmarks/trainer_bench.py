@@ -45,6 +45,7 @@ import collections
 import contextlib
 import gc
 import importlib.metadata
+import itertools
 import json
 import os
 import statistics
@@ -931,65 +932,62 @@ def main(argv: list[str] | None = None) -> int:
     # Each launch's spec and rows, and the launchers' log folders: gone when the benchmark ends.
     with tempfile.TemporaryDirectory(prefix="trainer-bench-") as scratch:
         workdir = Path(scratch)
-        for repeat in range(a.repeats):
-            for spec, gpus, launcher in configs:
-                backend, extras = split_backend(spec)
-                for quant in quants:
-                    launch = Launch(
-                        backend,
-                        gpus,
-                        launcher,
-                        a.model,
-                        path,
-                        a.device,
-                        precision,
-                        quant,
-                        shapes,
-                        "",
-                        a.steps,
-                        a.warmup,
-                        not a.no_image,
-                        a.trainer,
-                        repeat,
-                        a.memory_cap_gib,
-                        a.longest,
-                        trainer_options=trainer_options,
-                        emulate=profile.name if profile else None,
-                        unsloth_loss=a.unsloth_loss,
-                        extras=extras,
-                        windows=a.windows,
-                        compile_backend=a.compile_backend,
-                        profile_steps=a.profile_steps,
+        # In the order of three nested loops: repeat, then configuration, then quantisation.
+        for repeat, (spec, gpus, launcher), quant in itertools.product(range(a.repeats), configs, quants):
+            backend, extras = split_backend(spec)
+            launch = Launch(
+                backend,
+                gpus,
+                launcher,
+                a.model,
+                path,
+                a.device,
+                precision,
+                quant,
+                shapes,
+                "",
+                a.steps,
+                a.warmup,
+                not a.no_image,
+                a.trainer,
+                repeat,
+                a.memory_cap_gib,
+                a.longest,
+                trainer_options=trainer_options,
+                emulate=profile.name if profile else None,
+                unsloth_loss=a.unsloth_loss,
+                extras=extras,
+                windows=a.windows,
+                compile_backend=a.compile_backend,
+                profile_steps=a.profile_steps,
+            )
+            skip = None
+            if a.time_limit is not None and time.monotonic() - started > a.time_limit:
+                skip = f"not started: the {a.time_limit:.0f} s time limit had passed"
+            elif a.device == "cuda" and gpus > gpu_count:
+                skip = f"needs {gpus} GPUs, this machine has {gpu_count}"
+            elif backend == "unsloth" and a.device != "cuda":
+                skip = "unsloth trains only on GPUs"
+            if skip:
+                rows += [dict(_identity(launch), seq_len=s, batch=b, status="skipped", error=skip) for s, b in shapes]
+                continue
+            rows += run_launch(launch, workdir, a.launch_timeout)
+            summary = summarise(rows)
+            if a.out:
+                Path(a.out).write_text(
+                    json.dumps(
+                        {
+                            "command": command,
+                            "environment": env,
+                            "wall_s": time.monotonic() - started,
+                            "summary": summary,
+                            "results": rows,
+                        },
+                        indent=1,
                     )
-                    skip = None
-                    if a.time_limit is not None and time.monotonic() - started > a.time_limit:
-                        skip = f"not started: the {a.time_limit:.0f} s time limit had passed"
-                    elif a.device == "cuda" and gpus > gpu_count:
-                        skip = f"needs {gpus} GPUs, this machine has {gpu_count}"
-                    elif backend == "unsloth" and a.device != "cuda":
-                        skip = "unsloth trains only on GPUs"
-                    if skip:
-                        rows += [
-                            dict(_identity(launch), seq_len=s, batch=b, status="skipped", error=skip) for s, b in shapes
-                        ]
-                        continue
-                    rows += run_launch(launch, workdir, a.launch_timeout)
-                    summary = summarise(rows)
-                    if a.out:
-                        Path(a.out).write_text(
-                            json.dumps(
-                                {
-                                    "command": command,
-                                    "environment": env,
-                                    "wall_s": time.monotonic() - started,
-                                    "summary": summary,
-                                    "results": rows,
-                                },
-                                indent=1,
-                            )
-                        )
-                    if a.md:
-                        Path(a.md).write_text(markdown(env, command, summary, rows))
+                )
+            if a.md:
+                Path(a.md).write_text(markdown(env, command, summary, rows))
     print(markdown(env, command, summarise(rows), rows))
     return 0
 
