@@ -455,8 +455,11 @@ for what in "$@"; do
       # GiB, is over a T4's 15) and train with their shards in CPU memory (FSDP's CPU offload, which nbkit turns on
       # there: FSDP32_OFFLOAD=0 / 1 sets FSDP_OFFLOAD_PARAMS instead); then FSDP on 4 GPUs against the balanced split
       # over the same 4. 1K x 1 per FSDP rank, 6 steps (2 of warm-up); FSDP32_ARGS adds fsdp_vs_balanced.py options
-      # (--memory-steps 2: what is live at the peak; --seq-len 4096). SUITE_DRY_RUN=1: tiny:qwen3, 16-bit, CPU ranks.
+      # (--memory-steps 2: what is live at the peak; --seq-len 4096). FSDP32_FOUR=0: the 2-GPU run alone, on the
+      # GPUs the part is given (a gpu_pairs.sh set). SUITE_DRY_RUN=1: tiny:qwen3, 16-bit, CPU ranks.
       model=random:qwen3-32b
+      four=${FSDP32_FOUR:-1} first_pair=(env CUDA_VISIBLE_DEVICES=0,1)
+      [ "$four" = 1 ] || first_pair=()
       bench=(--t4 --seq-len 1024 --batch 1 --steps 6 --warmup 2)
       if [ -n "${SUITE_DRY_RUN:-}" ]; then
         model=tiny:qwen3
@@ -470,16 +473,19 @@ for what in "$@"; do
       sampler=$!
       model_part "$model" "${FSDP32_BUILD_LIMIT:-300}" fsdp32_model &
       build=$!
-      [ -n "${SUITE_DRY_RUN:-}" ] || CUDA_VISIBLE_DEVICES=2,3 part fsdp32_tests 240 python3 -m pytest -m gpu -q -rs \
-        -p no:cacheprovider tests/test_fsdp_gpu.py -k two_gpus &
-      tests=$!
+      tests=
+      if [ -z "${SUITE_DRY_RUN:-}" ] && [ "$four" = 1 ]; then
+        CUDA_VISIBLE_DEVICES=2,3 part fsdp32_tests 240 python3 -m pytest -m gpu -q -rs -p no:cacheprovider \
+          tests/test_fsdp_gpu.py -k two_gpus &
+        tests=$!
+      fi
       wait $build
       offload=()
       case ${FSDP32_OFFLOAD:-} in 0) offload=(env FSDP_OFFLOAD_PARAMS=false) ;; 1) offload=(env FSDP_OFFLOAD_PARAMS=true) ;; esac
-      CUDA_VISIBLE_DEVICES=0,1 part fsdp32_2gpus "${FSDP32_LIMIT:-200}" "${offload[@]}" python3 benchmarks/fsdp_vs_balanced.py \
+      part fsdp32_2gpus "${FSDP32_LIMIT:-200}" "${first_pair[@]}" "${offload[@]}" python3 benchmarks/fsdp_vs_balanced.py \
         --model "$model" --gpus 2 --modes fsdp "${bench[@]}" --out "$OUT/fsdp32_2gpus.json" --md "$OUT/fsdp32_2gpus.md"
-      wait "$tests"  # on GPUs 2 and 3 (a bare wait would wait for the memory sampler too)
-      part fsdp32_4gpus "${FSDP32_LIMIT4:-300}" python3 benchmarks/fsdp_vs_balanced.py --model "$model" --gpus 4 \
+      [ -z "$tests" ] || wait "$tests"  # on GPUs 2 and 3 (a bare wait would wait for the memory sampler too)
+      [ "$four" != 1 ] || part fsdp32_4gpus "${FSDP32_LIMIT4:-300}" python3 benchmarks/fsdp_vs_balanced.py --model "$model" --gpus 4 \
         "${bench[@]}" --out "$OUT/fsdp32_4gpus.json" --md "$OUT/fsdp32_4gpus.md"
       kill "$sampler" ;;
     fsdpgrad)

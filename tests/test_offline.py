@@ -31,6 +31,7 @@ def test_other_names_pass_through_and_typos_are_errors(tmp_path: Path) -> None:
         "tiny:qwen3",
         "tiny:qwen3-vl",
         "random:qwen3-1.7b",
+        "random:qwen3-8b",
         "random:qwen3-14b",
         "random:qwen3-32b",
         "random:qwen3-vl-2b",
@@ -337,6 +338,15 @@ _PUBLISHED = {
         num_attention_heads=16,
         **_HEADS,
         params=(1.6e9, 1.8e9),
+    ),
+    "random:qwen3-8b": dict(
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        **_HEADS,
+        tie_word_embeddings=False,
+        params=(8.1e9, 8.3e9),
     ),
     "random:qwen3-14b": dict(
         hidden_size=5120,

@@ -7,8 +7,8 @@
 Names (see MODELS):
 - `tiny:qwen3`, `tiny:qwen3-vl`: the real transformers classes under 1 MB, random weights; they
   train on CPU in seconds (tests, CI, notebooks on laptops).
-- `random:qwen3-1.7b`, `random:qwen3-14b`, `random:qwen3-32b`, `random:qwen3-vl-2b`,
-  `random:qwen3-vl-4b`: the published shapes of Qwen/Qwen3-1.7B, -14B, -32B, Qwen/Qwen3-VL-2B-Instruct
+- `random:qwen3-1.7b`, `random:qwen3-8b`, `random:qwen3-14b`, `random:qwen3-32b`, `random:qwen3-vl-2b`,
+  `random:qwen3-vl-4b`: the published shapes of Qwen/Qwen3-1.7B, -8B, -14B, -32B, Qwen/Qwen3-VL-2B-Instruct
   and Qwen/Qwen3-VL-4B-Instruct with random bf16 weights (speed and memory work on GPUs without a download).
 - anything else is returned unchanged (a hub id or a local path).
 
@@ -157,8 +157,16 @@ _QWEN3_1_7B_TEXT = dict(
     tie_word_embeddings=True,
     rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
 )
-# Qwen/Qwen3-14B and Qwen/Qwen3-32B: Qwen3-1.7B's layout at 5120 wide, untied output embeddings (the
-# dense models nbkit's FSDP benchmark trains where one T4 holds neither, even in 4-bit for 32B).
+# Qwen/Qwen3-8B, -14B and -32B: Qwen3-1.7B's layout wider and deeper, untied output embeddings (the dense
+# models nbkit's FSDP benchmark trains where one T4 holds none of them in 16-bit, nor 32B even in 4-bit).
+_QWEN3_8B_TEXT = dict(
+    _QWEN3_1_7B_TEXT,
+    hidden_size=4096,
+    intermediate_size=12288,
+    num_hidden_layers=36,
+    num_attention_heads=32,
+    tie_word_embeddings=False,
+)
 _QWEN3_14B_TEXT = dict(
     _QWEN3_1_7B_TEXT,
     hidden_size=5120,
@@ -224,6 +232,12 @@ _SPECS: dict[str, _Spec] = {
         "Qwen/Qwen3-1.7B shapes (1.72B parameters), random bf16 weights (3.4 GB on disk)",
         vision=None,
         text=_QWEN3_1_7B_TEXT,
+        dtype="bfloat16",
+    ),
+    "random:qwen3-8b": _Spec(
+        "Qwen/Qwen3-8B shapes (8.19B parameters), random bf16 weights (16.4 GB on disk)",
+        vision=None,
+        text=_QWEN3_8B_TEXT,
         dtype="bfloat16",
     ),
     "random:qwen3-14b": _Spec(
