@@ -180,6 +180,48 @@ def test_never_allocates_full_logits():
     assert reference.largest >= n * V
 
 
+def test_one_chunk_of_logits_is_alive_at_a_time():
+    # bf16 inputs: the logits come in bf16 and are widened to fp32, as on a GPU. Each storage an op makes for
+    # rows of logits ([rows, V]) is counted from its making until torch frees it (a finalizer on the storage,
+    # which outlives the tensor objects that view it). Ops inside a kernel are not seen: logsumexp's fp32
+    # temporary, the other half of BYTES_PER_LOGIT, lives within the kernel's call.
+    import weakref
+
+    rows = 6
+    hidden, weight, _, labels = _inputs(torch.bfloat16)
+
+    class LiveChunks(TorchDispatchMode):
+        """The most bytes of storages of logits alive at once."""
+
+        def __init__(self):
+            super().__init__()
+            self.live = self.peak = 0
+            self.seen: set[int] = set()
+
+        def _freed(self, key: int, nbytes: int) -> None:
+            self.seen.discard(key)
+            self.live -= nbytes
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if not isinstance(t, torch.Tensor) or func.is_view or t.dim() != 2 or t.shape[1] != V:
+                    continue
+                storage = t.untyped_storage()
+                if id(storage) not in self.seen:
+                    self.seen.add(id(storage))
+                    self.live += storage.nbytes()
+                    self.peak = max(self.peak, self.live)
+                    weakref.finalize(storage, self._freed, id(storage), storage.nbytes())
+            return out
+
+    with LiveChunks() as chunks:
+        chunked.linear_cross_entropy(hidden, weight.detach(), labels, chunk_size=rows).backward()
+    # The fp32 logits beside their 16-bit copy (while widening, then while narrowing the gradient), never
+    # beside the last chunk's buffers (which took it to 12 bytes per logit).
+    assert chunks.peak == (4 + 2) * rows * V
+
+
 def test_errors_name_the_shapes():
     hidden, weight, _, labels = _inputs()
     with pytest.raises(ValueError, match=r"hidden_states \(3, 11, 16\) vs labels \(3, 10\)"):

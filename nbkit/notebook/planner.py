@@ -19,16 +19,17 @@ What the estimate assumes (the setup of benchmarks/planner_accuracy.py, which me
   loss (no full logits).
 Under FSDP (nbkit.fsdp's set-up: accelerate's FSDP2, full sharding, activation checkpointing) a rank
 holds 1/N of the weights and of the LoRA weights, gradients and AdamW states, plus the gathered full
-weights of FSDP_GATHERED_LAYERS layers (computing, prefetched, and FSDP2's all-gather buffer) and the
-output embedding (kept gathered from the end of the forward to the start of the backward); in 4-bit
+weights of FSDP_GATHERED_LAYERS layers (computing, prefetched, and FSDP2's all-gather buffer), and during
+the loss the output embedding twice (gathered, and the buffer FSDP2 keeps until its next all-gather) beside
+one layer; in 4-bit
 the packed weights are sharded but their quantisation state is on every rank. Its activations are
 those of its own batch, with layer inputs kept on the GPU ("recompute"; None: no checkpointing). In
 4-bit a rank first loads and quantises the whole model on its own GPU and shards it only afterwards
 (`Plan.fsdp_load_gib`: the quantised model and then the fp32 LoRA weights; the "fsdp" patch group frees
 each loaded layer as its shard is made, so no rank holds the model and its shards at once), so "fsdp"
 also needs that copy to fit one GPU (16-bit weights load in CPU memory). A run's peak is the larger of
-the two; the FSDP figures are estimated, not yet measured on 2 GPUs (benchmarks/RESULTS.md, "FSDP-QLoRA
-on two GPUs").
+the two; the FSDP figures are checked against peaks measured on 2 and 4 GPUs, with what was live at each
+(benchmarks/RESULTS.md, "FSDP-QLoRA").
 The per-token byte counts below come from recording every tensor autograd saves (saved_tensors_hooks,
 unique storages) on CPU in decoder layers with peft LoRA under bf16 autocast: for Qwen3-VL-2B's
 shapes, 112 KiB per token per layer without the tiled MLP (tests/test_planner.py checks the formula
@@ -831,9 +832,11 @@ def _estimate(
     lora = float(counts.lora_parameters * (LORA_BYTES_PER_PARAM + ddp_buckets))
     if fsdp_shards:
         sharded, replicated = _fsdp_weights(counts, load_in_4bit)
-        weights = (
-            (0 if fsdp_offload else sharded / fsdp_shards) + replicated + _fsdp_gathered(counts, s, config, sharded)
-        )
+        layer, embedding = _fsdp_gathered(s, config, sharded)
+        weights = (0 if fsdp_offload else sharded / fsdp_shards) + replicated + FSDP_GATHERED_LAYERS * layer
+        # The loss runs on the gathered output embedding, beside the buffer FSDP2 gathered it into (kept until the
+        # next all-gather, the backward's first), with one decoder layer still gathered rather than three.
+        loss_phase += 2 * embedding - (FSDP_GATHERED_LAYERS - 1) * layer
         lora = 0.0 if fsdp_offload else float(counts.lora_parameters * LORA_BYTES_PER_PARAM) / fsdp_shards
     if split > 1:
         share = _balanced_share(config, split, gpu_memory_gib, load_in_4bit)
@@ -915,16 +918,15 @@ def _pinned(nbytes: int) -> int:
     return 1 << (nbytes - 1).bit_length() if nbytes > 0 else 0
 
 
-def _fsdp_gathered(counts: _Counts, s: _Shape, config: Any, weights: float) -> float:
-    """Bytes of full weights an FSDP rank holds gathered at its peak: FSDP_GATHERED_LAYERS decoder layers
-    (the model's weights less its embeddings, spread evenly over the layers: a vision tower counts as part of
-    the layers, an overestimate) and the 16-bit output embedding.
+def _fsdp_gathered(s: _Shape, config: Any, weights: float) -> tuple[float, float]:
+    """Bytes of one decoder layer's full weights and of the 16-bit output embedding, as an FSDP rank gathers them:
+    `weights` less the embeddings, spread evenly over the layers (a vision tower counts as part of the layers, an
+    overestimate).
     """
     embedding = 2 * s.vocab * s.hidden
     tied = bool(getattr(config.get_text_config(), "tie_word_embeddings", False))
     embeddings = embedding if tied else 2 * embedding
-    per_layer = max(0.0, weights - embeddings) / s.layers
-    return FSDP_GATHERED_LAYERS * per_layer + embedding
+    return max(0.0, weights - embeddings) / s.layers, embedding
 
 
 def _plan(

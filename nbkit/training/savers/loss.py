@@ -38,9 +38,9 @@ from nbkit.training.savers._model import base_model
 
 __all__ = ["BYTES_PER_LOGIT", "Kernel", "apply", "is_applied", "linear_cross_entropy", "remove", "rows_per_chunk"]
 
-# At its peak a chunk of nbkit's loop holds its fp32 logits, their 16-bit copy and the 16-bit gradient of the
-# last chunk (nbkit.plan models the loss's peak with this).
-BYTES_PER_LOGIT = 4 + 2 + 2
+# At its peak a chunk of nbkit's loop holds its fp32 logits and logsumexp's fp32 temporary of their size; their
+# 16-bit copy and 16-bit gradient are smaller and come at other moments (nbkit.plan models the loss's peak with this).
+BYTES_PER_LOGIT = 4 + 4
 # A chunk's logits take about this many bytes: rows_per_chunk's default. Each chunk reads the whole lm_head
 # weight twice (logits, then the hidden states' gradient), so a chunk needs a few hundred rows before its
 # matmuls are bound by FLOPs rather than by those reads. Measured on one H100 (benchmarks/RESULTS.md, "The
@@ -124,8 +124,12 @@ def _chunked_pass(
     grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=device) if want_weight else None
     grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=device) if want_bias and bias is not None else None
     scale = 1.0 / denominator
-    for start in range(0, valid.numel(), rows):
-        index = valid[start : start + rows]
+
+    def chunk(index: torch.Tensor) -> torch.Tensor:
+        """The loss summed over the rows `index`, their gradients added in place. A chunk's buffers end with this
+        call: kept in the loop's variables into the next chunk, the last chunk's fp32 logits and 16-bit gradient
+        sat beside the next one's logits, 12 bytes per logit at the peak instead of BYTES_PER_LOGIT's 8.
+        """
         h = hidden.index_select(0, index).to(compute_dtype)
         target = labels.index_select(0, index).unsqueeze(1)
         # Logits in the compute dtype (as the lm_head makes them), everything after in fp32.
@@ -134,9 +138,9 @@ def _chunked_pass(
             tanh = logits.div_(softcap).tanh_()
             logits = tanh * softcap
         lse = torch.logsumexp(logits, dim=1, keepdim=True)
-        total += (lse - logits.gather(1, target)).sum()
+        summed = (lse - logits.gather(1, target)).sum()
         if not any(want):
-            continue
+            return summed
         # d loss / d logits = (softmax - one_hot) / denominator, built in place in the logits buffer; the
         # division waits until after the 16-bit matmuls (see the docstring), the weight's and bias's in fp32.
         grad_logits = logits.sub_(lse).exp_()
@@ -144,14 +148,17 @@ def _chunked_pass(
         if softcap is not None:
             # d(c * tanh(x / c)) / dx = 1 - tanh(x / c)^2
             grad_logits.mul_(tanh.square_().neg_().add_(1))
-            del tanh
         if grad_bias is not None:
-            grad_bias += grad_logits.sum(0).mul_(scale)
+            grad_bias.add_(grad_logits.sum(0).mul_(scale))
         grad_logits = grad_logits.to(compute_dtype)
         if grad_hidden is not None:
             grad_hidden.index_copy_(0, index, (grad_logits @ w).to(hidden.dtype))
         if grad_weight is not None:
-            grad_weight += (grad_logits.t() @ h).float().mul_(scale)
+            grad_weight.add_((grad_logits.t() @ h).float().mul_(scale))
+        return summed
+
+    for start in range(0, valid.numel(), rows):
+        total += chunk(valid[start : start + rows])
     loss = total / denominator
     if grad_weight is not None:
         grad_weight = grad_weight.to(weight.dtype)
