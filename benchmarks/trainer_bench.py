@@ -115,6 +115,9 @@ class Launch:
     windows: int = 1  # timed steps split into this many windows, each window's median reported
     compile_backend: str = "inductor"  # torch.compile's backend for the compile extra
     profile_steps: int = 0  # steps profiled after the timed ones (torch.profiler; rank 0's summary in the row)
+    # The notebook launchers' process imports the model's modeling module before the launch, as a notebook has
+    # after earlier cells (False: nothing but unsloth where it trains in place, as in a fresh kernel).
+    preload: bool = True
 
     @property
     def config(self) -> str:
@@ -494,6 +497,7 @@ def _row(launch: Launch, row: dict, ranks: list[dict], load_s: float, first: boo
         "memory_cap_gib": launch.memory_cap_gib,
         "emulate": launch.emulate,
         "unsloth_loss": launch.unsloth_loss,
+        "preload": launch.preload,
         "repeat": launch.repeat,
         "seq_len": row["seq_len"],
         "batch": row["batch"],
@@ -552,11 +556,13 @@ def _preload(launch: Launch) -> None:
     """What a notebook has imported in earlier cells: transformers and the model's modeling module (never
     unsloth, peft or bitsandbytes where ranks fork: they initialise CUDA or make both notebook launchers refuse
     to fork). unsloth's one-GPU notebooks, which train in the kernel itself, import unsloth in their first cell,
-    before transformers, as unsloth asks (imported after it, it warns that its optimisations may not all apply;
-    that is how 16K x 1 under the T4 profile ran out of memory on a 9.27 GiB fp32 copy of the full logits).
+    before transformers, as unsloth asks. launch.preload False: nothing more, as in a fresh kernel (with unsloth
+    first and the modeling module after it, 16K x 1 under the T4 profile still made full fp32 logits, 9.27 GiB).
     """
     if launch.backend == "unsloth" and launch.launcher == "notebook" and launch.gpus == 1:
         import unsloth  # noqa: F401
+    if not launch.preload:
+        return
     from transformers.models.auto import modeling_auto
 
     config = common_config(launch)
@@ -640,6 +646,7 @@ def _identity(launch: Launch) -> dict:
         "memory_cap_gib",
         "emulate",
         "unsloth_loss",
+        "preload",
         "repeat",
     )
     return {"config": launch.config, **{k: getattr(launch, k) for k in keys}}
@@ -870,6 +877,12 @@ def main(argv: list[str] | None = None) -> int:
         "(fp16 unless --precision says otherwise)",
     )
     p.add_argument(
+        "--no-preload",
+        action="store_true",
+        help="the notebook launchers' process imports nothing before the launch (by default it imports the model's "
+        "modeling module, as a notebook has after earlier cells)",
+    )
+    p.add_argument(
         "--unsloth-loss",
         choices=("unsloth", "nbkit"),
         default="unsloth",
@@ -960,6 +973,7 @@ def main(argv: list[str] | None = None) -> int:
                 windows=a.windows,
                 compile_backend=a.compile_backend,
                 profile_steps=a.profile_steps,
+                preload=not a.no_preload,
             )
             skip = None
             if a.time_limit is not None and time.monotonic() - started > a.time_limit:
