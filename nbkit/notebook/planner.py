@@ -824,7 +824,7 @@ def _estimate(
         layer_phase += 2 * 2 * counts.largest_linear  # dequantised weight and its transpose/grad path
     rows = min(tokens, rows_per_chunk(s.vocab))
     # the final norm's fp32 input, its 16-bit output and the loss's gradient for it, plus one chunk
-    loss_phase = (4 + 2 + 2) * s.hidden * tokens + BYTES_PER_LOGIT * rows * s.vocab
+    loss_phase: float = (4 + 2 + 2) * s.hidden * tokens + BYTES_PER_LOGIT * rows * s.vocab
     vision = getattr(config, "vision_config", None)
     vision_phase = VISION_PATCHES * vision.hidden_size * VISION_WORKING_BYTES_PER_HIDDEN if vision is not None else 0
     weights = float(counts.bytes_4bit if load_in_4bit else counts.bytes_16bit)
