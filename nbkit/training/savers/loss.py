@@ -148,6 +148,7 @@ def _chunked_pass(
         if softcap is not None:
             # d(c * tanh(x / c)) / dx = 1 - tanh(x / c)^2
             grad_logits.mul_(tanh.square_().neg_().add_(1))
+            del tanh
         if grad_bias is not None:
             grad_bias.add_(grad_logits.sum(0).mul_(scale))
         grad_logits = grad_logits.to(compute_dtype)
