@@ -484,21 +484,7 @@ def _row(launch: Launch, row: dict, ranks: list[dict], load_s: float, first: boo
     stats = measures.step_stats(half) if ok and half else None
     tokens = row["seq_len"] * row["batch"]
     out = {
-        "config": launch.config,
-        "backend": launch.backend,
-        "gpus": launch.gpus,
-        "launcher": launch.launcher,
-        "precision": launch.precision,
-        "quant": launch.quant,
-        "trainer": launch.trainer,
-        "trainer_options": launch.trainer_options,
-        "extras": launch.extras,
-        "image": launch.image,
-        "memory_cap_gib": launch.memory_cap_gib,
-        "emulate": launch.emulate,
-        "unsloth_loss": launch.unsloth_loss,
-        "preload": launch.preload,
-        "repeat": launch.repeat,
+        **_identity(launch),
         "seq_len": row["seq_len"],
         "batch": row["batch"],
         "status": "ok" if ok else next(r["status"] for r in ranks if r["status"] != "ok"),
