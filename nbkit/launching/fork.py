@@ -18,6 +18,7 @@ process, and word failures with nbkit.launching.supervisor; `_Child` is the firs
 from __future__ import annotations
 
 import _thread
+import collections
 import contextlib
 import dataclasses
 import gc
@@ -623,11 +624,20 @@ def _launcher_banner_muted() -> Iterator[None]:
     printing (a global redirect lost their output), and the ranks restore their streams.
     """
     stream = sys.stdout
-    sys.stdout = _MutedInThread(stream, threading.get_ident())
+    muted = _MutedInThread(stream, threading.get_ident())
+    _MUTED_KEPT.append(muted)
+    sys.stdout = muted
     try:
         yield
     finally:
         sys.stdout = stream
+
+
+# print() reads sys.stdout without taking a reference (CPython issue 130163), so a thread inside print() when
+# the launch puts the stream back may still write through the wrapper. Freed at that moment, it was written through
+# after its memory was gone, and a later gc.collect() crashed on what that left (1 run in ~150-700 of a test whose
+# thread prints every 50 ms). So the last wrapper stays alive until the next launch replaces it.
+_MUTED_KEPT: collections.deque[_MutedInThread] = collections.deque(maxlen=1)
 
 
 class _MutedInThread(io.TextIOBase):

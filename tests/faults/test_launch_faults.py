@@ -7,6 +7,7 @@ Real ranks: forked processes talking gloo on this CPU machine.
 from __future__ import annotations
 
 import ctypes
+import gc
 import os
 import signal
 import socket
@@ -14,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from pathlib import Path
 
 import pytest
@@ -220,6 +222,32 @@ def test_output_of_other_notebook_threads_is_kept_during_a_launch(capfd):
     out = capfd.readouterr().out
     assert out.count("tick ") >= 10  # the launch ran for >= 1.5 s: a tick every 0.05 s got through
     assert "Launching training" not in out  # the launcher's own banner is still dropped
+
+
+def test_the_stream_a_launch_put_on_sys_stdout_outlives_the_launch():
+    # print() in another thread holds sys.stdout without a reference (CPython issue 130163): a stream freed as the
+    # launch puts the notebook's back could be written through after its memory was gone (a rare crash in gc).
+    notebook_stdout, seen, stop = sys.stdout, [], threading.Event()
+
+    def watcher() -> None:
+        while not stop.is_set():
+            stream = sys.stdout
+            if stream is not notebook_stdout and not seen:
+                seen.append(weakref.ref(stream))
+            del stream
+            time.sleep(0.01)
+
+    thread = threading.Thread(target=watcher)
+    thread.start()
+    try:
+        assert nbkit.launch(_sleep_then_answer, gpus=2) == 7
+    finally:
+        stop.set()
+        thread.join()
+    gc.collect()
+    assert sys.stdout is notebook_stdout
+    assert seen, "the watcher never saw the launch's stream on sys.stdout"
+    assert seen[0]() is not None, "the launch's stream was freed as soon as the launch ended"
 
 
 def _fails_the_first_times(counter_dir: str, failures: int) -> str:
