@@ -59,6 +59,7 @@ def environment() -> dict[str, Any]:
         "cuda": torch.version.cuda,
         "python": platform.python_version(),
         "cpu_count": os.cpu_count(),
+        "cpus_usable": len(os.sched_getaffinity(0)),  # fewer where the process runs under taskset (gpu_pairs.sh)
         "versions": {
             p: _version(p)
             for p in (

@@ -772,7 +772,7 @@ def markdown(env: dict, command: str, summary: list[dict], rows: list[dict]) -> 
     versions = ", ".join(f"{k} {v}" for k, v in env["versions"].items() if v)
     lines = [
         f"Machine: {env['gpu_count']}x {env['gpu']} ({env['gpu_memory_gib']} GiB), driver {env['driver']}, "
-        f"CUDA {env['cuda']}, {env['cpu_count']} CPUs; {versions}; Python {env['python']}; {env['date']}.",
+        f"CUDA {env['cuda']}, {env['cpus_usable']} of {env['cpu_count']} CPUs; {versions}; Python {env['python']}; {env['date']}.",
         "",
         f"Command: `{command}`",
         "",
