@@ -27,7 +27,9 @@ pair() {  # pair NAME GPUS CPUS WORDS: WORDS are parts and NAME=VALUE settings
     case $word in *=*) settings+=("$word") ;; *) parts+=("$word") ;; esac
   done
   mkdir -p "$work/$1" "$work/tmp-$1"
-  env "${settings[@]}" CUDA_VISIBLE_DEVICES="$2" TMPDIR="$work/tmp-$1" OUT="$work/$1" taskset -c "$3" \
+  local pin=(taskset -c "$3")
+  command -v taskset > /dev/null || pin=()
+  env "${settings[@]}" CUDA_VISIBLE_DEVICES="$2" TMPDIR="$work/tmp-$1" OUT="$work/$1" "${pin[@]}" \
     timeout --signal=INT --kill-after=15 "$seconds" bash benchmarks/gpu_suite.sh "${parts[@]}" > "$work/$1.log" 2>&1
   echo "=== pair $1 (GPUs $2, CPUs $3: $4): exit $?" >> "$work/$1.log"
 }
