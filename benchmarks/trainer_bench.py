@@ -67,7 +67,9 @@ import torch  # noqa: E402
 from benchmarks import batches, host, launching, measures, profiling  # noqa: E402
 
 BACKENDS = ("unsloth", "transformers", "liger")
-# Speed options a transformers / liger configuration can add (`liger+compile+lean:1`):
+# Speed options a transformers / liger configuration can add (`liger+compile+lean:1`). `liger+compile` is what a
+# notebook's transformers backend gets on a GPU (nbkit.training.models.add_lora: kernels="auto", compile="auto"); a
+# bare `liger` leaves the layers eager.
 # compile: nbkit.savers.apply(compile="regional"), torch.compile of each decoder layer and vision block;
 # lean: Trainer without its per-micro-step NaN/inf check of the loss (logging_nan_inf_filter=False),
 # two host reads of a GPU value (two syncs) fewer per micro-step (RESULTS.md, host cost);
