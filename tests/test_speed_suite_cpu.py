@@ -74,6 +74,7 @@ def test_window_medians_and_the_ratio_to_unsloth():
             "driver": "",
             "cuda": "",
             "cpu_count": 1,
+            "cpus_usable": 1,
             "python": "3",
             "date": "today",
         },
