@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import itertools
 import os
 import signal
 import socket
@@ -16,6 +17,7 @@ import sys
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -202,23 +204,27 @@ def _sleep_then_answer() -> int:
     return 7
 
 
-def test_output_of_other_notebook_threads_is_kept_during_a_launch(capfd):
+def _launch_while(call: Callable[[], None], every_s: float) -> None:
+    """Launch _sleep_then_answer on 2 ranks while another thread of this process calls `call` every `every_s`."""
     stop = threading.Event()
 
-    def ticker() -> None:
-        n = 0
+    def loop() -> None:
         while not stop.is_set():
-            print(f"tick {n}", flush=True)
-            n += 1
-            time.sleep(0.05)
+            call()
+            time.sleep(every_s)
 
-    thread = threading.Thread(target=ticker)
+    thread = threading.Thread(target=loop)
     thread.start()
     try:
         assert nbkit.launch(_sleep_then_answer, gpus=2) == 7
     finally:
         stop.set()
         thread.join()
+
+
+def test_output_of_other_notebook_threads_is_kept_during_a_launch(capfd):
+    ticks = itertools.count()
+    _launch_while(lambda: print(f"tick {next(ticks)}", flush=True), 0.05)
     out = capfd.readouterr().out
     assert out.count("tick ") >= 10  # the launch ran for >= 1.5 s: a tick every 0.05 s got through
     assert "Launching training" not in out  # the launcher's own banner is still dropped
@@ -227,23 +233,14 @@ def test_output_of_other_notebook_threads_is_kept_during_a_launch(capfd):
 def test_the_stream_a_launch_put_on_sys_stdout_outlives_the_launch():
     # print() in another thread holds sys.stdout without a reference (CPython issue 130163): a stream freed as the
     # launch puts the notebook's back could be written through after its memory was gone (a rare crash in gc).
-    notebook_stdout, seen, stop = sys.stdout, [], threading.Event()
+    notebook_stdout, seen = sys.stdout, []
 
-    def watcher() -> None:
-        while not stop.is_set():
-            stream = sys.stdout
-            if stream is not notebook_stdout and not seen:
-                seen.append(weakref.ref(stream))
-            del stream
-            time.sleep(0.01)
+    def watch() -> None:
+        stream = sys.stdout
+        if stream is not notebook_stdout and not seen:
+            seen.append(weakref.ref(stream))
 
-    thread = threading.Thread(target=watcher)
-    thread.start()
-    try:
-        assert nbkit.launch(_sleep_then_answer, gpus=2) == 7
-    finally:
-        stop.set()
-        thread.join()
+    _launch_while(watch, 0.01)
     gc.collect()
     assert sys.stdout is notebook_stdout
     assert seen, "the watcher never saw the launch's stream on sys.stdout"
