@@ -498,6 +498,9 @@ def _row(launch: Launch, row: dict, ranks: list[dict], load_s: float, first: boo
         # says whether the host thread was busy or waited; the process's CPU time, what its other threads
         # burned; involuntary switches, how often the scheduler took the main thread's core.
         "host": _host_medians(row.get("host") or [], len(half)),
+        # Every rank's main-thread CPU per timed step: DDP runs the ranks in step, so a rank that waits (its
+        # CPU spinning in a device sync is counted too) shows beside the one that sets the pace.
+        "main_cpu_s_by_rank": [_host_medians(r.get("host") or [], len(half)).get("main_cpu_s") for r in ranks],
         "torch_threads": row.get("torch_threads"),
         "profile": row.get("profile"),
         "graph_breaks": row.get("graph_breaks"),
@@ -717,20 +720,22 @@ def _host_table(rows: list[dict]) -> list[str]:
         return []
     lines = [
         "",
-        "Rank 0's host per timed step (medians): main thread CPU, all threads' CPU, the main thread's",
-        "involuntary context switches, OS threads, torch's intra-op threads:",
+        "Rank 0's host per timed step (medians): main thread CPU (and every rank's), all threads' CPU, the main",
+        "thread's involuntary context switches, OS threads, torch's intra-op threads:",
         "",
     ]
     lines += [
-        "| config | case | repeat | step ms | main CPU ms | process CPU ms | switches | threads | torch threads | "
-        "graph breaks |"
+        "| config | case | repeat | step ms | main CPU ms | main CPU ms by rank | process CPU ms | switches | threads | "
+        "torch threads | graph breaks |"
     ]
-    lines += ["|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines += ["|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|"]
     for r in runs:
         h, case = r["host"], f"{r['precision']} {r['quant']} {r['seq_len']}x{r['batch']}"
+        by_rank = ", ".join("" if v is None else f"{1000 * v:.0f}" for v in r.get("main_cpu_s_by_rank") or [])
         lines.append(
             f"| {r['config']} | {case} | {r['repeat']} | {1000 * r['step_time_s']['median']:.0f} | "
-            f"{1000 * h['main_cpu_s']:.0f} | {1000 * h['process_cpu_s']:.0f} | {h['main_involuntary_switches']:.0f} | "
+            f"{1000 * h['main_cpu_s']:.0f} | {by_rank} | {1000 * h['process_cpu_s']:.0f} | "
+            f"{h['main_involuntary_switches']:.0f} | "
             f"{h['os_threads']:.0f} | {r.get('torch_threads')} | {sum((r.get('graph_breaks') or {}).values())} |"
         )
     return lines

@@ -8,6 +8,7 @@ image) and one configuration cannot run here (unsloth), and the run must record 
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -21,6 +22,7 @@ sys.path.insert(0, str(BENCHMARKS.parent))
 
 from benchmarks.batches import shard_batch, synthetic_batch  # noqa: E402
 from benchmarks.cases import ddp_label, parse_ddp_options  # noqa: E402
+from benchmarks.host_placement import _cpulist, topology  # noqa: E402
 from benchmarks.measures import gc_pauses, percentile, step_stats  # noqa: E402
 from benchmarks.stepping import Stepper  # noqa: E402
 
@@ -221,3 +223,16 @@ def test_gpu_soak_cycles_live_sets_and_finds_nothing_left(tmp_path):
     assert [r["losses_rank0"] for r in records] == [records[0]["losses_rank0"]] * 2  # seeded: the same steps
     assert len(records[0]["losses_rank0"]) == 3 and all(r["device_rank0"] == "cpu" for r in records)
     assert all(r["process"]["children"] == 0 and not r["left_since_first_cycle"] for r in records)
+
+
+def test_host_placement_reads_cpu_lists_and_this_machines_layout():
+    # sysfs writes ranges and single CPUs, comma-separated
+    assert _cpulist("0-3,8,10-11\n") == [0, 1, 2, 3, 8, 10, 11]
+    assert _cpulist("") == []
+    topo = topology()
+    assert sorted(topo["cpus"]) == sorted(os.sched_getaffinity(0))
+    for cpu, info in topo["cpus"].items():
+        assert cpu in info["siblings"]  # a CPU is among its core's threads
+    # every NUMA node lists only CPUs this process may use, and none twice
+    listed = [c for cpus in topo["nodes"].values() for c in cpus]
+    assert len(listed) == len(set(listed)) and set(listed) <= set(topo["cpus"])
