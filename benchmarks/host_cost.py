@@ -391,6 +391,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=8, help="timed steps")
     p.add_argument("--profile-steps", type=int, default=3, help="profiled steps, after the timed ones")
     p.add_argument("--no-image", action="store_true")
+    p.add_argument(
+        "--launcher",
+        choices=("nbkit", "live"),
+        default="nbkit",
+        help="nbkit.launch, or a live set (nbkit.start, the function run as a cell would be)",
+    )
     p.add_argument("--out", default=None)
     p.add_argument("--md", default=None)
     a = p.parse_args(argv)
@@ -424,9 +430,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     command = " ".join(["python3", "benchmarks/host_cost.py", *(argv if argv is not None else sys.argv[1:])])
     variants = a.variants.split(",")
-    rows = nbkit.launch(
-        run, launch, variants, a.warmup, a.steps, a.profile_steps, a.out, gpus=a.gpus, quiet=True, dashboard=False
-    )
+    run_args = (launch, variants, a.warmup, a.steps, a.profile_steps, a.out)
+    if a.launcher == "live":
+        # run from its module, not __main__'s: cloudpickle then sends it by reference and the ranks' frames keep this
+        # file's name, which the attribution skips (by value they read "<dynamic-code>").
+        from benchmarks import host_cost
+
+        live = nbkit.start(gpus=a.gpus)
+        try:
+            rows = live.run(host_cost.run, *run_args)
+        finally:
+            live.stop()
+    else:
+        rows = nbkit.launch(run, *run_args, gpus=a.gpus, quiet=True, dashboard=False)
     env = host.environment()
     text = markdown(env, command, launch, rows)
     print(text)
