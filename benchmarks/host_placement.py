@@ -25,7 +25,6 @@ import contextlib
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -34,8 +33,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script: the package lives in ROOT
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.launching import free_port  # noqa: E402
 
 
 def _cpulist(text: str) -> list[int]:
@@ -106,6 +108,14 @@ def topology() -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------
 
 
+def _python_loop_ns(n: int) -> float:
+    """Nanoseconds per iteration of a pure Python loop of `n` iterations: the speed of the CPU this thread is on."""
+    start, total = time.perf_counter(), 0
+    for i in range(n):
+        total += i
+    return (time.perf_counter() - start) / n * 1e9
+
+
 def _current_cpu() -> int:
     # Field 39 of /proc/self/stat: the CPU this thread last ran on.
     return int(Path("/proc/thread-self/stat").read_text().rsplit(")", 1)[1].split()[36])
@@ -131,18 +141,11 @@ def _measure(device: str, rounds: int = 3) -> dict[str, Any]:
             torch.cuda.synchronize()
         return host / calls * 1e6
 
-    def python_ns(n: int = 1_000_000) -> float:
-        start = time.perf_counter()
-        total = 0
-        for i in range(n):
-            total += i
-        return (time.perf_counter() - start) / n * 1e9
-
     rows = [
         {
             "add_us": per_call_us(lambda: x.add_(1.0), 20_000),
             "mm_us": per_call_us(lambda: torch.mm(a, a), 10_000),
-            "python_ns": python_ns(),
+            "python_ns": _python_loop_ns(1_000_000),
             "cpu": _current_cpu(),
         }
         for _ in range(rounds)
@@ -165,10 +168,10 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     if spec["gpu"] is not None:
         torch.cuda.set_device(0)  # CUDA_VISIBLE_DEVICES names the one GPU
         device = "cuda:0"
+    import torch.distributed as dist
+
     group = spec.get("group")
     if group:
-        import torch.distributed as dist
-
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(group["port"]))
         dist.init_process_group("nccl" if device != "cpu" else "gloo", rank=group["rank"], world_size=group["world"])
         t = torch.ones(1 << 20, device=device)
@@ -183,8 +186,6 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     result = _measure(device)
     result["affinity"] = len(os.sched_getaffinity(0))
     if group:
-        import torch.distributed as dist
-
         dist.destroy_process_group()
     return result
 
@@ -194,16 +195,10 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def run_scenario(name: str, procs: list[dict[str, Any]], gpu_env: bool) -> dict[str, Any]:
     """Start every process of a scenario at once; they measure at the same time."""
     barrier = tempfile.mkdtemp(prefix="placement-")
-    port = _free_port()
+    port = free_port()
     children = []
     for i, proc in enumerate(procs):
         spec = dict(proc, barrier=barrier, count=len(procs))
@@ -293,13 +288,7 @@ def smt_scan(cpus: list[int]) -> list[dict[str, Any]]:
 
     def loop_ns(cpu: int) -> float:
         os.sched_setaffinity(0, [cpu])
-        best = float("inf")
-        for _ in range(3):
-            start, total = time.perf_counter(), 0
-            for i in range(300_000):
-                total += i
-            best = min(best, (time.perf_counter() - start) / 300_000 * 1e9)
-        return best
+        return min(_python_loop_ns(300_000) for _ in range(3))
 
     first, rows = cpus[0], []
     for cpu in cpus[1:]:
