@@ -42,6 +42,7 @@
 #   bash benchmarks/gpu_suite.sh kaggle               # 2 GPUs, the Kaggle image's set: the flagship's GPU test (~7.5 min)
 #   bash benchmarks/gpu_pairs.sh 540 "fsdp2" "tests_faults"  # two GPU pairs of a 4-GPU host side by side (gpu_pairs.sh)
 #   bash benchmarks/gpu_suite.sh kaggle_transformers  # 2 GPUs, the Kaggle image's set: the flagship, transformers backend (~5 min)
+#   bash benchmarks/gpu_suite.sh flagship12           # the flagship under the T4 profile, gpus=1 then gpus=2: steady pace of each
 #
 # Two sets of parts can share a 4-GPU machine, one GPU pair each (a separate TMPDIR keeps unsloth's
 # compile caches apart):
@@ -635,6 +636,22 @@ for what in "$@"; do
         NBKIT_STACK_SAMPLES="$OUT/stacks_liger" "${pytest[@]}" tests/test_liger_gpu.py -k under_ddp
       part savers_gpu 150 "${pytest[@]}" tests/test_savers_gpu.py
       part fsdp_gpu 150 "${pytest[@]}" tests/test_fsdp_gpu.py ;;
+    flagship12)
+      # The flagship notebook under the T4 profile on one GPU (the other hidden) and then on two, in one call: each
+      # summary.json's steady seconds per step and tokens/s, the first step apart (unsloth on 2x H200: 191 s and 196 s).
+      # FLAGSHIP_PARAMS adds parameters (e.g. "-p backend=transformers"); checkpoints only at the end.
+      first_gpu=${CUDA_VISIBLE_DEVICES:-0,1}; first_gpu=${first_gpu%%,*}
+      for n in 1 2; do
+        visible=${CUDA_VISIBLE_DEVICES:-0,1}; [ "$n" = 1 ] && visible=$first_gpu
+        # unsloth's generated code goes to /tmp, not into $OUT beside the notebook (hundreds of files to bring back).
+        # shellcheck disable=SC2086  # FLAGSHIP_PARAMS holds several -p options
+        CUDA_VISIBLE_DEVICES=$visible UNSLOTH_COMPILE_LOCATION=${UNSLOTH_COMPILE_LOCATION:-/tmp/unsloth-cache} \
+          part "flagship_gpus$n" "${FLAGSHIP_LIMIT:-270}" python3 notebooks/run.py \
+          qwen3_vl_2xT4 --out "$OUT/flagship_gpus$n" -p gpus=$n -p emulate=T4 -p max_steps="${FLAGSHIP_STEPS:-20}" \
+          -p num_samples=80 -p max_seq_length=1024 -p save_steps=1000 ${FLAGSHIP_PARAMS:-}
+      done
+      python3 benchmarks/flagship_scaling.py "$OUT/flagship_gpus1/qwen3_vl_2xT4/summary.json" \
+        "$OUT/flagship_gpus2/qwen3_vl_2xT4/summary.json" | tee "$OUT/flagship12.md" ;;
     *) echo "unknown part: $what" >&2 ;;
   esac
 done

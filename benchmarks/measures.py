@@ -78,24 +78,25 @@ class HostClock:
 
     `sample()` returns, since the previous mark: the main thread's CPU seconds, the whole process's CPU
     seconds (every thread: autograd's, the OpenMP pool's spinning, a reader's), the main thread's
-    involuntary context switches (the scheduler took its core: a host-bound step waits for it) and
-    the process's OS thread count now. Built and sampled in the thread that drives training.
+    involuntary context switches (the scheduler took its core: a host-bound step waits for it), its
+    voluntary ones (it slept: waiting for the GIL, a lock, a read; CUDA's syncs spin and do not count)
+    and the process's OS thread count now. Built and sampled in the thread that drives training.
     """
 
     def __init__(self) -> None:
         self._last = self._read()
 
     @staticmethod
-    def _read() -> tuple[float, float, int]:
+    def _read() -> tuple[float, float, int, int]:
         import resource
 
         usage = resource.getrusage(getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF))
-        return time.thread_time(), time.process_time(), usage.ru_nivcsw
+        return time.thread_time(), time.process_time(), usage.ru_nivcsw, usage.ru_nvcsw
 
     def sample(self) -> dict[str, float]:
         """The counters since the last call (or since the clock was built); marks now."""
         now = self._read()
-        thread_s, process_s, switches = (b - a for a, b in zip(self._last, now))
+        thread_s, process_s, switches, waits = (b - a for a, b in zip(self._last, now))
         self._last = now
         try:
             threads = len(os.listdir("/proc/self/task"))
@@ -105,6 +106,7 @@ class HostClock:
             "main_cpu_s": thread_s,
             "process_cpu_s": process_s,
             "main_involuntary_switches": switches,
+            "main_voluntary_switches": waits,
             "os_threads": threads,
         }
 

@@ -75,8 +75,11 @@ BACKENDS = ("unsloth", "transformers", "liger")
 # two host reads of a GPU value (two syncs) fewer per micro-step (RESULTS.md, host cost);
 # notile: nbkit.savers.apply(tiled_mlp=False), the MLP over the whole sequence at once;
 # tile4: nbkit.savers.apply(tiled_mlp=4), the MLP in 4 sequence shards at every length;
-# recompute: nbkit.savers.apply(checkpointing="recompute"), the checkpointed layer inputs stay on the GPU.
-EXTRAS = ("compile", "lean", "notile", "tile4", "recompute")
+# recompute: nbkit.savers.apply(checkpointing="recompute"), the checkpointed layer inputs stay on the GPU;
+# graphs: as compile, the decoder layers with inductor's mode="reduce-overhead" (CUDA graphs: a layer's kernels
+# recorded once and replayed, one launch for the host instead of dozens); 4.6x slower at 1K x 4 on one H200, since
+# the graphs were recorded again at every step (RESULTS.md, "CUDA graphs for the compiled layers").
+EXTRAS = ("compile", "lean", "notile", "tile4", "recompute", "graphs")
 # nbkit: nbkit.launch; live: a live set (nbkit.start, then the function as a call); notebook: accelerate's
 # notebook_launcher; accelerate: `accelerate launch` of this file, nbkit's default patches only; torchrun:
 # torchrun of this file as an exported cell runs, nbkit.launch inside the rank (nbkit's whole rank set-up).
@@ -116,7 +119,7 @@ class Launch:
     extras: list[str] = field(default_factory=list)  # EXTRAS
     windows: int = 1  # timed steps split into this many windows, each window's median reported
     compile_backend: str = "inductor"  # torch.compile's backend for the compile extra
-    profile_steps: int = 0  # steps profiled after the timed ones (torch.profiler; rank 0's summary in the row)
+    profile_steps: int = 0  # steps profiled after the timed ones (torch.profiler; every rank's summary in the row)
     # The notebook launchers' process imports the model's modeling module before the launch, as a notebook has
     # after earlier cells (False: nothing but unsloth where it trains in place, as in a fresh kernel).
     preload: bool = True
@@ -184,8 +187,21 @@ def build_model(launch: Launch, device: torch.device) -> torch.nn.Module:
         tiled_mlp=4 if "tile4" in launch.extras else "notile" not in launch.extras,
         checkpointing="recompute" if "recompute" in launch.extras else "offload",
     )
-    if "compile" in launch.extras and launch.compile_backend != "inductor":  # the dry run's aot_eager
-        nbkit.savers.apply(model, **options)
+    graphs = "graphs" in launch.extras
+    if graphs and launch.compile_backend == "inductor":
+        # As `compile`, then each decoder layer compiled again with CUDA graphs. The vision blocks keep plain
+        # compilation: with graphs, their graph break left a replay overwriting an output still in use
+        # ("accessing tensor output of CUDAGraphs that has been overwritten by a subsequent run", 2x H200).
+        from nbkit.training.savers import _model, checkpointing
+
+        nbkit.savers.apply(model, **options, compile="regional")
+        for layer in _model.decoder_layers(_model.base_model(model)):
+            layer.compile(backend="inductor", mode="reduce-overhead")
+            if checkpointing.is_checkpointed(layer):
+                checkpointing.compile_checkpointed(layer, backend="inductor", mode="reduce-overhead")
+        return model
+    if graphs or ("compile" in launch.extras and launch.compile_backend != "inductor"):  # the dry run's aot_eager
+        nbkit.savers.apply(model, **options, compile=None)
         nbkit.savers.compiling.enable(model, backend=launch.compile_backend)
         return model
     return nbkit.savers.apply(model, **options, compile="regional" if "compile" in launch.extras else None)
@@ -321,6 +337,7 @@ def _trainer(launch: Launch, model: Any, seq_len: int, batch: int, steps: int, o
     if "lean" in launch.extras:
         options["logging_nan_inf_filter"] = False
     options.update(launch.trainer_options)
+    callbacks = [timer, *([_graph_steps()] if "graphs" in launch.extras else [])]
     if launch.trainer == "sft":
         from trl import SFTConfig, SFTTrainer
 
@@ -333,13 +350,27 @@ def _trainer(launch: Launch, model: Any, seq_len: int, batch: int, steps: int, o
             train_dataset=data,
             processing_class=load_processor(launch.model_path),
             data_collator=collate,
-            callbacks=[timer],
+            callbacks=callbacks,
         )
     from transformers import Trainer, TrainingArguments
 
     return Trainer(
-        model=model, args=TrainingArguments(**options), train_dataset=data, data_collator=collate, callbacks=[timer]
+        model=model, args=TrainingArguments(**options), train_dataset=data, data_collator=collate, callbacks=callbacks
     )
+
+
+def _graph_steps() -> Any:
+    """A callback that tells torch's CUDA graphs where each step begins: outputs of the previous step's
+    replays are then free to be overwritten (without it the layers' graphs raised "accessing tensor
+    output of CUDAGraphs that has been overwritten by a subsequent run").
+    """
+    from transformers import TrainerCallback
+
+    class GraphSteps(TrainerCallback):
+        def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            torch.compiler.cudagraph_mark_step_begin()
+
+    return GraphSteps()
 
 
 _CONFIGS: dict[str, Any] = {}
@@ -498,11 +529,12 @@ def _row(launch: Launch, row: dict, ranks: list[dict], load_s: float, first: boo
         # says whether the host thread was busy or waited; the process's CPU time, what its other threads
         # burned; involuntary switches, how often the scheduler took the main thread's core.
         "host": _host_medians(row.get("host") or [], len(half)),
-        # Every rank's main-thread CPU per timed step: DDP runs the ranks in step, so a rank that waits (its
-        # CPU spinning in a device sync is counted too) shows beside the one that sets the pace.
-        "main_cpu_s_by_rank": [_host_medians(r.get("host") or [], len(half)).get("main_cpu_s") for r in ranks],
+        # Every rank's counters and profile: DDP runs the ranks in step, so a rank that waits (its CPU
+        # spinning in a device sync is counted as CPU) shows beside the one that sets the pace.
+        "host_by_rank": [_host_medians(r.get("host") or [], len(half)) for r in ranks],
         "torch_threads": row.get("torch_threads"),
         "profile": row.get("profile"),
+        "profile_by_rank": [r.get("profile") for r in ranks],
         "graph_breaks": row.get("graph_breaks"),
         "step_time_s": stats,
         "tokens_per_s_per_gpu": tokens / stats["median"] if stats else None,
@@ -720,44 +752,53 @@ def _host_table(rows: list[dict]) -> list[str]:
         return []
     lines = [
         "",
-        "Rank 0's host per timed step (medians): main thread CPU (and every rank's), all threads' CPU, the main",
-        "thread's involuntary context switches, OS threads, torch's intra-op threads:",
+        "Each rank's host per timed step (medians; ranks separated by /): main thread CPU, all threads' CPU, the",
+        "main thread's involuntary context switches (its core taken) and voluntary ones (it slept: the GIL, a lock),",
+        "OS threads; rank 0's torch intra-op threads and graph breaks:",
         "",
     ]
     lines += [
-        "| config | case | repeat | step ms | main CPU ms | main CPU ms by rank | process CPU ms | switches | threads | "
+        "| config | case | repeat | step ms | main CPU ms | process CPU ms | switches | sleeps | threads | "
         "torch threads | graph breaks |"
     ]
-    lines += ["|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|"]
+    lines += ["|---|---|---:|---:|---|---|---|---|---|---:|---:|"]
     for r in runs:
-        h, case = r["host"], f"{r['precision']} {r['quant']} {r['seq_len']}x{r['batch']}"
-        by_rank = ", ".join("" if v is None else f"{1000 * v:.0f}" for v in r.get("main_cpu_s_by_rank") or [])
+        case = f"{r['precision']} {r['quant']} {r['seq_len']}x{r['batch']}"
+        hosts = r.get("host_by_rank") or [r["host"]]
+
+        def by_rank(key: str, scale: float = 1.0, hosts: list[dict] = hosts) -> str:
+            return " / ".join(f"{scale * h[key]:.0f}" if key in h else "" for h in hosts)
+
         lines.append(
             f"| {r['config']} | {case} | {r['repeat']} | {1000 * r['step_time_s']['median']:.0f} | "
-            f"{1000 * h['main_cpu_s']:.0f} | {by_rank} | {1000 * h['process_cpu_s']:.0f} | "
-            f"{h['main_involuntary_switches']:.0f} | "
-            f"{h['os_threads']:.0f} | {r.get('torch_threads')} | {sum((r.get('graph_breaks') or {}).values())} |"
+            f"{by_rank('main_cpu_s', 1000)} | {by_rank('process_cpu_s', 1000)} | "
+            f"{by_rank('main_involuntary_switches')} | {by_rank('main_voluntary_switches')} | "
+            f"{by_rank('os_threads')} | {r.get('torch_threads')} | {sum((r.get('graph_breaks') or {}).values())} |"
         )
     return lines
 
 
 def _profile_lines(rows: list[dict]) -> list[str]:
-    """Markdown lines: each run's profiled steps (rank 0, per step), its busiest host ops after."""
+    """Markdown lines: each run's profiled steps (every rank, per step), their busiest host ops after."""
     runs = [r for r in rows if r.get("profile")]
     if not runs:
         return []
-    lines = ["", "Profiled steps after the timed ones (rank 0, per step; the profiler slows the host):", ""]
+    lines = ["", "Profiled steps after the timed ones (each rank, per step; the profiler slows the host):", ""]
     lines += [
-        "| config | case | step ms | compute ms | nccl ms | memcpy ms | host ops ms | host syncs | busiest host ops (ms) |"
+        "| config | case | repeat | rank | step ms | compute ms | nccl ms | memcpy ms | host ops ms | host syncs | "
+        "busiest host ops (ms) |"
     ]
-    lines += ["|---|---|---:|---:|---:|---:|---:|---:|---|"]
+    lines += ["|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in runs:
-        p, case = r["profile"], f"{r['precision']} {r['quant']} {r['seq_len']}x{r['batch']}"
-        ops = ", ".join(f"{o['op']} {o['ms']:.1f}" for o in p["top_host_ops"][:6])
-        lines.append(
-            f"| {r['config']} | {case} | {p['step_ms']:.0f} | {p['compute_ms']:.1f} | {p['nccl_ms']:.1f} | "
-            f"{p['memcpy_ms']:.1f} | {p['host_ops_ms']:.1f} | {p['host_syncs']:.1f} | {ops} |"
-        )
+        case = f"{r['precision']} {r['quant']} {r['seq_len']}x{r['batch']}"
+        for rank, p in enumerate(r.get("profile_by_rank") or [r["profile"]]):
+            if not p:
+                continue
+            ops = ", ".join(f"{o['op']} {o['ms']:.1f}" for o in p["top_host_ops"][:6])
+            lines.append(
+                f"| {r['config']} | {case} | {r['repeat']} | {rank} | {p['step_ms']:.0f} | {p['compute_ms']:.1f} | "
+                f"{p['nccl_ms']:.1f} | {p['memcpy_ms']:.1f} | {p['host_ops_ms']:.1f} | {p['host_syncs']:.1f} | {ops} |"
+            )
     return lines
 
 
@@ -897,7 +938,7 @@ def main(argv: list[str] | None = None) -> int:
         "--profile-steps",
         type=int,
         default=0,
-        help="profile this many steps after the timed ones (rank 0: host ops, kernels, syncs per step)",
+        help="profile this many steps after the timed ones (each rank: host ops, kernels, syncs per step)",
     )
     p.add_argument("--out", default=None)
     p.add_argument("--md", default=None)

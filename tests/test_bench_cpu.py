@@ -236,3 +236,30 @@ def test_host_placement_reads_cpu_lists_and_this_machines_layout():
     # every NUMA node lists only CPUs this process may use, and none twice
     listed = [c for cpus in topo["nodes"].values() for c in cpus]
     assert len(listed) == len(set(listed)) and set(listed) <= set(topo["cpus"])
+
+
+def test_flagship_scaling_compares_whole_run_throughput_and_names_a_summary_without_a_pace(tmp_path):
+    def summary(folder: str, seconds: float, tokens: float, processes: int) -> Path:
+        train = {
+            "seconds_per_step": seconds,
+            "tokens_per_second": tokens,
+            "first_step_seconds": 30.0,
+            "mean_seconds_per_step": 2.0,
+            "batch": {"per_device": 2, "accumulation": 1, "processes": processes},
+            "peak_memory_gib": 4.5,
+        }
+        path = tmp_path / folder / "qwen3_vl_2xT4" / "summary.json"
+        path.parent.mkdir(parents=True)
+        path.write_text(json.dumps({"backend": "unsloth", "precision": "fp16", "load_in_4bit": False, "train": train}))
+        return path
+
+    one, two = summary("gpus1", 0.3, 1600.0, 1), summary("gpus2", 0.4, 1200.0, 2)
+    script = [sys.executable, str(BENCHMARKS / "flagship_scaling.py")]
+    done = subprocess.run([*script, str(one), str(two)], capture_output=True, text=True, check=True)
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| gpus")]
+    assert rows[0].endswith("| 1,600 | 4.50 | 1.00x |")
+    assert rows[1].endswith("| 2,400 | 4.50 | 1.50x |")  # 1,200 tokens/s on each of 2 GPUs against 1,600
+    assert "| 2 x 1 x 2 | 0.400 |" in rows[1]
+    paceless = summary("plain", 0.3, 0.0, 1)
+    failed = subprocess.run([*script, str(one), str(paceless)], capture_output=True, text=True)
+    assert failed.returncode == 1 and str(paceless) in failed.stderr and "no steady tokens/s" in failed.stderr

@@ -88,6 +88,8 @@ def test_trainer_runs_under_every_launcher_and_records_what_cannot_run(tmp_path,
             "cpu",
             "--launch-timeout",
             "240",
+            "--profile-steps",
+            "1",
             "--out",
             str(out),
             "--md",
@@ -109,6 +111,12 @@ def test_trainer_runs_under_every_launcher_and_records_what_cannot_run(tmp_path,
         # the host's counters of rank 0's timed steps: its main thread trained, in a process of >= 1 thread
         assert 0 < row["host"]["main_cpu_s"] <= row["host"]["process_cpu_s"] + 1e-3
         assert row["host"]["os_threads"] >= 1 and row["torch_threads"] >= 1
+        # every rank's counters and profiled step, rank 0's first: the rank that sets the pace can be told apart
+        assert len(row["host_by_rank"]) == len(row["profile_by_rank"]) == row["gpus"]
+        assert row["host_by_rank"][0] == row["host"] and row["profile_by_rank"][0] == row["profile"]
+        for host, profile in zip(row["host_by_rank"], row["profile_by_rank"]):
+            assert host["main_cpu_s"] > 0 and host["main_voluntary_switches"] >= 0
+            assert profile["steps"] == 1 and profile["host_ops_ms"] > 0
     liger = rows["liger:1@notebook"]
     assert liger["status"] == "error"
     assert "KernelsError" in liger["error"] and "need the model on CUDA GPUs" in liger["error"]
@@ -117,6 +125,12 @@ def test_trainer_runs_under_every_launcher_and_records_what_cannot_run(tmp_path,
     text = md.read_text()
     assert "| transformers:2@accelerate | fp32 16bit 128x2 | 1/1 |" in text
     assert "liger:1@notebook fp32 16bit 128x2: error: " in text
+    # the host table gives both ranks of a launch, the profile table a row per rank
+    nbkit_host = next(
+        line for line in text.splitlines() if line.startswith("| transformers:2@nbkit | fp32 16bit 128x2 | 0 |")
+    )
+    assert len(nbkit_host.split("|")[5].split(" / ")) == 2
+    assert any(line.startswith("| transformers:2@live | fp32 16bit 128x2 | 0 | 1 |") for line in text.splitlines())
     # Left behind: only caches, the launches' working folder (unsloth's compiled code) and inductor's; no specs,
     # rows or launcher logs (torch elastic's torchelastic_* folders went with them).
     caches = ("nbkit-trainer-bench", "torchinductor_")
