@@ -76,10 +76,12 @@ BACKENDS = ("unsloth", "transformers", "liger")
 # notile: nbkit.savers.apply(tiled_mlp=False), the MLP over the whole sequence at once;
 # tile4: nbkit.savers.apply(tiled_mlp=4), the MLP in 4 sequence shards at every length;
 # recompute: nbkit.savers.apply(checkpointing="recompute"), the checkpointed layer inputs stay on the GPU;
+# nockpt: nbkit.savers.apply(checkpointing=None), no layer recomputed in the backward (what memory allows at short shapes);
+# nostop: in a live set, the ranks' stop agreement off (patch group "live": one gloo all-reduce per step fewer);
 # graphs: as compile, the decoder layers with inductor's mode="reduce-overhead" (CUDA graphs: a layer's kernels
 # recorded once and replayed, one launch for the host instead of dozens); 4.6x slower at 1K x 4 on one H200, since
 # the graphs were recorded again at every step (RESULTS.md, "CUDA graphs for the compiled layers").
-EXTRAS = ("compile", "lean", "notile", "tile4", "recompute", "graphs")
+EXTRAS = ("compile", "lean", "notile", "tile4", "recompute", "nockpt", "nostop", "graphs")
 # nbkit: nbkit.launch; live: a live set (nbkit.start, then the function as a call); notebook: accelerate's
 # notebook_launcher; accelerate: `accelerate launch` of this file, nbkit's default patches only; torchrun:
 # torchrun of this file as an exported cell runs, nbkit.launch inside the rank (nbkit's whole rank set-up).
@@ -185,7 +187,7 @@ def build_model(launch: Launch, device: torch.device) -> torch.nn.Module:
     options: dict[str, Any] = dict(
         kernels=kernels,
         tiled_mlp=4 if "tile4" in launch.extras else "notile" not in launch.extras,
-        checkpointing="recompute" if "recompute" in launch.extras else "offload",
+        checkpointing=None if "nockpt" in launch.extras else "recompute" if "recompute" in launch.extras else "offload",
     )
     graphs = "graphs" in launch.extras
     if graphs and launch.compile_backend == "inductor":
@@ -467,6 +469,10 @@ def run(launch: Launch) -> None:
     if not cuda:
         torch.set_num_threads(1)  # forked CPU ranks: see landscape.md (fork after torch's thread pool started)
     device = torch.device("cuda", local) if cuda else torch.device("cpu")
+    if "nostop" in launch.extras:
+        from nbkit.platform import patching
+
+        patching.revert("live")
     if launch.emulate:  # nbkit.launch's ranks already did (prepare_rank); the other launchers' did not
         from nbkit.training import emulation
 
