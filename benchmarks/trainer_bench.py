@@ -192,8 +192,8 @@ def build_model(launch: Launch, device: torch.device) -> torch.nn.Module:
     graphs = "graphs" in launch.extras
     if graphs and launch.compile_backend == "inductor":
         # As `compile`, then each decoder layer compiled again with CUDA graphs. The vision blocks keep plain
-        # compilation: with graphs, their graph break left a replay overwriting an output still in use
-        # ("accessing tensor output of CUDAGraphs that has been overwritten by a subsequent run", 2x H200).
+        # compilation: a graph break splits each into two graphs, around which a replay overwrote an output still
+        # in use ("accessing tensor output of CUDAGraphs that has been overwritten by a subsequent run", one H200).
         from nbkit.training.savers import _model, checkpointing
 
         nbkit.savers.apply(model, **options, compile="regional")
@@ -362,9 +362,9 @@ def _trainer(launch: Launch, model: Any, seq_len: int, batch: int, steps: int, o
 
 
 def _graph_steps() -> Any:
-    """A callback that tells torch's CUDA graphs where each step begins: outputs of the previous step's
-    replays are then free to be overwritten (without it the layers' graphs raised "accessing tensor
-    output of CUDAGraphs that has been overwritten by a subsequent run").
+    """A callback that marks each optimizer step's start for torch's CUDA graphs
+    (torch.compiler.cudagraph_mark_step_begin), as torch asks of a training loop: the previous step's
+    outputs of the replayed graphs may then be overwritten.
     """
     from transformers import TrainerCallback
 
@@ -771,17 +771,19 @@ def _host_table(rows: list[dict]) -> list[str]:
     for r in runs:
         case = f"{r['precision']} {r['quant']} {r['seq_len']}x{r['batch']}"
         hosts = r.get("host_by_rank") or [r["host"]]
-
-        def by_rank(key: str, scale: float = 1.0, hosts: list[dict] = hosts) -> str:
-            return " / ".join(f"{scale * h[key]:.0f}" if key in h else "" for h in hosts)
-
         lines.append(
             f"| {r['config']} | {case} | {r['repeat']} | {1000 * r['step_time_s']['median']:.0f} | "
-            f"{by_rank('main_cpu_s', 1000)} | {by_rank('process_cpu_s', 1000)} | "
-            f"{by_rank('main_involuntary_switches')} | {by_rank('main_voluntary_switches')} | "
-            f"{by_rank('os_threads')} | {r.get('torch_threads')} | {sum((r.get('graph_breaks') or {}).values())} |"
+            f"{_by_rank(hosts, 'main_cpu_s', 1000)} | {_by_rank(hosts, 'process_cpu_s', 1000)} | "
+            f"{_by_rank(hosts, 'main_involuntary_switches')} | {_by_rank(hosts, 'main_voluntary_switches')} | "
+            f"{_by_rank(hosts, 'os_threads')} | {r.get('torch_threads')} | "
+            f"{sum((r.get('graph_breaks') or {}).values())} |"
         )
     return lines
+
+
+def _by_rank(hosts: list[dict], key: str, scale: float = 1.0) -> str:
+    """One host counter of every rank, "rank 0 / rank 1 / ...", blank where a rank lacks it."""
+    return " / ".join(f"{scale * h[key]:.0f}" if key in h else "" for h in hosts)
 
 
 def _profile_lines(rows: list[dict]) -> list[str]:
