@@ -640,9 +640,9 @@ for what in "$@"; do
       # The flagship notebook under the T4 profile on one GPU (the other hidden) and then on two, in one call: each
       # summary.json's steady seconds per step and tokens/s, the first step apart (unsloth on 2x H200: 191 s and 196 s).
       # FLAGSHIP_PARAMS adds parameters (e.g. "-p backend=transformers"); checkpoints only at the end.
-      first_gpu=${CUDA_VISIBLE_DEVICES:-0,1}; first_gpu=${first_gpu%%,*}
+      both=${CUDA_VISIBLE_DEVICES:-0,1}
       for n in 1 2; do
-        visible=${CUDA_VISIBLE_DEVICES:-0,1}; [ "$n" = 1 ] && visible=$first_gpu
+        visible=$both; [ "$n" = 1 ] && visible=${both%%,*}
         # unsloth's generated code goes to /tmp, not into $OUT beside the notebook (hundreds of files to bring back).
         # shellcheck disable=SC2086  # FLAGSHIP_PARAMS holds several -p options
         CUDA_VISIBLE_DEVICES=$visible UNSLOTH_COMPILE_LOCATION=${UNSLOTH_COMPILE_LOCATION:-/tmp/unsloth-cache} \

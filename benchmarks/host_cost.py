@@ -4,10 +4,9 @@ r"""What a Trainer step spends outside the model's forward and backward: collect
         [--steps 8] [--profile-steps 3] [--gpus 2] [--launcher nbkit|live] [--out host_cost.json] [--md host_cost.md]
 
 Runs `--gpus` ranks under nbkit.launch, or in a live set with `--launcher live` (gloo CPU ranks where no GPU is
-visible), builds the
-model of benchmarks/trainer_bench.py once per rank (`--backend`, default transformers+peft+nbkit.savers;
-unsloth on GPUs), and trains it once per variant, each with its own Trainer built by trainer_bench
-(the flagship's options: logging_steps=1, gradient_accumulation_steps=1). A variant is a trainer,
+visible), builds the model of benchmarks/trainer_bench.py once per rank (`--backend`, default
+transformers+peft+nbkit.savers; unsloth on GPUs), and trains it once per variant, each with its own Trainer built
+by trainer_bench (the flagship's options: logging_steps=1, gradient_accumulation_steps=1). A variant is a trainer,
 `sft` (TRL SFTTrainer) or `hf` (transformers Trainer), plus options joined by "+":
 
 - `noreport`: without nbkit's reporting patches (the dashboard callback and its Trainer.training_step

@@ -770,7 +770,7 @@ def _host_table(rows: list[dict]) -> list[str]:
     lines += ["|---|---|---:|---:|---|---|---|---|---|---:|---:|"]
     for r in runs:
         case = f"{r['precision']} {r['quant']} {r['seq_len']}x{r['batch']}"
-        hosts = r.get("host_by_rank") or [r["host"]]
+        hosts = r["host_by_rank"]
         lines.append(
             f"| {r['config']} | {case} | {r['repeat']} | {1000 * r['step_time_s']['median']:.0f} | "
             f"{_by_rank(hosts, 'main_cpu_s', 1000)} | {_by_rank(hosts, 'process_cpu_s', 1000)} | "
@@ -799,7 +799,7 @@ def _profile_lines(rows: list[dict]) -> list[str]:
     lines += ["|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in runs:
         case = f"{r['precision']} {r['quant']} {r['seq_len']}x{r['batch']}"
-        for rank, p in enumerate(r.get("profile_by_rank") or [r["profile"]]):
+        for rank, p in enumerate(r["profile_by_rank"]):
             if not p:
                 continue
             ops = ", ".join(f"{o['op']} {o['ms']:.1f}" for o in p["top_host_ops"][:6])
