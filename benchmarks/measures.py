@@ -12,6 +12,7 @@ import os
 import statistics
 import time
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # imported where memory is read: a script that only times (soak.py) need not load torch
@@ -109,6 +110,20 @@ class HostClock:
             "main_voluntary_switches": waits,
             "os_threads": threads,
         }
+
+
+def thread_core() -> str | None:
+    """The physical core the calling thread ran on last, as "package/core" (sysfs's ids), or None where the
+    kernel does not say (not Linux). Two busy threads on one core's two hardware threads each run slower
+    than alone, and neither HostClock's switches nor a profile shows it.
+    """
+    try:
+        stat = Path("/proc/thread-self/stat").read_text()
+        cpu = int(stat.rsplit(")", 1)[1].split()[36])  # field 39, "processor"; the split starts at field 3
+        topology = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
+        return f"{(topology / 'physical_package_id').read_text().strip()}/{(topology / 'core_id').read_text().strip()}"
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def peak_memory_gib(device: torch.device) -> dict[str, float] | None:

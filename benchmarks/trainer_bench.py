@@ -81,7 +81,14 @@ BACKENDS = ("unsloth", "transformers", "liger")
 # graphs: as compile, the decoder layers with inductor's mode="reduce-overhead" (CUDA graphs: a layer's kernels
 # recorded once and replayed, one launch for the host instead of dozens); 4.6x slower at 1K x 4 on one H200, since
 # the graphs were recorded again at every step (RESULTS.md, "CUDA graphs for the compiled layers").
-EXTRAS = ("compile", "lean", "notile", "tile4", "recompute", "nockpt", "nostop", "graphs")
+# expand / noexpand: torch's CUDA allocator with / without expandable segments in every process of the launch
+# (PYTORCH_CUDA_ALLOC_CONF; nbkit keeps a setting that names them): nbkit gives its ranks expandable segments
+# (nbkit.launching.rank_contract.allocator_environment), while `accelerate launch` and a one-GPU process in place
+# run without, so these two set the allocator alike on both sides of a comparison.
+ALLOCATOR_EXTRAS = {"expand": "expandable_segments:True", "noexpand": "expandable_segments:False"}
+EXTRAS = ("compile", "lean", "notile", "tile4", "recompute", "nockpt", "nostop", "graphs", *ALLOCATOR_EXTRAS)
+# Extras that change how ranks agree, not a rank's work: a 1-GPU run without them is their scaling reference.
+LAUNCH_ONLY_EXTRAS = ("nostop",)
 # nbkit: nbkit.launch; live: a live set (nbkit.start, then the function as a call); notebook: accelerate's
 # notebook_launcher; accelerate: `accelerate launch` of this file, nbkit's default patches only; torchrun:
 # torchrun of this file as an exported cell runs, nbkit.launch inside the rank (nbkit's whole rank set-up).
@@ -246,6 +253,7 @@ def _timer_callback(device: torch.device, profile_from: int | None = None) -> An
             self.gc_ms: list[float] = []
             self.first_step_end: float | None = None
             self.host: list[dict[str, float]] = []  # measures.HostClock's counters of each step
+            self.cores: list[str | None] = []  # the physical core the main thread was on at each step's end
             self.profile: dict[str, Any] | None = None
             self._profiler: Any = None
             self._profiled_from = 0.0
@@ -300,6 +308,7 @@ def _timer_callback(device: torch.device, profile_from: int | None = None) -> An
             self.gc_ms.append(round(1000 * self._gc, 2))
             if self._clock is not None:
                 self.host.append(self._clock.sample())
+                self.cores.append(measures.thread_core())
             self._last, self._gc = now, 0.0
             if self.first_step_end is None:
                 self.first_step_end = time.time()
@@ -426,6 +435,8 @@ def _case(launch: Launch, model: Any, seq_len: int, batch: int, device: torch.de
     row["step_times_s"] = timer.times
     row["gc_ms"] = timer.gc_ms
     row["host"] = timer.host
+    row["cores"] = timer.cores
+    row["alloc_conf"] = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
     # torch.compile's graph breaks during this shape's run, by reason: a break inside a compiled layer
     # splits it into pieces, each a cache lookup and its own launches on every call.
     row["graph_breaks"] = dict((_graph_breaks() - breaks_before).most_common(8))
@@ -538,6 +549,10 @@ def _row(launch: Launch, row: dict, ranks: list[dict], load_s: float, first: boo
         # Every rank's counters and profile: DDP runs the ranks in step, so a rank that waits (its CPU
         # spinning in a device sync is counted as CPU) shows beside the one that sets the pace.
         "host_by_rank": [_host_medians(r.get("host") or [], len(half)) for r in ranks],
+        # Each rank's main thread's physical cores over the timed steps, most often first: two ranks on one
+        # core (its two hardware threads) would each run slower with no switch counted.
+        "cores_by_rank": [_core_counts(r.get("cores") or [], len(half)) for r in ranks],
+        "alloc_conf": row.get("alloc_conf"),  # the CUDA allocator's settings the ranks ran with
         "torch_threads": row.get("torch_threads"),
         "profile": row.get("profile"),
         "profile_by_rank": [r.get("profile") for r in ranks],
@@ -563,6 +578,12 @@ def _host_medians(samples: list[dict[str, float]], timed: int) -> dict[str, floa
     if not samples:
         return {}
     return {key: statistics.median(s[key] for s in samples) for key in samples[0]}
+
+
+def _core_counts(cores: list[str | None], timed: int) -> dict[str, int]:
+    """How many of the last `timed` steps ended with the main thread on each core, most often first."""
+    samples = cores[-timed:] if timed else cores
+    return dict(collections.Counter(c for c in samples if c).most_common())
 
 
 def window_medians(times: list[float], windows: int) -> list[float]:
@@ -634,6 +655,8 @@ def run_launch(launch: Launch, workdir: Path, timeout: float) -> list[dict]:
     print(f"\n=== {launch.config} {launch.precision} {launch.quant} repeat {launch.repeat} ===", flush=True)
     start = time.monotonic()
     command, env = _command(launch, path), launching.child_env(launch.device, gpus=launch.gpus)
+    for extra in set(launch.extras) & set(ALLOCATOR_EXTRAS):
+        env["PYTORCH_CUDA_ALLOC_CONF"] = ALLOCATOR_EXTRAS[extra]
     reason, tail = launching.run_process(command, env, timeout, "nbkit-trainer-bench")
     wall = time.monotonic() - start
     rows, error = launching.read_rows(Path(launch.results_path))
@@ -688,7 +711,8 @@ def _identity(launch: Launch) -> dict:
 
 def summarise(rows: list[dict]) -> list[dict]:
     """One entry per (config, precision, quant, shape): median over repeats of the per-run medians,
-    tokens/s per GPU, spread over repeats, scaling against the same backend's 1-GPU entry.
+    tokens/s per GPU, spread over repeats, scaling against the 1-GPU entry that does the same work (same
+    backend and extras, launch-only extras aside: `liger+compile+nockpt:2` against `liger+compile+nockpt:1`).
     """
     groups: dict[tuple, list[dict]] = collections.defaultdict(list)
     for r in rows:
@@ -701,6 +725,7 @@ def summarise(rows: list[dict]) -> list[dict]:
         entry = {
             "config": config,
             "backend": runs[0]["backend"],
+            "work": (runs[0]["backend"], *sorted(set(runs[0]["extras"]) - set(LAUNCH_ONLY_EXTRAS))),
             "gpus": runs[0]["gpus"],
             "launcher": runs[0]["launcher"],
             "precision": precision,
@@ -730,7 +755,7 @@ def summarise(rows: list[dict]) -> list[dict]:
             (
                 e
                 for e in out
-                if e["backend"] == entry["backend"]
+                if e["work"] == entry["work"]
                 and e["gpus"] == 1
                 and e.get("step_s")
                 and all(e[k] == entry[k] for k in ("precision", "quant", "seq_len", "batch"))
@@ -760,14 +785,15 @@ def _host_table(rows: list[dict]) -> list[str]:
         "",
         "Each rank's host per timed step (medians; ranks separated by /): main thread CPU, all threads' CPU, the",
         "main thread's involuntary context switches (its core taken) and voluntary ones (it slept: the GIL, a lock),",
-        "OS threads; rank 0's torch intra-op threads and graph breaks:",
+        "OS threads, the physical cores (package/core) the main thread ended its steps on, most often first",
+        "(\"shared\": two ranks' main threads on one core); rank 0's torch intra-op threads and graph breaks:",
         "",
     ]
     lines += [
         "| config | case | repeat | step ms | main CPU ms | process CPU ms | switches | sleeps | threads | "
-        "torch threads | graph breaks |"
+        "main thread's cores | torch threads | graph breaks |"
     ]
-    lines += ["|---|---|---:|---:|---|---|---|---|---|---:|---:|"]
+    lines += ["|---|---|---:|---:|---|---|---|---|---|---|---:|---:|"]
     for r in runs:
         case = f"{r['precision']} {r['quant']} {r['seq_len']}x{r['batch']}"
         hosts = r["host_by_rank"]
@@ -775,10 +801,18 @@ def _host_table(rows: list[dict]) -> list[str]:
             f"| {r['config']} | {case} | {r['repeat']} | {1000 * r['step_time_s']['median']:.0f} | "
             f"{_by_rank(hosts, 'main_cpu_s', 1000)} | {_by_rank(hosts, 'process_cpu_s', 1000)} | "
             f"{_by_rank(hosts, 'main_involuntary_switches')} | {_by_rank(hosts, 'main_voluntary_switches')} | "
-            f"{_by_rank(hosts, 'os_threads')} | {r.get('torch_threads')} | "
+            f"{_by_rank(hosts, 'os_threads')} | {_cores_cell(r.get('cores_by_rank') or [])} | {r.get('torch_threads')} | "
             f"{sum((r.get('graph_breaks') or {}).values())} |"
         )
     return lines
+
+
+def _cores_cell(cores_by_rank: list[dict[str, int]]) -> str:
+    """Each rank's two most frequent cores, "rank 0 / rank 1 / ...", and "shared" where two ranks met on one."""
+    cell = " / ".join(", ".join(list(counts)[:2]) for counts in cores_by_rank)
+    seen = [set(counts) for counts in cores_by_rank]
+    shared = any(a & b for i, a in enumerate(seen) for b in seen[i + 1 :])
+    return f"{cell} (shared)" if shared else cell
 
 
 def _by_rank(hosts: list[dict], key: str, scale: float = 1.0) -> str:
@@ -881,6 +915,8 @@ def parse_config(text: str) -> tuple[str, int, str]:
         raise ValueError(f"{text!r}: use backend:gpus[@launcher], backend in {BACKENDS}, launcher in {LAUNCHERS}.")
     if any(e not in EXTRAS for e in extras) or (extras and backend == "unsloth"):
         raise ValueError(f"{text!r}: a transformers or liger backend takes +extras from {EXTRAS}; unsloth none.")
+    if len(set(extras) & set(ALLOCATOR_EXTRAS)) > 1:
+        raise ValueError(f"{text!r}: one of {tuple(ALLOCATOR_EXTRAS)} at most.")
     return spec, int(gpus), launcher
 
 

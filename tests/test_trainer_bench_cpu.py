@@ -8,6 +8,7 @@ message and the run must go on. Also the configuration parser and the summary's 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -28,14 +29,18 @@ def test_configs_and_shapes_parse():
     for bad in ("plain:2", "unsloth:0", "unsloth:2@mpirun", "unsloth"):
         with pytest.raises(ValueError, match="backend:gpus"):
             trainer_bench.parse_config(bad)
+    with pytest.raises(ValueError, match="at most"):
+        trainer_bench.parse_config("liger+expand+noexpand:2")
     assert trainer_bench._shape("1024x16") == (1024, 16)
     assert trainer_bench._shape("16k") == (16384, 1)
 
 
 def _row(config: str, gpus: int, median: float, repeat: int, status: str = "ok") -> dict:
+    backend, *extras = config.split(":")[0].split("+")
     return {
         "config": config,
-        "backend": config.split(":")[0],
+        "backend": backend,
+        "extras": extras,
         "gpus": gpus,
         "launcher": config.partition("@")[2] or "nbkit",
         "precision": "bf16",
@@ -64,6 +69,23 @@ def test_summary_takes_the_median_of_repeats_and_scales_against_one_gpu():
     assert "scaling" not in summary["unsloth:1@notebook"]
 
 
+def test_scaling_compares_runs_that_do_the_same_work():
+    """A 2-GPU run scales against the 1-GPU run with its extras (listed in any order), a launch-only extra aside."""
+    rows = [
+        _row("liger+nockpt+compile:1@notebook", 1, 0.40, 0),
+        _row("liger+compile:1@notebook", 1, 0.30, 0),
+        _row("liger+compile+nockpt:2@nbkit", 2, 0.50, 0),
+        _row("liger+compile:2@nbkit", 2, 0.32, 0),
+        _row("liger+compile+nostop:2@live", 2, 0.36, 0),
+        _row("liger+lean:2@nbkit", 2, 0.36, 0),
+    ]
+    summary = {e["config"]: e for e in trainer_bench.summarise(rows)}
+    assert summary["liger+compile+nockpt:2@nbkit"]["scaling"] == pytest.approx(2 * 0.40 / 0.50)
+    assert summary["liger+compile:2@nbkit"]["scaling"] == pytest.approx(2 * 0.30 / 0.32)
+    assert summary["liger+compile+nostop:2@live"]["scaling"] == pytest.approx(2 * 0.30 / 0.36)
+    assert "scaling" not in summary["liger+lean:2@nbkit"]  # no 1-GPU run did its work
+
+
 @pytest.mark.slow
 def test_trainer_runs_under_every_launcher_and_records_what_cannot_run(tmp_path, monkeypatch):
     out, md = tmp_path / "trainer.json", tmp_path / "trainer.md"
@@ -74,7 +96,7 @@ def test_trainer_runs_under_every_launcher_and_records_what_cannot_run(tmp_path,
     code = trainer_bench.main(
         [
             "--configs",
-            "transformers:2,transformers:1@notebook,transformers:2@accelerate,transformers:2@torchrun,"
+            "transformers:2,transformers:1@notebook,transformers+expand:2@accelerate,transformers:2@torchrun,"
             "transformers:2@live,liger:1@notebook",
             "--shapes",
             "128x2",
@@ -100,7 +122,8 @@ def test_trainer_runs_under_every_launcher_and_records_what_cannot_run(tmp_path,
     report = json.loads(out.read_text())
     rows = {r["config"]: r for r in report["results"]}
     launched = ("nbkit", "live", "accelerate", "torchrun")
-    for config in ("transformers:1@notebook", *(f"transformers:2@{launcher}" for launcher in launched)):
+    configs = [f"transformers{'+expand' if launcher == 'accelerate' else ''}:2@{launcher}" for launcher in launched]
+    for config in ("transformers:1@notebook", *configs):
         row = rows[config]
         assert row["status"] == "ok", row.get("error")
         assert len(row["step_times_s"]) == 4  # warm-up + timed steps, each timed by the callback
@@ -117,13 +140,18 @@ def test_trainer_runs_under_every_launcher_and_records_what_cannot_run(tmp_path,
         for host, profile in zip(row["host_by_rank"], row["profile_by_rank"]):
             assert host["main_cpu_s"] > 0 and host["main_voluntary_switches"] >= 0
             assert profile["steps"] == 1 and profile["host_ops_ms"] > 0
+        # each rank's main thread's cores, one count per timed step (the later half of the steps)
+        assert [sum(cores.values()) for cores in row["cores_by_rank"]] == [2] * row["gpus"]
+    # the allocator extra reaches the ranks' environment; a launch without it leaves the setting alone
+    assert rows["transformers+expand:2@accelerate"]["alloc_conf"] == "expandable_segments:True"
+    assert rows["transformers:2@nbkit"]["alloc_conf"] == os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
     liger = rows["liger:1@notebook"]
     assert liger["status"] == "error"
     assert "KernelsError" in liger["error"] and "need the model on CUDA GPUs" in liger["error"]
     summary = {e["config"]: e for e in report["summary"]}
     assert summary["transformers:2@nbkit"]["scaling"] > 0
     text = md.read_text()
-    assert "| transformers:2@accelerate | fp32 16bit 128x2 | 1/1 |" in text
+    assert "| transformers+expand:2@accelerate | fp32 16bit 128x2 | 1/1 |" in text
     assert "liger:1@notebook fp32 16bit 128x2: error: " in text
     # the host table gives both ranks of a launch, the profile table a row per rank
     nbkit_host = next(
