@@ -53,7 +53,7 @@ import sys
 import tempfile
 import time
 import traceback
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -76,7 +76,8 @@ BACKENDS = ("unsloth", "transformers", "liger")
 # notile: nbkit.savers.apply(tiled_mlp=False), the MLP over the whole sequence at once;
 # tile4: nbkit.savers.apply(tiled_mlp=4), the MLP in 4 sequence shards at every length;
 # recompute: nbkit.savers.apply(checkpointing="recompute"), the checkpointed layer inputs stay on the GPU;
-# nockpt: nbkit.savers.apply(checkpointing=None), no layer recomputed in the backward (what memory allows at short shapes);
+# nockpt: nbkit.savers.apply(checkpointing=None) and the Trainer's own checkpointing off, no layer recomputed in the
+# backward (what memory allows at short shapes);
 # nostop: in a live set, the ranks' stop agreement off (patch group "live": one gloo all-reduce per step fewer);
 # graphs: as compile, the decoder layers with inductor's mode="reduce-overhead" (CUDA graphs: a layer's kernels
 # recorded once and replayed, one launch for the host instead of dozens); 4.6x slower at 1K x 4 on one H200, since
@@ -316,6 +317,22 @@ def _timer_callback(device: torch.device, profile_from: int | None = None) -> An
     return StepTimer()
 
 
+def _trainer_checkpointing_name() -> str:
+    """The TrainingArguments field that turns transformers' own checkpointing on (5.23 renamed it)."""
+    from transformers import TrainingArguments
+
+    names = {f.name for f in fields(TrainingArguments)}
+    return "activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing"
+
+
+def _trainer_checkpoints(args: Any) -> bool:
+    """Whether a Trainer built with `args` asks transformers to checkpoint the model's layers (a layer with nbkit's
+    checkpoint ignores the request).
+    """
+    flag = getattr(args, "activation_checkpointing", None)
+    return bool(args.gradient_checkpointing if flag is None else flag)
+
+
 def _trainer(launch: Launch, model: Any, seq_len: int, batch: int, steps: int, out_dir: str, timer: Any) -> Any:
     """The Trainer (or SFTTrainer) for one shape, as the flagship builds it, with `launch.trainer_options`
     replacing TrainingArguments / SFTConfig options (`--trainer-option`).
@@ -347,6 +364,10 @@ def _trainer(launch: Launch, model: Any, seq_len: int, batch: int, steps: int, o
     )
     if "lean" in launch.extras:
         options["logging_nan_inf_filter"] = False
+    if "nockpt" in launch.extras:
+        # Trainer's own checkpointing off as well: SFTConfig turns it on by default, and on a layer without nbkit's
+        # checkpoint it recomputes the layer, which the first runs of this extra measured instead of none.
+        options[_trainer_checkpointing_name()] = False
     options.update(launch.trainer_options)
     callbacks = [timer, *([_graph_steps()] if "graphs" in launch.extras else [])]
     if launch.trainer == "sft":
@@ -419,6 +440,7 @@ def _case(launch: Launch, model: Any, seq_len: int, batch: int, device: torch.de
     try:
         with tempfile.TemporaryDirectory() as out_dir:
             trainer = _trainer(launch, model, seq_len, batch, steps, out_dir, timer)
+            row["trainer_checkpointing"] = _trainer_checkpoints(trainer.args)
             trainer.train()
             losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
         row.update(status="ok", loss_first=losses[0] if losses else None, loss_last=losses[-1] if losses else None)
@@ -553,6 +575,8 @@ def _row(launch: Launch, row: dict, ranks: list[dict], load_s: float, first: boo
         # core (its two hardware threads) would each run slower with no switch counted.
         "cores_by_rank": [_core_counts(r.get("cores") or [], len(half)) for r in ranks],
         "alloc_conf": row.get("alloc_conf"),  # the CUDA allocator's settings the ranks ran with
+        # whether the Trainer asked transformers to checkpoint layers (those without nbkit's checkpoint obey)
+        "trainer_checkpointing": row.get("trainer_checkpointing"),
         "torch_threads": row.get("torch_threads"),
         "profile": row.get("profile"),
         "profile_by_rank": [r.get("profile") for r in ranks],

@@ -86,6 +86,20 @@ def test_scaling_compares_runs_that_do_the_same_work():
     assert "scaling" not in summary["liger+lean:2@nbkit"]  # no 1-GPU run did its work
 
 
+# trl's own default under transformers' old name (nbkit's compat group, not applied here, renames it in the ranks)
+@pytest.mark.filterwarnings("ignore:`gradient_checkpointing` is deprecated:FutureWarning")
+def test_nockpt_turns_the_trainers_own_checkpointing_off_under_the_name_this_transformers_reads():
+    """SFTConfig checkpoints by default; a layer without nbkit's checkpoint would then be recomputed anyway."""
+    from trl import SFTConfig
+
+    default = SFTConfig(output_dir="unused", use_cpu=True, bf16=False)
+    off = SFTConfig(
+        output_dir="unused", use_cpu=True, bf16=False, **{trainer_bench._trainer_checkpointing_name(): False}
+    )
+    assert trainer_bench._trainer_checkpoints(default) is True
+    assert trainer_bench._trainer_checkpoints(off) is False
+
+
 @pytest.mark.slow
 def test_trainer_runs_under_every_launcher_and_records_what_cannot_run(tmp_path, monkeypatch):
     out, md = tmp_path / "trainer.json", tmp_path / "trainer.md"
@@ -142,6 +156,7 @@ def test_trainer_runs_under_every_launcher_and_records_what_cannot_run(tmp_path,
             assert profile["steps"] == 1 and profile["host_ops_ms"] > 0
         # each rank's main thread's cores, one count per timed step (the later half of the steps)
         assert [sum(cores.values()) for cores in row["cores_by_rank"]] == [2] * row["gpus"]
+        assert row["trainer_checkpointing"] is True  # SFTConfig's default, which nbkit's checkpointed layers ignore
     # the allocator extra reaches the ranks' environment; a launch without it leaves the setting alone
     assert rows["transformers+expand:2@accelerate"]["alloc_conf"] == "expandable_segments:True"
     assert rows["transformers:2@nbkit"]["alloc_conf"] == os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
