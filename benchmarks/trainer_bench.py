@@ -79,6 +79,9 @@ BACKENDS = ("unsloth", "transformers", "liger")
 # nockpt: nbkit.savers.apply(checkpointing=None) and the Trainer's own checkpointing off, no layer recomputed in the
 # backward (what memory allows at short shapes);
 # nostop: in a live set, the ranks' stop agreement off (patch group "live": one gloo all-reduce per step fewer);
+# findunused: Trainer's ddp_find_unused_parameters=True, which TRL's SFTTrainer chooses for a vision-language model
+# and accelerate launch's ranks (no nbkit set-up) train with; nbkit's ranks choose False where LoRA trains only the
+# language model (nbkit.training.trainer_defaults);
 # graphs: as compile, the decoder layers with inductor's mode="reduce-overhead" (CUDA graphs: a layer's kernels
 # recorded once and replayed, one launch for the host instead of dozens); 4.6x slower at 1K x 4 on one H200, since
 # the graphs were recorded again at every step (RESULTS.md, "CUDA graphs for the compiled layers").
@@ -87,9 +90,21 @@ BACKENDS = ("unsloth", "transformers", "liger")
 # (nbkit.launching.rank_contract.allocator_environment), while `accelerate launch` and a one-GPU process in place
 # run without, so these two set the allocator alike on both sides of a comparison.
 ALLOCATOR_EXTRAS = {"expand": "expandable_segments:True", "noexpand": "expandable_segments:False"}
-EXTRAS = ("compile", "lean", "notile", "tile4", "recompute", "nockpt", "nostop", "graphs", *ALLOCATOR_EXTRAS)
-# Extras that change how ranks agree, not a rank's work: a 1-GPU run without them is their scaling reference.
-LAUNCH_ONLY_EXTRAS = ("nostop",)
+EXTRAS = (
+    "compile",
+    "lean",
+    "notile",
+    "tile4",
+    "recompute",
+    "nockpt",
+    "nostop",
+    "findunused",
+    "graphs",
+    *ALLOCATOR_EXTRAS,
+)
+# Extras that change only what passes between ranks, nothing a one-GPU run does: a 1-GPU run without them is their
+# scaling reference.
+LAUNCH_ONLY_EXTRAS = ("nostop", "findunused")
 # nbkit: nbkit.launch; live: a live set (nbkit.start, then the function as a call); notebook: accelerate's
 # notebook_launcher; accelerate: `accelerate launch` of this file, nbkit's default patches only; torchrun:
 # torchrun of this file as an exported cell runs, nbkit.launch inside the rank (nbkit's whole rank set-up).
@@ -364,6 +379,8 @@ def _trainer(launch: Launch, model: Any, seq_len: int, batch: int, steps: int, o
     )
     if "lean" in launch.extras:
         options["logging_nan_inf_filter"] = False
+    if "findunused" in launch.extras:
+        options["ddp_find_unused_parameters"] = True
     if "nockpt" in launch.extras:
         # Trainer's own checkpointing off as well: SFTConfig turns it on by default, and on a layer without nbkit's
         # checkpoint it recomputes the layer, which the first runs of this extra measured instead of none.
@@ -423,6 +440,16 @@ def _graph_breaks() -> collections.Counter[str]:
     return collections.Counter(utils.counters["graph_break"]) if utils is not None else collections.Counter()
 
 
+def _ddp_options(model: Any) -> dict[str, bool] | None:
+    """The options DDP trained `model` with, as it holds them (what Trainer, TRL and nbkit decided), or None for a
+    model not wrapped in DDP.
+    """
+    if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return None
+    names = ("find_unused_parameters", "static_graph", "gradient_as_bucket_view", "broadcast_buffers")
+    return {name: bool(getattr(model, name)) for name in names}
+
+
 def _oom(exc: BaseException) -> bool:
     return isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc).lower()
 
@@ -442,6 +469,7 @@ def _case(launch: Launch, model: Any, seq_len: int, batch: int, device: torch.de
             trainer = _trainer(launch, model, seq_len, batch, steps, out_dir, timer)
             row["trainer_checkpointing"] = _trainer_checkpoints(trainer.args)
             trainer.train()
+            row["ddp"] = _ddp_options(trainer.model_wrapped)
             losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
         row.update(status="ok", loss_first=losses[0] if losses else None, loss_last=losses[-1] if losses else None)
     except Exception as exc:  # recorded, and the next shape runs (a single process recovers from an OOM)
@@ -574,9 +602,11 @@ def _row(launch: Launch, row: dict, ranks: list[dict], load_s: float, first: boo
         # Each rank's main thread's physical cores over the timed steps, most often first: two ranks on one
         # core (its two hardware threads) would each run slower with no switch counted.
         "cores_by_rank": [_core_counts(r.get("cores") or [], len(half)) for r in ranks],
+        "shared_core_steps": _shared_core_steps([r.get("cores") or [] for r in ranks], len(half)),
         "alloc_conf": row.get("alloc_conf"),  # the CUDA allocator's settings the ranks ran with
         # whether the Trainer asked transformers to checkpoint layers (those without nbkit's checkpoint obey)
         "trainer_checkpointing": row.get("trainer_checkpointing"),
+        "ddp": row.get("ddp"),  # rank 0's DDP options (find_unused_parameters, ...); None in one process
         "torch_threads": row.get("torch_threads"),
         "profile": row.get("profile"),
         "profile_by_rank": [r.get("profile") for r in ranks],
@@ -608,6 +638,14 @@ def _core_counts(cores: list[str | None], timed: int) -> dict[str, int]:
     """How many of the last `timed` steps ended with the main thread on each core, most often first."""
     samples = cores[-timed:] if timed else cores
     return dict(collections.Counter(c for c in samples if c).most_common())
+
+
+def _shared_core_steps(cores_by_rank: list[list[str | None]], timed: int) -> int:
+    """Of the last `timed` steps, how many two ranks' main threads ended on one physical core: DDP keeps the ranks in
+    step, so the same step's samples are taken at about the same moment.
+    """
+    tails = [cores[-timed:] if timed else [] for cores in cores_by_rank]
+    return sum(1 for step in zip(*tails) if len([c for c in step if c]) > len({c for c in step if c}))
 
 
 def window_medians(times: list[float], windows: int) -> list[float]:
@@ -809,8 +847,9 @@ def _host_table(rows: list[dict]) -> list[str]:
         "",
         "Each rank's host per timed step (medians; ranks separated by /): main thread CPU, all threads' CPU, the",
         "main thread's involuntary context switches (its core taken) and voluntary ones (it slept: the GIL, a lock),",
-        "OS threads, the physical cores (package/core) the main thread ended its steps on, most often first",
-        "(\"shared\": two ranks' main threads on one core); rank 0's torch intra-op threads and graph breaks:",
+        "OS threads, the physical cores (package/core) the main thread ended its steps on, most often first, and in",
+        "how many timed steps two ranks' main threads ended on one core; rank 0's torch intra-op threads and graph",
+        "breaks:",
         "",
     ]
     lines += [
@@ -825,18 +864,17 @@ def _host_table(rows: list[dict]) -> list[str]:
             f"| {r['config']} | {case} | {r['repeat']} | {1000 * r['step_time_s']['median']:.0f} | "
             f"{_by_rank(hosts, 'main_cpu_s', 1000)} | {_by_rank(hosts, 'process_cpu_s', 1000)} | "
             f"{_by_rank(hosts, 'main_involuntary_switches')} | {_by_rank(hosts, 'main_voluntary_switches')} | "
-            f"{_by_rank(hosts, 'os_threads')} | {_cores_cell(r.get('cores_by_rank') or [])} | {r.get('torch_threads')} | "
+            f"{_by_rank(hosts, 'os_threads')} | {_cores_cell(r)} | {r.get('torch_threads')} | "
             f"{sum((r.get('graph_breaks') or {}).values())} |"
         )
     return lines
 
 
-def _cores_cell(cores_by_rank: list[dict[str, int]]) -> str:
-    """Each rank's two most frequent cores, "rank 0 / rank 1 / ...", and "shared" where two ranks met on one."""
-    cell = " / ".join(", ".join(list(counts)[:2]) for counts in cores_by_rank)
-    seen = [set(counts) for counts in cores_by_rank]
-    shared = any(a & b for i, a in enumerate(seen) for b in seen[i + 1 :])
-    return f"{cell} (shared)" if shared else cell
+def _cores_cell(row: dict) -> str:
+    """Each rank's two most frequent cores, "rank 0 / rank 1 / ...", and the timed steps two ranks ended on one core."""
+    cell = " / ".join(", ".join(list(counts)[:2]) for counts in row.get("cores_by_rank") or [])
+    shared = row.get("shared_core_steps")
+    return f"{cell} ({shared} steps on one core)" if shared else cell
 
 
 def _by_rank(hosts: list[dict], key: str, scale: float = 1.0) -> str:

@@ -110,7 +110,7 @@ def test_trainer_runs_under_every_launcher_and_records_what_cannot_run(tmp_path,
     code = trainer_bench.main(
         [
             "--configs",
-            "transformers:2,transformers:1@notebook,transformers+expand:2@accelerate,transformers:2@torchrun,"
+            "transformers:2,transformers:1@notebook,transformers+expand:2@accelerate,transformers+findunused:2@torchrun,"
             "transformers:2@live,liger:1@notebook",
             "--shapes",
             "128x2",
@@ -136,7 +136,8 @@ def test_trainer_runs_under_every_launcher_and_records_what_cannot_run(tmp_path,
     report = json.loads(out.read_text())
     rows = {r["config"]: r for r in report["results"]}
     launched = ("nbkit", "live", "accelerate", "torchrun")
-    configs = [f"transformers{'+expand' if launcher == 'accelerate' else ''}:2@{launcher}" for launcher in launched]
+    extra = {"accelerate": "+expand", "torchrun": "+findunused"}
+    configs = [f"transformers{extra.get(launcher, '')}:2@{launcher}" for launcher in launched]
     for config in ("transformers:1@notebook", *configs):
         row = rows[config]
         assert row["status"] == "ok", row.get("error")
@@ -156,7 +157,16 @@ def test_trainer_runs_under_every_launcher_and_records_what_cannot_run(tmp_path,
             assert profile["steps"] == 1 and profile["host_ops_ms"] > 0
         # each rank's main thread's cores, one count per timed step (the later half of the steps)
         assert [sum(cores.values()) for cores in row["cores_by_rank"]] == [2] * row["gpus"]
+        assert 0 <= row["shared_core_steps"] <= 2
         assert row["trainer_checkpointing"] is True  # SFTConfig's default, which nbkit's checkpointed layers ignore
+        # two ranks: DDP's options as it held them; in place, no DDP
+        assert (row["ddp"] is None) == (row["gpus"] == 1)
+    # nbkit's rank set-up (trainer_defaults): no search for unused parameters where LoRA trains only the language
+    # model and its layers are checkpointed
+    for launcher in ("nbkit", "live"):
+        assert rows[f"transformers:2@{launcher}"]["ddp"]["find_unused_parameters"] is False
+    # ... and the user's own choice stands (the findunused extra sets it as a user would)
+    assert rows["transformers+findunused:2@torchrun"]["ddp"]["find_unused_parameters"] is True
     # the allocator extra reaches the ranks' environment; a launch without it leaves the setting alone
     assert rows["transformers+expand:2@accelerate"]["alloc_conf"] == "expandable_segments:True"
     assert rows["transformers:2@nbkit"]["alloc_conf"] == os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
