@@ -364,12 +364,19 @@ for what in "$@"; do
       # step times, rank 0's host counters (main-thread and process CPU, context switches, threads) and 2 profiled
       # steps. One-GPU configurations see one GPU (CUDA_VISIBLE_DEVICES), so scaling ratios come from this call.
       # A launch that trains two shapes under the T4 profile (unsloth's live set: its compile, 1K and 16K) needs
-      # more than the default 240 s: PATHS_LAUNCH_TIMEOUT.
+      # more than the default 240 s: PATHS_LAUNCH_TIMEOUT. SUITE_DRY_RUN=1: every configuration on the transformers
+      # path (CPU ranks, tiny:qwen3-vl, compiled without code generation): the 2B model in fp32 took 8.5 GB a rank,
+      # and two sets of gpu_pairs.sh side by side made this 24 GiB machine swap for minutes.
       limit=${PATHS_LIMIT:-480}
+      configs=${PATHS_CONFIGS:-unsloth:1@notebook,unsloth:2,unsloth:2@live,unsloth:2@torchrun,unsloth:2@accelerate}
+      run=(--shapes "${PATHS_SHAPES:-1024x4}" --steps "${PATHS_STEPS:-8}" --warmup 3 --profile-steps 2)
+      if [ -n "${SUITE_DRY_RUN:-}" ]; then
+        configs=${configs//liger/transformers} configs=${configs//unsloth/transformers}
+        run=(--model tiny:qwen3-vl --device cpu --compile-backend aot_eager --shapes 128x2 --steps 2 --warmup 1
+          --profile-steps 1)
+      fi
       # shellcheck disable=SC2086  # PATHS_ARGS holds several options
-      part "paths${PATHS_TAG:-}" "$limit" python3 benchmarks/trainer_bench.py \
-        --configs "${PATHS_CONFIGS:-unsloth:1@notebook,unsloth:2,unsloth:2@live,unsloth:2@torchrun,unsloth:2@accelerate}" \
-        --shapes "${PATHS_SHAPES:-1024x4}" --steps "${PATHS_STEPS:-8}" --warmup 3 --profile-steps 2 \
+      part "paths${PATHS_TAG:-}" "$limit" python3 benchmarks/trainer_bench.py --configs "$configs" "${run[@]}" \
         --repeats "${PATHS_REPEATS:-1}" --launch-timeout "${PATHS_LAUNCH_TIMEOUT:-240}" --time-limit $((limit - 100)) ${PATHS_ARGS:-} \
         --out "$OUT/paths${PATHS_TAG:-}.json" --md "$OUT/paths${PATHS_TAG:-}.md" ;;
     trainer)
