@@ -382,8 +382,8 @@ def _trainer(launch: Launch, model: Any, seq_len: int, batch: int, steps: int, o
     if "findunused" in launch.extras:
         options["ddp_find_unused_parameters"] = True
     if "nockpt" in launch.extras:
-        # Trainer's own checkpointing off as well: SFTConfig turns it on by default, and on a layer without nbkit's
-        # checkpoint it recomputes the layer, which the first runs of this extra measured instead of none.
+        # Trainer's own checkpointing off as well: SFTConfig turns it on by default, and it checkpoints every layer
+        # that has no checkpoint of nbkit's.
         options[_trainer_checkpointing_name()] = False
     options.update(launch.trainer_options)
     callbacks = [timer, *([_graph_steps()] if "graphs" in launch.extras else [])]
