@@ -15,8 +15,9 @@ What the estimate assumes (the setup of benchmarks/planner_accuracy.py, which me
 - mixed precision (autocast to 16-bit, as Trainer does with fp16/bf16=True), SDPA attention without
   a padding mask (flash / memory-efficient kernels), batch of equal-length sequences;
 - nbkit.savers' defaults: per-layer checkpointing ("offload": layer inputs in host memory;
-  "recompute": layer inputs on the GPU; None: no checkpointing), the tiled MLP, and the chunked
-  loss (no full logits).
+  "recompute": layer inputs on the GPU; None: no checkpointing, which also needs the Trainer's own
+  checkpointing off: TRL's SFTConfig turns it on by default, and it then recomputes every layer that has
+  no checkpoint of nbkit's), the tiled MLP, and the chunked loss (no full logits).
 Under FSDP (nbkit.fsdp's set-up: accelerate's FSDP2, full sharding, activation checkpointing) a rank
 holds 1/N of the weights and of the LoRA weights, gradients and AdamW states, plus the gathered full
 weights of FSDP_GATHERED_LAYERS layers (computing, prefetched, and FSDP2's all-gather buffer), and during
