@@ -38,10 +38,11 @@ def test_window_medians_and_the_ratio_to_unsloth():
         trainer_bench.window_medians([1.0, 2.0], 3)
 
     def row(config: str, windows: list[float], peak: float) -> dict:
-        backend = config.split("+")[0].split(":")[0]
+        backend, *extras = config.split(":")[0].split("+")
         return dict(
             config=config,
             backend=backend,
+            extras=extras,
             gpus=1,
             launcher="notebook",
             precision="bf16",

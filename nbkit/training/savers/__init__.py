@@ -7,7 +7,10 @@
     nbkit.savers.remove(model)                   # the model computes exactly as before
 
 - checkpointing (nbkit.savers.checkpointing): non-reentrant activation checkpointing per decoder
-  layer; "offload" also keeps the saved layer inputs in pinned CPU memory.
+  layer; "offload" also keeps the saved layer inputs in pinned CPU memory. None leaves the model's own
+  setting: under TRL's SFTConfig, whose gradient checkpointing is on by default, transformers then
+  checkpoints each layer around its compiled region (1.10-1.20x nbkit's step at 1K x 4 on an H200,
+  benchmarks/RESULTS.md).
 - tiled_mlp (nbkit.savers.tiled_mlp): the MLPs run over sequence shards, recomputed in the backward,
   each weight's gradient accumulated once.
 - chunked_loss (nbkit.savers.loss): the causal-LM loss is computed in row chunks without full logits.
@@ -110,10 +113,7 @@ def apply(
             DistributedDataParallel. Apply on every rank (inside the launched function), before or
             after wrapping in DDP, and before training.
         checkpointing: "offload" (checkpoint each decoder layer, saved inputs in pinned CPU memory),
-            "recompute" (checkpoint, inputs stay on the GPU) or None (leave the model's own setting:
-            under TRL's SFTConfig, whose gradient checkpointing is on by default, transformers then
-            checkpoints each layer around its compiled region, 1.10-1.20x nbkit's step at 1K x 4 on an
-            H200, benchmarks/RESULTS.md).
+            "recompute" (checkpoint, inputs stay on the GPU) or None (leave the model's own setting).
         tiled_mlp: True (automatic shard count), an int (that many sequence shards) or False.
         chunked_loss: compute `model(..., labels=...).loss` without full logits: with nbkit's chunked
             cross-entropy, or with Liger's fused linear cross-entropy when kernels="liger".
