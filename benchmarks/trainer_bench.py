@@ -626,9 +626,14 @@ def _row(launch: Launch, row: dict, ranks: list[dict], load_s: float, first: boo
     return out
 
 
+def _timed_steps(samples: list[Any], timed: int) -> list[Any]:
+    """The per-step samples of the last `timed` steps (all of them where no step was timed)."""
+    return samples[-timed:] if timed else samples
+
+
 def _host_medians(samples: list[dict[str, float]], timed: int) -> dict[str, float]:
     """The median of each HostClock counter over the last `timed` steps' samples ({} without samples)."""
-    samples = samples[-timed:] if timed else samples
+    samples = _timed_steps(samples, timed)
     if not samples:
         return {}
     return {key: statistics.median(s[key] for s in samples) for key in samples[0]}
@@ -636,15 +641,14 @@ def _host_medians(samples: list[dict[str, float]], timed: int) -> dict[str, floa
 
 def _core_counts(cores: list[str | None], timed: int) -> dict[str, int]:
     """How many of the last `timed` steps ended with the main thread on each core, most often first."""
-    samples = cores[-timed:] if timed else cores
-    return dict(collections.Counter(c for c in samples if c).most_common())
+    return dict(collections.Counter(c for c in _timed_steps(cores, timed) if c).most_common())
 
 
 def _shared_core_steps(cores_by_rank: list[list[str | None]], timed: int) -> int:
     """Of the last `timed` steps, how many two ranks' main threads ended on one physical core: DDP keeps the ranks in
     step, so the same step's samples are taken at about the same moment.
     """
-    tails = [cores[-timed:] if timed else [] for cores in cores_by_rank]
+    tails = [_timed_steps(cores, timed) for cores in cores_by_rank]
     return sum(1 for step in zip(*tails) if len([c for c in step if c]) > len({c for c in step if c}))
 
 
