@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from nbkit.platform.errors import OptionsError
 from nbkit.training import models
 
 
@@ -27,6 +28,20 @@ def test_transformers_backend_loads_adds_lora_to_the_language_layers_and_switche
     models.for_training(model, "transformers")
     assert model.training
     assert models.vision_collator(model, processor, "transformers") is None  # TRL builds its own
+
+
+def test_add_lora_checkpoints_each_decoder_layer_unless_told_not_to(tiny_text_path):
+    from nbkit.training.savers import checkpointing
+
+    def checkpointed(model: torch.nn.Module) -> int:
+        return sum(checkpointing.is_checkpointed(m) for m in model.modules())
+
+    loaded = [models.load(tiny_text_path, "transformers", load_in_4bit=False, dtype=torch.float32)[0] for _ in range(2)]
+    on = models.add_lora(loaded[0], "transformers", r=4, lora_alpha=8)
+    off = models.add_lora(loaded[1], "transformers", r=4, lora_alpha=8, checkpointing=None)
+    assert checkpointed(on) == on.config.num_hidden_layers and checkpointed(off) == 0
+    with pytest.raises(OptionsError, match="checkpointing=None applies to the transformers backend"):
+        models.add_lora(off, "unsloth", checkpointing=None)  # refused before unsloth is imported
 
 
 def test_a_text_model_loads_with_its_tokenizer_and_gets_lora_on_every_layers_projections(tiny_text_path):

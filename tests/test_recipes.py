@@ -77,6 +77,33 @@ def test_what_cannot_be_chosen_is_refused_with_the_argument_to_change():
         nbkit.recipe("tiny:qwen3", gpus=2, precision="fp8")
     with pytest.raises(OptionsError, match="strategy must be 'ddp' or 'fsdp', not 'model_parallel'"):
         nbkit.recipe("tiny:qwen3", gpus=2, strategy="model_parallel")
+    with pytest.raises(OptionsError, match="checkpointing must be one of 'offload', 'recompute', None, not 'none'"):
+        nbkit.recipe("tiny:qwen3", gpus=2, checkpointing="none")
+    with pytest.raises(OptionsError, match="unsloth brings its own offloaded checkpointing.*backend='transformers'"):
+        nbkit.recipe("tiny:qwen3", gpus=2, backend="unsloth", checkpointing=None)
+
+
+def test_checkpointing_off_turns_the_trainers_own_off_and_print_says_where_it_would_fit():
+    try:
+        # Qwen3-VL-2B at 2048 x 1 on Kaggle's T4s: about 12 GiB per GPU without checkpointing, of 14.2.
+        on = nbkit.recipe("random:qwen3-vl-2b", gpus=2, emulate="T4", max_seq_length=2048, backend="transformers")
+        assert on.checkpointing == "offload" and "gradient_checkpointing" not in on.trainer_args
+        note = str(on).splitlines()[-2]
+        assert note == on.checkpointing_note and note.startswith(
+            "Checkpointing: offload. Without it the plan says about"
+        )
+        assert note.endswith("nbkit.recipe(..., checkpointing=None).")
+        off = nbkit.recipe(
+            "random:qwen3-vl-2b", gpus=2, emulate="T4", max_seq_length=2048, backend="transformers", checkpointing=None
+        )
+        assert off.plan.checkpointing is None and off.plan.strategy == "ddp" and off.batch == on.batch
+        assert off.trainer_args == {**on.trainer_args, "gradient_checkpointing": False}  # SFTConfig's default is True
+        assert off.checkpointing_note == ""
+        # 2048 x 4 per GPU does not fit a T4 without it: nothing to say.
+        assert nbkit.recipe("random:qwen3-vl-2b", gpus=2, emulate="T4", batch_size=4).checkpointing_note == ""
+    finally:
+        emulation.emulate(None)
+    assert nbkit.recipe("tiny:qwen3-vl", gpus=2).checkpointing_note == ""  # CPU ranks: the plan is a stand-in
 
 
 def test_in_a_rank_its_steps_load_add_lora_and_switch_modes_for_the_chosen_backend():

@@ -21,12 +21,13 @@ import importlib.util
 from typing import Any
 
 from nbkit.notebook.planner import LORA_TARGET_MODULES
-from nbkit.platform.errors import BackendError
+from nbkit.platform.errors import BackendError, OptionsError
 
 __all__ = [
     "BACKENDS",
     "add_lora",
     "backend",
+    "check_checkpointing",
     "for_inference",
     "for_training",
     "load",
@@ -130,17 +131,43 @@ def _transformers_model(auto_class: Any, path: str, load_in_4bit: bool, dtype: A
     )
 
 
-def add_lora(model: Any, backend: str, *, r: int = 16, lora_alpha: int = 16, random_state: int = 3407) -> Any:
+def check_checkpointing(checkpointing: str | None, backend: str) -> None:
+    """Raise OptionsError for a checkpointing value nbkit.savers.apply does not take, or for one other than
+    "offload" under unsloth, whose own checkpointing is offloaded (add_lora's `checkpointing`).
+    """
+    from nbkit.training.savers import CHECKPOINTING
+
+    if checkpointing not in CHECKPOINTING:
+        choices = ", ".join(map(repr, CHECKPOINTING))
+        raise OptionsError(f"checkpointing must be one of {choices}, not {checkpointing!r}.")
+    if backend == "unsloth" and checkpointing != "offload":
+        raise OptionsError(
+            f"checkpointing={checkpointing!r} applies to the transformers backend: unsloth brings its own offloaded "
+            "checkpointing. Leave checkpointing='offload', or pass backend='transformers'."
+        )
+
+
+def add_lora(
+    model: Any,
+    backend: str,
+    *,
+    r: int = 16,
+    lora_alpha: int = 16,
+    random_state: int = 3407,
+    checkpointing: str | None = "offload",
+) -> Any:
     """`model` with LoRA adapters on its language layers' attention and MLP projections (a vision tower stays
     frozen) and nbkit's DDP-safe memory savers, returned as the backend returns it.
 
     unsloth: FastVisionModel.get_peft_model, then nbkit's chunked loss (unsloth brings its own checkpointing), or
     FastLanguageModel.get_peft_model for a text model (unsloth's own loss and checkpointing). transformers: peft's
-    get_peft_model, then nbkit.savers.apply with Liger's kernels and compilation where they run (a GPU), which is
-    what unsloth brings itself.
+    get_peft_model, then nbkit.savers.apply with `checkpointing` and Liger's kernels and compilation where they run
+    (a GPU), which is what unsloth brings itself. Raises OptionsError for checkpointing other than "offload" under
+    unsloth, whose own checkpointing is offloaded.
     """
     from nbkit.training import savers
 
+    check_checkpointing(checkpointing, backend)
     vision = _has_vision(model.config)
     if backend == "unsloth":
         lora = dict(r=r, lora_alpha=lora_alpha, lora_dropout=0, bias="none", random_state=random_state)
@@ -161,7 +188,7 @@ def add_lora(model: Any, backend: str, *, r: int = 16, lora_alpha: int = 16, ran
     torch.manual_seed(random_state)  # the same adapters on every rank and every run
     targets = _LANGUAGE_LAYERS if vision else list(LORA_TARGET_MODULES)
     model = get_peft_model(model, LoraConfig(r=r, lora_alpha=lora_alpha, target_modules=targets))
-    return savers.apply(model, kernels="auto", compile="auto")
+    return savers.apply(model, checkpointing=checkpointing, kernels="auto", compile="auto")
 
 
 def for_training(model: Any, backend: str) -> None:
