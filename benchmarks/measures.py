@@ -9,6 +9,7 @@ import contextlib
 import gc
 import math
 import os
+import re
 import statistics
 import time
 from collections.abc import Iterator, Sequence
@@ -124,6 +125,44 @@ def thread_core() -> str | None:
         return f"{(topology / 'physical_package_id').read_text().strip()}/{(topology / 'core_id').read_text().strip()}"
     except (OSError, ValueError, IndexError):
         return None
+
+
+def thread_cpu_by_name() -> dict[str, tuple[int, float]]:
+    """This process's OS threads grouped by name, digits folded ("pt_autograd_#": /proc/self/task/*/comm, the names
+    torch, NCCL, ipykernel and the rest give theirs), the main thread as "(main)": {name: (threads, CPU seconds they
+    have used)}, {} where the kernel does not say (not Linux). A thread that ended takes its CPU time with it.
+    """
+    ticks = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return {}
+    groups: dict[str, tuple[int, float]] = {}
+    for tid in tids:
+        try:
+            stat = Path(f"/proc/self/task/{tid}/stat").read_text()
+        except OSError:  # it ended while we read
+            continue
+        name = (
+            "(main)" if tid == str(os.getpid()) else re.sub(r"\d+", "#", stat[stat.index("(") + 1 : stat.rindex(")")])
+        )
+        after = stat.rsplit(")", 1)[1].split()  # after[0] is field 3; utime and stime are fields 14 and 15
+        count, cpu = groups.get(name, (0, 0.0))
+        groups[name] = (count + 1, cpu + (int(after[11]) + int(after[12])) / ticks)
+    return groups
+
+
+def thread_cpu_between(
+    start: dict[str, tuple[int, float]], end: dict[str, tuple[int, float]], steps: int
+) -> dict[str, dict[str, float]]:
+    """Each thread name's count at `end` and CPU milliseconds per step between two thread_cpu_by_name() readings
+    `steps` steps apart, busiest first (a clock tick is 10 ms, so small figures are coarse).
+    """
+    rows = {
+        name: {"threads": count, "cpu_ms_per_step": 1000 * (cpu - start.get(name, (0, 0.0))[1]) / max(steps, 1)}
+        for name, (count, cpu) in end.items()
+    }
+    return dict(sorted(rows.items(), key=lambda item: -item[1]["cpu_ms_per_step"]))
 
 
 def peak_memory_gib(device: torch.device) -> dict[str, float] | None:

@@ -270,6 +270,9 @@ def _timer_callback(device: torch.device, profile_from: int | None = None) -> An
             self.first_step_end: float | None = None
             self.host: list[dict[str, float]] = []  # measures.HostClock's counters of each step
             self.cores: list[str | None] = []  # the physical core the main thread was on at each step's end
+            self.threads: list[
+                dict[str, tuple[int, float]]
+            ] = []  # measures.thread_cpu_by_name at the timed half's ends
             self.profile: dict[str, Any] | None = None
             self._profiler: Any = None
             self._profiled_from = 0.0
@@ -325,6 +328,9 @@ def _timer_callback(device: torch.device, profile_from: int | None = None) -> An
             if self._clock is not None:
                 self.host.append(self._clock.sample())
                 self.cores.append(measures.thread_core())
+                timed = profile_from if profile_from is not None else state.max_steps
+                if len(self.times) in (timed // 2, timed):  # the ends of the timed half _row reads
+                    self.threads.append(measures.thread_cpu_by_name())
             self._last, self._gc = now, 0.0
             if self.first_step_end is None:
                 self.first_step_end = time.time()
@@ -486,6 +492,7 @@ def _case(launch: Launch, model: Any, seq_len: int, batch: int, device: torch.de
     row["gc_ms"] = timer.gc_ms
     row["host"] = timer.host
     row["cores"] = timer.cores
+    row["threads"] = timer.threads
     row["alloc_conf"] = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
     # torch.compile's graph breaks during this shape's run, by reason: a break inside a compiled layer
     # splits it into pieces, each a cache lookup and its own launches on every call.
@@ -603,6 +610,9 @@ def _row(launch: Launch, row: dict, ranks: list[dict], load_s: float, first: boo
         # core (its two hardware threads) would each run slower with no switch counted.
         "cores_by_rank": [_core_counts(r.get("cores") or [], len(half)) for r in ranks],
         "shared_core_steps": _shared_core_steps([r.get("cores") or [] for r in ranks], len(half)),
+        # Each rank's threads by name over the timed half: which of a rank's threads (ipykernel's, NCCL's, a
+        # tokenizer's pool) are there and what CPU they take beside the main thread.
+        "threads_by_rank": [_thread_cpu(r.get("threads") or [], len(half)) for r in ranks],
         "alloc_conf": row.get("alloc_conf"),  # the CUDA allocator's settings the ranks ran with
         # whether the Trainer asked transformers to checkpoint layers (those without nbkit's checkpoint obey)
         "trainer_checkpointing": row.get("trainer_checkpointing"),
@@ -629,6 +639,11 @@ def _row(launch: Launch, row: dict, ranks: list[dict], load_s: float, first: boo
 def _timed_steps(samples: list[Any], timed: int) -> list[Any]:
     """The per-step samples of the last `timed` steps (all of them where no step was timed)."""
     return samples[-timed:] if timed else samples
+
+
+def _thread_cpu(readings: list[dict[str, tuple[int, float]]], steps: int) -> dict[str, dict[str, float]]:
+    """The threads by name over the timed half, from StepTimer's two readings at its ends ({} without both)."""
+    return measures.thread_cpu_between(readings[0], readings[1], steps) if len(readings) == 2 else {}
 
 
 def _host_medians(samples: list[dict[str, float]], timed: int) -> dict[str, float]:
@@ -871,6 +886,24 @@ def _host_table(rows: list[dict]) -> list[str]:
             f"{_by_rank(hosts, 'os_threads')} | {_cores_cell(r)} | {r.get('torch_threads')} | "
             f"{sum((r.get('graph_breaks') or {}).values())} |"
         )
+    return lines + _thread_lines(runs)
+
+
+def _thread_lines(runs: list[dict]) -> list[str]:
+    """Markdown lines: each rank's busiest threads by name over the timed half (see _row's "threads_by_rank")."""
+    runs = [r for r in runs if any(r.get("threads_by_rank") or [])]
+    if not runs:
+        return []
+    lines = ["", "Each rank's OS threads by name over the timed steps: count, and CPU ms per step (busiest five):", ""]
+    lines += ["| config | case | repeat | rank | threads | busiest |", "|---|---|---:|---:|---:|---|"]
+    for r in runs:
+        case = f"{r['precision']} {r['quant']} {r['seq_len']}x{r['batch']}"
+        for rank, groups in enumerate(r["threads_by_rank"]):
+            busiest = ", ".join(
+                f"{name} x{g['threads']:.0f}: {g['cpu_ms_per_step']:.0f}" for name, g in list(groups.items())[:5]
+            )
+            total = sum(g["threads"] for g in groups.values())
+            lines.append(f"| {r['config']} | {case} | {r['repeat']} | {rank} | {total:.0f} | {busiest} |")
     return lines
 
 

@@ -158,6 +158,9 @@ def test_trainer_runs_under_every_launcher_and_records_what_cannot_run(tmp_path,
         # each rank's main thread's cores, one count per timed step (the later half of the steps)
         assert [sum(cores.values()) for cores in row["cores_by_rank"]] == [2] * row["gpus"]
         assert 0 <= row["shared_core_steps"] <= 2
+        # each rank's threads by name over those steps, its main thread among them (a live rank has ipykernel's too)
+        for groups in row["threads_by_rank"]:
+            assert groups["(main)"]["threads"] == 1 and all(g["cpu_ms_per_step"] >= 0 for g in groups.values())
         assert row["trainer_checkpointing"] is True  # SFTConfig's default, which nbkit's checkpointed layers ignore
         # two ranks: DDP's options as it held them; in place, no DDP
         assert (row["ddp"] is None) == (row["gpus"] == 1)
@@ -183,6 +186,9 @@ def test_trainer_runs_under_every_launcher_and_records_what_cannot_run(tmp_path,
         line for line in text.splitlines() if line.startswith("| transformers:2@nbkit | fp32 16bit 128x2 | 0 |")
     )
     assert len(nbkit_host.split("|")[5].split(" / ")) == 2
+    # ... and a row per rank in the threads table, the main thread named
+    live = [line for line in text.splitlines() if line.startswith("| transformers:2@live | fp32 16bit 128x2 | 0 |")]
+    assert [line.split("|")[4].strip() for line in live if "(main) x1: " in line] == ["0", "1"]
     assert any(line.startswith("| transformers:2@live | fp32 16bit 128x2 | 0 | 1 |") for line in text.splitlines())
     # Left behind: only caches, the launches' working folder (unsloth's compiled code) and inductor's; no specs,
     # rows or launcher logs (torch elastic's torchelastic_* folders went with them).
