@@ -116,6 +116,18 @@ def _python_loop_ns(n: int) -> float:
     return (time.perf_counter() - start) / n * 1e9
 
 
+def _python_call_ns(n: int) -> float:
+    """Nanoseconds per call of a small Python function: what a tracer or a sys.monitoring tool would slow first."""
+
+    def step(i: int) -> int:
+        return i + 1
+
+    start, total = time.perf_counter(), 0
+    for _ in range(n):
+        total = step(total)
+    return (time.perf_counter() - start) / n * 1e9
+
+
 def _current_cpu() -> int:
     # Field 39 of /proc/self/stat: the CPU this thread last ran on.
     return int(Path("/proc/thread-self/stat").read_text().rsplit(")", 1)[1].split()[36])
@@ -146,11 +158,13 @@ def _measure(device: str, rounds: int = 3) -> dict[str, Any]:
             "add_us": per_call_us(lambda: x.add_(1.0), 20_000),
             "mm_us": per_call_us(lambda: torch.mm(a, a), 10_000),
             "python_ns": _python_loop_ns(1_000_000),
+            "call_ns": _python_call_ns(1_000_000),
             "cpu": _current_cpu(),
         }
         for _ in range(rounds)
     ]
-    out: dict[str, Any] = {k: round(statistics.median(r[k] for r in rows), 2) for k in ("add_us", "mm_us", "python_ns")}
+    keys = ("add_us", "mm_us", "python_ns", "call_ns")
+    out: dict[str, Any] = {k: round(statistics.median(r[k] for r in rows), 2) for k in keys}
     out["cpus_seen"] = sorted({r["cpu"] for r in rows})
     return out
 
