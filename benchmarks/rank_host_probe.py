@@ -5,7 +5,7 @@
 A live set's ranks stepped 5-35% slower than `nbkit.launch`'s on H200s for the same training, their main threads
 using more CPU for the same work (benchmarks/RESULTS.md). This probe takes that apart from training: it runs
 host_placement's measurement (host microseconds per tiny op and per small matrix product, nanoseconds per Python loop
-iteration and per Python function call) in a rank of `nbkit.launch` (forked) and in a rank of a live set
+iteration and per Python function call, and per forward and backward of a small MLP) in a rank of `nbkit.launch` (forked) and in a rank of a live set
 (`nbkit.start`, an ipyparallel engine), taking turns `--rounds` times, with one live set kept for all its rounds as
 the notebooks keep theirs. Each measurement also records what the process has hooked into the interpreter: a trace
 or profile function, the tools registered with sys.monitoring (Python 3.12+; a debugger's would slow every call),
@@ -26,7 +26,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:  # run as a script: the benchmarks package lives in ROOT
     sys.path.insert(0, ROOT)
 
-KEYS = ("add_us", "mm_us", "python_ns", "call_ns")
+KEYS = ("add_us", "mm_us", "python_ns", "call_ns", "module_us")
 
 
 def measure() -> dict[str, Any]:
@@ -41,6 +41,7 @@ def measure() -> dict[str, Any]:
 
     device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
     figures = host_placement._measure(device)
+    figures["module_us"] = _module_step_us(torch.device(device))
     monitoring = getattr(sys, "monitoring", None)
     tools = {} if monitoring is None else {i: monitoring.get_tool(i) for i in range(6) if monitoring.get_tool(i)}
     return {
@@ -54,6 +55,29 @@ def measure() -> dict[str, Any]:
         "os_threads": len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else None,
         "python": sys.version.split()[0],
     }
+
+
+def _module_step_us(device: Any, steps: int = 300) -> float:
+    """Host microseconds per forward and backward of a small 8-layer MLP (module calls, autograd), the median of
+    3 rounds: a training step's host path in miniature.
+    """
+    import time
+
+    import torch
+
+    layers = [torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU()) for _ in range(8)]
+    model = torch.nn.Sequential(*layers).to(device)
+    x = torch.randn(16, 64, device=device)
+    rounds = []
+    for _ in range(3):
+        model(x).sum().backward()
+        start = time.perf_counter()
+        for _ in range(steps):
+            model(x).sum().backward()
+        rounds.append((time.perf_counter() - start) / steps * 1e6)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    return round(statistics.median(rounds), 1)
 
 
 def run(rounds: int) -> dict[str, Any]:
@@ -76,14 +100,14 @@ def run(rounds: int) -> dict[str, Any]:
 
 def markdown(report: dict[str, Any]) -> str:
     lines = [
-        "| path | host us per add_ | host us per mm | ns per loop iteration | ns per call | sys.monitoring tools | "
-        "debugger modules | OS threads |",
-        "|---|---:|---:|---:|---:|---|---:|---:|",
+        "| path | host us per add_ | host us per mm | ns per loop iteration | ns per call | us per MLP step | "
+        "sys.monitoring tools | debugger modules | OS threads |",
+        "|---|---:|---:|---:|---:|---:|---|---:|---:|",
     ]
     for path, runs in report["rounds"].items():
         med, last = report["medians"][path], runs[-1]
         lines.append(
-            f"| {path} | {med['add_us']} | {med['mm_us']} | {med['python_ns']} | {med['call_ns']} | "
+            f"| {path} | {med['add_us']} | {med['mm_us']} | {med['python_ns']} | {med['call_ns']} | {med['module_us']} | "
             f"{last['monitoring_tools'] or 'none'} | {last['debugger_modules']} | {last['os_threads']} |"
         )
     first = report["rounds"]["live"][0]
