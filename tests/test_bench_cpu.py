@@ -238,6 +238,23 @@ def test_host_placement_reads_cpu_lists_and_this_machines_layout():
     assert len(listed) == len(set(listed)) and set(listed) <= set(topo["cpus"])
 
 
+def test_rank_host_probe_measures_a_launched_and_a_live_rank_and_what_each_has_hooked(tmp_path):
+    out, md = tmp_path / "probe.json", tmp_path / "probe.md"
+    cmd = [sys.executable, str(BENCHMARKS / "rank_host_probe.py"), "--rounds", "2", "--out", str(out), "--md", str(md)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    launched, live = report["rounds"]["launch"], report["rounds"]["live"]
+    assert len(launched) == len(live) == 2
+    for measured in launched + live:
+        assert measured["device"] == "cpu" and all(measured[key] > 0 for key in ("add_us", "mm_us", "call_ns"))
+        assert measured["trace"] == "None" and measured["monitoring_tools"] == {}
+    # a live rank is an ipyparallel engine: ipykernel's threads and its debugger's modules, idle; a forked rank has none
+    assert live[0]["os_threads"] > launched[0]["os_threads"] and launched[0]["debugger_modules"] == 0
+    assert report["medians"]["live"]["module_us"] == statistics.median(m["module_us"] for m in live)
+    assert [line.split("|")[1].strip() for line in md.read_text().splitlines()[2:4]] == ["launch", "live"]
+
+
 def test_flagship_scaling_compares_whole_run_throughput_and_names_a_summary_without_a_pace(tmp_path):
     def summary(folder: str, seconds: float, tokens: float, processes: int) -> Path:
         train = {
