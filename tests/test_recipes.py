@@ -81,6 +81,8 @@ def test_what_cannot_be_chosen_is_refused_with_the_argument_to_change():
         nbkit.recipe("tiny:qwen3", gpus=2, checkpointing="none")
     with pytest.raises(OptionsError, match="unsloth brings its own offloaded checkpointing.*backend='transformers'"):
         nbkit.recipe("tiny:qwen3", gpus=2, backend="unsloth", checkpointing=None)
+    with pytest.raises(OptionsError, match="under fsdp nbkit's FSDP set-up checkpoints each layer itself"):
+        nbkit.recipe("tiny:qwen3", gpus=2, strategy="fsdp", checkpointing=None)
 
 
 def test_checkpointing_off_turns_the_trainers_own_off_and_print_says_where_it_would_fit():

@@ -164,9 +164,10 @@ def recipe(
     max_seq_length, batch_size, effective_batch: the tokens per example, the examples per GPU per step asked for,
     and the examples per optimizer step over all GPUs (None: the planned batch x GPUs), as nbkit.plan and
     Plan.batch_settings take them. checkpointing: nbkit's per-layer activation checkpointing, as nbkit.savers.apply
-    takes it ("offload", "recompute", None: off), for the transformers backend (unsloth brings its own, offloaded);
-    where it is on and the plan says the same batch fits without it, print(recipe) says so: a step without it
-    skips the recompute (11-13% faster at 1K tokens x 4 on H200s), at 2.5-3x the activation memory.
+    takes it ("offload", "recompute", None: off), under ddp with the transformers backend (unsloth brings its own,
+    offloaded; fsdp its own, recomputed); where it is on and the plan says the same batch fits without it,
+    print(recipe) says so: a step without it skips the recompute (11-13% faster at 1K tokens x 4 on H200s), at
+    2.5-3x the activation memory.
 
     Runs in the notebook process; never touches CUDA. Raises RanksError (no GPU and gpus=None, or more GPUs than
     are visible), StrategyError (unsloth with fsdp), OptionsError / ValueError for other values out of range.
@@ -187,6 +188,11 @@ def recipe(
     if precision is not None and precision not in PRECISIONS:
         raise OptionsError(f"precision must be None or one of {', '.join(map(repr, PRECISIONS))}, not {precision!r}.")
     models.check_checkpointing(checkpointing, chosen)
+    if strategy == "fsdp" and checkpointing != "offload":
+        raise OptionsError(
+            f"checkpointing={checkpointing!r} applies to strategy='ddp': under fsdp nbkit's FSDP set-up checkpoints "
+            "each layer itself (accelerate's activation checkpointing). Leave checkpointing='offload'."
+        )
     gpu, memory = _planned_gpu(visible)
     asked = dict(
         gpus=gpus,
