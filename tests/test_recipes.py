@@ -108,6 +108,20 @@ def test_checkpointing_off_turns_the_trainers_own_off_and_print_says_where_it_wo
     assert nbkit.recipe("tiny:qwen3-vl", gpus=2).checkpointing_note == ""  # CPU ranks: the plan is a stand-in
 
 
+def test_checkpointing_off_reaches_the_trainers_own_setting_in_the_installed_trl(tmp_path):
+    from trl import SFTConfig
+
+    def trainer_checkpoints(trainer_args: dict) -> bool:
+        config = SFTConfig(**trainer_args, output_dir=str(tmp_path), use_cpu=True, report_to=[])
+        return bool(getattr(config, "activation_checkpointing", config.gradient_checkpointing))  # renamed in 5.23
+
+    # by default the recipe leaves TRL's choice (True in trl 1.x; nbkit's checkpointed layers ignore it) ...
+    default = nbkit.recipe("tiny:qwen3-vl", gpus=2).trainer_args
+    assert trainer_checkpoints(default) == trainer_checkpoints({"bf16": False, "fp16": False})
+    # ... and without nbkit's checkpoint it turns the Trainer's own off, under the name the installed version reads
+    assert not trainer_checkpoints(nbkit.recipe("tiny:qwen3-vl", gpus=2, checkpointing=None).trainer_args)
+
+
 def test_in_a_rank_its_steps_load_add_lora_and_switch_modes_for_the_chosen_backend():
     recipe = nbkit.recipe("tiny:qwen3", gpus=1, precision="bf16", max_seq_length=128)
     assert recipe.dtype is torch.bfloat16 and recipe.trainer_args["bf16"] and not recipe.trainer_args["fp16"]
