@@ -23,6 +23,8 @@ NOTEBOOKS_DIR = Path(__file__).resolve().parent.parent / "notebooks"
 BATCH_PLANNED = {"qwen3_vl_2xT4", "qwen3_vl_2xT4_oneshot", "text_llm_ddp", "long_context"}
 # The notebooks whose choices (processes, backend, precision, 4-bit, batch) nbkit.recipe makes, once.
 RECIPE = {"qwen3_vl_2xT4", "qwen3_vl_2xT4_oneshot", "text_llm_ddp", "long_context", "big_model_fsdp"}
+# The notebooks whose `checkpointing` parameter reaches the recipe (transformers + peft under DDP) and their summary.
+CHECKPOINTING = {"qwen3_vl_2xT4", "qwen3_vl_2xT4_oneshot", "text_llm_ddp"}
 REQUIRED_PARAMETERS = {
     "model_name",
     "dataset_name",
@@ -127,6 +129,8 @@ def test_notebook_trains_saves_and_answers_on_cpu(name: str, tmp_path: Path) -> 
     losses = summary["losses"]
     assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.05, losses
     assert is_complete(run_dir / f"checkpoint-{max_steps}")
+    if name in CHECKPOINTING:  # the recipe's checkpointing, the parameters cell's default here, is in the summary
+        assert summary["checkpointing"] == "offload"
     if name != "model_parallel":  # rank 0's peak, as its dashboard row shows it (on a CPU: peak RSS)
         assert summary["train"]["peak_memory_gib"] > 0
 
