@@ -110,8 +110,8 @@ def markdown(report: dict[str, Any]) -> str:
             f"| {path} | {med['add_us']} | {med['mm_us']} | {med['python_ns']} | {med['call_ns']} | {med['module_us']} | "
             f"{last['monitoring_tools'] or 'none'} | {last['debugger_modules']} | {last['os_threads']} |"
         )
-    first = report["rounds"]["live"][0]
-    lines.append(f"\nDevice {first['device']}, Python {first['python']}, medians of {len(runs)} rounds.")
+    live = report["rounds"]["live"]
+    lines.append(f"\nDevice {live[0]['device']}, Python {live[0]['python']}, medians of {len(live)} rounds.")
     return "\n".join(lines)
 
 

@@ -270,9 +270,8 @@ def _timer_callback(device: torch.device, profile_from: int | None = None) -> An
             self.first_step_end: float | None = None
             self.host: list[dict[str, float]] = []  # measures.HostClock's counters of each step
             self.cores: list[str | None] = []  # the physical core the main thread was on at each step's end
-            self.threads: list[
-                dict[str, tuple[int, float]]
-            ] = []  # measures.thread_cpu_by_name at the timed half's ends
+            # measures.thread_cpu_by_name at the two ends of the timed half
+            self.threads: list[dict[str, tuple[int, float]]] = []
             self.profile: dict[str, Any] | None = None
             self._profiler: Any = None
             self._profiled_from = 0.0
