@@ -646,19 +646,22 @@ for what in "$@"; do
     flagship12)
       # The flagship notebook under the T4 profile on one GPU (the other hidden) and then on two, in one call: each
       # summary.json's steady seconds per step and tokens/s, the first step apart (unsloth on 2x H200: 191 s and 196 s).
-      # FLAGSHIP_PARAMS adds parameters (e.g. "-p backend=transformers"); checkpoints only at the end.
+      # FLAGSHIP_PARAMS adds parameters (e.g. "-p backend=transformers"); checkpoints only at the end. FLAGSHIP_GPUS
+      # picks the runs ("1" on a one-GPU machine), FLAGSHIP_TAG names them (two variants in one call keep apart).
       both=${CUDA_VISIBLE_DEVICES:-0,1}
-      for n in 1 2; do
+      summaries=()
+      for n in ${FLAGSHIP_GPUS:-1 2}; do
         visible=$both; [ "$n" = 1 ] && visible=${both%%,*}
+        run_out="$OUT/flagship${FLAGSHIP_TAG:-}_gpus$n"
         # unsloth's generated code goes to /tmp, not into $OUT beside the notebook (hundreds of files to bring back).
         # shellcheck disable=SC2086  # FLAGSHIP_PARAMS holds several -p options
         CUDA_VISIBLE_DEVICES=$visible UNSLOTH_COMPILE_LOCATION=${UNSLOTH_COMPILE_LOCATION:-/tmp/unsloth-cache} \
-          part "flagship_gpus$n" "${FLAGSHIP_LIMIT:-270}" python3 notebooks/run.py \
-          qwen3_vl_2xT4 --out "$OUT/flagship_gpus$n" -p gpus=$n -p emulate=T4 -p max_steps="${FLAGSHIP_STEPS:-20}" \
+          part "flagship${FLAGSHIP_TAG:-}_gpus$n" "${FLAGSHIP_LIMIT:-270}" python3 notebooks/run.py \
+          qwen3_vl_2xT4 --out "$run_out" -p gpus=$n -p emulate=T4 -p max_steps="${FLAGSHIP_STEPS:-20}" \
           -p num_samples=80 -p max_seq_length=1024 -p save_steps=1000 ${FLAGSHIP_PARAMS:-}
+        summaries+=("$run_out/qwen3_vl_2xT4/summary.json")
       done
-      python3 benchmarks/flagship_scaling.py "$OUT/flagship_gpus1/qwen3_vl_2xT4/summary.json" \
-        "$OUT/flagship_gpus2/qwen3_vl_2xT4/summary.json" | tee "$OUT/flagship12.md" ;;
+      python3 benchmarks/flagship_scaling.py "${summaries[@]}" | tee "$OUT/flagship12${FLAGSHIP_TAG:-}.md" ;;
     *) echo "unknown part: $what" >&2 ;;
   esac
 done

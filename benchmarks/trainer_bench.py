@@ -53,7 +53,7 @@ import sys
 import tempfile
 import time
 import traceback
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -64,7 +64,7 @@ if str(ROOT) not in sys.path:  # run as a script (python benchmarks/trainer_benc
 
 import torch  # noqa: E402
 
-from benchmarks import batches, host, launching, measures, profiling  # noqa: E402
+from benchmarks import batches, host, launching, measures, profiling, sync_sites  # noqa: E402
 
 BACKENDS = ("unsloth", "transformers", "liger")
 # Speed options a transformers / liger configuration can add (`liger+compile+lean:1`). `liger+compile` is what a
@@ -255,8 +255,10 @@ class _Collator:
         return batch
 
 
-def _timer_callback(device: torch.device, profile_from: int | None = None) -> Any:
-    """The step timer; with `profile_from`, the steps after that many are profiled (and not timed)."""
+def _timer_callback(device: torch.device, profile_from: int | None = None, sync_step: int | None = None) -> Any:
+    """The step timer; with `profile_from`, the steps after that many are profiled (and not timed); with
+    `sync_step`, that step's synchronising CUDA calls are counted by site (sync_sites; an untimed warm-up step).
+    """
     from transformers import TrainerCallback
 
     class StepTimer(TrainerCallback):
@@ -273,6 +275,8 @@ def _timer_callback(device: torch.device, profile_from: int | None = None) -> An
             # measures.thread_cpu_by_name at the two ends of the timed half
             self.threads: list[dict[str, tuple[int, float]]] = []
             self.profile: dict[str, Any] | None = None
+            self.sync_sites = sync_sites.SyncSites()
+            self._sync_watch: Any = None
             self._profiler: Any = None
             self._profiled_from = 0.0
             self._clock: measures.HostClock | None = None
@@ -302,6 +306,9 @@ def _timer_callback(device: torch.device, profile_from: int | None = None) -> An
                 self._sync()
                 self._last = time.perf_counter()
                 self._clock = measures.HostClock()
+            if state.global_step == sync_step:
+                self._sync_watch = self.sync_sites.watch()
+                self._sync_watch.__enter__()
             if profile_from is not None and state.global_step == profile_from and self._profiler is None:
                 from torch.profiler import ProfilerActivity, profile
 
@@ -312,6 +319,9 @@ def _timer_callback(device: torch.device, profile_from: int | None = None) -> An
                 self._profiled_from = time.perf_counter()
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if self._sync_watch is not None:  # off before the timer's own sync
+                self._sync_watch.__exit__(None, None, None)
+                self._sync_watch = None
             self._sync()
             if self._profiler is not None:
                 if state.global_step >= state.max_steps:
@@ -335,14 +345,6 @@ def _timer_callback(device: torch.device, profile_from: int | None = None) -> An
                 self.first_step_end = time.time()
 
     return StepTimer()
-
-
-def _trainer_checkpointing_name() -> str:
-    """The TrainingArguments field that turns transformers' own checkpointing on (5.23 renamed it)."""
-    from transformers import TrainingArguments
-
-    names = {f.name for f in fields(TrainingArguments)}
-    return "activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing"
 
 
 def _trainer_checkpoints(args: Any) -> bool:
@@ -387,9 +389,11 @@ def _trainer(launch: Launch, model: Any, seq_len: int, batch: int, steps: int, o
     if "findunused" in launch.extras:
         options["ddp_find_unused_parameters"] = True
     if "nockpt" in launch.extras:
+        from nbkit.platform import compat
+
         # Trainer's own checkpointing off as well: SFTConfig turns it on by default, and it checkpoints every layer
         # that has no checkpoint of nbkit's.
-        options[_trainer_checkpointing_name()] = False
+        options[compat.trainer_checkpointing_field()] = False
     options.update(launch.trainer_options)
     callbacks = [timer, *([_graph_steps()] if "graphs" in launch.extras else [])]
     if launch.trainer == "sft":
@@ -461,7 +465,9 @@ def _oom(exc: BaseException) -> bool:
 
 def _case(launch: Launch, model: Any, seq_len: int, batch: int, device: torch.device, steps: int) -> dict:
     """Train one shape; returns this rank's figures (status ok / oom / error)."""
-    timer = _timer_callback(device, steps - launch.profile_steps if launch.profile_steps else None)
+    # The last warm-up step (compiled, untimed) is the one whose syncs are counted.
+    sync_step = launch.warmup - 1 if launch.warmup >= 2 else None
+    timer = _timer_callback(device, steps - launch.profile_steps if launch.profile_steps else None, sync_step)
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -497,6 +503,7 @@ def _case(launch: Launch, model: Any, seq_len: int, batch: int, device: torch.de
     # splits it into pieces, each a cache lookup and its own launches on every call.
     row["graph_breaks"] = dict((_graph_breaks() - breaks_before).most_common(8))
     row["profile"] = timer.profile
+    row["sync_sites"] = timer.sync_sites.top()
     row["torch_threads"] = torch.get_num_threads()
     row["first_step_end"] = timer.first_step_end
     row["peak"] = measures.peak_memory_gib(device)
@@ -620,6 +627,9 @@ def _row(launch: Launch, row: dict, ranks: list[dict], load_s: float, first: boo
         "profile": row.get("profile"),
         "profile_by_rank": [r.get("profile") for r in ranks],
         "graph_breaks": row.get("graph_breaks"),
+        # Each rank's synchronising CUDA calls by site in the last warm-up step (sync_sites): who makes the
+        # host wait for the GPU, where a profile only counts the waits.
+        "sync_sites_by_rank": [r.get("sync_sites") or {} for r in ranks],
         "step_time_s": stats,
         "tokens_per_s_per_gpu": tokens / stats["median"] if stats else None,
         "peak_allocated_gib": [r["peak"]["allocated"] if r["peak"] else None for r in ranks],
@@ -942,6 +952,26 @@ def _profile_lines(rows: list[dict]) -> list[str]:
     return lines
 
 
+def _sync_lines(rows: list[dict]) -> list[str]:
+    """Markdown lines: rank 0's synchronising CUDA calls by site in one warm-up step, each configuration and case
+    once (its first run that counted any).
+    """
+    seen, lines = set(), []
+    for r in rows:
+        sites = (r.get("sync_sites_by_rank") or [{}])[0]
+        case = f"{r['precision']} {r['quant']} {r['seq_len']}x{r['batch']}"
+        if not sites or (r["config"], case) in seen:
+            continue
+        seen.add((r["config"], case))
+        lines += [
+            "",
+            f"`{r['config']}` {case}, rank 0: {sum(sites.values())} syncs in its last warm-up step, by site:",
+            "",
+        ]
+        lines += ["| syncs | site (innermost first) |", "|---:|---|"] + [f"| {n} | `{k}` |" for k, n in sites.items()]
+    return lines
+
+
 def _against_unsloth(summary: list[dict]) -> list[str]:
     """Markdown lines: each transformers configuration's step time and peak as a multiple of unsloth's."""
     rows = [e for e in summary if "vs_unsloth" in e]
@@ -980,7 +1010,7 @@ def markdown(env: dict, command: str, summary: list[dict], rows: list[dict]) -> 
             f"| {e['config']} | {case} | {e['ok_runs']}/{e['runs']} | {e['tokens_per_s_per_gpu']:,.0f} | {scaling} | "
             f"{e['step_s']:.3f} | {e['spread_pct']:.1f}% | {peak} | {first} |"
         )
-    lines += _host_table(rows) + _profile_lines(rows)
+    lines += _host_table(rows) + _profile_lines(rows) + _sync_lines(rows)
     if any(e.get("samples", 0) > e.get("ok_runs", 0) for e in summary):
         lines += ["", "Step s and spread: over every timed window of every run (--windows), not per run."]
     lines += _against_unsloth(summary)

@@ -25,6 +25,7 @@ from benchmarks.cases import ddp_label, parse_ddp_options  # noqa: E402
 from benchmarks.host_placement import _cpulist, topology  # noqa: E402
 from benchmarks.measures import gc_pauses, percentile, step_stats  # noqa: E402
 from benchmarks.stepping import Stepper  # noqa: E402
+from benchmarks.sync_sites import SYNC_WARNING, SyncSites  # noqa: E402
 
 
 def test_step_stats_percentiles_and_spread():
@@ -281,3 +282,38 @@ def test_flagship_scaling_compares_whole_run_throughput_and_names_a_summary_with
     paceless = summary("plain", 0.3, 0.0, 1)
     failed = subprocess.run([*script, str(one), str(paceless)], capture_output=True, text=True)
     assert failed.returncode == 1 and str(paceless) in failed.stderr and "no steady tokens/s" in failed.stderr
+
+
+def _reads_the_gpu(sync_warnings: int) -> None:
+    """Stands in for model code that reads GPU values: torch's warning for each read, as under sync debug mode."""
+    import warnings
+
+    for _ in range(sync_warnings):
+        warnings.warn(f"{SYNC_WARNING} (item)", UserWarning, stacklevel=1)
+
+
+def test_sync_sites_count_every_synchronising_call_by_its_caller_and_pass_other_warnings_on():
+    import warnings
+
+    sites = SyncSites(depth=1)
+    with warnings.catch_warnings(record=True) as others, sites.watch():
+        _reads_the_gpu(3)
+        _reads_the_gpu(2)  # the same line: one site, counted every time, not once as warnings' default would
+        warnings.warn("a deprecation the user should still see", UserWarning, stacklevel=1)
+    assert len(sites.counts) == 1
+    (site,) = sites.counts
+    path, _, where = site.partition(":")
+    assert path.endswith("tests/test_bench_cpu.py") and where.endswith(" _reads_the_gpu")
+    assert sites.counts[site] == 5
+    assert [str(w.message) for w in others] == ["a deprecation the user should still see"]
+    # outside watch() nothing is counted
+    with warnings.catch_warnings(record=True):
+        _reads_the_gpu(1)
+    assert sum(sites.counts.values()) == 5
+
+
+def test_sync_sites_top_keeps_the_total():
+    sites = SyncSites()
+    sites.counts.update({"a.py:1 f": 5, "b.py:2 g": 3, "c.py:3 h": 1})
+    assert sites.top(2) == {"a.py:1 f": 5, "b.py:2 g": 3, "(other sites)": 1}
+    assert sites.top() == {"a.py:1 f": 5, "b.py:2 g": 3, "c.py:3 h": 1}

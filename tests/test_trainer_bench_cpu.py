@@ -19,6 +19,7 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS.parent))
 
 from benchmarks import trainer_bench  # noqa: E402
+from nbkit.platform import compat  # noqa: E402
 
 
 def test_configs_and_shapes_parse():
@@ -93,9 +94,7 @@ def test_nockpt_turns_the_trainers_own_checkpointing_off_under_the_name_this_tra
     from trl import SFTConfig
 
     default = SFTConfig(output_dir="unused", use_cpu=True, bf16=False)
-    off = SFTConfig(
-        output_dir="unused", use_cpu=True, bf16=False, **{trainer_bench._trainer_checkpointing_name(): False}
-    )
+    off = SFTConfig(output_dir="unused", use_cpu=True, bf16=False, **{compat.trainer_checkpointing_field(): False})
     assert trainer_bench._trainer_checkpoints(default) is True
     assert trainer_bench._trainer_checkpoints(off) is False
 

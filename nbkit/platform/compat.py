@@ -19,7 +19,7 @@ from typing import Any
 
 from nbkit.platform import patching
 
-__all__ = ["enable", "transformers_major"]
+__all__ = ["enable", "trainer_checkpointing_field", "transformers_major"]
 
 
 @lru_cache(maxsize=1)
@@ -122,6 +122,13 @@ def _transformers_5_23() -> bool:
     """Whether transformers is 5.23 or newer: it renamed gradient checkpointing to activation checkpointing."""
     release = _release("transformers")
     return release is not None and release >= (5, 23)
+
+
+def trainer_checkpointing_field() -> str:
+    """The TrainingArguments field that turns transformers' own checkpointing on or off: "activation_checkpointing"
+    from transformers 5.23, whose old name "gradient_checkpointing" warns when set, "gradient_checkpointing" before.
+    """
+    return "activation_checkpointing" if _transformers_5_23() else "gradient_checkpointing"
 
 
 @patching.patch(
