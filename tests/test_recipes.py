@@ -4,11 +4,13 @@ said in a few lines, and the model steps for them in the ranks, without a branch
 from __future__ import annotations
 
 import pickle
+import warnings
 
 import pytest
 import torch
 
 import nbkit
+from nbkit.platform import compat
 from nbkit.platform.errors import BackendError, OptionsError, RanksError, StrategyError
 from nbkit.training import emulation
 
@@ -85,27 +87,36 @@ def test_what_cannot_be_chosen_is_refused_with_the_argument_to_change():
         nbkit.recipe("tiny:qwen3", gpus=2, strategy="fsdp", checkpointing=None)
 
 
-def test_checkpointing_off_turns_the_trainers_own_off_and_print_says_where_it_would_fit():
+def test_checkpointing_auto_is_off_where_the_batch_fits_without_it_and_print_says_why():
+    t4 = dict(gpus=2, emulate="T4", max_seq_length=2048, backend="transformers")
     try:
         # Qwen3-VL-2B at 2048 x 1 on Kaggle's T4s: about 12 GiB per GPU without checkpointing, of 14.2.
-        on = nbkit.recipe("random:qwen3-vl-2b", gpus=2, emulate="T4", max_seq_length=2048, backend="transformers")
-        assert on.checkpointing == "offload" and "gradient_checkpointing" not in on.trainer_args
-        note = str(on).splitlines()[-2]
-        assert note == on.checkpointing_note and note.startswith(
-            "Checkpointing: offload. Without it the plan says about"
-        )
-        assert note.endswith("nbkit.recipe(..., checkpointing=None).")
-        off = nbkit.recipe(
-            "random:qwen3-vl-2b", gpus=2, emulate="T4", max_seq_length=2048, backend="transformers", checkpointing=None
-        )
-        assert off.plan.checkpointing is None and off.plan.strategy == "ddp" and off.batch == on.batch
-        assert off.trainer_args == {**on.trainer_args, "gradient_checkpointing": False}  # SFTConfig's default is True
-        assert off.checkpointing_note == ""
-        # 2048 x 4 per GPU does not fit a T4 without it: nothing to say.
-        assert nbkit.recipe("random:qwen3-vl-2b", gpus=2, emulate="T4", batch_size=4).checkpointing_note == ""
+        auto = nbkit.recipe("random:qwen3-vl-2b", **t4)
+        assert auto.checkpointing is None and auto.plan.checkpointing is None and auto.load_in_4bit is False
+        assert auto.trainer_args[compat.trainer_checkpointing_field()] is False  # SFTConfig's default is True
+        note = str(auto).splitlines()[-2]
+        assert note == auto.checkpointing_note and note.startswith("Checkpointing: off: without it the plan says about")
+        assert note.endswith("checkpointing='offload' keeps it.")
+        # Asked for, the checkpoint stays, with the same batch, and the line says what "auto" would do.
+        on = nbkit.recipe("random:qwen3-vl-2b", **t4, checkpointing="offload")
+        assert on.checkpointing == "offload" and compat.trainer_checkpointing_field() not in on.trainer_args
+        assert on.batch == auto.batch and on.load_in_4bit is False
+        assert on.checkpointing_note.startswith("Checkpointing: offload. Without it the plan says about")
+        assert on.checkpointing_note.endswith("nbkit.recipe(..., checkpointing='auto').")
+        # 2048 x 2 per GPU (the flagship's default batch) does not fit a T4 without it: "auto" keeps it, quietly.
+        two = nbkit.recipe("random:qwen3-vl-2b", **t4, batch_size=2)
+        assert two.checkpointing == "offload" and two.checkpointing_note == "" and two.load_in_4bit is False
+        # None asked for there fits only in 4-bit, which trains slower than 16-bit with the checkpoint: said so.
+        off = nbkit.recipe("random:qwen3-vl-2b", **t4, batch_size=2, checkpointing=None)
+        assert off.checkpointing is None and off.load_in_4bit is True
+        assert off.checkpointing_note.startswith("Checkpointing: off, so the model trains in 4-bit")
+        assert nbkit.recipe("random:qwen3-vl-2b", **t4, checkpointing=None).checkpointing_note == ""
+        # unsloth brings its own checkpoint: "auto" is unsloth's, offloaded
+        assert nbkit.recipe("random:qwen3-vl-2b", **{**t4, "backend": "unsloth"}).checkpointing == "offload"
     finally:
         emulation.emulate(None)
-    assert nbkit.recipe("tiny:qwen3-vl", gpus=2).checkpointing_note == ""  # CPU ranks: the plan is a stand-in
+    cpu = nbkit.recipe("tiny:qwen3-vl", gpus=2)  # CPU ranks: the plan is a stand-in, nothing is chosen from it
+    assert cpu.checkpointing == "offload" and cpu.checkpointing_note == ""
 
 
 def test_checkpointing_off_reaches_the_trainers_own_setting_in_the_installed_trl(tmp_path):
@@ -115,11 +126,14 @@ def test_checkpointing_off_reaches_the_trainers_own_setting_in_the_installed_trl
         config = SFTConfig(**trainer_args, output_dir=str(tmp_path), use_cpu=True, report_to=[])
         return bool(getattr(config, "activation_checkpointing", config.gradient_checkpointing))  # renamed in 5.23
 
-    # by default the recipe leaves TRL's choice (True in trl 1.x; nbkit's checkpointed layers ignore it) ...
-    default = nbkit.recipe("tiny:qwen3-vl", gpus=2).trainer_args
+    # with nbkit's checkpoint the recipe leaves TRL's choice (True in trl 1.x; nbkit's checkpointed layers ignore it)
+    default = nbkit.recipe("tiny:qwen3-vl", gpus=2, checkpointing="offload").trainer_args
     assert trainer_checkpoints(default) == trainer_checkpoints({"bf16": False, "fp16": False})
-    # ... and without nbkit's checkpoint it turns the Trainer's own off, under the name the installed version reads
-    assert not trainer_checkpoints(nbkit.recipe("tiny:qwen3-vl", gpus=2, checkpointing=None).trainer_args)
+    # ... and without nbkit's checkpoint it turns the Trainer's own off, under the name the installed version reads,
+    # so that the training cell prints no deprecation notice
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        assert not trainer_checkpoints(nbkit.recipe("tiny:qwen3-vl", gpus=2, checkpointing=None).trainer_args)
 
 
 def test_in_a_rank_its_steps_load_add_lora_and_switch_modes_for_the_chosen_backend():

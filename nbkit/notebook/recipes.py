@@ -26,7 +26,7 @@ from typing import Any
 
 from nbkit.launching import rank_contract
 from nbkit.notebook import planner
-from nbkit.platform import distributed
+from nbkit.platform import compat, distributed
 from nbkit.platform.errors import OptionsError, StrategyError
 from nbkit.training import emulation, models
 
@@ -44,8 +44,8 @@ class Recipe:
     copy per GPU) or "fsdp" (sharded); backend: "unsloth" or "transformers"; precision: "bf16", "fp16" or "fp32";
     load_in_4bit: 4-bit (QLoRA) or 16-bit LoRA, and bits_reason: why; max_seq_length: the longest example in tokens;
     plan: the planner's verdict for these settings; batch: Trainer's batch per GPU and accumulation steps;
-    checkpointing: nbkit's per-layer activation checkpointing ("offload", "recompute" or None: off, the Trainer's
-    own off too), and checkpointing_note: what turning it off would take, where the plan says that fits.
+    checkpointing: nbkit's per-layer activation checkpointing as chosen ("offload", "recompute" or None: off, the
+    Trainer's own off too), and checkpointing_note: why, where there is something to say (print(recipe) shows it).
     """
 
     model: str
@@ -71,11 +71,12 @@ class Recipe:
     @property
     def trainer_args(self) -> dict[str, Any]:
         """Trainer's batch per GPU, accumulation steps and precision flags, for SFTConfig(**recipe.trainer_args);
-        with checkpointing=None also gradient_checkpointing=False, since SFTConfig turns the Trainer's own on by
-        default and it would then recompute every layer, slower than nbkit's checkpoint (benchmarks/RESULTS.md).
+        with checkpointing=None also the Trainer's own checkpointing off (gradient_checkpointing=False, named
+        activation_checkpointing from transformers 5.23), since SFTConfig turns it on by default and it would then
+        recompute every layer, slower than nbkit's checkpoint (benchmarks/RESULTS.md).
         """
         args = {**self.batch.trainer_args, "bf16": self.precision == "bf16", "fp16": self.precision == "fp16"}
-        return args if self.checkpointing is not None else {**args, "gradient_checkpointing": False}
+        return args if self.checkpointing is not None else {**args, compat.trainer_checkpointing_field(): False}
 
     def from_pretrained(self, name: str | None = None) -> tuple[Any, Any]:
         """(model, processor) of `name` (default: the model planned for) on this rank's device, in this recipe's
@@ -152,7 +153,7 @@ def recipe(
     max_seq_length: int = 2048,
     batch_size: int = 1,
     effective_batch: int | None = None,
-    checkpointing: str | None = "offload",
+    checkpointing: str | None = "auto",
 ) -> Recipe:
     """The choices for training `model` (an nbkit name, hub id or path) on this machine, made once.
 
@@ -163,11 +164,11 @@ def recipe(
     emulate: a GPU profile (nbkit.emulate) switched on here and in every rank started afterwards.
     max_seq_length, batch_size, effective_batch: the tokens per example, the examples per GPU per step asked for,
     and the examples per optimizer step over all GPUs (None: the planned batch x GPUs), as nbkit.plan and
-    Plan.batch_settings take them. checkpointing: nbkit's per-layer activation checkpointing, as nbkit.savers.apply
-    takes it ("offload", "recompute", None: off), under ddp with the transformers backend (unsloth brings its own,
-    offloaded; fsdp its own, recomputed); where it is on and the plan says the same batch fits without it,
-    print(recipe) says so: a step without it skips the recompute (11-13% faster at 1K tokens x 4 on H200s), at
-    2.5-3x the activation memory.
+    Plan.batch_settings take them. checkpointing: nbkit's per-layer activation checkpointing under ddp with the
+    transformers backend (unsloth brings its own, offloaded; fsdp its own, recomputed): "auto" is off where the plan
+    says the same batch fits without it in the same bits, else "offload"; or as nbkit.savers.apply takes it
+    ("offload", "recompute", None: off). Without it a step skips the recompute (1.2-1.6x faster under the T4 profile
+    on an H200 from 1K to 4K tokens) at 1.9-2.6x the peak memory; print(recipe) says what was chosen and why.
 
     Runs in the notebook process; never touches CUDA. Raises RanksError (no GPU and gpus=None, or more GPUs than
     are visible), StrategyError (unsloth with fsdp), OptionsError / ValueError for other values out of range.
@@ -187,59 +188,110 @@ def recipe(
         chosen = "transformers"  # "auto": unsloth has no FSDP
     if precision is not None and precision not in PRECISIONS:
         raise OptionsError(f"precision must be None or one of {', '.join(map(repr, PRECISIONS))}, not {precision!r}.")
-    models.check_checkpointing(checkpointing, chosen)
-    if strategy == "fsdp" and checkpointing != "offload":
+    if checkpointing != "auto":
+        models.check_checkpointing(checkpointing, chosen)
+    if strategy == "fsdp" and checkpointing not in ("auto", "offload"):
         raise OptionsError(
             f"checkpointing={checkpointing!r} applies to strategy='ddp': under fsdp nbkit's FSDP set-up checkpoints "
-            "each layer itself (accelerate's activation checkpointing). Leave checkpointing='offload'."
+            "each layer itself (accelerate's activation checkpointing). Leave checkpointing='auto'."
         )
     gpu, memory = _planned_gpu(visible)
-    asked = dict(
-        gpus=gpus,
-        gpu_memory_gib=memory,
-        seq_len=max_seq_length,
-        batch_size=batch_size,
-        gpu=gpu,
-        checkpointing=checkpointing,
+    asked = dict(gpus=gpus, gpu_memory_gib=memory, seq_len=max_seq_length, batch_size=batch_size, gpu=gpu)
+    planned, note = _choose_checkpointing(
+        model, _Asked(asked, load_in_4bit, strategy, effective_batch), chosen, checkpointing
     )
-    plan, load_in_4bit, bits_reason = _plan_bits(model, load_in_4bit, strategy, asked)
-    batch = plan.batch_settings(effective_batch)
     return Recipe(
         model=model,
         gpus=gpus,
         strategy=strategy,
         backend=chosen,
         precision=precision or distributed.precision(),
-        load_in_4bit=load_in_4bit,
-        bits_reason=bits_reason,
+        load_in_4bit=planned.load_in_4bit,
+        bits_reason=planned.bits_reason,
         max_seq_length=max_seq_length,
-        plan=plan,
-        batch=batch,
-        checkpointing=checkpointing,
-        checkpointing_note=_without_checkpointing(model, plan, chosen, asked, batch),
+        plan=planned.plan,
+        batch=planned.batch,
+        checkpointing=planned.plan.checkpointing,
+        checkpointing_note=note,
     )
 
 
-def _without_checkpointing(
-    model: str, plan: planner.Plan, backend: str, asked: dict[str, Any], batch: planner.BatchSettings
-) -> str:
-    """A line for print(recipe) where the transformers backend checkpoints under DDP and the plan says the same
-    batch fits on a GPU without it; "" elsewhere (nothing to gain, or CPU ranks, whose plan is a stand-in).
+@dataclass(frozen=True)
+class _Asked:
+    """What recipe() plans for, checkpointing apart: nbkit.plan's arguments, load_in_4bit, strategy, effective_batch."""
+
+    plan_args: dict[str, Any]
+    load_in_4bit: bool | None
+    strategy: str
+    effective_batch: int | None
+
+
+@dataclass(frozen=True)
+class _Planned:
+    """One way to train: the plan, 16- or 4-bit and why, the Trainer's batch."""
+
+    plan: planner.Plan
+    load_in_4bit: bool
+    bits_reason: str
+    batch: planner.BatchSettings
+
+    @property
+    def per_device(self) -> int:
+        return self.batch.per_device_train_batch_size
+
+
+def _planned(model: str, asked: _Asked, checkpointing: str | None) -> _Planned:
+    plan, bits, reason = _plan_bits(
+        model, asked.load_in_4bit, asked.strategy, {**asked.plan_args, "checkpointing": checkpointing}
+    )
+    return _Planned(plan, bits, reason, plan.batch_settings(asked.effective_batch))
+
+
+# Without checkpointing, against nbkit's offloaded checkpoint, as measured (benchmarks/RESULTS.md): the words
+# print(recipe) uses for what a step gains.
+_GAIN = "1.2-1.6x faster per step under the T4 profile on an H200 from 1K to 4K tokens, 11-13% at 1K x 4 in bf16"
+
+
+def _choose_checkpointing(model: str, asked: _Asked, backend: str, requested: str | None) -> tuple[_Planned, str]:
+    """(what to train with, the line print(recipe) adds, "" for none) for checkpointing `requested`.
+
+    "auto" turns nbkit's checkpoint off where it is nbkit's to turn off (the transformers backend under DDP on
+    GPUs; unsloth and FSDP bring their own) and the plan says the same batch fits without it in the same bits:
+    the planner errs towards more memory (planned 12.3 GiB at 2048 tokens, 8.7 measured under the T4 profile).
+    Elsewhere "auto" keeps "offload". An explicit choice stays; the line says what the other would do.
     """
-    if backend != "transformers" or plan.strategy != "ddp" or plan.checkpointing is None or plan.gpu == "cpu":
-        return ""
-    unchecked = {**asked, "load_in_4bit": plan.load_in_4bit, "checkpointing": None}
-    # The same batch: recipe(checkpointing=None) recommends no smaller one (it would otherwise train slower).
-    if planner.plan(model, **unchecked).recommended_batch_size < plan.recommended_batch_size:
-        return ""
-    per_device = batch.trainer_args["per_device_train_batch_size"]
-    without = planner.plan(model, **{**unchecked, "batch_size": per_device})
-    if without.strategy != "ddp":
-        return ""
-    return (
-        f"Checkpointing: {plan.checkpointing}. Without it the plan says about {without.per_gpu_gib:.1f} GiB per GPU "
-        f"of {without.usable_gib:.1f} usable, and a step skips the recompute (11-13% faster at 1K tokens x 4 on "
-        "H200s): nbkit.recipe(..., checkpointing=None)."
+    checked = _planned(model, asked, "offload" if requested == "auto" else requested)
+    if backend != "transformers" or asked.strategy != "ddp" or checked.plan.gpu == "cpu":
+        return checked, ""
+    if requested is None:
+        offloaded = _planned(model, asked, "offload")
+        if checked.load_in_4bit and not offloaded.load_in_4bit:
+            return checked, (
+                "Checkpointing: off, so the model trains in 4-bit: in 16-bit it fits only with checkpointing "
+                "(checkpointing='auto' or 'offload'; 16-bit with the offloaded checkpoint stepped 1.23x faster than "
+                "4-bit without it in the flagship notebook under the T4 profile)."
+            )
+        return checked, ""
+    unchecked = _planned(model, asked, None)
+    fits = (
+        unchecked.plan.strategy == "ddp"
+        and unchecked.load_in_4bit == checked.load_in_4bit
+        and unchecked.per_device >= checked.per_device
+    )
+    if not fits:
+        return checked, ""
+    # The memory at the batch trained (the plan above is at the batch asked, which the recommendation may raise).
+    at_batch = {"batch_size": unchecked.per_device, "load_in_4bit": unchecked.load_in_4bit, "checkpointing": None}
+    trained = planner.plan(model, **{**asked.plan_args, **at_batch})
+    memory = f"{trained.per_gpu_gib:.1f} GiB per GPU of {trained.usable_gib:.1f} usable"
+    if requested == "auto":
+        return unchecked, (
+            f"Checkpointing: off: without it the plan says about {memory}, and a step skips the recompute "
+            f"({_GAIN}). checkpointing='offload' keeps it."
+        )
+    return checked, (
+        f"Checkpointing: {requested}. Without it the plan says about {memory}, and a step skips the recompute "
+        f"({_GAIN}): nbkit.recipe(..., checkpointing='auto')."
     )
 
 
