@@ -296,6 +296,12 @@ def _timer_callback(device: torch.device, profile_from: int | None = None, sync_
         def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             if self._on_gc in gc.callbacks:
                 gc.callbacks.remove(self._on_gc)
+            self._end_sync_watch()  # a step that raised (an OOM) left it on, and the next shape must not run under it
+
+        def _end_sync_watch(self) -> None:
+            if self._sync_watch is not None:
+                self._sync_watch.__exit__(None, None, None)
+                self._sync_watch = None
 
         def _sync(self) -> None:
             if device.type == "cuda":
@@ -319,9 +325,7 @@ def _timer_callback(device: torch.device, profile_from: int | None = None, sync_
                 self._profiled_from = time.perf_counter()
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            if self._sync_watch is not None:  # off before the timer's own sync
-                self._sync_watch.__exit__(None, None, None)
-                self._sync_watch = None
+            self._end_sync_watch()  # off before the timer's own sync
             self._sync()
             if self._profiler is not None:
                 if state.global_step >= state.max_steps:
