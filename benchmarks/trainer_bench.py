@@ -870,6 +870,11 @@ def _same_case(a: dict, b: dict) -> bool:
     return all(a[k] == b[k] for k in ("gpus", "precision", "quant", "seq_len", "batch"))
 
 
+def _case_label(row: dict) -> str:
+    """A row's case as the markdown tables name it: "bf16 16bit 1024x4"."""
+    return f"{row['precision']} {row['quant']} {row['seq_len']}x{row['batch']}"
+
+
 def _host_table(rows: list[dict]) -> list[str]:
     """Markdown lines: rank 0's host per timed step in each run (medians; see _row's "host")."""
     runs = [r for r in rows if r.get("host")]
@@ -890,7 +895,7 @@ def _host_table(rows: list[dict]) -> list[str]:
     ]
     lines += ["|---|---|---:|---:|---|---|---|---|---|---|---:|---:|"]
     for r in runs:
-        case = f"{r['precision']} {r['quant']} {r['seq_len']}x{r['batch']}"
+        case = _case_label(r)
         hosts = r["host_by_rank"]
         lines.append(
             f"| {r['config']} | {case} | {r['repeat']} | {1000 * r['step_time_s']['median']:.0f} | "
@@ -910,7 +915,7 @@ def _thread_lines(runs: list[dict]) -> list[str]:
     lines = ["", "Each rank's OS threads by name over the timed steps: count, and CPU ms per step (busiest five):", ""]
     lines += ["| config | case | repeat | rank | threads | busiest |", "|---|---|---:|---:|---:|---|"]
     for r in runs:
-        case = f"{r['precision']} {r['quant']} {r['seq_len']}x{r['batch']}"
+        case = _case_label(r)
         for rank, groups in enumerate(r["threads_by_rank"]):
             busiest = ", ".join(
                 f"{name} x{g['threads']:.0f}: {g['cpu_ms_per_step']:.0f}" for name, g in list(groups.items())[:5]
@@ -944,7 +949,7 @@ def _profile_lines(rows: list[dict]) -> list[str]:
     ]
     lines += ["|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in runs:
-        case = f"{r['precision']} {r['quant']} {r['seq_len']}x{r['batch']}"
+        case = _case_label(r)
         for rank, p in enumerate(r["profile_by_rank"]):
             if not p:
                 continue
@@ -963,7 +968,7 @@ def _sync_lines(rows: list[dict]) -> list[str]:
     seen, lines = set(), []
     for r in rows:
         sites = (r.get("sync_sites_by_rank") or [{}])[0]
-        case = f"{r['precision']} {r['quant']} {r['seq_len']}x{r['batch']}"
+        case = _case_label(r)
         if not sites or (r["config"], case) in seen:
             continue
         seen.add((r["config"], case))
@@ -985,7 +990,7 @@ def _against_unsloth(summary: list[dict]) -> list[str]:
     lines += ["| config | case | step time / unsloth's | peak / unsloth's |", "|---|---|---:|---:|"]
     for e in rows:
         peak = f"{e['peak_vs_unsloth']:.2f}x" if "peak_vs_unsloth" in e else ""
-        case = f"{e['precision']} {e['quant']} {e['seq_len']}x{e['batch']}"
+        case = _case_label(e)
         lines.append(f"| {e['config']} | {case} | {e['vs_unsloth']:.2f}x | {peak} |")
     return lines
 
@@ -1003,7 +1008,7 @@ def markdown(env: dict, command: str, summary: list[dict], rows: list[dict]) -> 
         "|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for e in summary:
-        case = f"{e['precision']} {e['quant']} {e['seq_len']}x{e['batch']}"
+        case = _case_label(e)
         if not e.get("step_s"):
             lines.append(f"| {e['config']} | {case} | 0/{e['runs']} ({', '.join(e['statuses'])}) | | | | | | |")
             continue
@@ -1023,7 +1028,7 @@ def markdown(env: dict, command: str, summary: list[dict], rows: list[dict]) -> 
         lines += ["", "Failures:", ""]
         for r in failures:
             lines.append(
-                f"- {r['config']} {r['precision']} {r['quant']} {r['seq_len']}x{r['batch']}: {r['status']}: "
+                f"- {r['config']} {_case_label(r)}: {r['status']}: "
                 f"{(r.get('error') or '').splitlines()[-1][:300] if r.get('error') else ''}"
             )
     return "\n".join(lines) + "\n"
