@@ -43,6 +43,7 @@
 #   bash benchmarks/gpu_pairs.sh 540 "fsdp2" "tests_faults"  # two GPU pairs of a 4-GPU host side by side (gpu_pairs.sh)
 #   bash benchmarks/gpu_suite.sh kaggle_transformers  # 2 GPUs, the Kaggle image's set: the flagship, transformers backend (~5 min)
 #   bash benchmarks/gpu_suite.sh flagship12           # the flagship under the T4 profile, gpus=1 then gpus=2: steady pace of each
+#   bash benchmarks/gpu_suite.sh auto_ckpt            # 1 GPU, T4 profile: the flagship without checkpointing in 4-bit and on the oldest set (~5 min)
 #
 # Two sets of parts can share a 4-GPU machine, one GPU pair each (a separate TMPDIR keeps unsloth's
 # compile caches apart):
@@ -69,19 +70,22 @@ if [ "${SUITE_SET:-newest}" = oldest ]; then
     touch /tmp/oldest/.nbkit-installed
   fi
   export PYTHONPATH=/tmp/oldest:$PYTHONPATH UNSLOTH_COMPILE_LOCATION=/tmp/unsloth-cache-oldest
+  # Its random checkpoints go to a cache of their own: a transformers 5 config does not load in 4.57. Set here and
+  # not only where unset, since a part that runs another set's parts (t4both) passes its own cache down.
+  export NBKIT_CACHE=/tmp/nbkit-cache-oldest
 fi
 # SUITE_SET=kaggle: the Kaggle image's set (constraints-kaggle.txt: transformers 5.5, trl 0.24, peft 0.19, accelerate
 # 1.13), the same way, from .whl-kaggle/, which a machine with the package index fills (carry it with .whl/):
 #   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux2014_x86_64 -d .whl-kaggle -r constraints-kaggle.txt
-# Its random checkpoints go to a cache of their own: one written by another transformers may not load.
+# Its random checkpoints go to a cache of their own, as the oldest set's do.
 if [ "${SUITE_SET:-newest}" = kaggle ]; then
   if [ ! -e /tmp/kaggle/.nbkit-installed ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/kaggle .whl-kaggle/*.whl || exit 1
     touch /tmp/kaggle/.nbkit-installed
   fi
   export PYTHONPATH=/tmp/kaggle:$PYTHONPATH UNSLOTH_COMPILE_LOCATION=/tmp/unsloth-cache-kaggle
-  export NBKIT_CACHE=${NBKIT_CACHE:-/tmp/nbkit-cache-kaggle}
+  export NBKIT_CACHE=/tmp/nbkit-cache-kaggle
 fi
 export NBKIT_CACHE=${NBKIT_CACHE:-/tmp/nbkit-cache} NBKIT_RESULTS_DIR=$OUT TOKENIZERS_PARALLELISM=false
 # STACK_SAMPLES=1: every Python process samples its main thread's stack in Trainer's loop (the flagship's ranks
@@ -143,6 +147,13 @@ test_part() {  # test_part NAME SECONDS PYTEST-ARGS...: see TEST_PARTS; SUITE_DR
   part "$name" "$limit" bash -c 'status=0; mode=$1; shift; for args in "$@"; do
       python3 -m pytest -m gpu -q -p no:cacheprovider $mode ${args//:/ } || status=1; done; exit $status' \
     _ "${mode[*]}" "$@"
+}
+
+nbrun() {  # nbrun SUBDIR LIMIT NOTEBOOK PARAMETER...: one short notebook run under the T4 profile, one GPU (t4notebooks),
+  # its log and executed copy under $OUT/SUBDIR; the PARAMETERs come last, so they may replace these defaults.
+  local sub=$1 limit=$2 nbname=$3; shift 3
+  OUT=$OUT/$sub T4_NB_LIMIT=$limit T4_NOTEBOOKS=$nbname T4_NB_PARAMS="-p max_seq_length=1024 -p save_steps=6 $*" \
+    bash "$0" t4notebooks
 }
 
 model_part() {  # model_part MODEL SECONDS [NAME]: build MODEL's random checkpoint once, before the runs that load it
@@ -216,10 +227,6 @@ for what in "$@"; do
       # oldest set: unsloth and transformers at 64K in both weights, and the flagship with both backends in 4-bit.
       bash "$0" env
       SUITE_SET=oldest bash "$0" env_oldest
-      # One notebook run: nbrun SUBDIR LIMIT NOTEBOOK PARAMETER... (its log and executed copy under $OUT/SUBDIR).
-      nbrun() { local sub=$1 limit=$2 nbname=$3; shift 3
-        OUT=$OUT/$sub T4_NB_LIMIT=$limit T4_NOTEBOOKS=$nbname T4_NB_PARAMS="$* -p max_seq_length=1024 -p save_steps=6" \
-          bash "$0" t4notebooks; }
       ( nbrun nb_flagship_unsloth_4bit 330 qwen3_vl_2xT4 -p backend=unsloth -p load_in_4bit=True
         nbrun nb_oneshot_unsloth 240 qwen3_vl_2xT4_oneshot -p backend=unsloth ) &
       ( nbrun nb_text_unsloth 200 text_llm_ddp -p backend=unsloth
@@ -234,6 +241,27 @@ for what in "$@"; do
           T4_WARMUP=0 T4_LIMIT=500 T4_LAUNCH_TIMEOUT=330 bash "$0" t4 &
       done
       wait ;;
+    auto_ckpt)
+      # The recipe's checkpointing="auto" where it turns checkpointing off, on the paths no GPU had run that way: 4-bit
+      # weights, and the oldest set (transformers 4.57, trl 0.22, whose Trainer names the field
+      # gradient_checkpointing). The flagship with the transformers backend, one GPU under the T4 profile, one example
+      # per step of ~1,850 tokens (1,280-pixel images: 1,600 image tokens) against the plan's 2,048 x 1, so that the
+      # peak is near what the plan allows; four notebooks side by side (~5 minutes), so their step times say that a
+      # case trains, not how fast. SUITE_DRY_RUN=1: the same runs on CPU ranks (run.py's CPU parameters).
+      long=(-p backend=transformers -p batch_size=1 -p max_seq_length=2048 -p image_size=1280 -p max_steps=8)
+      four=(-p load_in_4bit=True)
+      # On the CPU the 4-bit runs train in 16 bits (bitsandbytes' 4-bit needs CUDA).
+      [ -z "${SUITE_DRY_RUN:-}" ] || { long=(-p backend=transformers -p max_steps=2); four=(); }
+      ( nbrun auto_16bit 330 qwen3_vl_2xT4 "${long[@]}"
+        export SUITE_SET=oldest; nbrun auto_oldest_4bit 240 qwen3_vl_2xT4 "${long[@]}" "${four[@]}" ) &
+      nbrun auto_4bit 330 qwen3_vl_2xT4 "${long[@]}" "${four[@]}" &
+      ( export SUITE_SET=oldest; nbrun auto_oldest_16bit 330 qwen3_vl_2xT4 "${long[@]}" ) &
+      wait
+      summaries=()
+      for run in auto_16bit auto_4bit auto_oldest_16bit auto_oldest_4bit; do
+        summaries+=("$run=$OUT/$run/t4_notebooks/qwen3_vl_2xT4/summary.json")
+      done
+      python3 benchmarks/flagship_scaling.py "${summaries[@]}" | tee "$OUT/auto_ckpt.md" ;;
     kaggle)
       # The Kaggle image's set (SUITE_SET=kaggle above) on 2 GPUs: its versions, then the flagship notebook's GPU test
       # (two GPUs capped as T4s, unsloth in fp16), 16-bit by the planner or KAGGLE_WEIGHTS=4bit: 4.5-5.5 minutes each

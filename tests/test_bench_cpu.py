@@ -269,19 +269,22 @@ def test_flagship_scaling_compares_whole_run_throughput_and_names_a_summary_with
         }
         path = tmp_path / folder / "qwen3_vl_2xT4" / "summary.json"
         path.parent.mkdir(parents=True)
-        path.write_text(json.dumps({"backend": "unsloth", "precision": "fp16", "load_in_4bit": False, "train": train}))
+        run = {"backend": "unsloth", "precision": "fp16", "load_in_4bit": False, "checkpointing": None, "train": train}
+        path.write_text(json.dumps(run))
         return path
 
     one, two = summary("gpus1", 0.3, 1600.0, 1), summary("gpus2", 0.4, 1200.0, 2)
     script = [sys.executable, str(BENCHMARKS / "flagship_scaling.py")]
-    done = subprocess.run([*script, str(one), str(two)], capture_output=True, text=True, check=True)
-    rows = [line for line in done.stdout.splitlines() if line.startswith("| gpus")]
+    done = subprocess.run([*script, str(one), f"two GPUs={two}"], capture_output=True, text=True, check=True)
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| gpus1") or line.startswith("| two")]
     assert rows[0].endswith("| 1,600 | 4.50 | 1.00x |")
+    assert rows[1].startswith("| two GPUs | unsloth | fp16 | False | None |")  # named by its label
     assert rows[1].endswith("| 2,400 | 4.50 | 1.50x |")  # 1,200 tokens/s on each of 2 GPUs against 1,600
     assert "| 2 x 1 x 2 | 0.400 |" in rows[1]
     paceless = summary("plain", 0.3, 0.0, 1)
     failed = subprocess.run([*script, str(one), str(paceless)], capture_output=True, text=True)
     assert failed.returncode == 1 and str(paceless) in failed.stderr and "no steady tokens/s" in failed.stderr
+    assert "| gpus1 |" in failed.stdout and "| plain |" not in failed.stdout  # the other runs still get their rows
 
 
 def _reads_the_gpu(sync_warnings: int) -> None:
