@@ -135,6 +135,39 @@ def test_a_checkpointed_layer_compiles_with_its_checkpoint_inside():
     torch._dynamo.reset()
 
 
+def test_generation_runs_eagerly_and_leaves_dynamos_budget_to_training():
+    # A notebook generates an answer before it trains. Generation compiles nothing (a prefill, then token by token,
+    # without autograd): its graphs would count against dynamo's limit on compilations per function, which the
+    # layers' training calls share, and once it is reached every later length trains eagerly. Training after it
+    # compiles each region at its first length and once more, dynamic, at the next, with the eager model's values.
+    from torch._dynamo.utils import counters
+
+    model = tiny_model("qwen3").train()
+    batches = [make_batch(model, [length], seed=length) for length in (16, 24, 32)]
+    references = [loss_and_grads(model, batch) for batch in batches]
+    prompt = batches[0]["input_ids"][:, :8]
+    with torch.no_grad():
+        expected = model.eval().generate(input_ids=prompt, max_new_tokens=10, do_sample=False)
+    savers.apply(model, checkpointing=None, tiled_mlp=False, chunked_loss=True)
+    compiling.enable(model, backend="aot_eager")
+    torch._dynamo.reset()
+    counters.clear()
+    with torch.no_grad():
+        answer = model.generate(input_ids=prompt, max_new_tokens=10, do_sample=False)
+    assert torch.equal(answer, expected) and counters["frames"]["total"] == 0, dict(counters["frames"])
+    model.train()
+    compiled = []
+    for batch, (reference_loss, reference) in zip(batches, references, strict=True):
+        loss, grads = loss_and_grads(model, batch)
+        compiled.append(counters["frames"]["ok"])
+        assert relative_error(loss, reference_loss) < TOLERANCE
+        assert_grads_match(grads, reference)
+    # 16: a static graph; 24: a dynamic one; 32: served by it (two each: the first layer's input needs no grad)
+    assert compiled[0] > 0 and compiled[1] > compiled[0] and compiled[2] == compiled[1], compiled
+    savers.remove(model)
+    torch._dynamo.reset()
+
+
 def test_a_compile_the_user_made_is_left_alone_and_bad_values_are_refused():
     model = tiny_model("qwen3")
     head = savers._model.base_model(model).lm_head

@@ -7,7 +7,8 @@ are the same code, the first one's compiled graph serves the others (guards on t
 attributes, parameters as inputs: torch's "regional compilation" recipe). Compiling the whole model
 instead would take minutes and break on the vision tower's and the loss's data-dependent code.
 
-The compilation is `nn.Module.compile()`, in place: the layer objects stay where they are, so peft's
+The compilation is what `nn.Module.compile()` does, in place, for calls that autograd records (training; inference
+runs eagerly, see _TrainingCalls): the layer objects stay where they are, so peft's
 LoRA modules, nbkit's other savers (their mixins swap the layers' and MLPs' classes) and DDP see the
 same modules. accelerate's `compile_regions` returns `torch.compile` wrappers (OptimizedModule) in a
 copied model instead, which the savers' `remove()` could not find again; its FSDP2 variant
@@ -34,8 +35,10 @@ profile train compiled.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, cast
 
+import torch
 from torch import nn
 
 from nbkit.platform import notices
@@ -85,9 +88,9 @@ def regions(model: nn.Module, *, vision: bool = True) -> list[nn.Module]:
 def enable(model: nn.Module, *, backend: str = "inductor", vision: bool = True, **options: Any) -> None:
     """Compile every region of `model` (see regions()) in place with `torch.compile(backend=..., **options)`.
 
-    Compilation happens on each region's first call (the first training step: tens of seconds per
-    distinct shape on a GPU); an INFO notice (nbkit.platform.notices) says so. Replaces a previous setting of
-    this saver.
+    Compilation happens on each region's first training call (the first training step: tens of seconds per
+    distinct shape on a GPU); an INFO notice (nbkit.platform.notices) says so. Calls without autograd
+    (generation, evaluation) run eagerly. Replaces a previous setting of this saver.
 
     Args:
         model: a transformers model, bare, peft- or DDP-wrapped.
@@ -101,7 +104,9 @@ def enable(model: nn.Module, *, backend: str = "inductor", vision: bool = True, 
     disable(model)
     blocks = regions(model, vision=vision)
     for block in blocks:
-        block.compile(backend=backend, **options)
+        # What nn.Module.compile() does, with inference left eager (_TrainingCalls says why).
+        compiled = torch.compile(block._call_impl, backend=backend, **options)
+        cast(Any, block)._compiled_call_impl = _TrainingCalls(compiled, block._call_impl)
         if checkpointing.is_checkpointed(block):
             checkpointing.compile_checkpointed(block, backend=backend, **options)
         setattr(block, _MARK, True)
@@ -114,12 +119,32 @@ def enable(model: nn.Module, *, backend: str = "inductor", vision: bool = True, 
     )
 
 
+class _TrainingCalls:
+    """A region's call: compiled where autograd records it (training, and a checkpoint's recompute), eager where
+    it does not (generation, evaluation under no_grad).
+
+    Generation would compile graphs of its own (a prefill, then one token at a time against a growing cache, in
+    another grad mode), and they count against dynamo's limit on compilations per function
+    (torch._dynamo.config.recompile_limit: 8), which the training calls of every layer share. In the flagship
+    notebook, which generates an answer before it trains, that limit was reached at the first training step, so
+    each later length trained eagerly: without checkpointing, 0.493 s a step against 0.413 s with the compiled
+    checkpoint (which is a function of its own), 1x H200 under the T4 profile (benchmarks/RESULTS.md). Eager
+    generation also spares a notebook's answer cell the compilation.
+    """
+
+    def __init__(self, compiled: Callable[..., Any], eager: Callable[..., Any]) -> None:
+        self.compiled, self.eager = compiled, eager
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return (self.compiled if torch.is_grad_enabled() else self.eager)(*args, **kwargs)
+
+
 def disable(model: nn.Module) -> None:
     """Undo enable(): each region runs eagerly again. A no-op where nothing was compiled by enable()."""
     # Every module is looked at, not regions(): the tiled MLP may have been switched since enable().
     for block in base_model(model).modules():
         if getattr(block, _MARK, False):
-            # nn.Module has compile() but no public way back; compile() only sets this attribute,
+            # nn.Module has compile() but no public way back; compile() only sets this attribute, as enable() does,
             # which nn.Module.__call__ checks on every call.
             cast(Any, block)._compiled_call_impl = None
             checkpointing.drop_compiled(block)
