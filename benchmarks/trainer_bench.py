@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import functools
 import gc
 import importlib.metadata
 import itertools
@@ -223,7 +224,9 @@ def build_model(launch: Launch, device: torch.device) -> torch.nn.Module:
         for layer in _model.decoder_layers(_model.base_model(model)):
             layer.compile(backend="inductor", mode="reduce-overhead")
             if checkpointing.is_checkpointed(layer):
-                checkpointing.compile_checkpointed(layer, backend="inductor", mode="reduce-overhead")
+                checkpointing.compile_checkpointed(
+                    layer, functools.partial(torch.compile, backend="inductor", mode="reduce-overhead")
+                )
         return model
     if graphs or ("compile" in launch.extras and launch.compile_backend != "inductor"):  # the dry run's aot_eager
         nbkit.savers.apply(model, **options, compile=None)

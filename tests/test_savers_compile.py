@@ -168,6 +168,46 @@ def test_generation_runs_eagerly_and_leaves_dynamos_budget_to_training():
     torch._dynamo.reset()
 
 
+def test_batches_of_many_image_sizes_stay_compiled_and_exact(monkeypatch):
+    # Every decoder layer and vision block runs one compiled function, whose inputs come in many variants with
+    # images of several sizes and batches of one and two; past dynamo's default of 8 compilations per function
+    # each new one would run eagerly (it did by the third batch here). The regions allow more, for their calls alone.
+    import logging
+
+    import test_savers
+
+    limits = []
+
+    class Warnings(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "recompile_limit" in record.getMessage():
+                limits.append(record.getMessage())
+
+    handler = Warnings()
+    logging.getLogger("torch._dynamo").addHandler(handler)
+    model = tiny_model("qwen3-vl").train()
+    batches = []
+    for index, grid in enumerate([(1, 2, 2), (1, 4, 4), (1, 2, 4), (1, 6, 6), (1, 4, 2), (1, 8, 4)]):
+        monkeypatch.setattr(test_savers, "IMAGE_GRID", grid)
+        tokens = math.prod(grid) // 4  # after the 2x2 merge
+        batches.append(make_batch(model, [tokens + 9 + index, tokens + 5][: 1 + index % 2], seed=index))
+    references = [loss_and_grads(model, batch) for batch in batches]
+    savers.apply(model, checkpointing=None, tiled_mlp=False, chunked_loss=True)
+    compiling.enable(model, backend="aot_eager")
+    torch._dynamo.reset()
+    try:
+        for batch, (reference_loss, reference) in zip(batches, references, strict=True):
+            loss, grads = loss_and_grads(model, batch)
+            assert relative_error(loss, reference_loss) < TOLERANCE
+            assert_grads_match(grads, reference)
+    finally:
+        logging.getLogger("torch._dynamo").removeHandler(handler)
+        savers.remove(model)
+        torch._dynamo.reset()
+    assert not limits, limits
+    assert torch._dynamo.config.recompile_limit == 8  # raised for the regions' calls, not for the process
+
+
 def test_a_compile_the_user_made_is_left_alone_and_bad_values_are_refused():
     model = tiny_model("qwen3")
     head = savers._model.base_model(model).lm_head

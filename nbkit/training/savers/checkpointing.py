@@ -35,6 +35,7 @@ import contextlib
 import functools
 import types
 import weakref
+from collections.abc import Callable
 from typing import Any, cast
 
 import torch
@@ -217,8 +218,9 @@ def _checkpointed_call(layer: nn.Module, *args: Any, **kwargs: Any) -> Any:
     return checkpoint(layer._call_impl, *args, use_reentrant=False, **kwargs)
 
 
-def compile_checkpointed(layer: nn.Module, **options: Any) -> None:
-    """Give a checkpointed decoder layer a compiled call with the checkpoint inside (torch.compile `options`).
+def compile_checkpointed(layer: nn.Module, compiler: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+    """Give a checkpointed decoder layer a compiled call with the checkpoint inside: `compiler` of that call
+    (torch.compile with its options; nbkit.savers.compiling passes its own).
 
     Dynamo traces a non-reentrant checkpoint as one region, and AOTAutograd's partitioner recomputes the layer
     inside the compiled backward: the forward saves the layer's inputs and weights only, as the checkpoint
@@ -229,7 +231,7 @@ def compile_checkpointed(layer: nn.Module, **options: Any) -> None:
     module hooks such as FSDP2's), take the checkpoint outside the compiled layer instead.
     nbkit.savers.compiling calls this; drop_compiled() undoes it.
     """
-    setattr(layer, _COMPILED, torch.compile(types.MethodType(_checkpointed_call, layer), **options))
+    setattr(layer, _COMPILED, compiler(types.MethodType(_checkpointed_call, layer)))
 
 
 def drop_compiled(layer: nn.Module) -> None:

@@ -49,6 +49,14 @@ __all__ = ["disable", "enable", "is_enabled", "regions"]
 
 # Set on every module this saver compiled, so that disable() touches no compile the user made.
 _MARK = "_nbkit_compiled"
+# Compilations dynamo allows per function in the regions' calls; its own default is 8
+# (torch._dynamo.config.recompile_limit), past which each new variant of the inputs runs eagerly. All decoder layers
+# and vision blocks run one function (transformers' GradientCheckpointingLayer.__call__, or nbkit's compiled
+# checkpoint), and each variant its guards tell apart takes one compilation: a first length and then dynamic ones, the
+# first layer's input (no grad) and the later layers' (grad), a batch of one, a vision block beside a decoder layer.
+# tiny:qwen3-vl trained on batches of 1 and 2 with ten image sizes took 24 compilations, 8 reached at the third
+# batch (benchmarks/RESULTS.md); 64 leaves room and still stops a loop that recompiles at every step.
+_RECOMPILE_LIMIT = 64
 
 
 def regions(model: nn.Module, *, vision: bool = True) -> list[nn.Module]:
@@ -103,12 +111,15 @@ def enable(model: nn.Module, *, backend: str = "inductor", vision: bool = True, 
     """
     disable(model)
     blocks = regions(model, vision=vision)
+
+    def compiler(fn: Callable[..., Any]) -> Callable[..., Any]:
+        return _Compiled(torch.compile(fn, backend=backend, **options))
+
     for block in blocks:
         # What nn.Module.compile() does, with inference left eager (_TrainingCalls says why).
-        compiled = torch.compile(block._call_impl, backend=backend, **options)
-        cast(Any, block)._compiled_call_impl = _TrainingCalls(compiled, block._call_impl)
+        cast(Any, block)._compiled_call_impl = _TrainingCalls(compiler(block._call_impl), block._call_impl)
         if checkpointing.is_checkpointed(block):
-            checkpointing.compile_checkpointed(block, backend=backend, **options)
+            checkpointing.compile_checkpointed(block, compiler)
         setattr(block, _MARK, True)
     # Said here because the wait comes later, where nothing else explains it: a first step that takes a
     # minute on a slow notebook CPU looks like a hang.
@@ -117,6 +128,20 @@ def enable(model: nn.Module, *, backend: str = "inductor", vision: bool = True, 
         "step of another sequence length (Qwen3-VL-2B on one H100: 20-24 s from launch to the first step; longer on "
         "a notebook's few CPU cores); the steps after run faster. compile=None leaves them uncompiled."
     )
+
+
+class _Compiled:
+    """A region's compiled function, called with dynamo's limit on compilations per function raised to
+    _RECOMPILE_LIMIT (where the process's own is lower) for these calls alone.
+    """
+
+    def __init__(self, compiled: Callable[..., Any]) -> None:
+        self.compiled = compiled
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        limit = max(_RECOMPILE_LIMIT, torch._dynamo.config.recompile_limit)
+        with torch._dynamo.config.patch(recompile_limit=limit):
+            return self.compiled(*args, **kwargs)
 
 
 class _TrainingCalls:
