@@ -115,18 +115,25 @@ def test_every_launched_rank_gets_the_fp16_fix():
     assert "mixed_precision" in nbkit.launch(_groups_in_rank, gpus=1)
 
 
+def _frozen_mlp(model: Any) -> torch.Tensor:
+    """A frozen 16-bit weight that stands for the ones bitsandbytes leaves unquantised (norms, embeddings, vision)."""
+    return model.get_base_model().model.layers[0].mlp.gate_proj.weight
+
+
 @pytest.mark.skipif(_trl_casts_to_bf16(), reason="TRL 1.x leaves the adapters of a PeftModel it is given trainable")
-def test_sft_trainer_keeps_the_adapters_of_a_quantised_peft_model_trainable(tiny_text_path, tmp_path):
+def test_sft_trainer_keeps_a_quantised_peft_model_as_it_is(tiny_text_path, tmp_path):
     nbkit.uninstall("compat")
     model = _lora_model(tiny_text_path)
     lora = {n for n, p in model.named_parameters() if p.requires_grad}
     _sft_trainer(model, tiny_text_path, tmp_path, fp16=False)
     assert lora and not any(p.requires_grad for p in model.parameters())  # the cause: TRL 0.22 froze them all
+    assert _frozen_mlp(model).dtype == torch.float32  # and upcast every frozen 16-bit weight (4-bit ones aside)
     compat.enable()
     try:
         model = _lora_model(tiny_text_path)
         trainer = _sft_trainer(model, tiny_text_path, tmp_path, fp16=False)
         assert {n for n, p in model.named_parameters() if p.requires_grad} == lora
+        assert _frozen_mlp(model).dtype == torch.bfloat16  # as loaded
         before = {n: p.detach().clone() for n, p in model.named_parameters() if n in lora}
         trainer.train()
         # LoRA's B starts at zero: after one step every adapter weight pair has moved
