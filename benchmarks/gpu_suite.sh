@@ -44,6 +44,7 @@
 #   bash benchmarks/gpu_suite.sh kaggle_transformers  # 2 GPUs, the Kaggle image's set: the flagship, transformers backend (~5 min)
 #   bash benchmarks/gpu_suite.sh flagship12           # the flagship under the T4 profile, gpus=1 then gpus=2: steady pace of each
 #   bash benchmarks/gpu_suite.sh auto_ckpt            # 1 GPU, T4 profile: the flagship without checkpointing in 4-bit and on the oldest set (~5 min)
+#   bash benchmarks/gpu_suite.sh ckpt_pair            # 1 GPU, T4 profile: the flagship alone without checkpointing, then with it (~4.5 min)
 #
 # Two sets of parts can share a 4-GPU machine, one GPU pair each (a separate TMPDIR keeps unsloth's
 # compile caches apart):
@@ -156,6 +157,11 @@ nbrun() {  # nbrun SUBDIR LIMIT NOTEBOOK PARAMETER...: one short notebook run un
     bash "$0" t4notebooks
 }
 
+drop_weights() {  # drop_weights DIR...: the checkpoints and adapters nbrun's notebooks left under each DIR, which
+  # the call would otherwise bring back (a call returns a limited number of files: their logs were left out)
+  find "$@" -depth \( -name 'checkpoint-*' -o -name lora_model \) -type d -exec rm -rf {} +
+}
+
 model_part() {  # model_part MODEL SECONDS [NAME]: build MODEL's random checkpoint once, before the runs that load it
   part "${3:-speed_model}" "$2" python3 -c "import nbkit; print(nbkit.resolve_model('$1'))"
 }
@@ -261,7 +267,22 @@ for what in "$@"; do
       for run in auto_16bit auto_4bit auto_oldest_16bit auto_oldest_4bit; do
         summaries+=("$run=$OUT/$run/t4_notebooks/qwen3_vl_2xT4/summary.json")
       done
-      python3 benchmarks/flagship_scaling.py "${summaries[@]}" | tee "$OUT/auto_ckpt.md" ;;
+      python3 benchmarks/flagship_scaling.py "${summaries[@]}" | tee "$OUT/auto_ckpt.md"
+      drop_weights "$OUT"/auto_* ;;
+    ckpt_pair)
+      # The flagship alone on one GPU under the T4 profile, the transformers backend, one example of ~1,640 tokens per
+      # step (as auto_ckpt), trained without checkpointing and then with the offloaded checkpoint: whether "auto"'s
+      # choice makes the notebook faster, its answer cell before training included (~4.5 minutes). SUITE_DRY_RUN=1:
+      # CPU ranks, run.py's CPU parameters.
+      long=(-p backend=transformers -p batch_size=1 -p max_seq_length=2048 -p image_size=1280 -p max_steps=12)
+      [ -z "${SUITE_DRY_RUN:-}" ] || long=(-p backend=transformers -p max_steps=3)
+      summaries=()
+      for checkpointing in None offload; do
+        nbrun "ckpt_$checkpointing" 200 qwen3_vl_2xT4 "${long[@]}" -p save_steps=1000 -p checkpointing=$checkpointing
+        summaries+=("$checkpointing=$OUT/ckpt_$checkpointing/t4_notebooks/qwen3_vl_2xT4/summary.json")
+      done
+      python3 benchmarks/flagship_scaling.py "${summaries[@]}" | tee "$OUT/ckpt_pair.md"
+      drop_weights "$OUT"/ckpt_* ;;
     kaggle)
       # The Kaggle image's set (SUITE_SET=kaggle above) on 2 GPUs: its versions, then the flagship notebook's GPU test
       # (two GPUs capped as T4s, unsloth in fp16), 16-bit by the planner or KAGGLE_WEIGHTS=4bit: 4.5-5.5 minutes each
