@@ -54,8 +54,9 @@ _MARK = "_nbkit_compiled"
 # and vision blocks run one function (transformers' GradientCheckpointingLayer.__call__, or nbkit's compiled
 # checkpoint), and each variant its guards tell apart takes one compilation: a first length and then dynamic ones, the
 # first layer's input (no grad) and the later layers' (grad), a batch of one, a vision block beside a decoder layer.
-# tiny:qwen3-vl trained on batches of 1 and 2 with ten image sizes took 24 compilations, 8 reached at the third
-# batch (benchmarks/RESULTS.md); 64 leaves room and still stops a loop that recompiles at every step.
+# tiny:qwen3-vl trained on batches of 1 and 2 with ten image sizes: the shared function reached 8 at the third batch,
+# and with room its functions took 24 in all, none after the fourth batch (benchmarks/RESULTS.md); 64 leaves room and
+# still stops a loop that recompiles at every step.
 _RECOMPILE_LIMIT = 64
 
 
