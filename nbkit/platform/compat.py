@@ -104,7 +104,7 @@ def _loss_without_full_logits(original: Callable[..., Any]) -> Callable[..., Any
     "4.57.1, trl 0.22.2, peft 0.18.0, one H100 under the T4 profile). It also casts every frozen 16-bit weight that "
     "is not quantised to fp32 (embeddings, vision tower, norms): Qwen3-VL-2B in 4-bit without checkpointing then "
     "peaked at 10.27 GiB, against 6.37 with trl 1.15 (one H200 under the T4 profile). A PeftModel now keeps its "
-    "parameters as they are, as in trl 0.23; the gradient checkpointing it asks for is enabled as trl does for one",
+    "parameters as they are, as in trl 0.23; checkpointing, where asked for, is enabled as peft's preparation does",
     upstream="https://github.com/huggingface/trl/issues/3926 (fixed by https://github.com/huggingface/trl/pull/4081)",
     group="compat",
     when=_trl_0,
@@ -117,10 +117,11 @@ def _peft_model_stays_as_it_is(original: Callable[..., Any]) -> Callable[..., An
 
         if not isinstance(model, PeftModel):
             return original(model, use_gradient_checkpointing, gradient_checkpointing_kwargs)
-        if use_gradient_checkpointing:
-            from trl.models.utils import enable_gradient_checkpointing  # type: ignore[attr-defined]  # trl 0.x only
-
-            return enable_gradient_checkpointing(model, gradient_checkpointing_kwargs)
+        if use_gradient_checkpointing:  # the checkpointing part of the preparation, as peft does it
+            options = gradient_checkpointing_kwargs or {}
+            if options.get("use_reentrant", True):
+                model.enable_input_require_grads()
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=options)
         return model
 
     return prepare_model_for_kbit_training
