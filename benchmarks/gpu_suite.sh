@@ -157,6 +157,16 @@ nbrun() {  # nbrun SUBDIR LIMIT NOTEBOOK PARAMETER...: one short notebook run un
     bash "$0" t4notebooks
 }
 
+nbsummary() {  # nbsummary SUBDIR [NOTEBOOK]: where nbrun's run of NOTEBOOK (the flagship) under SUBDIR left its summary.json
+  echo "$OUT/$1/t4_notebooks/${2:-qwen3_vl_2xT4}/summary.json"
+}
+
+# The flagship with the transformers backend at one example of ~1,640 tokens per step (1,280-pixel images: 1,600 image
+# tokens), against the plan's 2,048 x 1, so that its peak is near what the plan allows (auto_ckpt, ckpt_pair).
+# SUITE_DRY_RUN=1: run.py's CPU parameters.
+FLAGSHIP_LONG=(-p backend=transformers -p batch_size=1 -p max_seq_length=2048 -p image_size=1280)
+[ -z "${SUITE_DRY_RUN:-}" ] || FLAGSHIP_LONG=(-p backend=transformers)
+
 drop_weights() {  # drop_weights DIR...: the checkpoints and adapters nbrun's notebooks left under each DIR, which
   # the call would otherwise bring back (a call returns a limited number of files: their logs were left out)
   find "$@" -depth \( -name 'checkpoint-*' -o -name lora_model \) -type d -exec rm -rf {} +
@@ -250,14 +260,12 @@ for what in "$@"; do
     auto_ckpt)
       # The recipe's checkpointing="auto" where it turns checkpointing off, on the paths no GPU had run that way: 4-bit
       # weights, and the oldest set (transformers 4.57, trl 0.22, whose Trainer names the field
-      # gradient_checkpointing). The flagship with the transformers backend, one GPU under the T4 profile, one example
-      # per step of ~1,850 tokens (1,280-pixel images: 1,600 image tokens) against the plan's 2,048 x 1, so that the
-      # peak is near what the plan allows; four notebooks side by side (~5 minutes), so their step times say that a
-      # case trains, not how fast. SUITE_DRY_RUN=1: the same runs on CPU ranks (run.py's CPU parameters).
-      long=(-p backend=transformers -p batch_size=1 -p max_seq_length=2048 -p image_size=1280 -p max_steps=8)
+      # gradient_checkpointing). FLAGSHIP_LONG on one GPU under the T4 profile; four notebooks side by side (~5
+      # minutes), so their step times say that a case trains, not how fast. SUITE_DRY_RUN=1: the same runs on CPU ranks.
+      long=("${FLAGSHIP_LONG[@]}" -p max_steps=8)
       four=(-p load_in_4bit=True)
       # On the CPU the 4-bit runs train in 16 bits (bitsandbytes' 4-bit needs CUDA).
-      [ -z "${SUITE_DRY_RUN:-}" ] || { long=(-p backend=transformers -p max_steps=2); four=(); }
+      [ -z "${SUITE_DRY_RUN:-}" ] || { long=("${FLAGSHIP_LONG[@]}" -p max_steps=2); four=(); }
       ( nbrun auto_16bit 330 qwen3_vl_2xT4 "${long[@]}"
         export SUITE_SET=oldest; nbrun auto_oldest_4bit 240 qwen3_vl_2xT4 "${long[@]}" "${four[@]}" ) &
       nbrun auto_4bit 330 qwen3_vl_2xT4 "${long[@]}" "${four[@]}" &
@@ -265,21 +273,20 @@ for what in "$@"; do
       wait
       summaries=()
       for run in auto_16bit auto_4bit auto_oldest_16bit auto_oldest_4bit; do
-        summaries+=("$run=$OUT/$run/t4_notebooks/qwen3_vl_2xT4/summary.json")
+        summaries+=("$run=$(nbsummary "$run")")
       done
       python3 benchmarks/flagship_scaling.py "${summaries[@]}" | tee "$OUT/auto_ckpt.md"
       drop_weights "$OUT"/auto_* ;;
     ckpt_pair)
-      # The flagship alone on one GPU under the T4 profile, the transformers backend, one example of ~1,640 tokens per
-      # step (as auto_ckpt), trained without checkpointing and then with the offloaded checkpoint: whether "auto"'s
-      # choice makes the notebook faster, its answer cell before training included (~4.5 minutes). SUITE_DRY_RUN=1:
-      # CPU ranks, run.py's CPU parameters.
-      long=(-p backend=transformers -p batch_size=1 -p max_seq_length=2048 -p image_size=1280 -p max_steps=12)
-      [ -z "${SUITE_DRY_RUN:-}" ] || long=(-p backend=transformers -p max_steps=3)
+      # FLAGSHIP_LONG alone on one GPU under the T4 profile, trained without checkpointing and then with the offloaded
+      # checkpoint: whether "auto"'s choice makes the notebook faster, its answer cell before training included (~4.5
+      # minutes). SUITE_DRY_RUN=1: CPU ranks.
+      steps=12; [ -z "${SUITE_DRY_RUN:-}" ] || steps=3
       summaries=()
       for checkpointing in None offload; do
-        nbrun "ckpt_$checkpointing" 200 qwen3_vl_2xT4 "${long[@]}" -p save_steps=1000 -p checkpointing=$checkpointing
-        summaries+=("$checkpointing=$OUT/ckpt_$checkpointing/t4_notebooks/qwen3_vl_2xT4/summary.json")
+        nbrun "ckpt_$checkpointing" 200 qwen3_vl_2xT4 "${FLAGSHIP_LONG[@]}" -p max_steps=$steps -p save_steps=1000 \
+          -p checkpointing=$checkpointing
+        summaries+=("$checkpointing=$(nbsummary "ckpt_$checkpointing")")
       done
       python3 benchmarks/flagship_scaling.py "${summaries[@]}" | tee "$OUT/ckpt_pair.md"
       drop_weights "$OUT"/ckpt_* ;;
