@@ -44,7 +44,8 @@ def table(summaries: list[tuple[str, dict[str, Any]]]) -> str:
         t, b, total = s["train"], s["train"]["batch"], throughput(s)
         lines.append(
             f"| {name} | {s.get('backend')} | {s.get('precision')} | {s.get('load_in_4bit')} | "
-            f"{s.get('checkpointing', '')} | {b['per_device']} x {b['accumulation']} x {b['processes']} | {t['seconds_per_step']:.3f} | "
+            f"{s.get('checkpointing', '')} | {b['per_device']} x {b['accumulation']} x {b['processes']} | "
+            f"{t['seconds_per_step']:.3f} | "
             f"{t['first_step_seconds']:.1f} | {t['mean_seconds_per_step']:.3f} | {t['tokens_per_second']:,.0f} | "
             f"{total:,.0f} | {t['peak_memory_gib']:.2f} | {total / base:.2f}x |"
         )
