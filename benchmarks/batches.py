@@ -10,15 +10,22 @@ IMAGE_GRID = (1, 16, 16)
 
 
 def synthetic_batch(
-    config: Any, seq_len: int, batch: int, device: torch.device | str, *, image: bool = False, seed: int = 0
+    config: Any,
+    seq_len: int,
+    batch: int,
+    device: torch.device | str,
+    *,
+    image: bool = False,
+    seed: int = 0,
+    image_grid: tuple[int, int, int] = IMAGE_GRID,
 ) -> dict[str, torch.Tensor]:
     """A training batch of `batch` random sequences of exactly `seq_len` tokens, labels = inputs
     (image tokens excepted).
 
     Takes the model's config (text or Qwen-VL), the length and count, the device, whether each
-    sequence carries one small image (IMAGE_GRID patches as <vision_start> <image_pad>... <vision_end>
-    right after the first token, with pixel_values, image_grid_thw and mm_token_type_ids), and a
-    seed (same seed, same batch). No attention mask (no padding), so attention never materialises
+    sequence carries one image (image_grid patches, (t, h, w), by default IMAGE_GRID's small one, as
+    <vision_start> <image_pad>... <vision_end> right after the first token, with pixel_values,
+    image_grid_thw and mm_token_type_ids), and a seed (same seed, same batch). No attention mask (no padding), so attention never materialises
     a seq x seq mask. Token ids avoid the image/video marker ids; image tokens get label -100. Raises ValueError when an image
     is asked of a model that is not a Qwen-VL or does not fit in `seq_len`.
     """
@@ -37,14 +44,16 @@ def synthetic_batch(
         ids[torch.isin(ids, torch.tensor(sorted(markers)))] = filler
     out = {"input_ids": ids}
     if image:
-        out.update(_image_inputs(config, ids, generator))
+        out.update(_image_inputs(config, ids, generator, image_grid))
     out["labels"] = ids.clone()
     if image:  # as chat collators do: no loss on image tokens
         out["labels"][out["mm_token_type_ids"].bool()] = -100
     return {k: v.to(device) for k, v in out.items()}
 
 
-def _image_inputs(config: Any, ids: torch.Tensor, generator: torch.Generator) -> dict[str, torch.Tensor]:
+def _image_inputs(
+    config: Any, ids: torch.Tensor, generator: torch.Generator, grid: tuple[int, int, int]
+) -> dict[str, torch.Tensor]:
     vision = getattr(config, "vision_config", None)
     needed = ("patch_size", "temporal_patch_size", "spatial_merge_size")
     if vision is None or not all(hasattr(vision, n) for n in needed) or getattr(config, "image_token_id", None) is None:
@@ -53,7 +62,7 @@ def _image_inputs(config: Any, ids: torch.Tensor, generator: torch.Generator) ->
             "Run text-only batches instead."
         )
     batch, seq_len = ids.shape
-    t, h, w = IMAGE_GRID
+    t, h, w = grid
     patches = t * h * w
     tokens = patches // vision.spatial_merge_size**2
     if seq_len < tokens + 3:
@@ -67,7 +76,7 @@ def _image_inputs(config: Any, ids: torch.Tensor, generator: torch.Generator) ->
     kinds[:, 2 : 2 + tokens] = 1
     return {
         "pixel_values": torch.randn(batch * patches, width, generator=generator),
-        "image_grid_thw": torch.tensor([IMAGE_GRID] * batch),
+        "image_grid_thw": torch.tensor([grid] * batch),
         "mm_token_type_ids": kinds,
     }
 

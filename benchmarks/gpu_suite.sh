@@ -280,13 +280,16 @@ for what in "$@"; do
     ckpt_pair)
       # FLAGSHIP_LONG alone on one GPU under the T4 profile, trained without checkpointing and then with the offloaded
       # checkpoint: whether "auto"'s choice makes the notebook faster, its answer cell before training included (~4.5
-      # minutes). SUITE_DRY_RUN=1: CPU ranks.
+      # minutes). CKPT_ORDER="offload None" runs them the other way round, "None offload None offload" twice
+      # interleaved (a call's second notebook ran 11-21% faster than its first, whichever it was). SUITE_DRY_RUN=1: CPU
+      # ranks.
       steps=12; [ -z "${SUITE_DRY_RUN:-}" ] || steps=3
       summaries=()
-      for checkpointing in None offload; do
-        nbrun "ckpt_$checkpointing" 200 qwen3_vl_2xT4 "${FLAGSHIP_LONG[@]}" -p max_steps=$steps -p save_steps=1000 \
+      for checkpointing in ${CKPT_ORDER:-None offload}; do
+        run=ckpt_$checkpointing$(( ${#summaries[@]} / 2 ))  # a run's folder and label: each value may come more than once
+        nbrun "$run" 200 qwen3_vl_2xT4 "${FLAGSHIP_LONG[@]}" -p max_steps=$steps -p save_steps=1000 \
           -p checkpointing=$checkpointing
-        summaries+=("$checkpointing=$(nbsummary "ckpt_$checkpointing")")
+        summaries+=("$run=$(nbsummary "$run")")
       done
       python3 benchmarks/flagship_scaling.py "${summaries[@]}" | tee "$OUT/ckpt_pair.md"
       drop_weights "$OUT"/ckpt_* ;;

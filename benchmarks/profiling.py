@@ -76,7 +76,8 @@ def profile(stepper: Stepper, batch: dict[str, torch.Tensor], spec: LaunchSpec, 
 def summary(averages: Any, steps: int, wall_s: float, top: int = 12) -> dict[str, Any]:
     """Per step of a profiled span of `steps` steps that took `wall_s`: the step's wall ms, GPU kernel ms
     by kind (nccl, memcpy, compute), the host's self CPU ms in torch ops and CUDA runtime calls (all
-    threads), host syncs, and the `top` host ops by self CPU time (ms and calls per step).
+    threads), host syncs, the `top` host ops by self CPU time and the `top` GPU kernels by device time (ms and calls
+    per step).
     """
     steps = max(1, steps)
     device_events, host_events = split_events(averages)
@@ -87,6 +88,10 @@ def summary(averages: Any, steps: int, wall_s: float, top: int = 12) -> dict[str
     busiest = sorted(host_events, key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
     out["top_host_ops"] = [
         {"op": e.key, "ms": round(e.self_cpu_time_total / 1000 / steps, 2), "calls": e.count / steps} for e in busiest
+    ]
+    longest = sorted(device_events, key=device_us, reverse=True)[:top]
+    out["top_kernels"] = [
+        {"kernel": e.key[:120], "ms": round(device_us(e) / 1000 / steps, 2), "calls": e.count / steps} for e in longest
     ]
     return out
 

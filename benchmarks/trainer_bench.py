@@ -149,6 +149,7 @@ class Launch:
     # The notebook launchers' process imports the model's modeling module before the launch, as a notebook has
     # after earlier cells (False: nothing but unsloth where it trains in place, as in a fresh kernel).
     preload: bool = True
+    image_grid: tuple[int, int, int] = batches.IMAGE_GRID  # each image's patches (t, h, w) before the 2x2 merge
 
     @property
     def config(self) -> str:
@@ -161,6 +162,7 @@ class Launch:
     def from_json(cls, text: str) -> Launch:
         data = json.loads(text)
         data["shapes"] = [tuple(s) for s in data["shapes"]]
+        data["image_grid"] = tuple(data["image_grid"])
         return cls(**data)
 
 
@@ -243,7 +245,7 @@ class _Collator:
     SFTTrainer may change what reaches the collator.
     """
 
-    def __init__(self, config: Any, seq_len: int, image: bool) -> None:
+    def __init__(self, config: Any, seq_len: int, image: tuple[int, int, int] | None) -> None:
         self.config, self.seq_len, self.image = config, seq_len, image
         self.seed = 1_000_003 * int(os.environ.get("RANK", "0"))  # other data on every rank
 
@@ -251,7 +253,17 @@ class _Collator:
         parts = []
         for _ in samples:
             self.seed += 1
-            parts.append(batches.synthetic_batch(self.config, self.seq_len, 1, "cpu", image=self.image, seed=self.seed))
+            parts.append(
+                batches.synthetic_batch(
+                    self.config,
+                    self.seq_len,
+                    1,
+                    "cpu",
+                    image=self.image is not None,
+                    image_grid=self.image or batches.IMAGE_GRID,
+                    seed=self.seed,
+                )
+            )
         batch = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
         # No padding; TRL counts tokens from the mask, and transformers' sdpa path drops an all-ones mask.
         batch["attention_mask"] = torch.ones_like(batch["input_ids"])
@@ -370,7 +382,7 @@ def _trainer(launch: Launch, model: Any, seq_len: int, batch: int, steps: int, o
     from datasets import Dataset
 
     data = Dataset.from_dict({"input_ids": [[0]] * (steps * batch * world)})
-    collate = _Collator(common_config(launch), seq_len, launch.image)
+    collate = _Collator(common_config(launch), seq_len, launch.image_grid if launch.image else None)
     options: dict[str, Any] = dict(
         output_dir=out_dir,
         max_steps=steps,
@@ -792,6 +804,7 @@ def _identity(launch: Launch) -> dict:
         "trainer_options",
         "extras",
         "image",
+        "image_grid",
         "memory_cap_gib",
         "emulate",
         "unsloth_loss",
@@ -941,25 +954,29 @@ def _by_rank(hosts: list[dict], key: str, scale: float = 1.0) -> str:
 
 
 def _profile_lines(rows: list[dict]) -> list[str]:
-    """Markdown lines: each run's profiled steps (every rank, per step), their busiest host ops after."""
+    """Markdown lines: each run's profiled steps (every rank, per step), their busiest host ops and longest kernels
+    after.
+    """
     runs = [r for r in rows if r.get("profile")]
     if not runs:
         return []
     lines = ["", "Profiled steps after the timed ones (each rank, per step; the profiler slows the host):", ""]
     lines += [
         "| config | case | repeat | rank | step ms | compute ms | nccl ms | memcpy ms | host ops ms | host syncs | "
-        "busiest host ops (ms) |"
+        "busiest host ops (ms) | longest kernels (ms) |"
     ]
-    lines += ["|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    lines += ["|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
     for r in runs:
         case = _case_label(r)
         for rank, p in enumerate(r["profile_by_rank"]):
             if not p:
                 continue
             ops = ", ".join(f"{o['op']} {o['ms']:.1f}" for o in p["top_host_ops"][:6])
+            kernels = ", ".join(f"`{k['kernel'][:48]}` {k['ms']:.1f}" for k in p.get("top_kernels", [])[:5])
             lines.append(
                 f"| {r['config']} | {case} | {r['repeat']} | {rank} | {p['step_ms']:.0f} | {p['compute_ms']:.1f} | "
-                f"{p['nccl_ms']:.1f} | {p['memcpy_ms']:.1f} | {p['host_ops_ms']:.1f} | {p['host_syncs']:.1f} | {ops} |"
+                f"{p['nccl_ms']:.1f} | {p['memcpy_ms']:.1f} | {p['host_ops_ms']:.1f} | {p['host_syncs']:.1f} | {ops} | "
+                f"{kernels} |"
             )
     return lines
 
@@ -1077,6 +1094,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--no-image", action="store_true", help="text-only sequences (default: one small image each)")
+    p.add_argument(
+        "--image-grid",
+        type=lambda text: (1, int(text), int(text)),
+        default=batches.IMAGE_GRID,
+        metavar="PATCHES",
+        help="each image PATCHES x PATCHES patches before the 2x2 merge (default 16: 64 image tokens; Qwen3-VL's "
+        "16-pixel patches make 80 a 1,280-pixel image, 1,600 tokens)",
+    )
     p.add_argument("--trainer", choices=("sft", "hf"), default="sft")
     p.add_argument(
         "--trainer-option",
@@ -1192,6 +1217,7 @@ def main(argv: list[str] | None = None) -> int:
                 compile_backend=a.compile_backend,
                 profile_steps=a.profile_steps,
                 preload=not a.no_preload,
+                image_grid=a.image_grid,
             )
             skip = None
             if a.time_limit is not None and time.monotonic() - started > a.time_limit:

@@ -86,6 +86,11 @@ def test_synthetic_image_batch_shards_back_into_the_global_batch(tiny_vl_path):
     assert shards[1]["pixel_values"].shape[0] == 2 * 256  # its two sequences' patches
     with pytest.raises(ValueError, match="too short"):
         synthetic_batch(config, 32, 1, "cpu", image=True)
+    # A larger image (trainer_bench --image-grid): its patches, its merged tokens, and its grid for the vision tower.
+    large = synthetic_batch(config, 200, 2, "cpu", image=True, image_grid=(1, 24, 20))
+    assert (large["input_ids"] == config.image_token_id).sum(dim=1).tolist() == [120] * 2
+    assert large["pixel_values"].shape[0] == 2 * 480
+    assert large["image_grid_thw"].tolist() == [[1, 24, 20]] * 2
 
 
 def test_bench_runs_launches_side_by_side_and_records_failures(tmp_path, tiny_vl_path):
