@@ -25,8 +25,8 @@ def synthetic_batch(
     Takes the model's config (text or Qwen-VL), the length and count, the device, whether each
     sequence carries one image (image_grid patches, (t, h, w), by default IMAGE_GRID's small one, as
     <vision_start> <image_pad>... <vision_end> right after the first token, with pixel_values,
-    image_grid_thw and mm_token_type_ids), and a seed (same seed, same batch). No attention mask (no padding), so attention never materialises
-    a seq x seq mask. Token ids avoid the image/video marker ids; image tokens get label -100. Raises ValueError when an image
+    image_grid_thw and mm_token_type_ids), and a seed (same seed, same batch). No attention mask (no
+    padding), so attention never materialises a seq x seq mask. Token ids avoid the image/video marker ids; image tokens get label -100. Raises ValueError when an image
     is asked of a model that is not a Qwen-VL or does not fit in `seq_len`.
     """
     if seq_len < 2 or batch < 1:

@@ -238,15 +238,16 @@ def build_model(launch: Launch, device: torch.device) -> torch.nn.Module:
 
 
 class _Collator:
-    """Builds each batch: random sequences of exactly seq_len tokens (one small image each for a VLM when
+    """Builds each batch: random sequences of exactly seq_len tokens (one image each for a VLM when
     asked), as a real collator tokenises and processes images per batch (host work that belongs in the
     step). It uses only how many samples it is given, never their content: the dataset is a placeholder
     column (named input_ids so that no trainer's column filter removes it), and unsloth's patched
     SFTTrainer may change what reaches the collator.
     """
 
-    def __init__(self, config: Any, seq_len: int, image: tuple[int, int, int] | None) -> None:
-        self.config, self.seq_len, self.image = config, seq_len, image
+    def __init__(self, config: Any, seq_len: int, image_grid: tuple[int, int, int] | None) -> None:
+        # image_grid: each sample's image in patches (batches.synthetic_batch), None for text only
+        self.config, self.seq_len, self.image_grid = config, seq_len, image_grid
         self.seed = 1_000_003 * int(os.environ.get("RANK", "0"))  # other data on every rank
 
     def __call__(self, samples: list[Any]) -> dict[str, torch.Tensor]:
@@ -259,8 +260,8 @@ class _Collator:
                     self.seq_len,
                     1,
                     "cpu",
-                    image=self.image is not None,
-                    image_grid=self.image or batches.IMAGE_GRID,
+                    image=self.image_grid is not None,
+                    image_grid=self.image_grid or batches.IMAGE_GRID,
                     seed=self.seed,
                 )
             )
