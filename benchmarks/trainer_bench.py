@@ -152,6 +152,11 @@ class Launch:
     image_grid: tuple[int, int, int] = batches.IMAGE_GRID  # each image's patches (t, h, w) before the 2x2 merge
 
     @property
+    def sample_image(self) -> tuple[int, int, int] | None:
+        """Each sample's image grid for the collator, None for text-only samples."""
+        return self.image_grid if self.image else None
+
+    @property
     def config(self) -> str:
         return f"{'+'.join([self.backend, *self.extras])}:{self.gpus}@{self.launcher}"
 
@@ -383,7 +388,7 @@ def _trainer(launch: Launch, model: Any, seq_len: int, batch: int, steps: int, o
     from datasets import Dataset
 
     data = Dataset.from_dict({"input_ids": [[0]] * (steps * batch * world)})
-    collate = _Collator(common_config(launch), seq_len, launch.image_grid if launch.image else None)
+    collate = _Collator(common_config(launch), seq_len, launch.sample_image)
     options: dict[str, Any] = dict(
         output_dir=out_dir,
         max_steps=steps,

@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     if cuda:
         torch.cuda.set_device(device)
     model = trainer_bench.build_model(launch, device)
-    collate = trainer_bench._Collator(trainer_bench.common_config(launch), seq_len, launch.image)
+    collate = trainer_bench._Collator(trainer_bench.common_config(launch), seq_len, launch.sample_image)
     inputs = {k: v.to(device) for k, v in collate([0] * batch).items()}
     items = int((inputs["labels"][..., 1:] != -100).sum())
     rows = []
