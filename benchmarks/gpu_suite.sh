@@ -285,8 +285,10 @@ for what in "$@"; do
       # ranks.
       steps=12; [ -z "${SUITE_DRY_RUN:-}" ] || steps=3
       summaries=()
+      declare -A runs_of=()  # how many runs each value has had: its next run's folder and label are ckpt_VALUE<count>
       for checkpointing in ${CKPT_ORDER:-None offload}; do
-        run=ckpt_$checkpointing$(( ${#summaries[@]} / 2 ))  # a run's folder and label: each value may come more than once
+        run=ckpt_$checkpointing${runs_of[$checkpointing]:-0}
+        runs_of[$checkpointing]=$(( ${runs_of[$checkpointing]:-0} + 1 ))
         nbrun "$run" 200 qwen3_vl_2xT4 "${FLAGSHIP_LONG[@]}" -p max_steps=$steps -p save_steps=1000 \
           -p checkpointing=$checkpointing
         summaries+=("$run=$(nbsummary "$run")")
