@@ -18,7 +18,7 @@ from typing import Any, cast
 
 from torch import nn
 
-__all__ = ["add_mixin", "base_model", "decoder_layers", "has_mixin", "layer_mlp", "remove_mixin"]
+__all__ = ["add_mixin", "base_model", "decoder_layers", "has_mixin", "layer_mlp", "remove_mixin", "vision_encoder"]
 
 # Attribute names under which transformers VLMs keep their vision / audio encoders.
 _ENCODER_NAMES = ("visual", "vision_tower", "vision_model", "vision_encoder", "image_encoder", "audio_tower")
@@ -78,6 +78,20 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
             "decoder or vision-language model (Qwen3, Qwen3-VL, Llama, Gemma, ...), or turn the savers off."
         )
     return max(candidates, key=len)
+
+
+def vision_encoder(model: nn.Module) -> nn.Module | None:
+    """The vision (or audio) encoder of a transformers VLM (`model.model.visual`, `model.visual`, ...), or None.
+
+    Takes the transformers model itself (see base_model()).
+    """
+    inner = getattr(model, "model", None)
+    for name in _ENCODER_NAMES:
+        encoder = getattr(inner, name, None) if isinstance(inner, nn.Module) else None
+        encoder = encoder if isinstance(encoder, nn.Module) else getattr(model, name, None)
+        if isinstance(encoder, nn.Module):
+            return encoder
+    return None
 
 
 def layer_mlp(layer: nn.Module) -> nn.Module | None:

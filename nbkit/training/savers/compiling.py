@@ -14,6 +14,9 @@ same modules. accelerate's `compile_regions` returns `torch.compile` wrappers (O
 copied model instead, which the savers' `remove()` could not find again; its FSDP2 variant
 (`compile_regions_fsdp2`) uses the same in-place call for the same reason, for FSDP's hooks.
 
+A vision block compiles as one graph where nbkit.savers.vision_attention gives its attention the image sizes
+(Qwen3-VL's, whose split by image otherwise reads them from the GPU and breaks the graph there).
+
 Composes with the other savers: a checkpointed layer is compiled with its non-reentrant checkpoint
 inside (nbkit.savers.checkpointing.compile_checkpointed: the compiled backward recomputes the layer,
 the offloading saved-tensor hooks run outside the compiled region), except for calls where its tiled
@@ -35,6 +38,7 @@ profile train compiled.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -42,8 +46,8 @@ import torch
 from torch import nn
 
 from nbkit.platform import notices
-from nbkit.training.savers import checkpointing
-from nbkit.training.savers._model import _ENCODER_NAMES, base_model, decoder_layers
+from nbkit.training.savers import checkpointing, vision_attention
+from nbkit.training.savers._model import base_model, decoder_layers, vision_encoder
 
 __all__ = ["disable", "enable", "is_enabled", "regions"]
 
@@ -76,21 +80,16 @@ def regions(model: nn.Module, *, vision: bool = True) -> list[nn.Module]:
     """
     base = base_model(model)
     blocks: list[nn.Module] = list(decoder_layers(base))
-    if vision:
-        for name in _ENCODER_NAMES:
-            inner = getattr(base, "model", None)
-            encoder = getattr(inner, name, None) if isinstance(inner, nn.Module) else None
-            encoder = encoder if isinstance(encoder, nn.Module) else getattr(base, name, None)
-            if isinstance(encoder, nn.Module):
-                lists: list[nn.ModuleList] = [
-                    m
-                    for m in encoder.modules()
-                    if isinstance(m, nn.ModuleList) and len(m) > 0 and len({type(b) for b in m}) == 1
-                ]
-                if lists:
-                    longest = max(lists, key=len)
-                    blocks.extend(longest)
-                break
+    encoder = vision_encoder(base) if vision else None
+    if encoder is not None:
+        lists: list[nn.ModuleList] = [
+            m
+            for m in encoder.modules()
+            if isinstance(m, nn.ModuleList) and len(m) > 0 and len({type(b) for b in m}) == 1
+        ]
+        if lists:
+            longest = max(lists, key=len)
+            blocks.extend(longest)
     return blocks
 
 
@@ -104,7 +103,8 @@ def enable(model: nn.Module, *, backend: str = "inductor", vision: bool = True, 
     Args:
         model: a transformers model, bare, peft- or DDP-wrapped.
         backend: torch.compile's backend ("inductor"; "aot_eager" traces without generating code).
-        vision: also compile the vision encoder's blocks.
+        vision: also compile the vision encoder's blocks, each as one graph where its attention is one that
+            nbkit.savers.vision_attention splits at sizes read once per forward (Qwen3-VL's).
         options: further torch.compile keyword arguments (mode, dynamic, ...).
 
     Raises:
@@ -112,13 +112,15 @@ def enable(model: nn.Module, *, backend: str = "inductor", vision: bool = True, 
     """
     disable(model)
     blocks = regions(model, vision=vision)
+    if vision:
+        vision_attention.enable(model)  # so that each vision block compiles as one graph
 
     def compiler(fn: Callable[..., Any]) -> Callable[..., Any]:
         return _Compiled(torch.compile(fn, backend=backend, **options))
 
     for block in blocks:
         # What nn.Module.compile() does, with inference left eager (_TrainingCalls says why).
-        cast(Any, block)._compiled_call_impl = _TrainingCalls(compiler(block._call_impl), block._call_impl)
+        cast(Any, block)._compiled_call_impl = _TrainingCalls(compiler(block._call_impl), block)
         if checkpointing.is_checkpointed(block):
             checkpointing.compile_checkpointed(block, compiler)
         setattr(block, _MARK, True)
@@ -147,7 +149,9 @@ class _Compiled:
 
 class _TrainingCalls:
     """A region's call: compiled where autograd records it (training, and a checkpoint's recompute), eager where
-    it does not (generation, evaluation under no_grad).
+    it does not (generation, evaluation under no_grad), and compiled under no_grad where grad mode is on but nothing
+    in the call can be recorded (a frozen vision tower in training: no argument and no parameter of the block
+    requires grad).
 
     Generation would compile graphs of its own (a prefill, then one token at a time against a growing cache, in
     another grad mode), and they count against dynamo's limit on compilations per function
@@ -156,13 +160,36 @@ class _TrainingCalls:
     each later length trained eagerly: without checkpointing, 0.493 s a step against 0.413 s with the compiled
     checkpoint (which is a function of its own), 1x H200 under the T4 profile (benchmarks/RESULTS.md). Eager
     generation also spares a notebook's answer cell the compilation.
+
+    The frozen block's call runs under no_grad because the Trainer's checkpointing (transformers'
+    GradientCheckpointingLayer) would otherwise wrap it in a checkpoint inside the compiled graph, with nothing to
+    recompute; torch 2.13 refuses to compile such an inference graph around an attention kernel ("does not support
+    RNG ops in recompute regions"). Under no_grad transformers skips the checkpoint; the outputs, which nothing
+    recorded, are the same.
     """
 
-    def __init__(self, compiled: Callable[..., Any], eager: Callable[..., Any]) -> None:
-        self.compiled, self.eager = compiled, eager
+    def __init__(self, compiled: Callable[..., Any], block: nn.Module) -> None:
+        self.compiled, self.eager = compiled, block._call_impl
+        self.block = weakref.ref(block)  # the block holds this object: no reference cycle
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return (self.compiled if torch.is_grad_enabled() else self.eager)(*args, **kwargs)
+        if not torch.is_grad_enabled():
+            return self.eager(*args, **kwargs)
+        if self._records(args, kwargs):
+            return self.compiled(*args, **kwargs)
+        with torch.no_grad():
+            return self.compiled(*args, **kwargs)
+
+    def _records(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        """Whether autograd would record the block's call: an argument (or a tuple's item) or a parameter requires
+        grad. The arguments first: every call after a model's first layer answers there.
+        """
+        for value in (*args, *kwargs.values()):
+            for item in value if isinstance(value, (tuple, list)) else (value,):
+                if isinstance(item, torch.Tensor) and item.requires_grad:
+                    return True
+        block = self.block()
+        return block is None or any(parameter.requires_grad for parameter in block.parameters())
 
 
 def disable(model: nn.Module) -> None:
@@ -175,6 +202,7 @@ def disable(model: nn.Module) -> None:
             cast(Any, block)._compiled_call_impl = None
             checkpointing.drop_compiled(block)
             delattr(block, _MARK)
+    vision_attention.disable(model)
 
 
 def is_enabled(model: nn.Module) -> bool:
