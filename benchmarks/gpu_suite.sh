@@ -35,6 +35,7 @@
 #   bash benchmarks/gpu_suite.sh speed                # 1 GPU: unsloth vs transformers+savers+Liger+regional compile, bf16 and T4 profile (~9.8 min)
 #   bash benchmarks/gpu_suite.sh speed_bf16 / speed_t4  # the same, one precision per call (up to ~9 minutes each)
 #   bash benchmarks/gpu_suite.sh profile1k            # 1 GPU, 1K x 4: each backend's step taken apart (host, kernels), profiled
+#   bash benchmarks/gpu_suite.sh vision_tests         # 1 GPU: the vision blocks compiled whole, against transformers' attention
 #   bash benchmarks/gpu_suite.sh loss                 # 1 GPU: the loss alone, time and peak by rows per chunk, nbkit's and Liger's
 #   bash benchmarks/gpu_suite.sh compilecheck         # 1 GPU: regional compilation's GPU tests, and 64K under the T4 profile compiled
 #   bash benchmarks/gpu_suite.sh compile16k           # regional compile where the tiled MLP splits (16K), 2 GPUs side by side
@@ -688,6 +689,11 @@ for what in "$@"; do
       part compile_64k 200 python3 benchmarks/trainer_bench.py --longest --emulate T4 --configs liger+compile+lean:1 \
         --shapes 65536x1 --steps 1 --warmup 0 --launch-timeout 190 --time-limit 10 \
         --out "$OUT/compile_64k.json" --md "$OUT/compile_64k.md" ;;
+    vision_tests)
+      # nbkit.savers.vision_attention's GPU test: the vision blocks compiled by inductor as one graph each, against
+      # transformers' attention uncompiled, on images of several sizes (~1 minute). Its speed: the paths part with
+      # PATHS_CONFIGS=liger+compile:1,liger+compile+gpusplit:1 (gpusplit: transformers' own split).
+      part vision_tests 150 python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests/test_vision_attention.py ;;
     loss)
       # The causal-LM loss alone by rows per chunk (nbkit's loop and Liger's fused loss, Qwen3-VL-2B's head,
       # 4K and 16K tokens, bf16 and fp16): time and peak memory. ~1-2 minutes.

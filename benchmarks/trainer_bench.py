@@ -86,6 +86,8 @@ BACKENDS = ("unsloth", "transformers", "liger")
 # graphs: as compile, the decoder layers with inductor's mode="reduce-overhead" (CUDA graphs: a layer's kernels
 # recorded once and replayed, one launch for the host instead of dozens); 4.6x slower at 1K x 4 on one H200, since
 # the graphs were recorded again at every step (RESULTS.md, "CUDA graphs for the compiled layers").
+# gpusplit: as compile, with transformers' own split of the vision attention by image (the sizes read from the GPU
+# in each block, which breaks its graph) in place of nbkit.savers.vision_attention's;
 # expand / noexpand: torch's CUDA allocator with / without expandable segments in every process of the launch
 # (PYTORCH_CUDA_ALLOC_CONF; nbkit keeps a setting that names them): nbkit gives its ranks expandable segments
 # (nbkit.launching.rank_contract.allocator_environment), while `accelerate launch` and a one-GPU process in place
@@ -101,6 +103,7 @@ EXTRAS = (
     "nostop",
     "findunused",
     "graphs",
+    "gpusplit",
     *ALLOCATOR_EXTRAS,
 )
 # Extras that change only what passes between ranks, nothing a one-GPU run does: a 1-GPU run without them is their
@@ -238,8 +241,13 @@ def build_model(launch: Launch, device: torch.device) -> torch.nn.Module:
     if graphs or ("compile" in launch.extras and launch.compile_backend != "inductor"):  # the dry run's aot_eager
         nbkit.savers.apply(model, **options, compile=None)
         nbkit.savers.compiling.enable(model, backend=launch.compile_backend)
-        return model
-    return nbkit.savers.apply(model, **options, compile="regional" if "compile" in launch.extras else None)
+    else:
+        nbkit.savers.apply(model, **options, compile="regional" if "compile" in launch.extras else None)
+    if "gpusplit" in launch.extras:
+        from nbkit.training.savers import vision_attention
+
+        vision_attention.disable(model)
+    return model
 
 
 class _Collator:
