@@ -173,8 +173,9 @@ def test_batches_of_many_image_sizes_stay_compiled_and_exact(monkeypatch):
     # Every decoder layer and vision block runs one compiled function, whose inputs come in many variants with
     # images of several sizes and batches of one and two; past dynamo's default of 8 compilations per function
     # each new one would run eagerly (it did by the third batch here). The regions allow more, for their calls alone.
-    # And no region breaks: the vision blocks' attention splits by image at sizes given to it (nbkit.savers.
-    # vision_attention), where transformers' reads them from the tensor and broke each block's graph there.
+    # And no region breaks in a batch of two images: the vision blocks' attention splits by image at sizes given to it
+    # (nbkit.savers.vision_attention), where transformers' reads them from the tensor and broke each block's graph
+    # there (a batch of one image keeps transformers' split).
     # As a notebook trains by default: nbkit's offloaded checkpoint on the decoder layers and the Trainer's
     # checkpointing on (transformers' checkpoint around the frozen vision blocks, which compile under no_grad).
     import logging
@@ -202,18 +203,19 @@ def test_batches_of_many_image_sizes_stay_compiled_and_exact(monkeypatch):
     savers.apply(model, checkpointing="offload", tiled_mlp=False, chunked_loss=True, compile=None)
     compiling.enable(model, backend="aot_eager")
     torch._dynamo.reset()
-    counters.clear()
     try:
         for batch, (reference_loss, reference) in zip(batches, references, strict=True):
+            counters.clear()
             loss, grads = loss_and_grads(model, batch)
             assert relative_error(loss, reference_loss) < TOLERANCE
             assert_grads_match(grads, reference)
+            if len(batch["image_grid_thw"]) > 1:
+                assert not counters["graph_break"], dict(counters["graph_break"])
     finally:
         logging.getLogger("torch._dynamo").removeHandler(handler)
         savers.remove(model)
         torch._dynamo.reset()
     assert not limits, limits
-    assert not counters["graph_break"], dict(counters["graph_break"])
     assert torch._dynamo.config.recompile_limit == 8  # raised for the regions' calls, not for the process
 
 

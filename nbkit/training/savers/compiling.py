@@ -15,7 +15,8 @@ copied model instead, which the savers' `remove()` could not find again; its FSD
 (`compile_regions_fsdp2`) uses the same in-place call for the same reason, for FSDP's hooks.
 
 A vision block compiles as one graph where nbkit.savers.vision_attention gives its attention the image sizes
-(Qwen3-VL's, whose split by image otherwise reads them from the GPU and breaks the graph there).
+(Qwen3-VL's with two images or more a forward, whose split by image otherwise reads them from the GPU and breaks the
+graph there).
 
 Composes with the other savers: a checkpointed layer is compiled with its non-reentrant checkpoint
 inside (nbkit.savers.checkpointing.compile_checkpointed: the compiled backward recomputes the layer,

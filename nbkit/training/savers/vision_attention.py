@@ -11,8 +11,16 @@ host anyway for its position embeddings), and hands them down as a keyword argum
 through the tower to each block and its attention. The attention, given them, computes what transformers' does,
 op for op, splitting at those Python ints: no sync, and dynamo traces the split with the sizes as symbolic
 integers, so each vision block compiles as one graph (a new count of images a batch is a new graph; new sizes are
-not, after the first change). Without the keyword (a tower called without the hook) or with an attention
-implementation that takes `cu_seqlens` itself (flash), transformers' own forward runs.
+not, after the first change). Without the keyword (a tower called without the hook), with an attention
+implementation that takes `cu_seqlens` itself (flash), or for a forward of one image, transformers' own forward
+runs.
+
+Measured on one H200 (benchmarks/RESULTS.md, "The vision blocks compiled whole"), SFTTrainer, Qwen3-VL-2B, the
+notebooks' transformers path, against transformers' split in the same call: four 64-token images a step stepped
+1.07x faster in bf16 (0.200 s against 0.215, medians of 3) and 1.19x under the T4 profile (one pair); two
+1,600-token images as fast (0.492 against 0.501). One 1,600-token image a step stepped slower in 10 of 12
+interleaved pairs over three calls (by a median of 1.08x), every host op a little slower, for a reason not found; so
+a forward of one piece keeps transformers' split (its 72 syncs and graph breaks with it).
 
 Only for attention classes whose split is exactly one piece per image or frame (_CLASSES): Qwen2.5-VL, for one,
 splits its windowed layers by window, which the grid alone does not give.
@@ -34,6 +42,9 @@ __all__ = ["disable", "enable", "image_sizes", "is_enabled"]
 SIZES = "nbkit_image_sizes"
 # Attention classes computed here, by name: the same code in transformers 4.57 to 5.x.
 _CLASSES = ("Qwen3VLVisionAttention", "Qwen3VLMoeVisionAttention")
+# Forwards of fewer pieces (images or frames) keep transformers' split: one 1,600-token image stepped slower here than
+# there in 10 of 12 pairs, by a median of 1.08x (the module docstring).
+_FEWEST_PIECES = 2
 # The implementations for which transformers splits by image itself (flash takes cu_seqlens whole).
 _SPLIT_IMPLEMENTATIONS = ("sdpa", "eager")
 # The original forward's own parameters besides hidden_states and cu_seqlens (4.57: rotary_pos_emb, 5.x:
@@ -91,11 +102,14 @@ def is_enabled(model: nn.Module) -> bool:
 def _pass_sizes(
     tower: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-    """The tower's pre-hook: its call (pixel values, grid_thw) gets the image sizes as SIZES."""
+    """The tower's pre-hook: its call (pixel values, grid_thw) gets the image sizes as SIZES, where there are
+    _FEWEST_PIECES or more.
+    """
     grid = kwargs.get("grid_thw", args[1] if len(args) > 1 else None)
     if not isinstance(grid, torch.Tensor):
         return None
-    return args, {**kwargs, SIZES: image_sizes(grid)}
+    sizes = image_sizes(grid)
+    return (args, {**kwargs, SIZES: sizes}) if len(sizes) >= _FEWEST_PIECES else None
 
 
 class _SizedSplit:
