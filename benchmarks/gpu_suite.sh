@@ -126,8 +126,9 @@ TEST_PARTS=(
    tests/test_readme.py"
   # 2 GPUs equal 1 with nbkit and unsloth (~3 minutes), the offline models (~1.5), the savers (~1.5)
   "tests_b 530 tests/test_gpu_ddp.py tests/test_offline.py tests/test_savers_gpu.py"
-  # Liger's kernels and regional compilation (~4 minutes), nbkit's loss on an unsloth model (~2)
-  "tests_c 530 tests/test_liger_gpu.py tests/test_unsloth_loss_gpu.py"
+  # Liger's kernels and regional compilation (~4 minutes), nbkit's loss on an unsloth model (~2), the vision blocks
+  # compiled whole (~1.2)
+  "tests_c 530 tests/test_liger_gpu.py tests/test_unsloth_loss_gpu.py tests/test_vision_attention.py"
   # the flagship notebook on two T4-capped GPUs, 16-bit by the planner and 4-bit, a part each (on 2x H100 beside
   # another part, 2026-11-27: 16-bit 275 s, 4-bit 324 s)
   "tests_notebooks 360 tests/test_notebooks_gpu.py:-k:trains_on_two_capped_gpus_with_unsloth_in_fp16[16bit"
@@ -690,8 +691,9 @@ for what in "$@"; do
         --shapes 65536x1 --steps 1 --warmup 0 --launch-timeout 190 --time-limit 10 \
         --out "$OUT/compile_64k.json" --md "$OUT/compile_64k.md" ;;
     vision_tests)
-      # nbkit.savers.vision_attention's GPU test: the vision blocks compiled by inductor as one graph each, against
-      # transformers' attention uncompiled, on images of several sizes (~1 minute). Its speed: the paths part with
+      # nbkit.savers.vision_attention's GPU test alone (tests_c runs it too): the vision blocks compiled by inductor as
+      # one graph each, against transformers' attention uncompiled, on images of several sizes (71 s on one H200,
+      # 2026-11-29, with the set's installation before it). Its speed: the paths part with
       # PATHS_CONFIGS=liger+compile:1,liger+compile+gpusplit:1 (gpusplit: transformers' own split).
       part vision_tests 150 python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests/test_vision_attention.py ;;
     loss)
