@@ -39,7 +39,6 @@ profile train compiled.
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -170,8 +169,8 @@ class _TrainingCalls:
     """
 
     def __init__(self, compiled: Callable[..., Any], block: nn.Module) -> None:
-        self.compiled, self.eager = compiled, block._call_impl
-        self.block = weakref.ref(block)  # the block holds this object: no reference cycle
+        self.compiled, self.block = compiled, block
+        self.eager = block._call_impl
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
@@ -189,8 +188,7 @@ class _TrainingCalls:
             for item in value if isinstance(value, (tuple, list)) else (value,):
                 if isinstance(item, torch.Tensor) and item.requires_grad:
                     return True
-        block = self.block()
-        return block is None or any(parameter.requires_grad for parameter in block.parameters())
+        return any(parameter.requires_grad for parameter in self.block.parameters())
 
 
 def disable(model: nn.Module) -> None:

@@ -39,7 +39,7 @@ from nbkit.training.savers._model import add_mixin, base_model, has_mixin, remov
 __all__ = ["disable", "enable", "image_sizes", "is_enabled"]
 
 # The keyword argument that carries the sizes from the tower's pre-hook to the attention.
-SIZES = "nbkit_image_sizes"
+_SIZES = "nbkit_image_sizes"
 # Attention classes computed here, by name: the same code in transformers 4.57 to 5.x.
 _CLASSES = ("Qwen3VLVisionAttention", "Qwen3VLMoeVisionAttention")
 # Forwards of fewer pieces (images or frames) keep transformers' split: one 1,600-token image stepped slower here than
@@ -102,21 +102,21 @@ def is_enabled(model: nn.Module) -> bool:
 def _pass_sizes(
     tower: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-    """The tower's pre-hook: its call (pixel values, grid_thw) gets the image sizes as SIZES, where there are
+    """The tower's pre-hook: its call (pixel values, grid_thw) gets the image sizes as _SIZES, where there are
     _FEWEST_PIECES or more.
     """
     grid = kwargs.get("grid_thw", args[1] if len(args) > 1 else None)
     if not isinstance(grid, torch.Tensor):
         return None
     sizes = image_sizes(grid)
-    return (args, {**kwargs, SIZES: sizes}) if len(sizes) >= _FEWEST_PIECES else None
+    return (args, {**kwargs, _SIZES: sizes}) if len(sizes) >= _FEWEST_PIECES else None
 
 
 class _SizedSplit:
-    """Mixin on a vision attention module: its split by image at the sizes given as SIZES."""
+    """Mixin on a vision attention module: its split by image at the sizes given as _SIZES."""
 
     def forward(self, hidden_states: torch.Tensor, cu_seqlens: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        sizes = kwargs.pop(SIZES, None)
+        sizes = kwargs.pop(_SIZES, None)
         position_embeddings = kwargs.get("position_embeddings")
         module = cast(Any, self)
         implementation = module.config._attn_implementation
