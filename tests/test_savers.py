@@ -104,11 +104,13 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
-def assert_grads_match(grads: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> None:
+def assert_grads_match(
+    grads: dict[str, torch.Tensor], reference: dict[str, torch.Tensor], tolerance: float = TOLERANCE
+) -> None:
     assert grads.keys() == reference.keys()
     errors = {name: relative_error(grads[name], reference[name]) for name in reference}
     worst = max(errors, key=errors.get)
-    assert errors[worst] < TOLERANCE, f"{worst}: relative error {errors[worst]:.2e}"
+    assert errors[worst] < tolerance, f"{worst}: relative error {errors[worst]:.2e}"
     assert all(reference[name].norm() > 0 for name in reference if "lora" in name), "a LoRA gradient is zero"
 
 

@@ -34,7 +34,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from nbkit.training.savers._model import add_mixin, base_model, has_mixin, remove_mixin, vision_encoder
+from nbkit.training.savers._model import add_mixin, base_model, remove_mixin, vision_encoder
 
 __all__ = ["disable", "enable", "image_sizes", "is_enabled"]
 
@@ -70,7 +70,7 @@ def enable(model: nn.Module) -> bool:
     tower = vision_encoder(base_model(model))
     if tower is None:
         return False
-    attentions = [m for m in tower.modules() if type(m).__name__ in _CLASSES or has_mixin(m, _SizedSplit)]
+    attentions = [m for m in tower.modules() if type(m).__name__ in _CLASSES]  # add_mixin keeps the name
     if not attentions:
         return False
     for attention in attentions:
