@@ -105,13 +105,18 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def assert_grads_match(
-    grads: dict[str, torch.Tensor], reference: dict[str, torch.Tensor], tolerance: float = TOLERANCE
+    grads: dict[str, torch.Tensor],
+    reference: dict[str, torch.Tensor],
+    tolerance: float = TOLERANCE,
+    label: str = "",
 ) -> None:
-    assert grads.keys() == reference.keys()
+    """Same names, every gradient within `tolerance` (relative) of the reference's, no LoRA gradient zero; a
+    failure names the worst gradient, after `label` (the case or rank compared)."""
+    assert grads.keys() == reference.keys(), f"{label}names differ"
     errors = {name: relative_error(grads[name], reference[name]) for name in reference}
     worst = max(errors, key=errors.get)
-    assert errors[worst] < tolerance, f"{worst}: relative error {errors[worst]:.2e}"
-    assert all(reference[name].norm() > 0 for name in reference if "lora" in name), "a LoRA gradient is zero"
+    assert errors[worst] < tolerance, f"{label}{worst}: relative error {errors[worst]:.2e}"
+    assert all(reference[name].norm() > 0 for name in reference if "lora" in name), f"{label}a LoRA gradient is zero"
 
 
 def count_calls(module: torch.nn.Module, counts: dict[str, int], key: str):
