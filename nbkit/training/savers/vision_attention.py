@@ -121,7 +121,11 @@ class _SizedSplit:
         module = cast(Any, self)
         implementation = module.config._attn_implementation
         if sizes is None or args or position_embeddings is None or implementation not in _SPLIT_IMPLEMENTATIONS:
-            return cast(Any, super()).forward(hidden_states, cu_seqlens, *args, **kwargs)
+            # transformers' forward from the class add_mixin kept, not super(): dynamo did not trace a zero-argument
+            # super() in this mixin (torch 2.11 on one H200: "invalid args to call_super") and broke each compiled
+            # vision block's graph there, beside transformers' own break at its split.
+            original = type(module)._nbkit_original.forward
+            return original(module, hidden_states, cu_seqlens, *args, **kwargs)
         passed = {name: value for name, value in kwargs.items() if name not in _OWN_PARAMETERS}
         # transformers' steps, in its order (modeling_qwen3_vl.py, Qwen3VLVisionAttention.forward), with the model
         # module's own rotary embedding and attention functions.
