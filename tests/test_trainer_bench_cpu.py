@@ -87,6 +87,22 @@ def test_scaling_compares_runs_that_do_the_same_work():
     assert "scaling" not in summary["liger+lean:2@nbkit"]  # no 1-GPU run did its work
 
 
+def test_scaling_prefers_the_one_gpu_run_through_the_same_launcher():
+    rows = [
+        _row("liger+compile:1@notebook", 1, 0.35, 0),
+        _row("liger+compile:1@live", 1, 0.25, 0),
+        _row("liger+compile:1@nbkit", 1, 0.24, 0),
+        _row("liger+compile:2@live", 2, 0.30, 0),
+        _row("liger+compile:2@nbkit", 2, 0.28, 0),
+        _row("liger+compile:2@accelerate", 2, 0.29, 0),
+    ]
+    summary = {e["config"]: e for e in trainer_bench.summarise(rows)}
+    assert summary["liger+compile:2@live"]["scaling"] == pytest.approx(2 * 0.25 / 0.30)
+    assert summary["liger+compile:2@nbkit"]["scaling"] == pytest.approx(2 * 0.24 / 0.28)
+    # No one-GPU run through accelerate launch: the first one listed.
+    assert summary["liger+compile:2@accelerate"]["scaling"] == pytest.approx(2 * 0.35 / 0.29)
+
+
 # trl's own default under transformers' old name (nbkit's compat group, not applied here, renames it in the ranks)
 @pytest.mark.filterwarnings("ignore:`gradient_checkpointing` is deprecated:FutureWarning")
 def test_nockpt_turns_the_trainers_own_checkpointing_off_under_the_name_this_transformers_reads():
