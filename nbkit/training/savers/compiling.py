@@ -56,9 +56,8 @@ _MARK = "_nbkit_compiled"
 # Compilations dynamo allows per function in the regions' calls; its own default is 8
 # (torch._dynamo.config.recompile_limit), past which each new variant of the inputs runs eagerly. All decoder layers
 # and vision blocks run one function (transformers' GradientCheckpointingLayer.__call__, or nbkit's compiled
-# checkpoint), and each variant its guards tell apart takes one compilation: a batch with padding (an attention mask)
-# or without, the first layer's input (no grad) and the later layers' (grad), a batch of one, an image size, a vision
-# block beside a decoder layer (the sequence length is dynamic from the first call: _mark_length_dynamic).
+# checkpoint), and each variant its guards tell apart takes one compilation: a first length and then dynamic ones, the
+# first layer's input (no grad) and the later layers' (grad), a batch of one, a vision block beside a decoder layer.
 # tiny:qwen3-vl trained on batches of 1 and 2 with ten image sizes: the shared function reached 8 at the third batch,
 # and with room its functions took 24 in all, none after the fourth batch (benchmarks/RESULTS.md); 64 leaves room and
 # still stops a loop that recompiles at every step.
@@ -129,53 +128,23 @@ def enable(model: nn.Module, *, backend: str = "inductor", vision: bool = True, 
     # minute on a slow notebook CPU looks like a hang.
     notices.logger(__name__).info(
         f"nbkit: {len(blocks)} blocks of the model compile at its first training step, and once more at the first "
-        "step of another kind of batch, e.g. the first with padding (Qwen3-VL-2B on one H200: about 20 s each; longer "
-        "on a notebook's few CPU cores); the steps after run faster. compile=None leaves them uncompiled."
+        "step of another sequence length (Qwen3-VL-2B on one H100: 20-24 s from launch to the first step; longer on "
+        "a notebook's few CPU cores); the steps after run faster. compile=None leaves them uncompiled."
     )
 
 
 class _Compiled:
-    """A region's compiled function, called with its inputs' sequence length marked dynamic (_mark_length_dynamic)
-    and dynamo's limit on compilations per function raised to _RECOMPILE_LIMIT (where the process's own is lower)
-    for these calls alone.
+    """A region's compiled function, called with dynamo's limit on compilations per function raised to
+    _RECOMPILE_LIMIT (where the process's own is lower) for these calls alone.
     """
 
     def __init__(self, compiled: Callable[..., Any]) -> None:
         self.compiled = compiled
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        _mark_length_dynamic(args, kwargs)
         limit = max(_RECOMPILE_LIMIT, torch._dynamo.config.recompile_limit)
         with torch._dynamo.config.patch(recompile_limit=limit):
             return self.compiled(*args, **kwargs)
-
-
-def _mark_length_dynamic(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    """Mark as dynamic (a hint dynamo may drop where a guard needs the size) every dimension of the call's tensors
-    whose size is the sequence length: the first tensor's next-to-last dimension (a decoder layer's or a vision
-    block's hidden states), which the position embeddings and the attention mask share.
-
-    Without it dynamo compiles each variant of a region's inputs for the first length it sees and again, dynamic, at
-    the next: the flagship notebook (1x H200, T4 profile, batches of two) spent 18.5, 19.2 and 22.5 s compiling at
-    its 1st, 2nd and 11th steps (a first batch without padding, then one with padding at a new length, then one
-    without padding at that length), where ~0.2 s is its step. With the hint each variant compiles once: on the
-    CPU (tiny:qwen3-vl, aot_eager) eight batches of those kinds compiled at two of them instead of four.
-    """
-    tensors = [
-        item
-        for value in (*args, *kwargs.values())
-        for item in (value if isinstance(value, (tuple, list)) else (value,))
-        if isinstance(item, torch.Tensor)
-    ]
-    if not tensors or tensors[0].dim() < 2:
-        return
-    length = tensors[0].shape[-2]
-    if length < 2:
-        return
-    for tensor in tensors:
-        for dim, size in enumerate(tensor.shape):
-            if size == length:
-                torch._dynamo.maybe_mark_dynamic(tensor, dim)
 
 
 class _TrainingCalls:
