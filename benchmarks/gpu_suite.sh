@@ -388,15 +388,17 @@ for what in "$@"; do
         "${run[@]}" --time-limit $((limit - 80)) --out "$OUT/scaling4_transformers.json" --md "$OUT/scaling4_transformers.md" ;;
     scaling2)
       # One GPU against two on one 2-GPU host, every ratio from this call: transformers+peft+nbkit as a notebook
-      # gets it on a GPU (nbkit.training.models.add_lora: Liger's loss, layers compiled) in place on 1 GPU, through
-      # nbkit.launch and through a live set (the shipped notebooks' path) on 2, at 1K x 4 and 16K x 1, in bf16 and
+      # gets it on a GPU (nbkit.training.models.add_lora: Liger's loss, layers compiled) through nbkit.launch on 1 GPU
+      # (a rank's one thread, as on 2: the harness's own process keeps a thread per core, whose spinning made its
+      # one-GPU steps 39% apart on 32 cores), through nbkit.launch and a live set (the shipped notebooks' path) on 2,
+      # at 1K x 4 and 16K x 1, in bf16 and
       # then under the T4 profile (fp16, 15 GiB per process). 100-170 s a launch of both shapes (their compilation
       # included), six launches; SCALING2_CONFIGS / SCALING2_SHAPES / SCALING2_PRECISIONS replace the defaults
       # (unsloth: 150-260 s a launch). SCALING2_REPEATS=3: each launch three times, interleaved (every
       # configuration once, then again), the report taking the median per configuration.
       # SUITE_DRY_RUN=1: the transformers path on CPU ranks, tiny:qwen3-vl, compiled without code generation.
       model=random:qwen3-vl-2b
-      configs=${SCALING2_CONFIGS:-liger+compile:1@notebook,liger+compile:2,liger+compile:2@live}
+      configs=${SCALING2_CONFIGS:-liger+compile:1,liger+compile:2,liger+compile:2@live}
       run=(--steps 8 --warmup 3 --launch-timeout 240)
       shapes=${SCALING2_SHAPES:-1024x4,16384x1}
       if [ -n "${SUITE_DRY_RUN:-}" ]; then
