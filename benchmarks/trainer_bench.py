@@ -885,8 +885,8 @@ def summarise(rows: list[dict]) -> list[dict]:
             and all(e[k] == entry[k] for k in ("precision", "quant", "seq_len", "batch"))
         ]
         # The same launcher's one-GPU run first: a run in the harness's own process (@notebook) keeps torch's pool of
-        # one thread per core, whose spinning cost a 32-core host's one-GPU step 25-55% and spread it by 39%
-        # (RESULTS.md, 2x H200, 2026-11-29), where nbkit's and the script launchers' ranks get one thread.
+        # one thread per core, whose threads burned 0.5-1 s of CPU per step on a 32-core host and spread its launches
+        # by 39% (RESULTS.md, 2x H200, 2026-11-29), where nbkit's and the script launchers' ranks get one thread.
         base = next((e for e in bases if e["launcher"] == entry["launcher"]), bases[0] if bases else None)
         if base and entry.get("step_s") and entry["gpus"] > 1:
             entry["scaling"] = entry["gpus"] * base["step_s"] / entry["step_s"]
