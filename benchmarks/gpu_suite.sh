@@ -389,10 +389,10 @@ for what in "$@"; do
     scaling2)
       # One GPU against two on one 2-GPU host, every ratio from this call: transformers+peft+nbkit as a notebook
       # gets it on a GPU (nbkit.training.models.add_lora: Liger's loss, layers compiled) through nbkit.launch on 1 GPU
-      # (a rank's one thread, as on 2: the harness's own process keeps a thread per core, whose spinning made its
-      # one-GPU steps 39% apart on 32 cores), through nbkit.launch and a live set (the shipped notebooks' path) on 2,
-      # at 1K x 4 and 16K x 1, in bf16 and
-      # then under the T4 profile (fp16, 15 GiB per process). 100-170 s a launch of both shapes (their compilation
+      # (a rank's one thread, as on 2: the harness's own process keeps a thread per core, whose other threads used
+      # 0.6-1.0 s of CPU per step on 32 cores while its launches' steps spread by 39%, a launched one-GPU rank's by
+      # 6-10%: RESULTS.md, "Two GPUs against one launched GPU"), through nbkit.launch and a live set (the shipped
+      # notebooks' path) on 2, at 1K x 4 and 16K x 1, in bf16 and then under the T4 profile (fp16, 15 GiB per process). 100-170 s a launch of both shapes (their compilation
       # included), six launches; SCALING2_CONFIGS / SCALING2_SHAPES / SCALING2_PRECISIONS replace the defaults
       # (unsloth: 150-260 s a launch). SCALING2_REPEATS=3: each launch three times, interleaved (every
       # configuration once, then again), the report taking the median per configuration.

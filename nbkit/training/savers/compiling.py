@@ -127,9 +127,10 @@ def enable(model: nn.Module, *, backend: str = "inductor", vision: bool = True, 
     # Said here because the wait comes later, where nothing else explains it: a first step that takes a
     # minute on a slow notebook CPU looks like a hang.
     notices.logger(__name__).info(
-        f"nbkit: {len(blocks)} blocks of the model compile at its first training step, and once more at the first "
-        "step of another sequence length (Qwen3-VL-2B on one H100: 20-24 s from launch to the first step; longer on "
-        "a notebook's few CPU cores); the steps after run faster. compile=None leaves them uncompiled."
+        f"nbkit: {len(blocks)} blocks of the model compile at its first training step, and again where a kind of "
+        "batch (without padding, with padding, of one row) first comes and at its next length (Qwen3-VL-2B on one "
+        "H200: ~24 s each, three times in the flagship's 20 steps; longer on a notebook's few CPU cores); the steps "
+        "after run faster. compile=None leaves them uncompiled."
     )
 
 
