@@ -56,11 +56,16 @@ def _row(config: str, gpus: int, median: float, repeat: int, status: str = "ok")
     }
 
 
+def _summary(rows: list[dict]) -> dict[str, dict]:
+    """trainer_bench's summary of these rows, by configuration."""
+    return {e["config"]: e for e in trainer_bench.summarise(rows)}
+
+
 def test_summary_takes_the_median_of_repeats_and_scales_against_one_gpu():
     rows = [_row("unsloth:1@notebook", 1, 0.2, r) for r in range(3)]
     rows += [_row("unsloth:2@nbkit", 2, m, r) for r, m in enumerate([0.25, 0.21, 0.30])]
     rows.append(_row("unsloth:2@nbkit", 2, 0.0, 3, status="error"))
-    summary = {e["config"]: e for e in trainer_bench.summarise(rows)}
+    summary = _summary(rows)
     two = summary["unsloth:2@nbkit"]
     assert two["runs"] == 4 and two["ok_runs"] == 3
     assert two["step_s"] == 0.25
@@ -80,7 +85,7 @@ def test_scaling_compares_runs_that_do_the_same_work():
         _row("liger+compile+nostop:2@live", 2, 0.36, 0),
         _row("liger+lean:2@nbkit", 2, 0.36, 0),
     ]
-    summary = {e["config"]: e for e in trainer_bench.summarise(rows)}
+    summary = _summary(rows)
     assert summary["liger+compile+nockpt:2@nbkit"]["scaling"] == pytest.approx(2 * 0.40 / 0.50)
     assert summary["liger+compile:2@nbkit"]["scaling"] == pytest.approx(2 * 0.30 / 0.32)
     assert summary["liger+compile+nostop:2@live"]["scaling"] == pytest.approx(2 * 0.30 / 0.36)
@@ -96,7 +101,7 @@ def test_scaling_prefers_the_one_gpu_run_through_the_same_launcher():
         _row("liger+compile:2@nbkit", 2, 0.28, 0),
         _row("liger+compile:2@accelerate", 2, 0.29, 0),
     ]
-    summary = {e["config"]: e for e in trainer_bench.summarise(rows)}
+    summary = _summary(rows)
     assert summary["liger+compile:2@live"]["scaling"] == pytest.approx(2 * 0.25 / 0.30)
     assert summary["liger+compile:2@nbkit"]["scaling"] == pytest.approx(2 * 0.24 / 0.28)
     # No one-GPU run through accelerate launch: the first one listed.
