@@ -155,7 +155,8 @@ def test_a_stop_during_a_500_mb_send_keeps_the_set_and_its_names(kernel_name, tm
         assert after["error"] is None and after["result"] == "41", after
         again = kernel.run("%%ddp\nint(big.sum()), x")
         assert again["error"] is None and again["result"] == f"({500 * 2**20 // 8}, 41)", again
-        assert again["seconds"] > after_s, again["seconds"]  # the stop did come during the send
+        # That the stop came during the send is the message's to say (above): a whole send's time is no measure of
+        # it, since a send of the same 500 MB took 3.45 s here after a first one of 7.3 s.
         assert [p.pid for p in procs if not p.is_running()] == []
         assert kernel.run("%ddp stop")["error"] is None
     finally:
