@@ -69,8 +69,7 @@ def _preload(names: list[str]) -> None:
 
 def _connection_info(path: str) -> str:
     """The content of the controller's connection file `path`, once it is there and whole (the controller writes
-    it in place: a read can find it half written). No time limit of its own: a start that fails or times out ends
-    the engines (nbkit.live.engines), and an ended parent ends this process (watch_parent).
+    it in place: a read can find it half written).
     """
     while True:
         try:
