@@ -17,7 +17,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -140,20 +140,19 @@ class Engines:
         ]
         # Kept on self as each starts: an interrupt or a failure while they start must end them all.
         processes = self._processes
-        with _interrupt_after():
-            for i in range(count):
-                log_path = os.path.join(self.tmpdir, f"rank{i}.log")
-                with open(log_path, "wb") as log:
-                    processes.append(
-                        subprocess.Popen(
-                            cmd,
-                            stdout=log,
-                            stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL,
-                            env={**engine_env, config.SETTINGS["live_log"].env: log_path},
-                            start_new_session=True,
-                        )  # interrupts come from nbkit
-                    )
+        for i in range(count):
+            log_path = os.path.join(self.tmpdir, f"rank{i}.log")
+            with open(log_path, "wb") as log:
+                processes.append(
+                    subprocess.Popen(
+                        cmd,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        stdin=subprocess.DEVNULL,
+                        env={**engine_env, config.SETTINGS["live_log"].env: log_path},
+                        start_new_session=True,
+                    )  # interrupts come from nbkit
+                )
         self._client = self._cluster.connect_client_sync()
         self.relay = Relay("127.0.0.1")
         found = _wait_for_engines(self._client, startup_timeout, processes, self.tmpdir)
@@ -455,26 +454,6 @@ _HEARTBEAT_MS = 500  # the controller's heartbeat period for a set nbkit starts 
 # collective waiting for a dead peer) never gets there, so the grace is short: stopping a set must
 # not hang on such a rank. The controller gets the same for ending its heart monitor process itself.
 _ENGINE_GRACE_S = 3.0
-
-
-@contextlib.contextmanager
-def _interrupt_after() -> Iterator[None]:
-    """Hold SIGINT (the stop button during `%ddp start`) until the block ends, then deliver it as it would have
-    been: a KeyboardInterrupt raised inside subprocess.Popen, after its fork, loses the process it started, which
-    nbkit could then not end. (The engines start right after the controller, where an interrupt meant for the
-    controller's start lands.) Only in the main thread, which alone gets Python's signal handlers.
-    """
-    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is None:
-        yield
-        return
-    held: list[int] = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-        if held:
-            signal.raise_signal(signal.SIGINT)
 
 
 def _wait_for_engines(
