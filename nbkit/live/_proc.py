@@ -9,17 +9,10 @@ alone would not do: it fires when the *thread* that started the process ends, an
 starts the controller from a helper thread). A process forked from it (the controller forks its
 heart monitor) watches its own parent the same way, so the chain ends from the top. Processes that a
 rank's cells start stay in the engine's process group, which the engine ends with itself.
-
-An engine starts beside the controller, before the controller has written how to reach it: with
-NBKIT_LIVE_CONNECTION_FILE set, this waits for that file and hands its content to the engine as
-$IPP_CONNECTION_INFO; with NBKIT_LIVE_PRELOAD set, it imports those modules (torch) on a thread meanwhile,
-and while the engine registers (see nbkit.live.engines).
 """
 
 from __future__ import annotations
 
-import importlib
-import json
 import os
 import runpy
 import signal
@@ -28,8 +21,6 @@ import threading
 import time
 
 _POLL_S = 0.2
-CONNECTION_FILE_ENV = "NBKIT_LIVE_CONNECTION_FILE"
-PRELOAD_ENV = "NBKIT_LIVE_PRELOAD"
 
 
 def watch_parent(parent_pid: int) -> None:
@@ -59,41 +50,10 @@ def _watch_after_fork() -> None:
     watch_parent(os.getppid())
 
 
-def _preload(names: list[str]) -> None:
-    for name in names:
-        try:
-            importlib.import_module(name)
-        except Exception:  # the call that needs it imports it again, and says what failed
-            pass
-
-
-def _connection_info(path: str) -> str:
-    """The content of the controller's connection file `path`, once it is there and whole (the controller writes
-    it in place: a read can find it half written).
-    """
-    while True:
-        try:
-            with open(path) as f:
-                text = f.read()
-            json.loads(text)
-            return text
-        except (OSError, ValueError):
-            time.sleep(0.02)
-
-
 def main() -> None:
     parent_pid, module = int(sys.argv[1]), sys.argv[2]
     watch_parent(parent_pid)
     os.register_at_fork(after_in_child=_watch_after_fork)
-    # Read, then removed: processes that the engine's cells start inherit its environment.
-    preload, connection_file = os.environ.pop(PRELOAD_ENV, ""), os.environ.pop(CONNECTION_FILE_ENV, "")
-    if preload:
-        # The module's own imports first: two threads importing the same modules at once is where a circular
-        # import could deadlock; the preload's (torch's) and the engine's later ones (IPython's) do not meet.
-        importlib.import_module(module)
-        threading.Thread(target=_preload, args=(preload.split(","),), name="nbkit-preload", daemon=True).start()
-    if connection_file:
-        os.environ["IPP_CONNECTION_INFO"] = _connection_info(connection_file)
     sys.argv = [module, *sys.argv[3:]]
     runpy.run_module(module, run_name="__main__", alter_sys=True)
 

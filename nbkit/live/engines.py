@@ -23,7 +23,6 @@ from typing import Any
 
 from nbkit.launching import rank_contract, supervisor
 from nbkit.launching.rank_options import RankOptions
-from nbkit.live import _proc
 from nbkit.live.relay import Relay
 from nbkit.messages import rank as channel
 from nbkit.messages.live import EngineInfo, Lost, RankPlan
@@ -112,17 +111,11 @@ class Engines:
             load_profile=False,
         )
         self._cluster.start_controller_sync(controller_cmd=_controller_command(parent))
-        # The engines start beside the controller (nbkit.live._proc waits for its connection file), and import
-        # torch, which their first call (identify) needs, while they wait and register. A set of 2 CPU ranks
-        # started in 2.9 s on 2 shared cores with the engines started after the client had connected (the
-        # controller's 0.6 s start) and torch imported by that first call (1.1 s, after registration and its
-        # heartbeat); 2.3-2.6 s so (4 starts), and 10 start/stop cycles (faults/test_live_weak.py) 25 s, not 36.
-        engine_env = {
-            **os.environ,
-            _proc.CONNECTION_FILE_ENV: self._cluster.controller.connection_files["engine"],
-            _proc.PRELOAD_ENV: "torch",
-            "PYTHONUNBUFFERED": "1",
-        }
+        self._client = self._cluster.connect_client_sync()
+        with open(self._cluster.controller.connection_files["engine"]) as f:
+            engine_info = f.read()
+        self.relay = Relay("127.0.0.1")
+        engine_env = {**os.environ, "IPP_CONNECTION_INFO": engine_info, "PYTHONUNBUFFERED": "1"}
         cmd = [
             sys.executable,
             "-m",
@@ -153,8 +146,6 @@ class Engines:
                         start_new_session=True,
                     )  # interrupts come from nbkit
                 )
-        self._client = self._cluster.connect_client_sync()
-        self.relay = Relay("127.0.0.1")
         found = _wait_for_engines(self._client, startup_timeout, processes, self.tmpdir)
         # rank i = the i-th engine started, so rank i's log is rank{i}.log
         self.ranks = [
