@@ -20,6 +20,7 @@ def no_user_settings(monkeypatch):
         monkeypatch.delenv(name, raising=False)
 
 
+@pytest.mark.version_independent
 def test_gpu_ranks_get_expandable_segments_and_the_notebook_keeps_its_environment():
     before = dict(os.environ)
     env = rank_contract.rank_environment(RankOptions(strategy="fsdp"), use_cpu=False)
@@ -28,11 +29,13 @@ def test_gpu_ranks_get_expandable_segments_and_the_notebook_keeps_its_environmen
     assert dict(os.environ) == before
 
 
+@pytest.mark.version_independent
 def test_cpu_ranks_get_no_allocator_settings():
     env = rank_contract.rank_environment(RankOptions(), use_cpu=True)
     assert not set(VARIABLES) & set(env)
 
 
+@pytest.mark.version_independent
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_the_notebooks_settings_are_kept_and_merged(monkeypatch, strategy):
     monkeypatch.setenv(
@@ -44,6 +47,7 @@ def test_the_notebooks_settings_are_kept_and_merged(monkeypatch, strategy):
     )
 
 
+@pytest.mark.version_independent
 def test_settings_given_to_the_launch_are_kept_and_merged():
     env = rank_contract.rank_environment(
         RankOptions(env={"PYTORCH_CUDA_ALLOC_CONF": "garbage_collection_threshold:0.8"}), use_cpu=False
@@ -51,6 +55,7 @@ def test_settings_given_to_the_launch_are_kept_and_merged():
     assert env["PYTORCH_CUDA_ALLOC_CONF"] == "garbage_collection_threshold:0.8,expandable_segments:True"
 
 
+@pytest.mark.version_independent
 def test_the_newer_variable_is_merged_where_only_it_is_set(monkeypatch):
     monkeypatch.setenv("PYTORCH_ALLOC_CONF", "pinned_use_cuda_host_register:True")
     env = rank_contract.rank_environment(RankOptions(), use_cpu=False)
@@ -58,6 +63,7 @@ def test_the_newer_variable_is_merged_where_only_it_is_set(monkeypatch):
     assert "PYTORCH_CUDA_ALLOC_CONF" not in env  # torch would read it first and ignore the user's
 
 
+@pytest.mark.version_independent
 @pytest.mark.parametrize(
     "value",
     [

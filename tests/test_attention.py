@@ -25,6 +25,7 @@ def _qkv(seq: int, device: str, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
     return q, k, v
 
 
+@pytest.mark.version_independent
 def test_on_cpu_the_call_is_torchs_own(patched):
     q, k, v = _qkv(32, "cpu", torch.float32)
     assert not attention.flash_attention_can_run(q)
@@ -37,6 +38,7 @@ def test_on_cpu_the_call_is_torchs_own(patched):
     assert torch.equal(out, F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
 
 
+@pytest.mark.version_independent
 def test_ranks_get_the_patch_only_on_a_gpu_without_flash_attention():
     t4, h100, unknown = (GPU(0, "T4", 15.0, (7, 5)), GPU(1, "H100", 79.6, (9, 0)), GPU(0, "unknown", 0.0, (0, 0)))
     assert attention.needed([t4, t4], 1)

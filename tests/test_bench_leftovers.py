@@ -10,12 +10,15 @@ import tempfile
 import threading
 from pathlib import Path
 
+import pytest
+
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS.parent))
 
 from benchmarks.leftovers import Snapshot  # noqa: E402
 
 
+@pytest.mark.version_independent
 def test_a_child_a_listening_port_a_thread_a_descriptor_and_a_temp_file_each_show(tmp_path, monkeypatch):
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     (tmp_path / "ipykernel_4242").mkdir()  # the kernel's own cell files: never counted

@@ -26,6 +26,7 @@ def _nbkit_step(extra: str) -> Step:
     return Step(("install", WHEEL + extra), hold=True)
 
 
+@pytest.mark.version_independent
 def test_a_gpu_machine_without_unsloth_gets_unsloths_kaggle_recipe_then_nbkit_with_what_is_installed_held():
     machine = Machine(host="kaggle", gpus=2, versions=KAGGLE_T4)
     assert bootstrap.steps(machine, WHEEL, "0.2.0") == [
@@ -35,6 +36,7 @@ def test_a_gpu_machine_without_unsloth_gets_unsloths_kaggle_recipe_then_nbkit_wi
     ]
 
 
+@pytest.mark.version_independent
 def test_unsloth_already_there_and_a_cpu_machine_get_nbkit_alone():
     with_unsloth = Machine(host="kaggle", gpus=2, versions={**KAGGLE_T4, "unsloth": "2026.10.9"})
     assert bootstrap.steps(with_unsloth, WHEEL, "0.2.0") == [_nbkit_step("[unsloth]")]
@@ -46,6 +48,7 @@ def test_unsloth_already_there_and_a_cpu_machine_get_nbkit_alone():
     ]
 
 
+@pytest.mark.version_independent
 def test_a_foreign_nbkit_is_named_and_removed_before_nbkit_installs():
     machine = Machine(host="colab", gpus=0, versions={"nbkit": "0.0.10"}, foreign="jupyter notebook toolkit")
     uninstall, install = bootstrap.steps(machine, WHEEL, "0.2.0")
@@ -56,6 +59,7 @@ def test_a_foreign_nbkit_is_named_and_removed_before_nbkit_installs():
     assert install == _nbkit_step("[peft]")
 
 
+@pytest.mark.version_independent
 def test_nothing_to_do_where_this_version_is_installed_or_there_is_nothing_to_install_from():
     installed = Machine(host="kaggle", gpus=2, versions={**KAGGLE_T4, "nbkit-ddp": "0.2.0"})
     assert bootstrap.steps(installed, WHEEL, "0.2.0") == []
@@ -101,6 +105,7 @@ def _run(python: Path, *args: str, cwd: Path, **env: str) -> subprocess.Complete
     )
 
 
+@pytest.mark.version_independent
 def test_it_runs_from_the_wheel_before_anything_is_installed(bare_python: tuple[Path, Path]):
     python, wheel = bare_python
     done = _run(python, "-m", "nbkit.bootstrap", "--dry-run", cwd=wheel.parent, PYTHONPATH=str(wheel))
@@ -109,6 +114,7 @@ def test_it_runs_from_the_wheel_before_anything_is_installed(bare_python: tuple[
     assert done.stdout == f"pip install -c <the installed versions of {held}> {wheel}[peft]\n"
 
 
+@pytest.mark.version_independent
 def test_the_cell_forgets_the_wheel_after_installing_so_the_next_import_finds_the_installed_copy(
     bare_python: tuple[Path, Path],
 ):
@@ -126,6 +132,7 @@ def test_the_cell_forgets_the_wheel_after_installing_so_the_next_import_finds_th
     assert done.stderr.strip().endswith("ModuleNotFoundError: No module named 'nbkit'"), done.stderr
 
 
+@pytest.mark.version_independent
 def test_a_failing_pip_ends_in_an_install_error_with_pips_words_and_kaggles_internet_setting(
     bare_python: tuple[Path, Path],
 ):

@@ -31,6 +31,7 @@ def _write_checkpoint(root: Path, step: int, *, marked: bool) -> Path:
     return path
 
 
+@pytest.mark.version_independent
 def test_the_marker_tells_complete_checkpoints_from_half_written_ones(tmp_path: Path, capsys) -> None:
     out = tmp_path / "run"
     assert resume_point(out) is None
@@ -83,6 +84,7 @@ def test_the_marker_tells_complete_checkpoints_from_half_written_ones(tmp_path: 
     )
 
 
+@pytest.mark.version_independent
 def test_rotation_deletes_only_complete_checkpoints_and_keeps_the_newest_and_best(tmp_path: Path) -> None:
     for step in (2, 4, 6, 8):
         _write_checkpoint(tmp_path, step, marked=True)
@@ -121,6 +123,7 @@ def _previous_run(root: Path, *steps: int, unmarked: tuple[int, ...] = ()) -> Pa
     return root
 
 
+@pytest.mark.version_independent
 def test_the_newest_complete_checkpoint_of_a_read_only_previous_output_is_copied_in(tmp_path: Path, capsys) -> None:
     previous = _previous_run(tmp_path / "input" / "my-notebook" / "outputs" / "run", 10, 20, unmarked=(30,))
     before = _snapshot(tmp_path / "input")
@@ -147,6 +150,7 @@ def test_the_newest_complete_checkpoint_of_a_read_only_previous_output_is_copied
     assert sorted(p.name for p in out.iterdir()) == ["checkpoint-22"]
 
 
+@pytest.mark.version_independent
 def test_the_newest_complete_checkpoint_wins_wherever_it_is(tmp_path: Path, capsys) -> None:
     old_run = _previous_run(tmp_path / "drive" / "MyDrive" / "run-1" / "ckpts", 4)
     new_run = _previous_run(tmp_path / "drive2" / "MyDrive" / "run-2" / "ckpts", 12, unmarked=(16,))
@@ -174,6 +178,7 @@ def test_the_newest_complete_checkpoint_wins_wherever_it_is(tmp_path: Path, caps
     assert not (tmp_path / "fresh").exists()
 
 
+@pytest.mark.version_independent
 def test_on_kaggle_the_attached_inputs_are_searched_without_being_named(tmp_path: Path, monkeypatch, capsys) -> None:
     kaggle = tmp_path / "kaggle"
     (kaggle / "working").mkdir(parents=True)
@@ -200,6 +205,7 @@ def test_on_kaggle_the_attached_inputs_are_searched_without_being_named(tmp_path
     assert is_complete(kaggle / "working" / "outputs" / "run" / "checkpoint-12")
 
 
+@pytest.mark.version_independent
 def test_a_copy_cut_off_half_way_never_counts_and_the_next_copy_clears_it(tmp_path: Path, capsys) -> None:
     previous = _previous_run(tmp_path / "input" / "prev" / "run", 6)
     out = tmp_path / "run"
@@ -236,6 +242,7 @@ def test_hub_mirroring_is_trainers_own_and_a_hub_that_cannot_be_read_stops_the_r
     assert resume_point(out, hub="someone/run-name") == str(out / "checkpoint-3")
 
 
+@pytest.mark.version_independent
 def test_a_checkpoint_downloaded_from_the_hub_is_marked_and_put_in_place(tmp_path: Path) -> None:
     # What snapshot_download leaves of Trainer's last-checkpoint push: the files, no nbkit marker.
     download = tmp_path / "run" / ".nbkit-partial-download" / "last-checkpoint"

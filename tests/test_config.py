@@ -15,6 +15,7 @@ from nbkit.platform import config
 from nbkit.training import offline
 
 
+@pytest.mark.version_independent
 def test_settings_are_read_from_the_environment_with_defaults(monkeypatch, tmp_path):
     for spec in config.SETTINGS.values():
         monkeypatch.delenv(spec.env, raising=False)
@@ -35,6 +36,7 @@ def test_settings_are_read_from_the_environment_with_defaults(monkeypatch, tmp_p
         dashboard.Dashboard(1, mode="off")
 
 
+@pytest.mark.version_independent
 def test_configure_checks_everything_before_changing_anything(monkeypatch):
     for spec in config.SETTINGS.values():
         # set first, so that monkeypatch records each one and removes what configure() writes below (a
@@ -52,6 +54,7 @@ def test_configure_checks_everything_before_changing_anything(monkeypatch):
     assert os.environ["NBKIT_DASHBOARD"] == "off" and dashboard.display_mode() == "off"
 
 
+@pytest.mark.version_independent
 def test_the_settings_users_configure_are_declared():
     declared = {spec.env for spec in config.SETTINGS.values()}
     assert {"NBKIT_DASHBOARD", "NBKIT_DASHBOARD_INTERVAL", "NBKIT_CACHE", "NBKIT_DEVICE_MAP_POLICY"} <= declared
@@ -111,6 +114,7 @@ def _resolved(node: ast.AST, module: object) -> object:
     return None
 
 
+@pytest.mark.version_independent
 def test_nbkit_and_accelerate_variables_are_read_through_config_only():
     """config.py reads every NBKIT_* and ACCELERATE_* variable (one parsing of each, accelerate's for its
     flags); a read of one anywhere else in nbkit/ fails here, whether its name is spelt out or held in a
@@ -136,6 +140,7 @@ def test_nbkit_and_accelerate_variables_are_read_through_config_only():
     assert not found, "read these through nbkit.config (declare a setting, or a function there):\n" + "\n".join(found)
 
 
+@pytest.mark.version_independent
 def test_accelerates_flags_are_read_one_way(monkeypatch):
     for spelt, meant in [("1", True), ("Yes", True), (" on ", True), ("TRUE", True), ("0", False), ("off", False)]:
         monkeypatch.setenv(config.USE_FSDP, spelt)

@@ -16,6 +16,7 @@ from nbkit.notebook import dashboard
 from nbkit.notebook.dashboard import Dashboard
 
 
+@pytest.mark.version_independent
 def test_snapshot_sums_rates_averages_losses_and_keeps_peaks():
     board = Dashboard(2, mode="off")
     board.event(0, step_event(1, 2.0, rate=100.0, memory=1.5))
@@ -35,6 +36,7 @@ def test_snapshot_sums_rates_averages_losses_and_keeps_peaks():
     assert dashboard.latest() is board
 
 
+@pytest.mark.version_independent
 def test_text_fallback_prints_lines_at_most_every_interval_and_a_summary():
     out = io.StringIO()
     board = Dashboard(2, mode="text", interval=3600)
@@ -52,6 +54,7 @@ def test_text_fallback_prints_lines_at_most_every_interval_and_a_summary():
     assert "peak memory rank 0 (cpu): 1.00 GiB" in text and "peak memory rank 1 (cpu): 1.00 GiB" in text
 
 
+@pytest.mark.version_independent
 def test_interval_zero_prints_every_event_and_failure_says_so():
     out = io.StringIO()
     board = Dashboard(1, mode="text", interval=0)
@@ -68,6 +71,7 @@ def test_interval_zero_prints_every_event_and_failure_says_so():
     assert lines[3].startswith("nbkit: stopped (failed or interrupted)")
 
 
+@pytest.mark.version_independent
 def test_a_launch_that_reports_nothing_shows_nothing():
     out = io.StringIO()
     board = Dashboard(2, mode="text", interval=0)
@@ -76,6 +80,7 @@ def test_a_launch_that_reports_nothing_shows_nothing():
     assert out.getvalue() == ""
 
 
+@pytest.mark.version_independent
 def test_widget_panel_is_created_on_the_first_event_and_ends_as_static_html(capsys):
     board = Dashboard(2, mode="widget")
     assert board._view is None
@@ -96,6 +101,7 @@ def test_widget_panel_is_created_on_the_first_event_and_ends_as_static_html(caps
     assert panel.box.comm is None  # widgets closed: the live panel is gone, the HTML stays
 
 
+@pytest.mark.version_independent
 def test_display_mode_override_and_no_widgets_outside_a_kernel(monkeypatch):
     assert not dashboard.widget_frontend()  # pytest is no Jupyter kernel
     monkeypatch.delenv("NBKIT_DASHBOARD", raising=False)
@@ -111,6 +117,7 @@ def test_display_mode_override_and_no_widgets_outside_a_kernel(monkeypatch):
         dashboard.display_mode()
 
 
+@pytest.mark.version_independent
 def test_widget_mode_with_ipywidgets_7_shows_the_html_panel_and_says_why(monkeypatch, capsys):
     # What Colab's ipywidgets 7.7.1 reports (tests/test_browser.py runs a real 7.7.1 in the classic Notebook 6.5)
     import ipywidgets
@@ -143,6 +150,7 @@ def shell_displays():
         InteractiveShell.clear_instance()
 
 
+@pytest.mark.version_independent
 def test_html_panel_shows_every_rank_from_the_first_frame_and_no_image_before_a_curve(shell_displays):
     board = Dashboard(2, mode="html")
     assert dashboard.panel_shown()
@@ -158,6 +166,7 @@ def test_html_panel_shows_every_rank_from_the_first_frame_and_no_image_before_a_
     assert not dashboard.panel_shown()
 
 
+@pytest.mark.version_independent
 def test_html_panel_updates_one_output_in_place_and_its_last_frame_is_the_summary_of_the_last_step(shell_displays):
     board = Dashboard(2, mode="html")
     for step in range(1, 41):  # faster than the panel redraws: most frames are skipped
@@ -183,6 +192,7 @@ def test_html_panel_updates_one_output_in_place_and_its_last_frame_is_the_summar
     assert [row.split("</td>")[1] for row in rows] == ["<td>40", "<td>40"]  # each rank's last step
 
 
+@pytest.mark.version_independent
 def test_html_without_an_ipython_shell_falls_back_to_text_lines():
     out = io.StringIO()
     board = Dashboard(1, mode="html", interval=0)
@@ -192,6 +202,7 @@ def test_html_without_an_ipython_shell_falls_back_to_text_lines():
     assert board.shown_as == "text" and out.getvalue().startswith("nbkit: step 1/10")
 
 
+@pytest.mark.version_independent
 def test_widget_panel_shows_every_rank_and_hides_the_curve_until_there_is_one():
     board = Dashboard(2, mode="widget")
     board.event(1, {"step": 0, "total_steps": 10, "elapsed": 1.0})
@@ -210,6 +221,7 @@ def test_widget_panel_shows_every_rank_and_hides_the_curve_until_there_is_one():
 # --------------------------------------------------------------------------------------------
 
 
+@pytest.mark.version_independent
 def test_a_relaying_dashboard_sends_typed_messages_and_knows_how_the_notebook_shows(monkeypatch):
     from multiprocessing import Pipe
 

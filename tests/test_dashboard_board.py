@@ -8,6 +8,7 @@ from dashboard_events import step_event
 from nbkit.notebook.dashboard.board import Board
 
 
+@pytest.mark.version_independent
 def test_eta_follows_the_steady_pace_not_the_first_step_or_a_pause():
     board = Board(1)
     # step 1 took 30 s (compilation), step 3 had a 10 s checkpoint save, the others 0.5 s each
@@ -18,6 +19,7 @@ def test_eta_follows_the_steady_pace_not_the_first_step_or_a_pause():
     assert board.summary()["seconds_per_step"] == pytest.approx(0.5)
 
 
+@pytest.mark.version_independent
 def test_summary_rate_counts_from_the_first_token_report():
     board = Board(2)
     for rank in (0, 1):
@@ -30,6 +32,7 @@ def test_summary_rate_counts_from_the_first_token_report():
     assert summary["step"] == 2 and summary["total_steps"] == 10
 
 
+@pytest.mark.version_independent
 def test_summary_pace_leaves_the_first_step_out():
     board = Board(2)
     for rank, pace in ((1, 0.5), (0, 0.25)):  # rank 0's clock decides, whichever rank reports first
@@ -45,6 +48,7 @@ def test_summary_pace_leaves_the_first_step_out():
     assert lone.summary()["seconds_per_step"] is None  # one step: no pace after it
 
 
+@pytest.mark.version_independent
 def test_tokens_per_second_is_smoothed_over_the_last_ten_seconds_of_each_rank():
     board = Board(2)
     seen = {0: 0, 1: 0}

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import pytest
 from dashboard_events import step_event
 
 from nbkit.notebook.dashboard.board import Board
 from nbkit.notebook.dashboard.rendering import peak_memory_text, text_line
 
 
+@pytest.mark.version_independent
 def test_peak_memory_names_each_rank():
     assert peak_memory_text({0: (0.51, "cpu"), 1: (0.5, "cpu")}) == "peak memory rank 0: 0.51 GiB, rank 1: 0.50 GiB"
     eight = {rank: (1.0 + rank / 10, f"cuda:{rank}") for rank in range(8)}

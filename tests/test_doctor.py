@@ -102,6 +102,7 @@ def test_known_bad_combinations_are_flagged(monkeypatch, installed, flagged):
     assert "pip install" in problems[0].fix
 
 
+@pytest.mark.version_independent
 def test_a_supported_unsloth_stack_raises_no_version_problem(monkeypatch):
     good = {
         "unsloth": "2026.10.9",

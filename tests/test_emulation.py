@@ -38,6 +38,7 @@ def _flags() -> dict[str, Any]:
     }
 
 
+@pytest.mark.version_independent
 def test_t4_profile_switches_precision_kernels_and_environment_and_undoes_them_exactly(capsys, monkeypatch):
     torch.backends.cuda.matmul.allow_tf32 = True  # as a user who turned TF32 on would have it
     before = _flags()
@@ -63,6 +64,7 @@ def test_t4_profile_switches_precision_kernels_and_environment_and_undoes_them_e
     torch.backends.cuda.matmul.allow_tf32 = False
 
 
+@pytest.mark.version_independent
 def test_the_profile_brings_the_t4_fixes_into_this_process_and_takes_them_back():
     # A process that trains itself (notebook_launcher in place, a script) needs what launched ranks get:
     # attention without flash (seq x seq memory otherwise) and fp16-ready dtypes under TRL's SFTTrainer.
@@ -84,6 +86,7 @@ def test_the_profile_brings_the_t4_fixes_into_this_process_and_takes_them_back()
     nbkit.uninstall("attention")
 
 
+@pytest.mark.version_independent
 def test_precision_stays_fp32_without_a_gpu_under_a_profile(capsys, monkeypatch):
     assert torch.cuda.device_count() == 0 or pytest.skip("a GPU is visible")
     monkeypatch.setattr(emulation._state, "logged", False)  # the notice is said once per process
@@ -94,6 +97,7 @@ def test_precision_stays_fp32_without_a_gpu_under_a_profile(capsys, monkeypatch)
     assert len(said) == 1 and "no GPU is visible here" in said[0] and "fp32" in said[0] and "fp16" not in said[0]
 
 
+@pytest.mark.version_independent
 def test_an_unknown_profile_names_the_known_ones_and_changes_nothing(monkeypatch):
     before = _flags()
     with pytest.raises(nbkit.EmulationError, match=r"no GPU profile 'A100'.*the profiles are T4") as caught:
@@ -148,6 +152,7 @@ def test_a_launch_under_an_unknown_profile_fails_naming_the_known_ones(monkeypat
         nbkit.launch(_one, gpus=2)
 
 
+@pytest.mark.version_independent
 def test_launch_and_start_refuse_an_unknown_profile_before_starting_anything():
     # the emulate= argument (and %ddp start --emulate, %%ddp --emulate) is checked in the notebook
     for call in (lambda: nbkit.launch(_one, gpus=2, emulate="K80"), lambda: nbkit.start(gpus=2, emulate="K80")):

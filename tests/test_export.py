@@ -63,6 +63,7 @@ def exported(tmp_path: Path) -> tuple[Path, Path]:
     return script, out_dir
 
 
+@pytest.mark.version_independent
 def test_the_script_holds_what_the_cell_needs_and_nothing_else(exported):
     script, _ = exported
     text = script.read_text()
@@ -88,6 +89,7 @@ def test_runs_under_torchrun_with_two_gloo_processes(exported):
     assert proc.stdout.strip().splitlines()[-1] == "36.0"  # rank 0 prints the value, once
 
 
+@pytest.mark.version_independent
 def test_an_unknown_cell_lists_the_ddp_cells_and_tags(tmp_path):
     nb_path = _notebook(tmp_path, tmp_path)
     with pytest.raises(
@@ -122,6 +124,7 @@ def _launch_line(script: Path) -> str:
     return line.strip()
 
 
+@pytest.mark.version_independent
 def test_the_ddp_line_is_expanded_from_the_parameters_as_ipython_expands_it(tmp_path):
     from IPython.core.interactiveshell import InteractiveShell
 
@@ -149,6 +152,7 @@ def test_the_ddp_line_is_expanded_from_the_parameters_as_ipython_expands_it(tmp_
         shell.user_ns.update(saved)
 
 
+@pytest.mark.version_independent
 def test_a_name_that_is_not_a_parameter_is_named(tmp_path):
     # n_procs exists in the notebook, but in an ordinary cell: the exporter does not run those.
     nb_path = _one_cell_notebook(tmp_path, "%%ddp --gpus $n_procs\n1", "n_procs = 2", parameters="steps = 1")
@@ -166,6 +170,7 @@ def test_a_name_that_is_not_a_parameter_is_named(tmp_path):
     assert not (tmp_path / "train.py").exists()
 
 
+@pytest.mark.version_independent
 def test_a_parameter_left_at_none_means_the_default(tmp_path):
     # The shipped notebooks' `gpus = None  # one per visible GPU` with `%%ddp --gpus $gpus`.
     nb_path = _one_cell_notebook(
@@ -176,6 +181,7 @@ def test_a_parameter_left_at_none_means_the_default(tmp_path):
     assert "one process per visible GPU" in script.read_text()
 
 
+@pytest.mark.version_independent
 def test_strategy_and_emulate_reach_the_launch_call_of_the_script(tmp_path):
     # the profile under its own name, as the export checked it
     nb_path = _one_cell_notebook(tmp_path, "%%ddp --gpus 2 --strategy fsdp --emulate t4\n1")
@@ -186,6 +192,7 @@ def test_strategy_and_emulate_reach_the_launch_call_of_the_script(tmp_path):
     )
 
 
+@pytest.mark.version_independent
 def test_the_notebook_is_never_written_over(tmp_path, monkeypatch):
     nb_path = _notebook(tmp_path, tmp_path)
     original = nb_path.read_bytes()
@@ -224,6 +231,7 @@ x = 1; x + len(s) * 1000 + len(t) * 100 + len(u)
 '''
 
 
+@pytest.mark.version_independent
 def test_percent_and_bang_inside_strings_stay_and_the_last_expression_is_returned(tmp_path):
     nb_path = _one_cell_notebook(tmp_path, MAGIC_IN_STRINGS, "%matplotlib inline\n!nvidia-smi")
     script = export_script(nb_path, "train", tmp_path / "train.py")
@@ -240,6 +248,7 @@ def test_percent_and_bang_inside_strings_stay_and_the_last_expression_is_returne
     assert ddp_cell() == 1 + len(s) * 1000 + len(t) * 100 + len(u)
 
 
+@pytest.mark.version_independent
 def test_code_that_needs_ipython_is_named(tmp_path):
     nb_path = _one_cell_notebook(tmp_path, "%%ddp --gpus 1\nfiles = !ls\nlen(files)")
     with pytest.raises(ExportError, match=r"Cell 1 of nb.ipynb needs IPython in `files = get_ipython\(\).getoutput"):
@@ -269,6 +278,7 @@ SHIPPED = [
 ]
 
 
+@pytest.mark.version_independent
 def test_the_shipped_notebooks_have_training_cells_to_export():
     assert {name for name, _ in SHIPPED} >= {"qwen3_vl_2xT4", "text_llm_ddp"}
 
@@ -305,6 +315,7 @@ def test_a_shipped_training_cell_exports_to_a_script_that_trains_under_torchrun(
 # A live set's cells keep their names between cells: exporting one exports the set's cells up to it.
 
 
+@pytest.mark.version_independent
 def test_a_live_set_cell_exports_with_the_cells_that_ran_before_it_on_the_set(tmp_path):
     nb = new_notebook(
         cells=[

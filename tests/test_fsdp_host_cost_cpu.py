@@ -18,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import fsdp_host_cost
 
 
+@pytest.mark.version_independent
 def test_variants_parse():
     assert fsdp_host_cost.parse_variant("fsdp") == ("fsdp", [])
     assert fsdp_host_cost.parse_variant("ddp+noac+fp32") == ("ddp", ["noac", "fp32"])

@@ -6,6 +6,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -19,6 +21,7 @@ def _test_parts() -> dict[str, tuple[int, list[str]]]:
     return parts
 
 
+@pytest.mark.version_independent
 def test_the_parts_name_every_gpu_marked_file_and_each_fits_a_9_minute_call():
     parts = _test_parts()
     named = {path for _, paths in parts.values() for path in paths}

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import nbkit
 
 PACKAGE = Path(nbkit.__file__).parent
@@ -87,6 +89,7 @@ def _graph() -> dict[str, set[str]]:
     return {name: _imports(path, modules) - {name} for name, path in modules.items()}
 
 
+@pytest.mark.version_independent
 def test_the_walker_sees_lazy_imports():
     graph = _graph()
     assert "nbkit.platform.forksafety" in graph["nbkit"]  # importlib.import_module("nbkit.platform.forksafety")
@@ -95,6 +98,7 @@ def test_the_walker_sees_lazy_imports():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
+@pytest.mark.version_independent
 def test_no_import_cycles():
     graph = _graph()
     # the package's own __init__ is imported first by every submodule: edges back to it are not cycles
@@ -103,6 +107,7 @@ def test_no_import_cycles():
     assert _cycles(graph) == []
 
 
+@pytest.mark.version_independent
 def test_import_nbkit_and_the_api_modules_import_no_ipython():
     api = sorted(name for name in _modules() if name not in NEEDS_IPYTHON)
     code = (
@@ -118,6 +123,7 @@ def test_import_nbkit_and_the_api_modules_import_no_ipython():
     assert result.stdout.strip() == "ok", result.stderr[-2000:]
 
 
+@pytest.mark.version_independent
 def test_a_ranks_set_up_imports_no_torch_dynamo():
     # Every rank nbkit starts runs prepare_rank, which imports the savers; importing torch._dynamo takes a
     # second of CPU, in each rank of each launch from a process that has not imported it (a kernel's %%ddp,
@@ -133,6 +139,7 @@ def test_a_ranks_set_up_imports_no_torch_dynamo():
     assert result.stdout.strip() == "ok", (result.stdout[-2000:], result.stderr[-2000:])
 
 
+@pytest.mark.version_independent
 def test_documented_submodules_are_reachable_after_import_nbkit():
     code = (
         "import nbkit\n"
@@ -153,6 +160,7 @@ def test_documented_submodules_are_reachable_after_import_nbkit():
     ], result.stderr[-2000:]
 
 
+@pytest.mark.version_independent
 def test_the_old_paths_of_moved_modules_import_the_modules_themselves():
     """A module that moved into its layer's folder keeps its old path for users (`from nbkit.offline import ...`,
     an exported script's `nbkit.cell_group`), as the same module object: one copy, so that one patch or one

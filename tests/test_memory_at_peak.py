@@ -4,6 +4,8 @@ format torch.cuda.memory._snapshot() gives (the recording itself needs a CUDA GP
 
 from __future__ import annotations
 
+import pytest
+
 from benchmarks import memory_at_peak
 
 GIB = 2**30
@@ -27,6 +29,7 @@ LOSS = _frame("/repo/nbkit/training/savers/loss.py", "chunked_loss")
 MODULE = _frame("/site/torch/nn/modules/module.py", "_call_impl")  # not an origin: the frame inside it is
 
 
+@pytest.mark.version_independent
 def test_the_peak_and_what_was_live_then_by_origin() -> None:
     trace = [
         _alloc(1, 1.0, GATHER),
@@ -54,6 +57,7 @@ def test_the_peak_and_what_was_live_then_by_origin() -> None:
     assert report["other_gib"] == 0 and not report["truncated"]
 
 
+@pytest.mark.version_independent
 def test_older_allocations_freed_before_the_peak_leave_the_unattributed_part() -> None:
     # Address 9 was allocated before the recording: its free lowers the older part, not a recorded origin.
     trace = [_free(9, 0.5), _alloc(1, 0.75), _alloc(2, 0.5, DEQUANT), _alloc(3, 0.125, DEQUANT)]
@@ -65,6 +69,7 @@ def test_older_allocations_freed_before_the_peak_leave_the_unattributed_part() -
     assert report["truncated"]  # as many entries as the ring holds: the oldest may be lost
 
 
+@pytest.mark.version_independent
 def test_a_peak_before_the_recording_is_the_allocated_bytes_it_started_with() -> None:
     report = memory_at_peak.breakdown([_free(9, 1.0), _alloc(1, 0.5, LOSS)], before=3 * GIB, max_entries=10)
     assert report["peak_gib"] == 3.0 and report["before_gib"] == 3.0 and report["origins"] == []

@@ -10,6 +10,7 @@ from nbkit.platform.errors import OptionsError
 from nbkit.training import models
 
 
+@pytest.mark.version_independent
 def test_auto_is_transformers_without_a_gpu_and_a_wrong_name_is_refused():
     assert models.backend("auto") == "transformers"  # no GPU here
     assert models.backend("unsloth") == "unsloth"

@@ -10,6 +10,7 @@ from nbkit.notebook import notebook_names
 from nbkit.platform.errors import CellSyntaxError
 
 
+@pytest.mark.version_independent
 def test_the_names_a_cell_reads_travel_private_ones_too_but_not_ipythons():
     namespace = {n: 1 for n in ("_cfg", "lr", "_", "__", "_i3", "_5", "In", "Out", "open", "get_ipython", "unused")}
     code = "print(_cfg, lr, _, __, _i3, _5, In, Out, get_ipython)\nwith open('f') as f: pass"
@@ -20,6 +21,7 @@ def test_the_names_a_cell_reads_travel_private_ones_too_but_not_ipythons():
         notebook_names.needed("x = (1,", {"x": 1})
 
 
+@pytest.mark.version_independent
 def test_a_builtin_the_notebook_rebinds_travels_and_the_kernels_own_builtins_do_not():
     import builtins
 
@@ -30,6 +32,7 @@ def test_a_builtin_the_notebook_rebinds_travels_and_the_kernels_own_builtins_do_
     assert notebook_names.needed("dir = 'x'\nprint(dir)", namespace) == []  # the cell binds it first
 
 
+@pytest.mark.version_independent
 def test_spawn_and_a_live_set_pickle_a_notebook_function_with_the_values_it_reads():
     namespace: dict = {"scale": 3}
     exec("def times(x):\n    return x * scale", namespace)

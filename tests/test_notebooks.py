@@ -55,6 +55,7 @@ def _text(nb) -> str:
     return "".join(o.get("text", "") for o in _outputs(nb) if o.output_type == "stream")
 
 
+@pytest.mark.version_independent
 def test_committed_notebooks_are_clean_and_share_their_parameters() -> None:
     for name in runner.NOTEBOOKS:
         nb = nbformat.read(NOTEBOOKS_DIR / f"{name}.ipynb", as_version=4)
@@ -85,6 +86,7 @@ def test_committed_notebooks_are_clean_and_share_their_parameters() -> None:
         assert kinds.startswith("m") and "cccc" not in kinds, f"{name}: {kinds}"
 
 
+@pytest.mark.version_independent
 def test_cpu_parameters_replace_what_needs_a_gpu_or_the_hub(tmp_path: Path) -> None:
     cpu = runner.parameters("qwen3_vl_2xT4", tmp_path, gpu=False, hub=False, overrides={"max_steps": 3})
     assert cpu["model_name"] == "tiny:qwen3-vl" and cpu["dataset_name"] == "synthetic" and cpu["gpus"] == 2

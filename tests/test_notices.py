@@ -82,6 +82,7 @@ def test_representative_calls_print_nothing_but_the_ranks_own_output(tmp_path):
     assert printed == [], printed
 
 
+@pytest.mark.version_independent
 def test_notices_are_shown_at_info_filterable_and_never_twice(capsys):
     log = notices.logger("nbkit.test")
     root = logging.getLogger("nbkit")

@@ -12,6 +12,7 @@ def _fresh(monkeypatch):
     monkeypatch.setattr(one_gpu, "_said", set())
 
 
+@pytest.mark.version_independent
 def test_the_live_message_says_what_and_why():
     text = one_gpu.message("live", "Tesla T4")
     assert text.startswith("nbkit: one GPU is visible (Tesla T4), so the live set has one rank")
@@ -19,6 +20,7 @@ def test_the_live_message_says_what_and_why():
     assert "runs unchanged on 2 or more GPUs" in text
 
 
+@pytest.mark.version_independent
 def test_the_one_shot_message_says_what_and_why():
     text = one_gpu.message("one-shot", "NVIDIA L4")
     assert "%%ddp runs the cell in one fresh process" in text and "free of CUDA" in text and "%ddp start" in text
@@ -26,6 +28,7 @@ def test_the_one_shot_message_says_what_and_why():
         one_gpu.message("fsdp", "x")
 
 
+@pytest.mark.version_independent
 def test_said_once_per_kind_through_logging(capsys):
     assert one_gpu.say_once("live", "Tesla T4") is True
     assert one_gpu.say_once("live", "Tesla T4") is False

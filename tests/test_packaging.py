@@ -80,6 +80,7 @@ def _imported_modules() -> set[str]:
     return found - set(sys.stdlib_module_names) - {"nbkit", "__future__"}
 
 
+@pytest.mark.version_independent
 def test_the_distribution_is_nbkit_ddp_with_an_spdx_license_and_the_package_version():
     project = PYPROJECT["project"]
     assert project["name"] == "nbkit-ddp"

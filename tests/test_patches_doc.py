@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib
 from pathlib import Path
 
+import pytest
+
 from nbkit.platform import patch_groups, patching
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "patches.md"
@@ -15,6 +17,7 @@ def _declare_all() -> None:
         importlib.import_module(group.module)
 
 
+@pytest.mark.version_independent
 def test_every_group_is_in_the_table_and_declared_where_it_says():
     _declare_all()
     assert {p.group for p in patching.registered()} == set(patch_groups.GROUPS)
@@ -23,6 +26,7 @@ def test_every_group_is_in_the_table_and_declared_where_it_says():
         assert p.factory.__module__ == declaring, (p.target, p.factory.__module__, declaring)
 
 
+@pytest.mark.version_independent
 def test_docs_list_every_group_and_every_declared_patch():
     _declare_all()
     text = DOC.read_text()

@@ -40,6 +40,7 @@ def _make(target, factory, **kw):
     return patching.Patch(target, factory, reason="test", upstream="none", group="test", **kw)
 
 
+@pytest.mark.version_independent
 def test_classmethod_on_an_inheriting_class_is_restored_to_nothing(lib):
     original = vars(lib.Base)["load"]
     p = _make(f"{lib.__name__}:Child.load", lambda orig: lambda cls, x: ("patched",) + orig(cls, x))
@@ -52,6 +53,7 @@ def test_classmethod_on_an_inheriting_class_is_restored_to_nothing(lib):
     assert lib.Child.load(2) == ("orig", "Child", 2)
 
 
+@pytest.mark.version_independent
 def test_staticmethod_and_module_function(lib):
     helper, top = vars(lib.Base)["helper"], lib.top
     p1 = _make(f"{lib.__name__}:Base.helper", lambda orig: lambda x: orig(x) * 10)
@@ -62,6 +64,7 @@ def test_staticmethod_and_module_function(lib):
     assert vars(lib.Base)["helper"] is helper and lib.top is top
 
 
+@pytest.mark.version_independent
 def test_a_value_patch_replaces_a_class_as_it_is_so_it_can_be_subclassed(lib):
     original = lib.Base
 
@@ -80,6 +83,7 @@ def test_a_value_patch_replaces_a_class_as_it_is_so_it_can_be_subclassed(lib):
     assert lib.Base is original
 
 
+@pytest.mark.version_independent
 def test_skipped_when_library_missing_or_feature_present(lib):
     assert not _make("no_such_module_xyz:thing", lambda orig: orig).apply()
     assert not _make(f"{lib.__name__}:Base.no_such_attr", lambda orig: orig).apply()
@@ -87,6 +91,7 @@ def test_skipped_when_library_missing_or_feature_present(lib):
     assert lib.top(1) == 2
 
 
+@pytest.mark.version_independent
 def test_revert_under_another_librarys_wrapper_passes_through(lib):
     p = _make(f"{lib.__name__}:Base.load", lambda orig: lambda cls, x: ("patched",) + orig(cls, x))
     p.apply()
@@ -100,6 +105,7 @@ def test_revert_under_another_librarys_wrapper_passes_through(lib):
     assert lib.Base.load(2) == ("theirs", "patched", "orig", "Base", 2)  # reactivated, not stacked
 
 
+@pytest.mark.version_independent
 def test_group_apply_and_revert(lib):
     before = lib.top
     p = patching.patch(f"{lib.__name__}:top", reason="r", upstream="u", group="test-group")(
@@ -114,6 +120,7 @@ def test_group_apply_and_revert(lib):
         patching._REGISTRY.remove(p)
 
 
+@pytest.mark.version_independent
 def test_import_nbkit_makes_the_triton_probe_context_free_before_torchao_can_call_it():
     import subprocess
 
@@ -172,6 +179,7 @@ def test_the_test_process_imports_nbkit_before_transformers_as_a_notebook_must(t
     assert result.read_text() == "True", out
 
 
+@pytest.mark.version_independent
 @pytest.mark.parametrize("torchao_first", [True, False])
 def test_a_cuda_context_is_blamed_on_torchao_only_where_it_was_imported_before_nbkit(torchao_first):
     import subprocess

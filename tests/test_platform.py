@@ -37,6 +37,7 @@ class _KernelShell:
         self.kernel = _Kernel(metadata or {})
 
 
+@pytest.mark.version_independent
 @pytest.mark.parametrize(
     ("environ", "expected", "description"),
     [
@@ -68,6 +69,7 @@ def test_each_platform_is_recognised_from_its_environment(environ, expected, des
     assert found.watched == (expected.frontend != "kernel" and not expected.batch)
 
 
+@pytest.mark.version_independent
 def test_the_frontend_is_recognised_from_the_cell_id_it_sends():
     vscode = _KernelShell({"cellId": "vscode-notebook-cell:/home/me/train.ipynb#W1sZmlsZQ%3D%3D"})
     assert detect({}, vscode, ancestors=[]) == Platform("local", "vscode")
@@ -75,6 +77,7 @@ def test_the_frontend_is_recognised_from_the_cell_id_it_sends():
     assert detect({}, lab, ancestors=[]) == Platform("local", "jupyter")
 
 
+@pytest.mark.version_independent
 def test_a_kernel_a_jupyter_server_started_is_watched_whatever_started_the_server():
     # The classic Notebook 6.5 (Colab's notebook package) sets no JPY_SESSION_NAME and sends no cell id: its
     # server, the kernel's parent, is the mark. What started the server (here a test) is not looked at.
@@ -84,6 +87,7 @@ def test_a_kernel_a_jupyter_server_started_is_watched_whatever_started_the_serve
     assert detect({}, _KernelShell(), ancestors=["bash", "papermill nb.ipynb out.ipynb"]).frontend == "headless"
 
 
+@pytest.mark.version_independent
 def test_headless_runners_are_never_watched_even_with_a_cell_id():
     shell = _KernelShell({"cellId": "0b8a6f0e"})
     for runner in ("papermill nb.ipynb out.ipynb", "/usr/bin/python -m pytest -q", "jupyter-nbconvert --execute x"):
@@ -91,6 +95,7 @@ def test_headless_runners_are_never_watched_even_with_a_cell_id():
         assert found == Platform("local", "headless") and not found.watched
 
 
+@pytest.mark.version_independent
 def test_no_kernel_means_a_script_or_terminal_ipython_whatever_the_host():
     from IPython.core.interactiveshell import InteractiveShell
 
@@ -106,6 +111,7 @@ def test_no_kernel_means_a_script_or_terminal_ipython_whatever_the_host():
     assert not any(detect(env, None).watched for env in ({}, {"COLAB_GPU": "0"}, {"KAGGLE_URL_BASE": "x"}))
 
 
+@pytest.mark.version_independent
 def test_kaggle_input_only_on_kaggle_and_only_where_the_folder_exists(tmp_path, monkeypatch):
     for name in _PLATFORM_VARIABLES:
         monkeypatch.delenv(name, raising=False)
@@ -118,6 +124,7 @@ def test_kaggle_input_only_on_kaggle_and_only_where_the_folder_exists(tmp_path, 
     assert host.kaggle_input() == tmp_path / "input"
 
 
+@pytest.mark.version_independent
 def test_in_a_real_kernel_under_a_headless_runner_and_on_kaggle(kernel_name, tmp_path, monkeypatch):
     for name in _PLATFORM_VARIABLES:
         monkeypatch.delenv(name, raising=False)

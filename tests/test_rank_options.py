@@ -88,6 +88,7 @@ CASES = [
 ]
 
 
+@pytest.mark.version_independent
 @pytest.mark.parametrize(("option", "value", "word", "error", "text"), CASES, ids=[f"{c[0]}={c[1]!r}" for c in CASES])
 def test_every_way_in_gives_one_message_naming_the_option(tmp_path, option, value, word, text, error):
     ran = tmp_path / "ran"
@@ -118,6 +119,7 @@ def test_every_way_in_gives_one_message_naming_the_option(tmp_path, option, valu
     assert not ran.exists() and nbkit.live.current() is None  # refused before anything started
 
 
+@pytest.mark.version_independent
 def test_a_line_the_magic_cannot_read_names_the_option():
     with pytest.raises(OptionsError, match="--env takes KEY=VALUE pairs; got 'A'"):
         ddp_options.parse("--env A")
@@ -127,6 +129,7 @@ def test_a_line_the_magic_cannot_read_names_the_option():
         ddp_options.parse_start("--gpus two")
 
 
+@pytest.mark.version_independent
 def test_gpus_none_as_a_parameters_cell_leaves_it_means_one_process_per_visible_gpu():
     # `%ddp start --gpus $gpus` / `%%ddp --gpus $gpus` with `gpus = None` in the parameters, as the exporter reads it
     assert ddp_options.parse_start("--gpus None").gpus is None
@@ -134,6 +137,7 @@ def test_gpus_none_as_a_parameters_cell_leaves_it_means_one_process_per_visible_
     assert ddp_options.parse("--gpus 2").setup.gpus == 2
 
 
+@pytest.mark.version_independent
 def test_the_value_is_frozen_checked_and_defaults_once():
     options = RankOptions.build(gpus=2, timeout=5, env={"A": "1"}, strategy=" FSDP ", emulate="t4")
     assert (options.gpus, options.timeout, options.env_dict(), options.strategy, options.emulate) == (
@@ -151,6 +155,7 @@ def test_the_value_is_frozen_checked_and_defaults_once():
         RankOptions(timeout=0)
 
 
+@pytest.mark.version_independent
 def test_nbkit_variables_in_env_are_read_as_the_options_and_lose_to_them(capsys):
     assert RankOptions.build(env={config.STRATEGY: "fsdp", config.EMULATE: "t4"}) == RankOptions(
         strategy="fsdp", emulate="T4"

@@ -24,6 +24,7 @@ def text_dashboard(monkeypatch):
     monkeypatch.setenv("NBKIT_DASHBOARD_INTERVAL", "0")
 
 
+@pytest.mark.version_independent
 def test_report_outside_a_launch_feeds_a_local_text_dashboard(capsys):
     reporting.setup_rank()  # a fresh clock, as at the start of a run
     try:

@@ -18,6 +18,7 @@ def _through_a_pipe(exc: BaseException) -> BaseException:
     return reader.recv().exception()
 
 
+@pytest.mark.version_independent
 def test_a_launch_error_comes_back_with_which_ranks_failed_and_why():
     error = RankError(rank=1, type="ValueError", message="batch 7 has no labels", traceback="Traceback ...", time=5.0)
     sent = LaunchError("Rank 1 failed.", failures={1: "raised ValueError"}, errors={1: error}, timed_out=True)
@@ -26,10 +27,12 @@ def test_a_launch_error_comes_back_with_which_ranks_failed_and_why():
     assert (back.failures, back.errors, back.timed_out) == ({1: "raised ValueError"}, {1: error}, True)
 
 
+@pytest.mark.version_independent
 def test_an_interrupt_comes_back_as_keyboard_interrupt():
     assert type(_through_a_pipe(KeyboardInterrupt())) is KeyboardInterrupt
 
 
+@pytest.mark.version_independent
 @pytest.mark.parametrize(
     ("sent", "raised"),
     [

@@ -23,6 +23,7 @@ def _answer_for(prompt: str) -> str:
     raise AssertionError(f"unexpected prompt {prompt!r}")
 
 
+@pytest.mark.version_independent
 def test_text_dataset_answers_are_correct_and_deterministic() -> None:
     items = text_dataset(200, seed=0)
     assert len(items) == 200
@@ -38,6 +39,7 @@ def test_text_dataset_answers_are_correct_and_deterministic() -> None:
     assert kinds == {"Reverse", "Write", "Spell", "What"}  # every task appears
 
 
+@pytest.mark.version_independent
 def test_other_seeds_give_held_out_items() -> None:
     train, held_out = text_dataset(100, seed=0), text_dataset(100, seed=1)
     assert train != held_out
@@ -45,6 +47,7 @@ def test_other_seeds_give_held_out_items() -> None:
     assert [i["images"][0].tobytes() for i in first] != [i["images"][0].tobytes() for i in other]
 
 
+@pytest.mark.version_independent
 def test_vision_dataset_answers_are_drawn_in_the_image() -> None:
     items = vision_dataset(40, seed=3, image_size=64)
     again = vision_dataset(40, seed=3, image_size=64)
@@ -85,6 +88,7 @@ def test_image_size_is_configurable_and_datasets_load_into_datasets() -> None:
     assert Dataset.from_list(text_dataset(4))[0]["messages"][0]["role"] == "user"
 
 
+@pytest.mark.version_independent
 def test_bad_arguments_say_what_is_wrong() -> None:
     with pytest.raises(ValueError, match="image_size >= 16"):
         vision_dataset(2, image_size=8)

@@ -18,6 +18,7 @@ from datetime import datetime
 from pathlib import Path
 
 import nbformat
+import pytest
 from nbclient import NotebookClient
 from nbformat.v4 import new_code_cell, new_notebook
 
@@ -45,6 +46,7 @@ def _cell_seconds(cell: nbformat.NotebookNode) -> float:
     return (end - start).total_seconds()
 
 
+@pytest.mark.version_independent
 def test_bad_exports_fail_fast_with_one_message_and_the_corrected_command_works_at_once(tmp_path, kernel_name):
     source = _source_notebook(tmp_path / "experiment.ipynb")
     unparameterised = _source_notebook(tmp_path / "other.ipynb", TRAIN.replace("$procs", "$n_gpus"))
@@ -158,6 +160,7 @@ def _big_checkpoint(root: Path, step: int, files: int) -> Path:
 COPY = "import sys\nfrom nbkit.checkpoints import resume_point\nresume_point(sys.argv[1], previous=sys.argv[2])\n"
 
 
+@pytest.mark.version_independent
 def test_a_copy_killed_half_way_never_counts_and_the_next_resume_copies_it_whole(tmp_path, capsys):
     previous = tmp_path / "input" / "run"
     _big_checkpoint(previous, 40, files=1200)
