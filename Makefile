@@ -25,11 +25,16 @@ DEMO_HUB ?= $(if $(shell command -v nvidia-smi),1,0)
 # JupyterLab and Notebook 7 (nothing there depends on the transformers / trl line) and runs on the newest set,
 # and the tests marked version_independent: nbkit's own process handling where only torch and the notebook stack
 # run (both sets share them): live sets and their faults, stop() on plain processes, the exported script of a
-# torch-only cell under torchrun, an install into an environment of its own. Their processes import none of the
-# libraries the two sets differ in, so a second run repeated the same code (tests/conftest.py fails a marked test
-# that imports one). A forked or spawned launch is never one: it starts through accelerate's notebook_launcher,
-# whose version differs. 40 such tests took 340 s of the oldest set's 908 s on 2 shared cores (2026-11-25), which
-# had pushed CI past 30 minutes; they are 59 now. Nor the end-to-end runs of the benchmark harness
+# torch-only cell under torchrun, an install into an environment of its own; and the checks of nbkit's own logic
+# that need none of those libraries (the dashboard, options and config, export, patching, platform detection, the
+# import structure). Their processes import none of the libraries the two sets differ in, so a second run repeated
+# the same code (tests/conftest.py fails a marked test that imports one). A forked or spawned launch is never one: it
+# starts through accelerate's notebook_launcher, whose version differs. 40 such tests took 340 s of the oldest set's
+# 908 s on 2 shared cores (2026-11-25), which had pushed CI past 30 minutes. They are 211 now: each module of this
+# set run alone on the oldest set, with the recorder in every process from its start and reads of those libraries'
+# metadata noted too, found 151 more among the rest, 15 s of the set's test durations (the set took 632 s before
+# them and 593 s after, 2026-11-29 on 2 cores: most of that difference is the box's variance). Nor the end-to-end
+# runs of the benchmark harness
 # (benchmarks/): a tool of ours, run on GPU hosts with the newest set (with the oldest only in gpu_suite.sh's
 # SUITE_SET=oldest parts, where a failure shows in its own log), not code a user runs: ~100 s of the CPU.
 # (test_host_cost_cpu stays: it also checks what nbkit's reporting patches read per step under each trl.)
