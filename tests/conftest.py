@@ -20,7 +20,7 @@ os.environ["TOKENIZERS_PARALLELISM"] = "false"
 import nbkit  # noqa: F401, I001  (before torch and everything that imports transformers)
 import torch
 from version_split import RECORDER, Record, versioned_modules
-from versioned_imports.sitecustomize import VersionedImports, watch_metadata
+from versioned_imports.sitecustomize import VersionedImports
 
 # The test models are tiny and CI has 2 shared cores: a second intra-op thread only spin-waits
 # (measured here: 15 steps of tiny:qwen3 took 1.6 s on one thread, 15 s on two under load).
@@ -133,11 +133,9 @@ def versioned_imports(
         mp.setenv("NBKIT_TEST_VERSIONED_NAMES", ",".join(sorted(names)))
         mp.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(RECORDER), os.environ.get("PYTHONPATH")])))
         sys.meta_path.insert(0, finder)
-        unwatch = watch_metadata(names, str(path))
         try:
             yield Record(path, names)
         finally:
-            unwatch()
             sys.meta_path.remove(finder)
 
 

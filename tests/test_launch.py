@@ -289,6 +289,7 @@ def test_accelerator_created_in_the_notebook_is_refused():
     assert nbkit.launch(_allreduce_rank_sum, 1.0, gpus=2)["sum"] == 3.0
 
 
+@pytest.mark.version_independent
 def test_inside_an_outside_distributed_run_fn_is_called_directly(monkeypatch):
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("LOCAL_RANK", "1")

@@ -48,17 +48,3 @@ def test_a_ranks_start_up_import_is_expected_and_nothing_else_is(tmp_path):
     assert importers > START_UP_IMPORTERS  # recorded (huggingface_hub), and what peft imports in turn
     left = Record(record, versioned_modules()).since_last()
     assert [line.split()[:2] for line in left] == [["peft", "__main__.<module>"]], left
-
-
-def test_a_read_of_a_watched_librarys_installed_version_is_recorded(tmp_path):
-    # Code that asks which transformers is installed behaves by its version without importing it.
-    record = tmp_path / "imports.txt"
-    record.touch()
-    _run(
-        "import importlib.metadata as md\ndef check():\n    return md.version('transformers')\n"
-        "check()\nmd.version('torch')",
-        record,
-    )
-    lines = record.read_text().splitlines()
-    assert [line.split()[:2] for line in lines] == [["transformers(metadata)", "__main__.check"]], lines
-    assert Record(record, versioned_modules()).since_last() == lines
