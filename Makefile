@@ -34,13 +34,13 @@ DEMO_HUB ?= $(if $(shell command -v nvidia-smi),1,0)
 # set run alone on the oldest set, with the recorder in every process from its start and reads of those libraries'
 # metadata noted too, found 151 more among the rest, 15 s of the set's test durations (the set took 632 s before
 # them and 593 s after, 2026-11-29 on 2 cores: most of that difference is the box's variance). Nor the end-to-end
-# runs of the benchmark harness
-# (benchmarks/): a tool of ours, run on GPU hosts with the newest set (with the oldest only in gpu_suite.sh's
-# SUITE_SET=oldest parts, where a failure shows in its own log), not code a user runs: ~100 s of the CPU.
-# (test_host_cost_cpu stays: it also checks what nbkit's reporting patches read per step under each trl.)
-HARNESS_TESTS := test_bench_cpu test_trainer_bench_cpu test_speed_suite_cpu
+# runs of the benchmark harness (benchmarks/): a tool of ours, run on GPU hosts with the newest set (with the oldest
+# only in gpu_suite.sh's SUITE_SET=oldest parts, where a failure shows in its own log), not code a user runs: ~100 s
+# of the CPU. (test_host_cost_cpu stays: it also checks what nbkit's reporting patches read per step under each trl.)
+HARNESS_ARGS := $(addprefix tests/,$(addsuffix .py,test_bench_cpu test_trainer_bench_cpu test_speed_suite_cpu))
+HARNESS_IGNORES := $(HARNESS_ARGS:%=--ignore=%)
 OLDEST_MARKS := -m "not gpu and not version_independent"
-OLDEST_TESTS ?= --ignore=tests/test_browser.py $(HARNESS_TESTS:%=--ignore=tests/%.py) $(OLDEST_MARKS)
+OLDEST_TESTS ?= --ignore=tests/test_browser.py $(HARNESS_IGNORES) $(OLDEST_MARKS)
 
 # CI (.ci/run) runs parts of the suites side by side: the suite leaves ~40% of 2 cores idle while it waits on the
 # processes, kernels and timeouts it starts (39% over tests/faults/test_live_stop.py, test_live.py and
@@ -50,9 +50,7 @@ OLDEST_TESTS ?= --ignore=tests/test_browser.py $(HARNESS_TESTS:%=--ignore=tests/
 # 1,198 s with both beside it (1,200-1,224 s before, with the harness inside it), the harness in 273 s and those
 # three files in 353 s beside it. SUITE_SKIP and OLDEST_SKIP leave those out of the foreground runs; `make suite`
 # and `make test-oldest` alone run everything.
-HARNESS_ARGS := $(HARNESS_TESTS:%=tests/%.py)
 OLDEST_BESIDE := tests/test_savers_compile.py tests/test_notebooks.py tests/test_export.py
-HARNESS_IGNORES := $(HARNESS_ARGS:%=--ignore=%)
 OLDEST_BESIDE_IGNORES := $(OLDEST_BESIDE:%=--ignore=%)
 SUITE_SKIP ?=
 OLDEST_SKIP ?=
