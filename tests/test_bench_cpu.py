@@ -233,7 +233,8 @@ def test_gpu_soak_cycles_live_sets_and_finds_nothing_left(tmp_path):
     assert result["flat"] and len(records) == 2
     assert [r["losses_rank0"] for r in records] == [records[0]["losses_rank0"]] * 2  # seeded: the same steps
     assert len(records[0]["losses_rank0"]) == 3 and all(r["device_rank0"] == "cpu" for r in records)
-    assert all(r["process"]["children"] == 0 and not r["left_since_first_cycle"] for r in records)
+    left = [(r["process"]["children"], r["left_since_first_cycle"]) for r in records]
+    assert all(children == 0 and not grown for children, grown in left), left
 
 
 def test_host_placement_reads_cpu_lists_and_this_machines_layout():

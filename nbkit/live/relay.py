@@ -52,6 +52,7 @@ class Relay:
         self.messages: queue.Queue[channel.Envelope] = queue.Queue()
         self._conns: dict[connection.Connection, int | None] = {}  # its rank, once its Started said it
         self._pending: set[connection.Connection] = set()  # in the handshake
+        self._admitting: set[threading.Thread] = set()  # the handshakes' threads (the running ones and a few ended)
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self._threads = [
@@ -62,22 +63,34 @@ class Relay:
             thread.start()
 
     def _accept(self) -> None:
-        while not self._closed.is_set():
+        while True:
             try:
                 conn = self._listener.accept()
             except Exception:
                 if self._closed.is_set():
                     return
                 continue
-            threading.Thread(target=self._admit, args=(conn,), name="nbkit-live-handshake", daemon=True).start()
+            with self._lock:
+                # After close(): the connection that woke accept() up (or a late rank's) gets no handshake,
+                # whose thread would outlive close().
+                if self._closed.is_set():
+                    conn.close()
+                    return
+                thread = threading.Thread(target=self._admit, args=(conn,), name="nbkit-live-handshake", daemon=True)
+                self._admitting = {t for t in self._admitting if t.is_alive()} | {thread}
+            thread.start()
 
     def _admit(self, conn: connection.Connection) -> None:
         """Check `conn`'s authkey (both ways, as Listener(authkey=...) does), then read from it."""
+        with self._lock:
+            if self._closed.is_set():  # close() ran before this thread did: it hangs up only what is pending
+                conn.close()
+                return
+            self._pending.add(conn)
         # Hangs up on a peer that stops halfway (the handshake has no timeout of its own).
         timer = threading.Timer(_HANDSHAKE_S, _hang_up, args=(conn,))
+        timer.name = "nbkit-live-handshake-timer"
         timer.start()
-        with self._lock:
-            self._pending.add(conn)
         try:
             connection.deliver_challenge(conn, self.authkey)
             connection.answer_challenge(conn, self.authkey)
@@ -87,6 +100,7 @@ class Relay:
             return
         finally:
             timer.cancel()
+            timer.join()  # ends at once once cancelled; joined so that close() leaves no timer running
             with self._lock:
                 self._pending.discard(conn)
         with self._lock:
@@ -130,6 +144,8 @@ class Relay:
         # accept() does not wake up when its socket is closed: a connection does it.
         with contextlib.suppress(OSError), socket.create_connection(address, timeout=1):
             pass
+        accept, read = self._threads
+        accept.join(timeout=2)  # first: no handshake starts after this
         with self._lock:
             for conn in self._pending:
                 _hang_up(conn)
@@ -137,7 +153,10 @@ class Relay:
                 with contextlib.suppress(Exception):
                     conn.close()
             self._conns.clear()
-        for thread in self._threads:  # both end within a poll: nothing of the set is left running after it
+            admitting = list(self._admitting)
+        # Each ends within a poll (the reader) or once its hung-up peer's read fails (a handshake): nothing of the
+        # set is left running after close(). A fixed bound keeps a stuck thread from hanging the notebook.
+        for thread in [read, *admitting]:
             thread.join(timeout=2)
 
 
