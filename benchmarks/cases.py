@@ -28,10 +28,12 @@ PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float
 #   find_unused_parameters="auto": True exactly when unused parameters are left (freeze_unused=false),
 #     as transformers' Trainer would search for them; any DDP argument can be given too.
 #   comm_hook: "bf16" / "fp16" gradient compression (torch's default hooks), as unsloth installs.
+#   reducer=flat: no DistributedDataParallel; the gradients are averaged by one all-reduce of one flat buffer
+#     after the step's last backward (benchmarks.stepping.FlatGradients), which takes no other DDP argument.
 DDP_DEFAULTS: dict[str, Any] = {"find_unused_parameters": "auto", "freeze_unused": True}
 
 
-_DDP_KNOBS = ("freeze_unused", "comm_hook")
+_DDP_KNOBS = ("freeze_unused", "comm_hook", "reducer")
 
 
 @dataclass(frozen=True)
@@ -130,8 +132,9 @@ def parse_ddp_options(text: str) -> tuple[tuple[str, Any], ...]:
     """Parse "key=value,key=value" DDP options into sorted (key, value) pairs, defaults filled in.
 
     Keys: any DistributedDataParallel argument of this torch (bucket_cap_mb, gradient_as_bucket_view,
-    static_graph, find_unused_parameters (also "auto"), broadcast_buffers, ...), plus freeze_unused
-    and comm_hook ("bf16" / "fp16" / none). Raises ValueError naming the valid keys otherwise.
+    static_graph, find_unused_parameters (also "auto"), broadcast_buffers, ...), plus freeze_unused,
+    comm_hook ("bf16" / "fp16" / none) and reducer ("flat", alone or with freeze_unused). Raises ValueError naming
+    the valid keys otherwise.
     """
     options = dict(DDP_DEFAULTS)
     allowed = ddp_argument_names() | set(_DDP_KNOBS)
@@ -147,6 +150,13 @@ def parse_ddp_options(text: str) -> tuple[tuple[str, Any], ...]:
         raise ValueError(f"comm_hook={options['comm_hook']!r}: use bf16, fp16 or none.")
     if options["find_unused_parameters"] not in (True, False, "auto"):
         raise ValueError("find_unused_parameters must be true, false or auto.")
+    if options.get("reducer") not in (None, "flat"):
+        raise ValueError(f"reducer={options['reducer']!r}: use flat (leave it out for DDP's reducer).")
+    ddp_only = set(options) - set(DDP_DEFAULTS) - {"reducer"}
+    if options.get("reducer") == "flat" and ddp_only:
+        raise ValueError(
+            f"reducer=flat replaces DistributedDataParallel, which {', '.join(sorted(ddp_only))} configure."
+        )
     return tuple(sorted(options.items()))
 
 

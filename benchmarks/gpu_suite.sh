@@ -16,6 +16,7 @@
 #   bash benchmarks/gpu_suite.sh scaling4             # SFTTrainer on 1, 2 and 4 GPUs, both backends (needs 4; ~9.5 min)
 #   bash benchmarks/gpu_suite.sh accum                # 1K x 4 with gradient accumulation 4, 1 -> 2 GPUs
 #   bash benchmarks/gpu_suite.sh ddp1k                # 1K x 4 under DDP: options that cut host work, profiled
+#   bash benchmarks/gpu_suite.sh flat1k               # 1K x 4 on 2 GPUs: DDP's reducer against one flat all-reduce, both backends (~9 min)
 #   bash benchmarks/gpu_suite.sh fp16                 # fp16 at 1K, and the plain transformers+peft anchor
 #   bash benchmarks/gpu_suite.sh launched1            # unsloth on one GPU through nbkit.launch
 #   bash benchmarks/gpu_suite.sh batch1k              # unsloth 1 -> 2 GPUs at 1K x 4 and 1K x 16
@@ -340,6 +341,18 @@ for what in "$@"; do
         --seq-lens 1024x4 --precisions bf16 --ddp freeze_unused=true --ddp gradient_as_bucket_view=true \
         --ddp broadcast_buffers=false --ddp gradient_as_bucket_view=true,broadcast_buffers=false,bucket_cap_mb=512 \
         --profile --time-limit 280 --out "$OUT/ddp1k.json" --md "$OUT/ddp1k.md" ;;
+    flat1k)
+      # 1K x 4: DDP's reducer against one flat all-reduce of the LoRA gradients after the backward (bench.py's
+      # reducer=flat, benchmarks.stepping.FlatGradients: DDP launches ~3 kernels per LoRA tensor per step, 1,178
+      # for 392 tensors, where the flat one launches a handful), beside one GPU in place, unsloth and then
+      # transformers+peft+nbkit. Each 2-GPU launch runs its cases A B A B: the second pair repeats the first under
+      # names that change nothing (find_unused_parameters=false is what "auto" gives once the unused tensors are
+      # frozen), since cases of one launch spread by 14-23%. SUITE_DRY_RUN=1: transformers+peft+nbkit on CPU ranks.
+      configs=unsloth:1@notebook,unsloth:2,nbkit:1@notebook,nbkit:2 run=(--seq-lens 1024x4 --precisions bf16)
+      [ -z "${SUITE_DRY_RUN:-}" ] || { configs=nbkit:1@notebook,nbkit:2; run=(--model tiny:qwen3-vl --seq-lens 128x2 --precisions fp32 --steps 2 --warmup 1); }
+      part flat1k 540 python3 benchmarks/bench.py --configs "$configs" "${run[@]}" --ddp "" --ddp reducer=flat \
+        --ddp find_unused_parameters=false --ddp find_unused_parameters=false,reducer=flat --time-limit 520 \
+        --out "$OUT/flat1k.json" --md "$OUT/flat1k.md" ;;
     fp16)
       # fp16 at 1K x 4: unsloth 1 -> 2 GPUs, and the plain transformers+peft anchor under
       # notebook_launcher in bf16 at both lengths and fp16 at 1K.

@@ -24,7 +24,7 @@ from benchmarks.batches import shard_batch, synthetic_batch  # noqa: E402
 from benchmarks.cases import ddp_label, parse_ddp_options  # noqa: E402
 from benchmarks.host_placement import _cpulist, topology  # noqa: E402
 from benchmarks.measures import gc_pauses, percentile, step_stats  # noqa: E402
-from benchmarks.stepping import Stepper  # noqa: E402
+from benchmarks.stepping import Stepper, wrap_ddp  # noqa: E402
 from benchmarks.sync_sites import SYNC_WARNING, SyncSites  # noqa: E402
 
 
@@ -68,6 +68,9 @@ def test_ddp_options_parse_and_reject_unknown_keys():
     assert ddp_label(options) == "bucket_cap_mb=100,comm_hook=bf16,static_graph=True"
     with pytest.raises(ValueError, match="bucket_cap_mb"):  # the message lists the known keys
         parse_ddp_options("bucket_size=100")
+    assert ddp_label(dict(parse_ddp_options("reducer=flat,freeze_unused=false"))) == "freeze_unused=False,reducer=flat"
+    with pytest.raises(ValueError, match="replaces DistributedDataParallel, which static_graph configure"):
+        parse_ddp_options("reducer=flat,static_graph=true")
 
 
 def test_synthetic_image_batch_shards_back_into_the_global_batch(tiny_vl_path):
@@ -193,6 +196,66 @@ def test_gradient_accumulation_counts_every_micro_batch(tmp_path):
         rows["nbkit:2"]["tokens_per_s_total"] / rows["nbkit:1@notebook"]["tokens_per_s_total"]
     )
     assert "64x2 GA3" in out.with_suffix(".md").read_text()
+
+
+def _ddp_and_flat_updates(path: str) -> list[str]:
+    """On each rank: one SGD step of the same model under DDP and under reducer=flat, each rank starting from
+    weights of its own and training on a batch of its own, with and without gradient accumulation; asserts the
+    updated weights are equal, and returns which cases ran."""
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    from benchmarks.ranks import setup_rank, teardown_rank
+
+    cpu, ran = setup_rank("cpu"), []
+    rank = dist.get_rank()
+    for accum in (1, 3):
+        updated = {}
+        for reducer in ("", "reducer=flat"):
+            torch.manual_seed(rank)  # other weights on each rank: both must start from rank 0's
+            model = AutoModelForCausalLM.from_pretrained(path)
+            for param in model.parameters():
+                param.data.normal_(0, 0.02)
+            model.lm_head.weight.requires_grad_(False)  # a frozen tensor, as LoRA leaves most of a model
+            batch = {"input_ids": torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(7 + rank))}
+            batch["labels"] = batch["input_ids"]
+            wrapped = wrap_ddp(model, cpu, parse_ddp_options(reducer))
+            trainable = [p for p in wrapped.parameters() if p.requires_grad]
+            Stepper(wrapped, "fp32", cpu, optimizer=torch.optim.SGD(trainable, lr=1.0), grad_accum=accum).step(batch)
+            updated[reducer] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            ran.append(f"{type(wrapped).__name__} GA{accum}")
+        ddp, flat = updated.values()
+        assert ddp.keys() == flat.keys()
+        different = [(k, (ddp[k] - flat[k]).abs().max().item()) for k in ddp if not torch.equal(ddp[k], flat[k])]
+        assert different == [], f"rank {rank}, GA{accum}: {different[:5]}"
+    teardown_rank()
+    return ran
+
+
+def test_the_flat_reducer_updates_the_weights_exactly_as_ddp_does(tiny_text_path):
+    import nbkit
+
+    ran = nbkit.launch(_ddp_and_flat_updates, tiny_text_path, gpus=2)
+    assert ran == [
+        "DistributedDataParallel GA1",
+        "FlatGradients GA1",
+        "DistributedDataParallel GA3",
+        "FlatGradients GA3",
+    ]
+
+
+def test_ddp_copies_each_lora_gradient_and_the_flat_reducer_does_not(tmp_path):
+    out = tmp_path / "ops.json"
+    cmd = [sys.executable, str(BENCHMARKS / "ddp_op_count.py"), "--layers", "2", "--out", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    tensors, ops = result["trainable_tensors"], result["differing"]
+    assert tensors == 2 * 7 * 2  # A and B of 7 projections in each of 2 layers
+    one, ddp, flat = ops["aten::copy_"]  # one process / DDP / flat: copies of gradients, kernels on a GPU
+    assert ddp - one >= 2 * tensors and flat - one <= 2  # per tensor, against per step
+    assert ops["c10d::allreduce_"][1:] == [1, 1]  # one bucket and one flat buffer: the model is small
+    assert "trainable tensors: 28" in done.stdout
 
 
 def test_accumulated_micro_batches_give_the_update_of_their_mean(tiny_text_path):
