@@ -52,7 +52,8 @@ OLDEST_TESTS ?= --ignore=tests/test_browser.py $(HARNESS_IGNORES) $(OLDEST_MARKS
 # runs; `make suite` and `make test-oldest` alone run everything. Measured in fresh-clone CIs on 2 cores: with the
 # harness and the oldest set's three slowest files beside it, the suite took 1,198-1,266 s (1,200-1,224 s before,
 # with the harness inside it) and CI 1,768 s (442ac9c); with ten of the oldest set's files and the Kaggle test
-# beside it, the suite took 1,244 s, those ended ~10 minutes before it, and CI took 1,621 s (661efdd, 2026-11-30).
+# beside it, the suite took 1,244 s, those ended ~10 minutes before it, and CI took 1,621 s (661efdd, 2026-11-30);
+# with all of them beside it, the suite took 1,256 s, they ended ~8 minutes before it, and CI 1,586 s (a5ddb9d).
 OLDEST_TIMED := $(addprefix tests/,$(addsuffix .py,test_fsdp_live test_launch test_supervisor test_reporting test_offline))
 OLDEST_BESIDE := $(filter-out $(OLDEST_TIMED) tests/test_packaging.py tests/test_browser.py $(HARNESS_ARGS),\
 	$(wildcard tests/test_*.py))

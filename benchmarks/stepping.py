@@ -58,8 +58,8 @@ class FlatGradients(nn.Module):
     which Stepper calls (reduce_gradients) after a step's last backward, in place of DDP's reducer.
 
     Why: DDP hooks every trainable tensor and copies each gradient into a bucket and back; for LoRA's many small
-    tensors that is ~3 more ops per tensor per step (392 tensors of a 28-layer model: 1,176 more aten ops on the
-    CPU, each a kernel launch on a GPU), where this is a handful. Averages as DDP does (each rank's share divided
+    tensors that is 3 more data-moving ops per tensor per step (392 tensors of a 28-layer model: 1,178 more copies
+    and multiplies, counted by benchmarks/ddp_op_count.py, each a kernel launch on a GPU), where this is a handful. Averages as DDP does (each rank's share divided
     by the world size, then summed), so the gradients equal DDP's; starts every rank from rank 0's values, as DDP
     does; a gradient that is None on a rank counts as zeros. Leaves each gradient a view of the flat buffer.
     """
@@ -71,11 +71,11 @@ class FlatGradients(nn.Module):
         self.module = module
         self._params = [p for p in module.parameters() if p.requires_grad]
         self._world = dist.get_world_size()
-        with torch.no_grad():  # every parameter and buffer, frozen or not, as DDP's start does
-            for group in self._by_dtype([*module.parameters(), *module.buffers()]):
-                flat = torch._utils._flatten_dense_tensors(group)
-                dist.broadcast(flat, 0)
-                torch._foreach_copy_(group, torch._utils._unflatten_dense_tensors(flat, group))
+        # Every parameter and buffer, frozen or not, as DDP's start does; one by one, so that no copy of the whole
+        # model is made (once per run: the count of broadcasts does not matter).
+        with torch.no_grad():
+            for tensor in [*module.parameters(), *module.buffers()]:
+                dist.broadcast(tensor, 0)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
