@@ -30,35 +30,19 @@ def count_ops(mode: str, layers: int, warmup: int = 3) -> dict[str, Any]:
     number of trainable tensors.
     """
     import torch
-    from peft import LoraConfig, get_peft_model
     from torch.profiler import ProfilerActivity, profile
-    from transformers import Qwen3Config, Qwen3ForCausalLM
 
+    from benchmarks.layer_host_cost import narrow_lora_model
     from benchmarks.ranks import setup_rank, teardown_rank
     from benchmarks.stepping import FlatGradients
 
-    device = setup_rank("cpu")
-    torch.manual_seed(0)
-    config = Qwen3Config(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=layers,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=32,
-        use_cache=False,
-    )
-    config._attn_implementation = "sdpa"
-    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    model: torch.nn.Module = get_peft_model(Qwen3ForCausalLM(config), LoraConfig(r=4, target_modules=targets))
+    setup_rank("cpu")
+    model, batch = narrow_lora_model(layers)
     params = [p for p in model.parameters() if p.requires_grad]
     if mode == "ddp":
         model = torch.nn.parallel.DistributedDataParallel(model)
     elif mode == "flat":
         model = FlatGradients(model)
-    ids = torch.randint(0, config.vocab_size, (4, 128), device=device)
-    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
     optimizer = torch.optim.AdamW(params, lr=1e-4, foreach=True)
 
     def step() -> None:
