@@ -80,6 +80,8 @@ BACKENDS = ("unsloth", "transformers", "liger")
 # nockpt: nbkit.savers.apply(checkpointing=None) and the Trainer's own checkpointing off, no layer recomputed in the
 # backward (what memory allows at short shapes);
 # nostop: in a live set, the ranks' stop agreement off (patch group "live": one gloo all-reduce per step fewer);
+# ddpreducer: DDP's own reducer averages the gradients (nbkit.configure(ddp_reducer="ddp") in every rank) in place
+# of nbkit's one all-reduce per step (nbkit.training.gradient_averaging); unsloth takes it too;
 # findunused: Trainer's ddp_find_unused_parameters=True, which TRL's SFTTrainer chooses for a vision-language model
 # and accelerate launch's ranks (no nbkit set-up) train with; nbkit's ranks choose False where LoRA trains only the
 # language model (nbkit.training.trainer_defaults);
@@ -102,13 +104,14 @@ EXTRAS = (
     "nockpt",
     "nostop",
     "findunused",
+    "ddpreducer",
     "graphs",
     "gpusplit",
     *ALLOCATOR_EXTRAS,
 )
 # Extras that change only what passes between ranks, nothing a one-GPU run does: a 1-GPU run without them is their
 # scaling reference.
-LAUNCH_ONLY_EXTRAS = ("nostop", "findunused")
+LAUNCH_ONLY_EXTRAS = ("nostop", "findunused", "ddpreducer")
 # nbkit: nbkit.launch; live: a live set (nbkit.start, then the function as a call); notebook: accelerate's
 # notebook_launcher; accelerate: `accelerate launch` of this file, nbkit's default patches only; torchrun:
 # torchrun of this file as an exported cell runs, nbkit.launch inside the rank (nbkit's whole rank set-up).
@@ -482,14 +485,19 @@ def _graph_breaks() -> collections.Counter[str]:
     return collections.Counter(utils.counters["graph_break"]) if utils is not None else collections.Counter()
 
 
-def _ddp_options(model: Any) -> dict[str, bool] | None:
-    """The options DDP trained `model` with, as it holds them (what Trainer, TRL and nbkit decided), or None for a
-    model not wrapped in DDP.
+def _ddp_options(model: Any, accelerator: Any) -> dict[str, bool] | None:
+    """The options DDP trained `model` with, as it holds them (what Trainer, TRL and nbkit decided), and whether
+    nbkit's one all-reduce per step averaged its gradients in place of DDP's reducer; None for a model not wrapped
+    in DDP.
     """
     if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
         return None
+    from nbkit.training import gradient_averaging
+
     names = ("find_unused_parameters", "static_graph", "gradient_as_bucket_view", "broadcast_buffers")
-    return {name: bool(getattr(model, name)) for name in names}
+    options = {name: bool(getattr(model, name)) for name in names}
+    options["flat_averaging"] = gradient_averaging.averager(accelerator) is not None
+    return options
 
 
 def _oom(exc: BaseException) -> bool:
@@ -513,7 +521,7 @@ def _case(launch: Launch, model: Any, seq_len: int, batch: int, device: torch.de
             trainer = _trainer(launch, model, seq_len, batch, steps, out_dir, timer)
             row["trainer_checkpointing"] = _trainer_checkpoints(trainer.args)
             trainer.train()
-            row["ddp"] = _ddp_options(trainer.model_wrapped)
+            row["ddp"] = _ddp_options(trainer.model_wrapped, trainer.accelerator)
             losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
         row.update(status="ok", loss_first=losses[0] if losses else None, loss_last=losses[-1] if losses else None)
     except Exception as exc:  # recorded, and the next shape runs (a single process recovers from an OOM)
@@ -780,6 +788,10 @@ def run_launch(launch: Launch, workdir: Path, timeout: float) -> list[dict]:
     command, env = _command(launch, path), launching.child_env(launch.device, gpus=launch.gpus)
     for extra in set(launch.extras) & set(ALLOCATOR_EXTRAS):
         env["PYTORCH_CUDA_ALLOC_CONF"] = ALLOCATOR_EXTRAS[extra]
+    if "ddpreducer" in launch.extras:
+        from nbkit.platform import config
+
+        env[config.SETTINGS["ddp_reducer"].env] = "ddp"
     reason, tail = launching.run_process(command, env, timeout, "nbkit-trainer-bench")
     wall = time.monotonic() - start
     rows, error = launching.read_rows(Path(launch.results_path))
@@ -1086,8 +1098,11 @@ def parse_config(text: str) -> tuple[str, int, str]:
     backend, extras = split_backend(spec)
     if backend not in BACKENDS or launcher not in LAUNCHERS or not gpus.isdigit() or int(gpus) < 1:
         raise ValueError(f"{text!r}: use backend:gpus[@launcher], backend in {BACKENDS}, launcher in {LAUNCHERS}.")
-    if any(e not in EXTRAS for e in extras) or (extras and backend == "unsloth"):
-        raise ValueError(f"{text!r}: a transformers or liger backend takes +extras from {EXTRAS}; unsloth none.")
+    if any(e not in EXTRAS for e in extras) or (backend == "unsloth" and set(extras) - set(LAUNCH_ONLY_EXTRAS)):
+        raise ValueError(
+            f"{text!r}: a transformers or liger backend takes +extras from {EXTRAS}; unsloth those of "
+            f"{LAUNCH_ONLY_EXTRAS}."
+        )
     if len(set(extras) & set(ALLOCATOR_EXTRAS)) > 1:
         raise ValueError(f"{text!r}: one of {tuple(ALLOCATOR_EXTRAS)} at most.")
     return spec, int(gpus), launcher

@@ -56,6 +56,7 @@ _EXPORTS: dict[str, str] = {
     "DatasetError": "nbkit.platform.errors",
     "DatasetArgumentError": "nbkit.platform.errors",
     "ProcessGroupError": "nbkit.platform.errors",
+    "GradientError": "nbkit.platform.errors",
     # where this process stands
     "rank": "nbkit.platform.distributed",
     "local_rank": "nbkit.platform.distributed",

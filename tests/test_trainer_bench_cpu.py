@@ -32,6 +32,10 @@ def test_configs_and_shapes_parse():
             trainer_bench.parse_config(bad)
     with pytest.raises(ValueError, match="at most"):
         trainer_bench.parse_config("liger+expand+noexpand:2")
+    # unsloth takes the extras that change only what passes between ranks, and no other.
+    assert trainer_bench.parse_config("unsloth+ddpreducer:2") == ("unsloth+ddpreducer", 2, "nbkit")
+    with pytest.raises(ValueError, match="unsloth those of"):
+        trainer_bench.parse_config("unsloth+compile:2")
     assert trainer_bench._shape("1024x16") == (1024, 16)
     assert trainer_bench._shape("16k") == (16384, 1)
 

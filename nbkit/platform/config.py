@@ -78,6 +78,9 @@ SETTINGS: dict[str, Setting] = {
     "unsloth_vlm_ddp_checkpointing": Setting(
         "NBKIT_UNSLOTH_VLM_DDP_CHECKPOINTING", "reentrant", ("reentrant", "unsloth")
     ),
+    # How DDP ranks average a Trainer's gradients: "flat", one all-reduce after the step's backward where that
+    # gives DDP's result (nbkit.training.gradient_averaging says where); "ddp", DDP's own reducer everywhere.
+    "ddp_reducer": Setting("NBKIT_DDP_REDUCER", "flat", ("flat", "ddp")),
     # How a launch's dashboard shows (nbkit.dashboard.display_mode): "auto" picks the HTML panel
     # where a person watches a notebook and text lines elsewhere (papermill, terminals).
     "dashboard": Setting("NBKIT_DASHBOARD", "auto", ("auto", "html", "widget", "text", "off")),

@@ -26,6 +26,7 @@ __all__ = [
     "DeviceMapError",
     "EmulationError",
     "ExportError",
+    "GradientError",
     "InstallError",
     "KernelsError",
     "LaunchError",
@@ -242,6 +243,12 @@ class CheckpointError(NbkitError, OSError):
 class StrategyError(NbkitError, ValueError):
     """What was asked cannot work with the ranks' training strategy (fsdp): unsloth under FSDP, merging a
     sharded model, sharding outside an fsdp rank. The message says what to do instead.
+    """
+
+
+class GradientError(NbkitError, RuntimeError):
+    """A rank cannot average its gradients with the others' (nbkit.training.gradient_averaging): trainable weights
+    without a gradient in a step; the message names them and what to do.
     """
 
 

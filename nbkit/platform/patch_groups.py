@@ -122,6 +122,13 @@ GROUPS: dict[str, Group] = {
             "quantised model Trainer does not replicate",
         ),
         Group(
+            "gradient_averaging",
+            "nbkit.training.gradient_averaging",
+            "in every rank nbkit starts: a LoRA model a Trainer wraps in DDP has its gradients averaged by one "
+            "all-reduce per step in place of DDP's reducer, where that gives DDP's result; "
+            '`nbkit.configure(ddp_reducer="ddp")` keeps DDP\'s reducer',
+        ),
+        Group(
             "attention",
             "nbkit.training.attention",
             "in every rank nbkit starts on a GPU without flash attention (a T4), and under a profile that turns "

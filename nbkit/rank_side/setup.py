@@ -18,7 +18,8 @@ def prepare_rank(*, owns_exit: bool = True) -> None:
     the default groups, the dashboard's reporting, complete-checkpoint markers, the fixes for older
     transformers/trl, fp16-ready dtypes under TRL's SFTTrainer, grouped-query attention without flash
     attention on a GPU that lacks it (nbkit.training.attention.needed), Trainer's DDP and data loader defaults
-    chosen for the model and machine, processors without torchvision, the FSDP set-up where the rank's
+    chosen for the model and machine, its DDP gradients averaged by one all-reduce per step
+    (nbkit.training.gradient_averaging), processors without torchvision, the FSDP set-up where the rank's
     environment asks for the fsdp strategy (nbkit.fsdp.setup_rank), and how the rank ends
     (nbkit.rank_side.teardown): where nbkit ends the process itself (`owns_exit`, with os._exit), the teardown
     group keeps destroyed process groups until then; a rank of an outside launcher (torchrun), which ends
@@ -32,7 +33,8 @@ def prepare_rank(*, owns_exit: bool = True) -> None:
     """
 
     emulation.apply_from_env()  # first: a library imported later must see the profile (bf16, memory)
-    patch_groups.install(*patch_groups.DEFAULT_GROUPS, "mixed_precision", "cell_group", "trainer_defaults", "offline")
+    extra_groups = ("mixed_precision", "cell_group", "trainer_defaults", "gradient_averaging", "offline")
+    patch_groups.install(*patch_groups.DEFAULT_GROUPS, *extra_groups)
     if attention.needed(distributed.visible_gpus(), distributed.local_rank()):
         patch_groups.install("attention")
     config.settle_fsdp_flag()  # before any library reads it: one answer to "does this rank shard?"
