@@ -17,8 +17,9 @@ import nbkit
 
 def _train(path: str, out_dir: str, reducer: str, **arguments) -> dict:
     """In each rank: 3 steps of Trainer (batch 2, gradient accumulation 2, clipping at 1.0: Trainer's default) of
-    tiny_lora(path) with nbkit's ddp_reducer set to `reducer`; the LoRA weights after, whether they changed and
-    are the same on both ranks, and whether the flat averaging stood in for DDP's reducer.
+    tiny_lora(path) with nbkit's ddp_reducer set to `reducer`, then train() again for 3 more, as a second training
+    cell does; the LoRA weights after, whether they changed and are the same on both ranks, and whether the flat
+    averaging stood in for the reducer of the DDP wrapper the second train() made.
     """
     import torch.distributed as dist
     from transformers import Trainer, TrainingArguments
@@ -41,6 +42,7 @@ def _train(path: str, out_dir: str, reducer: str, **arguments) -> dict:
     )
     trainer = Trainer(model=model, args=args, train_dataset=token_sequences(32, 20))
     trainer.train()
+    trainer.train()
     after = {k: v.detach().clone() for k, v in model.named_parameters() if v.requires_grad}
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, after)
@@ -49,6 +51,7 @@ def _train(path: str, out_dir: str, reducer: str, **arguments) -> dict:
         "changed": all(not torch.equal(before[k], after[k]) for k in after if "lora_B" in k),
         "same_on_both_ranks": all(torch.equal(gathered[0][k], other[k]) for other in gathered[1:] for k in after),
         "flat": gradient_averaging.averager(trainer.accelerator) is not None,
+        "reducer_idle": not trainer.model_wrapped.require_backward_grad_sync,
     }
 
 
@@ -65,6 +68,7 @@ def test_a_trainers_lora_weights_equal_what_ddps_reducer_gives_bit_for_bit(tmp_p
     runs = nbkit.launch(_three_runs, nbkit.resolve_model("tiny:qwen3"), str(tmp_path), gpus=2, timeout=300)
     flat, ddp = runs["flat"], runs["ddp"]
     assert (flat["flat"], ddp["flat"], runs["unused"]["flat"]) == (True, False, False)
+    assert (flat["reducer_idle"], ddp["reducer_idle"], runs["unused"]["reducer_idle"]) == (True, False, False)
     for run in runs.values():
         assert run["changed"] and run["same_on_both_ranks"]
     assert flat["weights"].keys() == ddp["weights"].keys()

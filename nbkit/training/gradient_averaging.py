@@ -151,13 +151,20 @@ def _note_trainer_accelerator(original: Callable[..., Any]) -> Callable[..., Any
 )
 def _prepare_model(original: Callable[..., Any]) -> Callable[..., Any]:
     def prepare_model(self: Any, model: Any, *args: Any, **kwargs: Any) -> Any:
+        from torch.nn.parallel import DistributedDataParallel
+
         prepared = original(self, model, *args, **kwargs)
-        if self in _trainer_accelerators and self not in _averagers and eligible(prepared):
-            params = [(n, p) for n, p in prepared.module.named_parameters() if p.requires_grad]
-            _averagers[self] = FlatAverager(params, prepared.process_group)
-            # DDP's no_sync() state, for good: its forward prepares no reduction, its hooks return at once, and
-            # Trainer's no_sync() around the first micro-batches restores this same state.
-            prepared.require_backward_grad_sync = False
+        trains = isinstance(prepared, DistributedDataParallel) and any(p.requires_grad for p in prepared.parameters())
+        if self in _trainer_accelerators and trains:
+            # A Trainer prepares its model again at each train() (a second training cell, a resume): the averaging
+            # follows the newest wrapper, and a model that no longer qualifies gets DDP's reducer back.
+            _averagers.pop(self, None)
+            if eligible(prepared):
+                params = [(n, p) for n, p in prepared.module.named_parameters() if p.requires_grad]
+                _averagers[self] = FlatAverager(params, prepared.process_group)
+                # DDP's no_sync() state, for good: its forward prepares no reduction, its hooks return at once, and
+                # Trainer's no_sync() around the first micro-batches restores this same state.
+                prepared.require_backward_grad_sync = False
         return prepared
 
     return prepare_model
