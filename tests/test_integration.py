@@ -290,7 +290,17 @@ def test_every_group_installs_and_uninstalls_exactly_in_a_launched_rank():
     # fixture reverted it in this process, which the rank was forked from; launch: applied in this
     # process while it starts the ranks, so a forked rank finds it applied)
     # attention: only on a GPU without flash attention (nbkit.training.attention.needed), so not on CPU ranks
-    expected = {"checkpoints", "guard", "reporting", "launch", "compat", "teardown", "cell_group", "trainer_defaults"}
+    expected = {
+        "checkpoints",
+        "guard",
+        "reporting",
+        "launch",
+        "compat",
+        "teardown",
+        "cell_group",
+        "trainer_defaults",
+        "gradient_averaging",
+    }
     expected -= _versioned_out()
     expected |= {"mixed_precision"} if trl_imported else set()
     # offline fixes processors where torchvision is missing: applied in the rank where their module is imported here
