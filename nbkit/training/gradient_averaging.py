@@ -40,7 +40,7 @@ import torch
 from nbkit.platform import config
 from nbkit.platform.patching import patch
 
-__all__ = ["FLAT_LIMIT_BYTES", "FlatAverager", "averager"]
+__all__ = ["FLAT_LIMIT_BYTES", "FlatAverager", "averager", "eligible"]
 
 # Above this many bytes of trainable weights, DDP's reducer stays (see the module docstring). LoRA r=16 on every
 # linear layer of a 14B model holds 64M weights, 256 MiB in fp32; full fine-tuning of even a 0.5B model holds more.
