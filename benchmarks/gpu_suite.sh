@@ -124,7 +124,7 @@ TEST_PARTS=(
   # the short files (~3 minutes)
   "tests_a 500 tests/test_loss_gpu.py tests/test_magics.py tests/test_attention.py tests/test_emulation.py
    tests/test_live_set.py tests/test_reporting.py tests/test_fsdp_gpu.py tests/test_model_parallel_gpu.py
-   tests/test_readme.py"
+   tests/test_readme.py tests/test_gradient_averaging.py"
   # 2 GPUs equal 1 with nbkit and unsloth (~3 minutes), the offline models (~1.5), the savers (~1.5)
   "tests_b 530 tests/test_gpu_ddp.py tests/test_offline.py tests/test_savers_gpu.py"
   # the savers under DDP on two GPUs alone (tests_b's own limit has cut it before it ran)

@@ -64,16 +64,30 @@ def _three_runs(path: str, out_dir: str) -> dict:
     }
 
 
-def test_a_trainers_lora_weights_equal_what_ddps_reducer_gives_bit_for_bit(tmp_path):
-    runs = nbkit.launch(_three_runs, nbkit.resolve_model("tiny:qwen3"), str(tmp_path), gpus=2, timeout=300)
+def _assert_runs(runs: dict, exact: bool) -> None:
     flat, ddp = runs["flat"], runs["ddp"]
     assert (flat["flat"], ddp["flat"], runs["unused"]["flat"]) == (True, False, False)
     assert (flat["reducer_idle"], ddp["reducer_idle"], runs["unused"]["reducer_idle"]) == (True, False, False)
     for run in runs.values():
         assert run["changed"] and run["same_on_both_ranks"]
     assert flat["weights"].keys() == ddp["weights"].keys()
-    differing = [k for k in flat["weights"] if not torch.equal(flat["weights"][k], ddp["weights"][k])]
-    assert not differing, f"{len(differing)} weights differ from DDP's, e.g. {differing[:3]}"
+    for name, weight in flat["weights"].items():
+        if exact:
+            assert torch.equal(weight, ddp["weights"][name]), name
+        else:
+            torch.testing.assert_close(weight, ddp["weights"][name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_a_trainers_lora_weights_equal_what_ddps_reducer_gives_bit_for_bit(tmp_path):
+    _assert_runs(nbkit.launch(_three_runs, nbkit.resolve_model("tiny:qwen3"), str(tmp_path), gpus=2, timeout=300), True)
+
+
+@pytest.mark.gpu
+def test_over_nccl_on_two_gpus_the_weights_equal_what_ddps_reducer_gives(tmp_path):
+    # The same runs on CUDA ranks: the averaging is as exact, but a GPU's backward kernels need not give the same
+    # bits run after run (atomic adds), so the runs agree within rounding rather than bit for bit.
+    runs = nbkit.launch(_three_runs, nbkit.resolve_model("tiny:qwen3"), str(tmp_path), gpus=2, timeout=300)
+    _assert_runs(runs, exact=False)
 
 
 def _train_with_a_weight_no_step_uses(path: str, out_dir: str) -> None:

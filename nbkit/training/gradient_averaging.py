@@ -97,7 +97,8 @@ def _no_gradient(names: list[str]) -> Exception:
         "without images: train only what every batch uses (unsloth: get_peft_model(..., "
         "finetune_vision_layers=False) for text-only data), or give every batch an image. Where some weights "
         "really go unused in some steps, TrainingArguments(ddp_find_unused_parameters=True) has DDP search for "
-        "them at each step."
+        "them at each step (an unsloth vision model needs nbkit.configure(unsloth_vlm_ddp_checkpointing='unsloth') "
+        "before loading it for that)."
     )
 
 
