@@ -19,7 +19,7 @@ def _train(path: str, out_dir: str, reducer: str, **arguments) -> dict:
     """In each rank: 3 steps of Trainer (batch 2, gradient accumulation 2, clipping at 1.0: Trainer's default) of
     tiny_lora(path) with nbkit's ddp_reducer set to `reducer`, then train() again for 3 more, as a second training
     cell does; the LoRA weights after, whether they changed and are the same on both ranks, and whether the flat
-    averaging stood in for the reducer of the DDP wrapper the second train() made.
+    averaging stood in for DDP's reducer after the second train() (which may prepare the model again).
     """
     import torch.distributed as dist
     from transformers import Trainer, TrainingArguments
