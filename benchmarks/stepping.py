@@ -59,18 +59,21 @@ class FlatGradients(nn.Module):
 
     Why: DDP hooks every trainable tensor and copies each gradient into a bucket and back; for LoRA's many small
     tensors that is 3 more data-moving ops per tensor per step (392 tensors of a 28-layer model: 1,178 more copies
-    and multiplies, counted by benchmarks/ddp_op_count.py, each a kernel launch on a GPU), where this is a handful. Averages as DDP does (each rank's share divided
-    by the world size, then summed), so the gradients equal DDP's; starts every rank from rank 0's values, as DDP
-    does; a gradient that is None on a rank counts as zeros. Leaves each gradient a view of the flat buffer.
+    and multiplies, counted by benchmarks/ddp_op_count.py, each a kernel launch on a GPU), where this is a handful.
+    The averaging is nbkit's own (nbkit.training.gradient_averaging.FlatAverager, what a Trainer's DDP ranks use), so
+    the gradients equal DDP's; starts every rank from rank 0's values, as DDP does; a gradient that is None on a rank
+    counts as zeros here. Leaves each gradient a view of the flat buffer.
     """
 
     def __init__(self, module: nn.Module):
         import torch.distributed as dist
 
+        from nbkit.training.gradient_averaging import FlatAverager
+
         super().__init__()
         self.module = module
-        self._params = [p for p in module.parameters() if p.requires_grad]
-        self._world = dist.get_world_size()
+        self._params = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+        self._averager = FlatAverager(self._params)
         # Every parameter and buffer, frozen or not, as DDP's start does; one by one, so that no copy of the whole
         # model is made (once per run: the count of broadcasts does not matter).
         with torch.no_grad():
@@ -84,24 +87,12 @@ class FlatGradients(nn.Module):
         """Gradient accumulation: nothing is sent until reduce_gradients, so there is nothing to hold back."""
         return contextlib.nullcontext()
 
-    @torch.no_grad()
     def reduce_gradients(self) -> None:
         """Average every trainable tensor's gradient over the ranks (a collective: call on every rank)."""
-        import torch.distributed as dist
-
-        for group in self._by_dtype(self._params):
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in group]
-            flat = torch._utils._flatten_dense_tensors(grads).div_(self._world)
-            dist.all_reduce(flat)
-            for param, grad in zip(group, torch._utils._unflatten_dense_tensors(flat, grads)):
-                param.grad = grad
-
-    @staticmethod
-    def _by_dtype(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-        groups: dict[torch.dtype, list[torch.Tensor]] = {}
-        for param in params:
-            groups.setdefault(param.dtype, []).append(param)
-        return list(groups.values())
+        for _, param in self._params:
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+        self._averager.average()
 
 
 def unfreeze(model: nn.Module, names: Iterable[str]) -> None:
