@@ -130,6 +130,13 @@ def averager(accelerator: Any) -> FlatAverager | None:
     return _averagers.get(accelerator)
 
 
+# The upstream change that would make the two patches of Accelerator unnecessary: DDP batching its own copies.
+_BATCHED_COPIES = (
+    "https://github.com/pytorch/pytorch/pull/176638 (DDP's batched_grad_copy batches these copies inside DDP: in "
+    "torch 2.13, off by default; torch 2.11 lacks it)"
+)
+
+
 @patch(
     "transformers.trainer:Trainer.create_accelerator_and_postprocess",
     reason="notes the accelerator a Trainer creates, so that the group's patches of Accelerator change only what a "
@@ -151,8 +158,7 @@ def _note_trainer_accelerator(original: Callable[..., Any]) -> Callable[..., Any
     reason="a LoRA model a Trainer wraps in DDP keeps DDP's wrapper and start but not its reducer, which costs "
     "~3 kernel launches per trainable tensor per step (1,178 for 392 LoRA tensors) on a step that the host "
     "bounds; the gradients are averaged by one flat all-reduce instead (the group's patch of Accelerator.backward)",
-    upstream="https://github.com/pytorch/pytorch/pull/176638 (DDP's batched_grad_copy batches these copies inside "
-    "DDP: in torch 2.13, off by default; torch 2.11 lacks it)",
+    upstream=_BATCHED_COPIES,
     group="gradient_averaging",
 )
 def _prepare_model(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -181,8 +187,7 @@ def _prepare_model(original: Callable[..., Any]) -> Callable[..., Any]:
     reason="averages the gradients of a model whose DDP reducer nbkit left idle (the group's patch of "
     "Accelerator.prepare_model) when the "
     "backward of an optimisation step's last micro-batch ends, before Trainer clips them",
-    upstream="https://github.com/pytorch/pytorch/pull/176638 (DDP's batched_grad_copy batches these copies inside "
-    "DDP: in torch 2.13, off by default; torch 2.11 lacks it)",
+    upstream=_BATCHED_COPIES,
     group="gradient_averaging",
 )
 def _backward(original: Callable[..., Any]) -> Callable[..., Any]:
