@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_training import tiny_lora, token_sequences
+from tiny_training import same_on_all_ranks, tiny_lora, token_sequences
 
 import nbkit
 
@@ -21,7 +21,6 @@ def _train(path: str, out_dir: str, reducer: str, **arguments) -> dict:
     cell does; the LoRA weights after, whether they changed and are the same on both ranks, and whether the flat
     averaging stood in for DDP's reducer after the second train() (which may prepare the model again).
     """
-    import torch.distributed as dist
     from transformers import Trainer, TrainingArguments
 
     from nbkit.training import gradient_averaging
@@ -44,12 +43,10 @@ def _train(path: str, out_dir: str, reducer: str, **arguments) -> dict:
     trainer.train()
     trainer.train()
     after = {k: v.detach().clone() for k, v in model.named_parameters() if v.requires_grad}
-    gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, after)
     return {
         "weights": after,
         "changed": all(not torch.equal(before[k], after[k]) for k in after if "lora_B" in k),
-        "same_on_both_ranks": all(torch.equal(gathered[0][k], other[k]) for other in gathered[1:] for k in after),
+        "same_on_both_ranks": same_on_all_ranks(after),
         "flat": gradient_averaging.averager(trainer.accelerator) is not None,
         "reducer_idle": not trainer.model_wrapped.require_backward_grad_sync,
     }

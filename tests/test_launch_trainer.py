@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from tiny_training import tiny_lora, token_sequences
+from tiny_training import same_on_all_ranks, tiny_lora, token_sequences
 
 import nbkit
 
@@ -17,11 +17,6 @@ def _train_both(path: str, out_dir: str) -> dict:
     from datasets import Dataset
     from transformers import AutoTokenizer, Trainer, TrainingArguments
     from trl import SFTConfig, SFTTrainer
-
-    def same_on_all_ranks(weights: dict[str, torch.Tensor]) -> bool:
-        gathered: list = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, weights)
-        return all(torch.equal(gathered[0][k], other[k]) for other in gathered[1:] for k in weights)
 
     report = {}
     # The same short run for both trainers: 3 steps of batch 2 per rank, nothing saved, no progress bar.

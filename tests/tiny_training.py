@@ -33,6 +33,15 @@ def token_sequences(count: int, length: int) -> list[dict[str, torch.Tensor]]:
     return [{"input_ids": (ids := torch.randint(8, 1000, (length,), generator=g)), "labels": ids} for _ in range(count)]
 
 
+def same_on_all_ranks(weights: dict[str, torch.Tensor]) -> bool:
+    """Whether every rank holds exactly these tensors (a collective: call on every rank)."""
+    import torch.distributed as dist
+
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, weights)
+    return all(torch.equal(gathered[0][k], other[k]) for other in gathered[1:] for k in weights)
+
+
 def saving_trainer(
     path: str, out: str, samples: int, max_steps: int, callbacks: list | None = None, **arguments: Any
 ) -> Any:
