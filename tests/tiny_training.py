@@ -38,7 +38,8 @@ def same_on_all_ranks(weights: dict[str, torch.Tensor]) -> bool:
     import torch.distributed as dist
 
     gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, weights)
+    # on the host: each CUDA rank's tensors would arrive on its own device, which torch.equal refuses
+    dist.all_gather_object(gathered, {k: v.cpu() for k, v in weights.items()})
     return all(torch.equal(gathered[0][k], other[k]) for other in gathered[1:] for k in weights)
 
 

@@ -30,12 +30,14 @@ def training(trainer: Any, stats: Any, resumed_from: str | None) -> dict[str, An
         steady pace: medians over the steps after this call's first, which holds compilation and warm-up; in a
         rank nbkit started, from the dashboard callback's clock), "first_step_seconds", "step_seconds" (each
         step's, in order; empty outside such a rank), "mean_seconds_per_step" (this call's run time over its
-        steps, the first included), "batch": {"per_device", "accumulation",
-        "processes"}, "peak_memory_gib" (as the dashboard shows it)}. Outside a rank nbkit started, or after a
+        steps, the first included), "batch": {"per_device", "accumulation", "processes"}, "gradient_averaging"
+        ("flat": nbkit's one all-reduce per step; "ddp": DDP's reducer; None: one process, or a model that is not
+        DDP-wrapped), "peak_memory_gib" (as the dashboard shows it)}. Outside a rank nbkit started, or after a
         single step, the steady figures fall back to the mean (tokens/s then None). Call it on any rank;
         each returns its own figures.
     """
     from nbkit.rank_side.reporting import peak_memory_gib, trainer_pace
+    from nbkit.training import gradient_averaging
 
     state = trainer.state
     steps_run = state.global_step - (int(str(resumed_from).rsplit("-", 1)[1]) if resumed_from else 0)
@@ -56,6 +58,7 @@ def training(trainer: Any, stats: Any, resumed_from: str | None) -> dict[str, An
             "accumulation": trainer.args.gradient_accumulation_steps,
             "processes": trainer.args.world_size,
         },
+        "gradient_averaging": gradient_averaging.mode(trainer),
         "peak_memory_gib": peak_memory_gib(),
     }
 

@@ -15,14 +15,19 @@ end theirs, with `sync_gradients` set), each dtype's gradients are averaged by o
 each rank's share divided by the world size before the sum as DDP does, so they equal DDP's; each gradient is then
 a view of that buffer, until Trainer's zero_grad() drops it.
 
-Where: models that a Trainer's accelerator wraps in DDP, with find_unused_parameters=False (what nbkit's Trainer
-defaults give LoRA on the language layers; a weight without a gradient on one rank is then an error, as under
-DDP), no static graph, no communication hook, every trainable weight on one device, no batch norm (DDP
-broadcasts buffers before each forward, which only modules that change their buffers in training need), and at
-most FLAT_LIMIT_BYTES of trainable weights: a larger set (full fine-tuning) gains from DDP's overlap of its
-bucketed all-reduces with the backward, which one all-reduce after the backward gives up. Everything else,
-and every model where `nbkit.configure(ddp_reducer="ddp")` was set, keeps DDP's reducer. A loop of the user's own
-keeps it too: one that calls loss.backward() itself would never reach the averaging.
+Where: models that a Trainer's accelerator wraps in DDP, with no static graph, no communication hook, every
+trainable weight on one device, no batch norm (DDP broadcasts buffers before each forward, which only modules that
+change their buffers in training need), and at most FLAT_LIMIT_BYTES of trainable weights: a larger set (full
+fine-tuning) gains from DDP's overlap of its bucketed all-reduces with the backward, which one all-reduce after the
+backward gives up. Everything else, and every model where `nbkit.configure(ddp_reducer="ddp")` was set, keeps DDP's
+reducer. A loop of the user's own keeps it too: one that calls loss.backward() itself would never reach the averaging.
+
+Weights a step may leave unused: with find_unused_parameters=False (Trainer's choice under checkpointing, and
+nbkit's for LoRA on the language layers) a weight without a gradient on one rank is an error, as under DDP. With
+True (Trainer's choice without checkpointing), such a weight counts as a zero gradient, and a weight no rank used
+keeps no gradient, as DDP leaves it: a used-weight flag per tensor travels in the same all-reduce, and the host
+reads them back, one sync per step where DDP also makes one (its reducer copies its used-weight map to the host)
+and where DDP's search of the autograd graph after every forward is gone.
 
 The cost: the all-reduce no longer overlaps the backward. Over NVLink LoRA's gradients (70 MB for Qwen3-VL-2B at
 r=16) take well under a millisecond; between two T4s over PCIe, at 5-10 GB/s, about 7-14 ms, near 1% of a T4's
@@ -40,7 +45,7 @@ import torch
 from nbkit.platform import config
 from nbkit.platform.patching import patch
 
-__all__ = ["FLAT_LIMIT_BYTES", "FlatAverager", "averager", "eligible"]
+__all__ = ["FLAT_LIMIT_BYTES", "FlatAverager", "averager", "eligible", "mode"]
 
 # Above this many bytes of trainable weights, DDP's reducer stays (see the module docstring). LoRA r=16 on every
 # linear layer of a 14B model holds 64M weights, 256 MiB in fp32; full fine-tuning of even a 0.5B model holds more.
@@ -50,15 +55,19 @@ FLAT_LIMIT_BYTES = 512 * 2**20
 class FlatAverager:
     """Averages the gradients of `params` over `process_group` by one all-reduce per dtype and device.
 
-    Takes the trainable tensors of one model with their names, in the same order on every rank. `average()` is a
-    collective: every rank calls it once per optimisation step, after that step's last backward.
+    Takes the trainable tensors of one model with their names, in the same order on every rank, and whether a
+    step may leave some unused (DDP's find_unused_parameters). `average()` is a collective: every rank calls it
+    once per optimisation step, after that step's last backward.
     """
 
-    def __init__(self, params: list[tuple[str, torch.Tensor]], process_group: Any = None) -> None:
+    def __init__(
+        self, params: list[tuple[str, torch.Tensor]], process_group: Any = None, find_unused: bool = False
+    ) -> None:
         import torch.distributed as dist
 
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
+        self.find_unused = find_unused
         groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
         for _, param in params:
             groups.setdefault((param.device, param.dtype), []).append(param)
@@ -67,24 +76,29 @@ class FlatAverager:
 
     @torch.no_grad()
     def average(self) -> None:
-        """Replace every gradient by its mean over the ranks (each a view of one flat buffer per dtype).
+        """Replace every gradient by its mean over the ranks (each a view of one flat buffer per dtype); with
+        find_unused, a weight without a gradient counts as zero, and one that no rank used keeps none.
 
         Raises:
-            nbkit.GradientError: a trainable weight has no gradient on this rank (DDP with
+            nbkit.GradientError: without find_unused, a trainable weight has no gradient on this rank (DDP with
                 find_unused_parameters=False fails there too, a step later).
         """
         import torch.distributed as dist
         from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
         for group in self._groups:
-            missing = [self._names[id(p)] for p in group if p.grad is None]
-            if missing:
-                raise _no_gradient(missing)
-            grads = [p.grad for p in group]
+            used = [p.grad is not None for p in group]
+            if not self.find_unused and not all(used):
+                raise _no_gradient([self._names[id(p)] for p, u in zip(group, used) if not u])
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in group]
+            if self.find_unused:  # the used-weight flags ride at the end of the same buffer
+                grads.append(torch.tensor(used, dtype=group[0].dtype, device=group[0].device))
             flat = _flatten_dense_tensors(grads).div_(self.world_size)
             dist.all_reduce(flat, group=self.process_group)
-            for param, grad in zip(group, _unflatten_dense_tensors(flat, grads)):
-                param.grad = grad
+            views = list(_unflatten_dense_tensors(flat, grads))
+            anyone_used = views.pop().ne(0).tolist() if self.find_unused else used
+            for param, grad, kept in zip(group, views, anyone_used):
+                param.grad = grad if kept else None
 
 
 def _no_gradient(names: list[str]) -> Exception:
@@ -108,7 +122,7 @@ def eligible(model: Any) -> bool:
 
     if config.setting("ddp_reducer") != "flat" or not isinstance(model, DistributedDataParallel):
         return False
-    if model.find_unused_parameters or model.static_graph or getattr(model, "_comm_hooks", None):
+    if model.static_graph or getattr(model, "_comm_hooks", None):
         return False
     params = [p for p in model.module.parameters() if p.requires_grad]
     if not params or len({p.device for p in params}) > 1 or any(p.is_sparse for p in params):
@@ -128,6 +142,19 @@ def averager(accelerator: Any) -> FlatAverager | None:
     reducer averages (or nothing does: one process).
     """
     return _averagers.get(accelerator)
+
+
+def mode(trainer: Any) -> str | None:
+    """How `trainer`'s ranks average gradients: "flat" (this module), "ddp" (DDP's reducer), or None (one process,
+    or a model that is not DDP-wrapped). Read it after train() has prepared the model; any rank.
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    accelerator = getattr(trainer, "accelerator", None)
+    if accelerator is not None and averager(accelerator) is not None:
+        return "flat"
+    wrapped = getattr(trainer, "model_wrapped", None)
+    return "ddp" if isinstance(wrapped, DistributedDataParallel) else None
 
 
 # The upstream change that would make the two patches of Accelerator unnecessary: DDP batching its own copies.
@@ -173,7 +200,7 @@ def _prepare_model(original: Callable[..., Any]) -> Callable[..., Any]:
             _averagers.pop(self, None)
             if eligible(prepared):
                 params = [(n, p) for n, p in prepared.module.named_parameters() if p.requires_grad]
-                _averagers[self] = FlatAverager(params, prepared.process_group)
+                _averagers[self] = FlatAverager(params, prepared.process_group, prepared.find_unused_parameters)
                 # DDP's no_sync() state, for good: its forward prepares no reduction, its hooks return at once, and
                 # Trainer's no_sync() around the first micro-batches restores this same state.
                 prepared.require_backward_grad_sync = False
