@@ -173,6 +173,8 @@ def test_notebook_trains_saves_and_answers_on_cpu(name: str, tmp_path: Path) -> 
             f"Trainer: {cpu['batch_size']} per process{steps} x 2 processes = {effective} examples per optimizer step"
         ), line
         assert "The processes train on CPU cores: no GPU waits for the host" in line
+    if name == "big_model_fsdp":  # FSDP shards and reduces the gradients itself
+        assert summary["train"]["gradient_averaging"] is None
     if name == "model_parallel":
         # the planner's verdicts for Qwen3-8B on 2 x T4: sharded at 2K tokens, split at 8K
         assert "Strategy: fsdp" in text and "Strategy: model_parallel" in text
@@ -181,6 +183,8 @@ def test_notebook_trains_saves_and_answers_on_cpu(name: str, tmp_path: Path) -> 
     if name == "qwen3_vl_2xT4":
         # Cell by cell on a live set: started, used by every GPU cell, stopped.
         assert "nbkit: live set of 2 rank(s) on cpu" in text and "nbkit: stopped the live set (2 rank(s))." in text
+        # its ranks averaged the LoRA gradients by nbkit's one all-reduce per step, not by DDP's reducer
+        assert summary["train"]["gradient_averaging"] == "flat"
         # A Kaggle session ended: the same notebook, run again, continues.
         runner.run([name], tmp_path, {"max_steps": max_steps + 4})
         again = json.loads((run_dir / "summary.json").read_text())

@@ -5,8 +5,9 @@ adds host work for every trainable tensor: it copies each gradient into a bucket
 about three kernel launches per tensor per step, 1,178 for the 392 LoRA tensors of a 28-layer model
 (benchmarks/ddp_op_count.py), and it broadcasts the model's buffers before every forward. One flat all-reduce after
 the backward launches a handful. Under SFTTrainer through nbkit.launch on 2x H200 at 1K x 4 the median two-GPU step
-fell 13-14% (transformers 0.336 -> 0.289 s, unsloth 0.407 -> 0.355 s; faster in four of five pairs of launches; in a
-live set's one pair, slower): benchmarks/RESULTS.md.
+fell 12-14% (transformers 0.336 -> 0.289 s, unsloth 0.407 -> 0.355 s, transformers without checkpointing 0.280 ->
+0.246 s; faster in six of seven pairs of launches); in a live set it made no difference (0.341 against 0.335 s, two
+pairs): benchmarks/RESULTS.md.
 
 How: DDP keeps its wrapper (model.module, no_sync(), rank 0's weights broadcast at the start: what Trainer, peft
 and nbkit's savers expect), but its reducer stays idle, since the model is left in DDP's no-sync state. When the
@@ -110,8 +111,8 @@ def _no_gradient(names: list[str]) -> Exception:
         "cannot average them. A common cause is a vision-language model's LoRA'd vision tower on a batch "
         "without images: train only what every batch uses (unsloth: get_peft_model(..., "
         "finetune_vision_layers=False) for text-only data), or give every batch an image. Where some weights "
-        "really go unused in some steps, TrainingArguments(ddp_find_unused_parameters=True) has DDP search for "
-        "them at each step (an unsloth vision model needs nbkit.configure(unsloth_vlm_ddp_checkpointing='unsloth') "
+        "really go unused in some steps, TrainingArguments(ddp_find_unused_parameters=True) lets a step leave them "
+        "without a gradient (an unsloth vision model needs nbkit.configure(unsloth_vlm_ddp_checkpointing='unsloth') "
         "before loading it for that)."
     )
 
