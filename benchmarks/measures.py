@@ -81,24 +81,27 @@ class HostClock:
     `sample()` returns, since the previous mark: the main thread's CPU seconds, the whole process's CPU
     seconds (every thread: autograd's, the OpenMP pool's spinning, a reader's), the main thread's
     involuntary context switches (the scheduler took its core: a host-bound step waits for it), its
-    voluntary ones (it slept: waiting for the GIL, a lock, a read; CUDA's syncs spin and do not count)
-    and the process's OS thread count now. Built and sampled in the thread that drives training.
+    voluntary ones (it slept: waiting for the GIL, a lock, a read; CUDA's syncs spin and do not count),
+    its page faults (memory the allocator handed back to the kernel and took again costs one per page, as
+    CPU time on this thread) and the process's OS thread count now. Built and sampled in the thread that
+    drives training.
     """
 
     def __init__(self) -> None:
         self._last = self._read()
 
     @staticmethod
-    def _read() -> tuple[float, float, int, int]:
+    def _read() -> tuple[float, float, int, int, int]:
         import resource
 
         usage = resource.getrusage(getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF))
-        return time.thread_time(), time.process_time(), usage.ru_nivcsw, usage.ru_nvcsw
+        faults = usage.ru_minflt + usage.ru_majflt
+        return time.thread_time(), time.process_time(), usage.ru_nivcsw, usage.ru_nvcsw, faults
 
     def sample(self) -> dict[str, float]:
         """The counters since the last call (or since the clock was built); marks now."""
         now = self._read()
-        thread_s, process_s, switches, waits = (b - a for a, b in zip(self._last, now))
+        thread_s, process_s, switches, waits, faults = (b - a for a, b in zip(self._last, now))
         self._last = now
         try:
             threads = len(os.listdir("/proc/self/task"))
@@ -109,8 +112,31 @@ class HostClock:
             "process_cpu_s": process_s,
             "main_involuntary_switches": switches,
             "main_voluntary_switches": waits,
+            "main_page_faults": faults,
             "os_threads": threads,
         }
+
+
+def interpreter_state() -> dict[str, Any]:
+    """What in this Python process could make the same code run slower than in another: the tools that listen to
+    sys.monitoring's events ({tool name: event mask}; None before Python 3.12, where it does not exist: a
+    debugger's or coverage's way in since 3.12, which sys.gettrace() does not show), whether a trace or profile
+    function is set (this thread's), the objects the garbage collector tracks and has frozen, and the modules loaded.
+    """
+    import sys
+
+    monitoring = getattr(sys, "monitoring", None)
+    tools = None
+    if monitoring is not None:
+        tools = {str(monitoring.get_tool(i)): monitoring.get_events(i) for i in range(6) if monitoring.get_tool(i)}
+    return {
+        "monitoring_tools": tools,
+        "trace": sys.gettrace() is not None,
+        "profile": sys.getprofile() is not None,
+        "gc_tracked": len(gc.get_objects()),
+        "gc_frozen": gc.get_freeze_count(),
+        "modules": len(sys.modules),
+    }
 
 
 def thread_core() -> str | None:

@@ -546,6 +546,7 @@ def _case(launch: Launch, model: Any, seq_len: int, batch: int, device: torch.de
     row["profile"] = timer.profile
     row["sync_sites"] = timer.sync_sites.top()
     row["torch_threads"] = torch.get_num_threads()
+    row["interpreter"] = measures.interpreter_state()
     row["first_step_end"] = timer.first_step_end
     row["peak"] = measures.peak_memory_gib(device)
     return row
@@ -665,6 +666,9 @@ def _row(launch: Launch, row: dict, ranks: list[dict], load_s: float, first: boo
         "trainer_checkpointing": row.get("trainer_checkpointing"),
         "ddp": row.get("ddp"),  # rank 0's DDP options (find_unused_parameters, ...); None in one process
         "torch_threads": row.get("torch_threads"),
+        # Each rank's interpreter after its steps (measures.interpreter_state): what could slow the same code in one
+        # launcher's ranks and not another's (a live rank is an ipykernel process; a launched one, forked).
+        "interpreter_by_rank": [r.get("interpreter") for r in ranks],
         "profile": row.get("profile"),
         "profile_by_rank": [r.get("profile") for r in ranks],
         "graph_breaks": row.get("graph_breaks"),
@@ -928,16 +932,16 @@ def _host_table(rows: list[dict]) -> list[str]:
         "",
         "Each rank's host per timed step (medians; ranks separated by /): main thread CPU, all threads' CPU, the",
         "main thread's involuntary context switches (its core taken) and voluntary ones (it slept: the GIL, a lock),",
-        "OS threads, the physical cores (package/core) the main thread ended its steps on, most often first, and in",
-        "how many timed steps two ranks' main threads ended on one core; rank 0's torch intra-op threads and graph",
-        "breaks:",
+        "its page faults, OS threads, the physical cores (package/core) the main thread ended its steps on, most",
+        "often first, and in how many timed steps two ranks' main threads ended on one core; rank 0's torch intra-op",
+        "threads and graph breaks:",
         "",
     ]
     lines += [
-        "| config | case | repeat | step ms | main CPU ms | process CPU ms | switches | sleeps | threads | "
+        "| config | case | repeat | step ms | main CPU ms | process CPU ms | switches | sleeps | page faults | threads | "
         "main thread's cores | torch threads | graph breaks |"
     ]
-    lines += ["|---|---|---:|---:|---|---|---|---|---|---|---:|---:|"]
+    lines += ["|---|---|---:|---:|---|---|---|---|---|---|---|---:|---:|"]
     for r in runs:
         case = _case_label(r)
         hosts = r["host_by_rank"]
@@ -945,10 +949,10 @@ def _host_table(rows: list[dict]) -> list[str]:
             f"| {r['config']} | {case} | {r['repeat']} | {1000 * r['step_time_s']['median']:.0f} | "
             f"{_by_rank(hosts, 'main_cpu_s', 1000)} | {_by_rank(hosts, 'process_cpu_s', 1000)} | "
             f"{_by_rank(hosts, 'main_involuntary_switches')} | {_by_rank(hosts, 'main_voluntary_switches')} | "
-            f"{_by_rank(hosts, 'os_threads')} | {_cores_cell(r)} | {r.get('torch_threads')} | "
+            f"{_by_rank(hosts, 'main_page_faults')} | {_by_rank(hosts, 'os_threads')} | {_cores_cell(r)} | {r.get('torch_threads')} | "
             f"{sum((r.get('graph_breaks') or {}).values())} |"
         )
-    return lines + _thread_lines(runs)
+    return lines + _thread_lines(runs) + _interpreter_lines(runs)
 
 
 def _thread_lines(runs: list[dict]) -> list[str]:
@@ -966,6 +970,32 @@ def _thread_lines(runs: list[dict]) -> list[str]:
             )
             total = sum(g["threads"] for g in groups.values())
             lines.append(f"| {r['config']} | {case} | {r['repeat']} | {rank} | {total:.0f} | {busiest} |")
+    return lines
+
+
+def _interpreter_lines(runs: list[dict]) -> list[str]:
+    """Markdown lines: each rank's interpreter after its steps (see _row's "interpreter_by_rank")."""
+    runs = [r for r in runs if any(r.get("interpreter_by_rank") or [])]
+    if not runs:
+        return []
+    lines = [
+        "",
+        "Each rank's interpreter after its steps: sys.monitoring's tools (event masks; none before Python 3.12),",
+    ]
+    lines += ["trace and profile functions, objects the garbage collector tracks (frozen), modules:", ""]
+    lines += ["| config | case | repeat | rank | monitoring | trace / profile | tracked (frozen) | modules |"]
+    lines += ["|---|---|---:|---:|---|---|---|---:|"]
+    for r in runs:
+        for rank, state in enumerate(r["interpreter_by_rank"]):
+            if not state:
+                continue
+            tools = state["monitoring_tools"]
+            shown = "n/a" if tools is None else ", ".join(f"{k}: {v:#x}" for k, v in tools.items()) or "none"
+            lines.append(
+                f"| {r['config']} | {_case_label(r)} | {r['repeat']} | {rank} | {shown} | "
+                f"{state['trace']} / {state['profile']} | {state['gc_tracked']:,} ({state['gc_frozen']:,}) | "
+                f"{state['modules']:,} |"
+            )
     return lines
 
 

@@ -177,7 +177,7 @@ def test_trainer_runs_under_every_launcher_and_records_what_cannot_run(tmp_path,
         assert len(row["host_by_rank"]) == len(row["profile_by_rank"]) == row["gpus"]
         assert row["host_by_rank"][0] == row["host"] and row["profile_by_rank"][0] == row["profile"]
         for host, profile in zip(row["host_by_rank"], row["profile_by_rank"]):
-            assert host["main_cpu_s"] > 0 and host["main_voluntary_switches"] >= 0
+            assert host["main_cpu_s"] > 0 and host["main_voluntary_switches"] >= 0 and host["main_page_faults"] >= 0
             assert profile["steps"] == 1 and profile["host_ops_ms"] > 0
         # each rank's main thread's cores, one count per timed step (the later half of the steps)
         assert [sum(cores.values()) for cores in row["cores_by_rank"]] == [2] * row["gpus"]
@@ -185,6 +185,9 @@ def test_trainer_runs_under_every_launcher_and_records_what_cannot_run(tmp_path,
         # each rank's threads by name over those steps, its main thread among them (a live rank has ipykernel's too)
         for groups in row["threads_by_rank"]:
             assert groups["(main)"]["threads"] == 1 and all(g["cpu_ms_per_step"] >= 0 for g in groups.values())
+        # each rank's interpreter after its steps, for telling two launchers' processes apart
+        assert len(row["interpreter_by_rank"]) == row["gpus"]
+        assert all(i["modules"] > 0 and i["gc_tracked"] > 0 for i in row["interpreter_by_rank"])
         assert row["trainer_checkpointing"] is True  # SFTConfig's default, which nbkit's checkpointed layers ignore
         # two ranks: DDP's options as it held them; in place, no DDP
         assert (row["ddp"] is None) == (row["gpus"] == 1)
@@ -192,6 +195,8 @@ def test_trainer_runs_under_every_launcher_and_records_what_cannot_run(tmp_path,
     # model and its layers are checkpointed
     for launcher in ("nbkit", "live"):
         assert rows[f"transformers:2@{launcher}"]["ddp"]["find_unused_parameters"] is False
+    # a forked rank set the notebook's objects aside from its collections; a live rank is a process of its own
+    assert all(i["gc_frozen"] > 0 for i in rows["transformers:2@nbkit"]["interpreter_by_rank"])
     # ... and the user's own choice stands (the findunused extra sets it as a user would)
     assert rows["transformers+findunused:2@torchrun"]["ddp"]["find_unused_parameters"] is True
     # the allocator extra reaches the ranks' environment; a launch without it leaves the setting alone
