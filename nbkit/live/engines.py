@@ -467,8 +467,12 @@ def _wait_for_engines(
             if eid not in asked:
                 asked[eid] = client[eid].apply_async(live_engine.identify)
         for eid, ar in asked.items():
-            if ar.ready() and ar.successful() and ar.get().pid in by_pid:
-                info = ar.get()
+            if not ar.ready():
+                continue
+            if not ar.successful():  # it registered, but could not say who it is: waiting longer would not help
+                raise LiveError(f"Engine {eid} could not start as a rank: {_remote_error(ar)}")
+            info = ar.get()
+            if info.pid in by_pid:
                 found[by_pid[info.pid]] = (eid, info)
         arrivals.arrived(found)
         for i, proc in enumerate(processes):
@@ -480,6 +484,16 @@ def _wait_for_engines(
             raise LiveError(arrivals.text(missing, processes) + "\n" + _log_tail(tmpdir, missing[0]))
         time.sleep(0.05)
     return found
+
+
+def _remote_error(ar: Any) -> str:
+    """The error an engine raised for the request `ar` (ready and failed), as "Name: message"."""
+    try:
+        ar.get()
+    except Exception as exc:  # ipyparallel's RemoteError, carrying the engine's exception
+        name, value = getattr(exc, "ename", type(exc).__name__), getattr(exc, "evalue", str(exc))
+        return f"{name}: {value}"
+    return "no error was reported"
 
 
 def _log_tail(tmpdir: str | None, rank: int, lines: int = 20) -> str:

@@ -101,6 +101,27 @@ def test_an_engine_that_dies_while_starting_takes_the_others_with_it(before):
     _starts_again()
 
 
+def test_an_engine_that_cannot_say_who_it_is_is_named_with_its_error_at_once(before, monkeypatch, tmp_path):
+    # The engines register, but the first thing a rank does there (nbkit's identify(), which imports torch) fails:
+    # the start ends with that error as soon as it comes back, not at the 180 s timeout as a rank that "did not
+    # register". A torch that cannot be imported, first on the engines' path, stands in for any such failure.
+    broken = tmp_path / "torch"
+    broken.mkdir()
+    (broken / "__init__.py").write_text('raise ImportError("torch is broken here")\n')
+    original = os.environ.get("PYTHONPATH")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path), original])))
+    started = time.monotonic()
+    with pytest.raises(LiveError, match=r"Engine \d+ could not start as a rank: .*torch is broken here"):
+        nbkit.start(gpus=2)
+    assert time.monotonic() - started < 90  # the engines' own start on a loaded machine; not the 180 s timeout
+    assert nothing_left(before) == []
+    if original is None:
+        monkeypatch.delenv("PYTHONPATH")
+    else:
+        monkeypatch.setenv("PYTHONPATH", original)
+    _starts_again()
+
+
 def test_a_rank_that_never_arrives_is_named_with_its_step_within_seconds(before, monkeypatch):
     # One engine is frozen (SIGSTOP) as soon as both exist: the other registers, the frozen one never does. The
     # start fails _STALL_S after the other arrived, naming the frozen rank and the step, not at the 180 s timeout.
