@@ -466,11 +466,13 @@ def _wait_for_engines(
         for eid in client.ids:
             if eid not in asked:
                 asked[eid] = client[eid].apply_async(live_engine.identify)
+        failed = []  # engines that registered but could not say who they are: waiting longer would not help
         for eid, ar in asked.items():
             if not ar.ready():
                 continue
-            if not ar.successful():  # it registered, but could not say who it is: waiting longer would not help
-                raise LiveError(f"Engine {eid} could not start as a rank: {_remote_error(ar)}")
+            if not ar.successful():
+                failed.append((eid, ar))
+                continue
             info = ar.get()
             if info.pid in by_pid:
                 found[by_pid[info.pid]] = (eid, info)
@@ -479,6 +481,9 @@ def _wait_for_engines(
             if proc.poll() is not None:
                 status = supervisor.ExitStatus.from_returncode(proc.returncode)
                 raise LiveError(f"Rank {i}'s process ended while starting ({status.cause}).\n" + _log_tail(tmpdir, i))
+        if failed:  # after the processes: one that ended names the cause of its request's failure
+            eid, ar = failed[0]
+            raise LiveError(f"Engine {eid} could not start as a rank: {_remote_error(ar)}")
         missing = arrivals.overdue()
         if missing:
             raise LiveError(arrivals.text(missing, processes) + "\n" + _log_tail(tmpdir, missing[0]))
