@@ -214,3 +214,115 @@ def reset_memory(device: torch.device) -> None:
         torch.cuda.init()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
+
+
+def _schedstat() -> tuple[int, int, int]:
+    """The calling thread's (ns on a CPU, ns runnable but waiting for one, timeslices) from the scheduler."""
+    try:
+        run, wait, slices = Path("/proc/thread-self/schedstat").read_text().split()[:3]
+        return int(run), int(wait), int(slices)
+    except (OSError, ValueError):  # not Linux, or schedstats off
+        return 0, 0, 0
+
+
+def _machine_cpu() -> tuple[dict[int, tuple[str, int]], list[int]]:
+    """Every process's (name, CPU clock ticks) by pid, and /proc/stat's machine-wide CPU line (ticks by kind)."""
+    processes: dict[int, tuple[str, int]] = {}
+    with contextlib.suppress(OSError):
+        for pid in os.listdir("/proc"):
+            if not pid.isdigit():
+                continue
+            try:
+                stat = Path(f"/proc/{pid}/stat").read_text()
+            except OSError:  # it ended while we read
+                continue
+            after = stat.rsplit(")", 1)[1].split()
+            processes[int(pid)] = (stat[stat.index("(") + 1 : stat.rindex(")")], int(after[11]) + int(after[12]))
+    try:
+        totals = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        totals = []
+    return processes, totals
+
+
+def _command_line(pid: int) -> str:
+    """A process's command line, shortened to what tells processes of one program apart ("" once it ended)."""
+    try:
+        words = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return ""
+    words = [os.path.basename(words[0])] + [w for w in words[1:] if w and not w.startswith("/")][:3]
+    return " ".join(words)[:60]
+
+
+class HalfWatch:
+    """What happened on the machine and in this rank's main thread over the timed half, beyond its own counters:
+    how long the main thread waited for a CPU while runnable (its core taken by another thread of the guest), how
+    busy the machine's CPUs were and which processes used them (a busy neighbour the rank does not see), and where
+    the main thread's Python stack was (sampled every `interval` s by a thread: one stack walk a sample), so that
+    two launchers' ranks that step at different speeds show whether they do other work or the same work slower.
+    Start in the thread that drives training; stop there, `steps` steps later.
+    """
+
+    def __init__(self, interval: float = 0.005) -> None:
+        import sys
+        import threading
+
+        self._thread_id = threading.get_ident()
+        self._sched = _schedstat()
+        self._machine = _machine_cpu()
+        self._samples: dict[str, int] = {}
+        self._taken = 0
+        self._done = threading.Event()
+
+        def sample() -> None:
+            while not self._done.wait(interval):
+                frame = sys._current_frames().get(self._thread_id)
+                names = []
+                while frame is not None and len(names) < 2:
+                    code = frame.f_code
+                    names.append(f"{os.path.basename(code.co_filename)}:{code.co_name}")
+                    frame = frame.f_back
+                key = " < ".join(names)
+                self._samples[key] = self._samples.get(key, 0) + 1
+                self._taken += 1
+
+        self._sampler = threading.Thread(target=sample, name="nbkit-bench-sampler", daemon=True)
+        self._sampler.start()
+
+    def stop(self, steps: int) -> dict[str, Any]:
+        """The watch's figures per step over `steps` steps; ends the sampler."""
+        self._done.set()
+        self._sampler.join()
+        run, wait, slices = (b - a for a, b in zip(self._sched, _schedstat()))
+        (before, totals_before), (after, totals_after) = self._machine, _machine_cpu()
+        ticks = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+        per = max(steps, 1)
+        busiest = sorted(
+            ((after[pid][1] - before[pid][1], pid, after[pid][0]) for pid in after if pid in before),
+            reverse=True,
+        )[:6]
+        kinds = [b - a for a, b in zip(totals_before, totals_after)]
+        elapsed = sum(kinds) or 1
+        # /proc/stat's columns: user nice system idle iowait irq softirq steal ...
+        busy = sum(kinds[:3] + kinds[5:7]) if len(kinds) >= 8 else 0
+        return {
+            "main_run_ms": run / 1e6 / per,
+            "main_runqueue_wait_ms": wait / 1e6 / per,
+            "main_timeslices": slices / per,
+            "machine_busy_cpus": busy / elapsed * (os.cpu_count() or 1),
+            "machine_steal_pct": 100 * kinds[7] / elapsed if len(kinds) >= 8 else 0.0,
+            "busiest_processes": [
+                {
+                    "pid": pid,
+                    "name": _command_line(pid) or name,
+                    "cpu_ms_per_step": 1000 * used / ticks / per,
+                    "me": pid == os.getpid(),
+                }
+                for used, pid, name in busiest
+            ],
+            "samples_per_step": self._taken / per,
+            "stacks": {
+                key: count / per for key, count in sorted(self._samples.items(), key=lambda item: -item[1])[:25]
+            },
+        }

@@ -90,6 +90,8 @@ BACKENDS = ("unsloth", "transformers", "liger")
 # the graphs were recorded again at every step (RESULTS.md, "CUDA graphs for the compiled layers").
 # gpusplit: as compile, with transformers' own split of the vision attention by image (the sizes read from the GPU
 # in each block, which breaks its graph) in place of nbkit.savers.vision_attention's;
+# pin: each rank's threads kept to its own share of the machine's CPUs (rank r of w: the r-th of w equal slices of
+# the CPUs it may use), so that two ranks' main and autograd threads never meet on one vCPU; one rank keeps them all;
 # expand / noexpand: torch's CUDA allocator with / without expandable segments in every process of the launch
 # (PYTORCH_CUDA_ALLOC_CONF; nbkit keeps a setting that names them): nbkit gives its ranks expandable segments
 # (nbkit.launching.rank_contract.allocator_environment), while `accelerate launch` and a one-GPU process in place
@@ -107,11 +109,12 @@ EXTRAS = (
     "ddpreducer",
     "graphs",
     "gpusplit",
+    "pin",
     *ALLOCATOR_EXTRAS,
 )
 # Extras that change only what passes between ranks, nothing a one-GPU run does: a 1-GPU run without them is their
 # scaling reference.
-LAUNCH_ONLY_EXTRAS = ("nostop", "findunused", "ddpreducer")
+LAUNCH_ONLY_EXTRAS = ("nostop", "findunused", "ddpreducer", "pin")
 # nbkit: nbkit.launch; live: a live set (nbkit.start, then the function as a call); notebook: accelerate's
 # notebook_launcher; accelerate: `accelerate launch` of this file, nbkit's default patches only; torchrun:
 # torchrun of this file as an exported cell runs, nbkit.launch inside the rank (nbkit's whole rank set-up).
@@ -306,6 +309,8 @@ def _timer_callback(device: torch.device, profile_from: int | None = None, sync_
             self.cores: list[str | None] = []  # the physical core the main thread was on at each step's end
             # measures.thread_cpu_by_name at the two ends of the timed half
             self.threads: list[dict[str, tuple[int, float]]] = []
+            self.watch: dict[str, Any] | None = None  # measures.HalfWatch over the timed half
+            self._watch: measures.HalfWatch | None = None
             self.profile: dict[str, Any] | None = None
             self.sync_sites = sync_sites.SyncSites()
             self._sync_watch: Any = None
@@ -376,6 +381,10 @@ def _timer_callback(device: torch.device, profile_from: int | None = None, sync_
                 timed = profile_from if profile_from is not None else state.max_steps
                 if len(self.times) in (timed // 2, timed):  # the ends of the timed half _row reads
                     self.threads.append(measures.thread_cpu_by_name())
+                    if self._watch is None:
+                        self._watch = measures.HalfWatch()
+                    else:
+                        self.watch = self._watch.stop(timed - timed // 2)
             self._last, self._gc = now, 0.0
             if self.first_step_end is None:
                 self.first_step_end = time.time()
@@ -539,6 +548,7 @@ def _case(launch: Launch, model: Any, seq_len: int, batch: int, device: torch.de
     row["host"] = timer.host
     row["cores"] = timer.cores
     row["threads"] = timer.threads
+    row["watch"] = timer.watch
     row["alloc_conf"] = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
     # torch.compile's graph breaks during this shape's run, by reason: a break inside a compiled layer
     # splits it into pieces, each a cache lookup and its own launches on every call.
@@ -578,6 +588,15 @@ def _ladder(launch: Launch, model: Any, device: torch.device, emit: Any) -> list
     return rows
 
 
+def _pin_to_share(rank: int, world: int) -> None:
+    """The `pin` extra: every thread of this process, and those it starts later, on rank's slice of the usable CPUs."""
+    cpus = sorted(os.sched_getaffinity(0))
+    share = set(cpus[rank * len(cpus) // world : (rank + 1) * len(cpus) // world])
+    for tid in os.listdir("/proc/self/task"):
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            os.sched_setaffinity(int(tid), share)
+
+
 def run(launch: Launch) -> None:
     """Each rank: load, train every shape, gather the figures; rank 0 appends one JSON line per shape."""
     rank, local = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
@@ -585,6 +604,8 @@ def run(launch: Launch) -> None:
     if not cuda:
         torch.set_num_threads(1)  # forked CPU ranks: see landscape.md (fork after torch's thread pool started)
     device = torch.device("cuda", local) if cuda else torch.device("cpu")
+    if "pin" in launch.extras:
+        _pin_to_share(rank, int(os.environ.get("WORLD_SIZE", "1")))
     if "nostop" in launch.extras:
         from nbkit.platform import patching
 
@@ -661,6 +682,9 @@ def _row(launch: Launch, row: dict, ranks: list[dict], load_s: float, first: boo
         # Each rank's threads by name over the timed half: which of a rank's threads (ipykernel's, NCCL's, a
         # tokenizer's pool) are there and what CPU they take beside the main thread.
         "threads_by_rank": [_thread_cpu(r.get("threads") or [], len(half)) for r in ranks],
+        # Each rank's measures.HalfWatch over the timed half: its main thread's wait for a CPU, the machine's busy
+        # CPUs and busiest processes, and where its main thread's Python stack was, per step.
+        "watch_by_rank": [r.get("watch") for r in ranks],
         "alloc_conf": row.get("alloc_conf"),  # the CUDA allocator's settings the ranks ran with
         # whether the Trainer asked transformers to checkpoint layers (those without nbkit's checkpoint obey)
         "trainer_checkpointing": row.get("trainer_checkpointing"),
@@ -952,7 +976,7 @@ def _host_table(rows: list[dict]) -> list[str]:
             f"{_by_rank(hosts, 'main_page_faults')} | {_by_rank(hosts, 'os_threads')} | {_cores_cell(r)} | {r.get('torch_threads')} | "
             f"{sum((r.get('graph_breaks') or {}).values())} |"
         )
-    return lines + _thread_lines(runs) + _interpreter_lines(runs)
+    return lines + _thread_lines(runs) + _interpreter_lines(runs) + _watch_lines(runs)
 
 
 def _thread_lines(runs: list[dict]) -> list[str]:
@@ -995,6 +1019,36 @@ def _interpreter_lines(runs: list[dict]) -> list[str]:
                 f"| {r['config']} | {_case_label(r)} | {r['repeat']} | {rank} | {shown} | "
                 f"{state['trace']} / {state['profile']} | {state['gc_tracked']:,} ({state['gc_frozen']:,}) | "
                 f"{state['modules']:,} |"
+            )
+    return lines
+
+
+def _watch_lines(runs: list[dict]) -> list[str]:
+    """Markdown lines: each rank's HalfWatch over the timed half (see _row's "watch_by_rank")."""
+    runs = [r for r in runs if any(r.get("watch_by_rank") or [])]
+    if not runs:
+        return []
+    lines = [
+        "",
+        "Over the timed half, per step: each rank's main thread on a CPU and waiting for one while runnable, the",
+        "machine's busy CPUs and steal, its busiest other processes (CPU ms), and where the main thread's Python",
+        "stack was (samples every 5 ms; the five most frequent leaf < caller frames):",
+        "",
+        "| config | case | repeat | rank | on CPU ms | CPU wait ms | busy CPUs | steal % | busiest others | samples | stacks |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---|---:|---|",
+    ]
+    for r in runs:
+        for rank, w in enumerate(r["watch_by_rank"]):
+            if not w:
+                continue
+            others = ", ".join(
+                f"{p['name']} {p['cpu_ms_per_step']:.0f}" for p in w["busiest_processes"] if not p["me"]
+            )[:120]
+            stacks = "; ".join(f"{k} {v:.1f}" for k, v in list(w["stacks"].items())[:5])
+            lines.append(
+                f"| {r['config']} | {_case_label(r)} | {r['repeat']} | {rank} | {w['main_run_ms']:.0f} | "
+                f"{w['main_runqueue_wait_ms']:.1f} | {w['machine_busy_cpus']:.1f} | {w['machine_steal_pct']:.2f} | "
+                f"{others} | {w['samples_per_step']:.0f} | {stacks} |"
             )
     return lines
 
