@@ -127,25 +127,55 @@ def enable(model: nn.Module, *, backend: str = "inductor", vision: bool = True, 
     # Said here because the wait comes later, where nothing else explains it: a first step that takes a
     # minute on a slow notebook CPU looks like a hang.
     notices.logger(__name__).info(
-        f"nbkit: {len(blocks)} blocks of the model compile at its first training step, and again where a kind of "
-        "batch (without padding, with padding, of one row) first comes and at its next length (Qwen3-VL-2B on one "
-        "H200: ~24 s each, three times in the flagship's 20 steps; longer on a notebook's few CPU cores); the steps "
-        "after run faster. compile=None leaves them uncompiled."
+        f"nbkit: {len(blocks)} blocks of the model compile at its first training step, and again where another kind "
+        "of batch (without padding, with padding, of one row) first comes (Qwen3-VL-2B on one H200: 16-24 s each; "
+        "longer on a notebook's few CPU cores); the steps after run faster. compile=None leaves them uncompiled."
     )
 
 
 class _Compiled:
     """A region's compiled function, called with dynamo's limit on compilations per function raised to
-    _RECOMPILE_LIMIT (where the process's own is lower) for these calls alone.
+    _RECOMPILE_LIMIT (where the process's own is lower) for these calls alone, and with its inputs' sequence length
+    dynamic from the first compilation on (_mark_sequence_dynamic).
     """
 
     def __init__(self, compiled: Callable[..., Any]) -> None:
         self.compiled = compiled
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        _mark_sequence_dynamic(args, kwargs)
         limit = max(_RECOMPILE_LIMIT, torch._dynamo.config.recompile_limit)
         with torch._dynamo.config.patch(recompile_limit=limit):
             return self.compiled(*args, **kwargs)
+
+
+def _mark_sequence_dynamic(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Mark the sequence length of a decoder layer's inputs as a size that may change, before dynamo sees them.
+
+    Left to itself, dynamo compiles a layer for the first length it meets and again, with that length dynamic, at
+    the second. The flagship notebook on one H200 stopped 16-19 s at each of three compilations in its 20 steps
+    (benchmarks/RESULTS.md), longer on a notebook's few CPU cores; on the CPU, tiny:qwen3-vl on the same data compiled
+    at the same three steps (a static graph for a batch without padding, a dynamic one with padding, a dynamic one
+    without), and with the marks at two. Marked here, the first compilation is the dynamic one the later steps would
+    have used anyway (their steps took as long on the CPU with and without, 0.19-0.22 s). The sequence length is the
+    hidden states' middle size ([batch, length, hidden]); every input size equal to it past the batch dimension is
+    marked (hidden states, rotary cos and sin, a 4-D mask's two lengths), except the hidden states' own width.
+    maybe_mark_dynamic lets dynamo keep a size static where the code needs it (a length equal to the width, or one
+    that a view fixes): then it recompiles at the next length, as it did before. Vision blocks ([patches, width])
+    are left as they are: their sizes follow the images, not the text. Costs 6 us a call on a 2-core CPU (Qwen3-VL-2B:
+    28 calls a step).
+    """
+    first = args[0] if args else kwargs.get("hidden_states")
+    if not isinstance(first, torch.Tensor) or first.dim() != 3 or first.shape[1] < 2:  # 0 and 1 stay specialised
+        return
+    length = first.shape[1]
+    for value in (*args, *kwargs.values()):
+        for item in value if isinstance(value, (tuple, list)) else (value,):
+            if not isinstance(item, torch.Tensor):
+                continue
+            for dim in range(1, item.dim() - (1 if item is first else 0)):
+                if item.shape[dim] == length:
+                    torch._dynamo.maybe_mark_dynamic(item, dim)
 
 
 class _TrainingCalls:
