@@ -55,6 +55,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--batch", type=int, default=2, help="examples per step, as the flagship's default")
     parser.add_argument("--image-size", type=int, default=448)
+    parser.add_argument("--emulate", help="a GPU to emulate on this one, as nbkit.recipe(emulate=...): T4")
     parser.add_argument("--no-mark", action="store_true", help="leave the sequence length to dynamo")
     parser.add_argument("--out", help="a JSON file for the steps")
     args = parser.parse_args()
@@ -73,7 +74,9 @@ def main() -> None:
     recompiles = _Recompiles()
     logging.getLogger("torch._dynamo").addHandler(recompiles)
 
-    recipe = nbkit.recipe(args.model, gpus=1, backend="transformers", max_seq_length=2048, batch_size=args.batch)
+    recipe = nbkit.recipe(
+        args.model, gpus=1, backend="transformers", max_seq_length=2048, batch_size=args.batch, emulate=args.emulate
+    )
     model, processor = recipe.from_pretrained(args.model)
     model = recipe.get_peft_model(model, r=16, lora_alpha=16, random_state=3407)
     compiling.enable(model, backend=args.backend)  # "auto" compiles on a GPU only

@@ -39,6 +39,7 @@
 #   bash benchmarks/gpu_suite.sh vision_tests         # 1 GPU: the vision blocks compiled whole, against transformers' attention
 #   bash benchmarks/gpu_suite.sh loss                 # 1 GPU: the loss alone, time and peak by rows per chunk, nbkit's and Liger's
 #   bash benchmarks/gpu_suite.sh compilecheck         # 1 GPU: regional compilation's GPU tests, and 64K under the T4 profile compiled
+#   bash benchmarks/gpu_suite.sh compile_steps        # 1 GPU: which flagship steps compile, sequence length marked and not (~4 min)
 #   bash benchmarks/gpu_suite.sh compile16k           # regional compile where the tiled MLP splits (16K), 2 GPUs side by side
 #   SUITE_DRY_RUN=1 bash benchmarks/gpu_suite.sh speed  # the same parts on the CPU with tiny:qwen3-vl (no wheels needed)
 #   bash benchmarks/gpu_suite.sh kaggle               # 2 GPUs, the Kaggle image's set: the flagship's GPU test (~7.5 min)
@@ -707,6 +708,16 @@ for what in "$@"; do
       part compile_64k 200 python3 benchmarks/trainer_bench.py --longest --emulate T4 --configs liger+compile+lean:1 \
         --shapes 65536x1 --steps 1 --warmup 0 --launch-timeout 190 --time-limit 10 \
         --out "$OUT/compile_64k.json" --md "$OUT/compile_64k.md" ;;
+    compile_steps)
+      # Which of the flagship's training steps compile the layers, with the sequence length marked dynamic (nbkit's
+      # default) and left to dynamo (--no-mark), on one GPU under the T4 profile, each with an inductor cache of its
+      # own so that neither reuses the other's compilations (~4 minutes). SUITE_DRY_RUN=1: tiny:qwen3-vl, aot_eager.
+      cargs=(--model random:qwen3-vl-2b --backend inductor --emulate T4 --steps 20)
+      [ -z "${SUITE_DRY_RUN:-}" ] || cargs=(--steps 4)
+      for mark in "" --no-mark; do
+        TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) CUDA_VISIBLE_DEVICES=0 part "compile_steps${mark}" 200 \
+          python3 benchmarks/compile_steps.py "${cargs[@]}" $mark --out "$OUT/compile_steps${mark}.json"
+      done ;;
     vision_tests)
       # nbkit.savers.vision_attention's GPU test alone (tests_c runs it too): the vision blocks compiled by inductor as
       # one graph each, against transformers' attention uncompiled, on images of several sizes (71 s on one H200,
