@@ -334,6 +334,8 @@ def _timer_callback(device: torch.device, profile_from: int | None = None, sync_
             if self._on_gc in gc.callbacks:
                 gc.callbacks.remove(self._on_gc)
             self._end_sync_watch()  # a step that raised (an OOM) left it on, and the next shape must not run under it
+            if self._watch is not None and self.watch is None:  # ended inside the timed half: no figures, no sampler
+                self._watch.stop(1)
 
         def _end_sync_watch(self) -> None:
             if self._sync_watch is not None:
