@@ -19,6 +19,7 @@ os.environ["TOKENIZERS_PARALLELISM"] = "false"
 # nbkit's context-free queries in place that creates a CUDA context here, and no launch can fork.
 import nbkit  # noqa: F401, I001  (before torch and everything that imports transformers)
 import torch
+from plain_failures import pytest_runtest_makereport  # noqa: F401  (a hook: see plain_failures)
 from version_split import RECORDER, Record, versioned_modules
 from versioned_imports.sitecustomize import VersionedImports
 
