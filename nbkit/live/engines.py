@@ -110,8 +110,12 @@ class Engines:
             cluster_file="",
             load_profile=False,
         )
-        self._cluster.start_controller_sync(controller_cmd=_controller_command(parent))
-        self._client = self._cluster.connect_client_sync()
+        try:
+            self._cluster.start_controller_sync(controller_cmd=_controller_command(parent))
+            self._client = self._cluster.connect_client_sync()
+        except BaseException as exc:  # an interrupt (the stop button) too
+            _finalise_abandoned(exc)
+            raise
         with open(self._cluster.controller.connection_files["engine"]) as f:
             engine_info = f.read()
         self.relay = Relay("127.0.0.1")
@@ -603,6 +607,30 @@ def _remove_orphaned_dirs() -> None:
         pid = os.path.basename(path)[len(_DIR_PREFIX) :].split("-", 1)[0]
         if pid.isdigit() and int(pid) != os.getpid() and not supervisor.pid_alive(int(pid)):
             shutil.rmtree(path, ignore_errors=True)
+
+
+def _finalise_abandoned(exc: BaseException) -> None:
+    """Finalise now what an ipyparallel `*_sync` call that `exc` ended left behind: its coroutine, pending on an
+    event loop that ipyparallel closed, reachable only through the frames of `exc`'s traceback.
+
+    Left to the garbage collector, it is finalised wherever a collection next runs (its clean-up code, and
+    asyncio's "Task was destroyed but it is pending!"), inside whatever the notebook does then: the likely cause of
+    the "AST constructor recursion depth mismatch" SystemError that CPython 3.11's ast.parse raised after an
+    interrupt during a start (tests/plain_failures.py), since a collection can run inside a parse. The frames'
+    variables go (the traceback still shows where it stopped), and asyncio's message, which tells a user nothing
+    to do, is not shown.
+    """
+    import gc
+    import traceback
+
+    traceback.clear_frames(exc.__traceback__)
+    log = logging.getLogger("asyncio")
+    level = log.level
+    log.setLevel(logging.CRITICAL)
+    try:
+        gc.collect()
+    finally:
+        log.setLevel(level)
 
 
 def _stop_loop_thread(cluster: Any) -> None:
