@@ -153,6 +153,14 @@ def thread_core() -> str | None:
         return None
 
 
+def _name_and_ticks(stat: str) -> tuple[str, int]:
+    """A /proc/.../stat line's name and CPU clock ticks (user + system: fields 14 and 15; the split after the name's
+    closing parenthesis starts at field 3).
+    """
+    after = stat.rsplit(")", 1)[1].split()
+    return stat[stat.index("(") + 1 : stat.rindex(")")], int(after[11]) + int(after[12])
+
+
 def thread_cpu_by_name() -> dict[str, tuple[int, float]]:
     """This process's OS threads grouped by name, digits folded ("pt_autograd_#": /proc/self/task/*/comm, the names
     torch, NCCL, ipykernel and the rest give theirs), the main thread as "(main)": {name: (threads, CPU seconds they
@@ -169,12 +177,10 @@ def thread_cpu_by_name() -> dict[str, tuple[int, float]]:
             stat = Path(f"/proc/self/task/{tid}/stat").read_text()
         except OSError:  # it ended while we read
             continue
-        name = (
-            "(main)" if tid == str(os.getpid()) else re.sub(r"\d+", "#", stat[stat.index("(") + 1 : stat.rindex(")")])
-        )
-        after = stat.rsplit(")", 1)[1].split()  # after[0] is field 3; utime and stime are fields 14 and 15
+        comm, used = _name_and_ticks(stat)
+        name = "(main)" if tid == str(os.getpid()) else re.sub(r"\d+", "#", comm)
         count, cpu = groups.get(name, (0, 0.0))
-        groups[name] = (count + 1, cpu + (int(after[11]) + int(after[12])) / ticks)
+        groups[name] = (count + 1, cpu + used / ticks)
     return groups
 
 
@@ -236,8 +242,7 @@ def _machine_cpu() -> tuple[dict[int, tuple[str, int]], list[int]]:
                 stat = Path(f"/proc/{pid}/stat").read_text()
             except OSError:  # it ended while we read
                 continue
-            after = stat.rsplit(")", 1)[1].split()
-            processes[int(pid)] = (stat[stat.index("(") + 1 : stat.rindex(")")], int(after[11]) + int(after[12]))
+            processes[int(pid)] = _name_and_ticks(stat)
     try:
         totals = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
     except (OSError, ValueError):
