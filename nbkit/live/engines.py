@@ -17,8 +17,9 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from types import FrameType
 from typing import Any
 
 from nbkit.launching import rank_contract, supervisor
@@ -111,7 +112,8 @@ class Engines:
             load_profile=False,
         )
         try:
-            self._cluster.start_controller_sync(controller_cmd=_controller_command(parent))
+            with _interrupt_held():
+                self._cluster.start_controller_sync(controller_cmd=_controller_command(parent))
             self._client = self._cluster.connect_client_sync()
         except BaseException as exc:  # an interrupt (the stop button) too
             _finalise_abandoned(exc)
@@ -139,7 +141,7 @@ class Engines:
         processes = self._processes
         for i in range(count):
             log_path = os.path.join(self.tmpdir, f"rank{i}.log")
-            with open(log_path, "wb") as log:
+            with open(log_path, "wb") as log, _interrupt_held():
                 processes.append(
                     subprocess.Popen(
                         cmd,
@@ -607,6 +609,31 @@ def _remove_orphaned_dirs() -> None:
         pid = os.path.basename(path)[len(_DIR_PREFIX) :].split("-", 1)[0]
         if pid.isdigit() and int(pid) != os.getpid() and not supervisor.pid_alive(int(pid)):
             shutil.rmtree(path, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _interrupt_held() -> Iterator[None]:
+    """Hold a SIGINT (the stop button) that comes while the block runs, and deliver it when the block ends: for
+    starting a process and keeping its pid, which an interrupt between the two would leave running with nothing to
+    end it. ipyparallel's controller launcher keeps the pid on the line after its Popen, and a live set's stop
+    handles only the engines in self._processes: an interrupt there left the controller or an engine running until
+    the kernel ended (a stop pressed as the process started, tests/faults/test_live_start.py). The block is a
+    process start, well under a second, so the held interrupt comes as soon. Outside the main thread, where
+    Python runs no signal handler, nothing to hold.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held: list[FrameType | None] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: held.append(frame))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_DFL if previous is None else previous)
+    if held and callable(previous):
+        previous(signal.SIGINT, held[0])
+    elif held and previous != signal.SIG_IGN:
+        raise KeyboardInterrupt
 
 
 def _finalise_abandoned(exc: BaseException) -> None:

@@ -13,9 +13,11 @@ import logging
 import os
 import re
 import signal
+import subprocess
 import threading
 import time
 
+import ipyparallel.cluster.launcher
 import psutil
 import pytest
 from faultkit import nothing_left
@@ -68,21 +70,42 @@ def _starts_again() -> None:
         assert ranks.run(lambda: nbkit.world_size()) == 2
 
 
-@pytest.mark.parametrize(
-    ("module", "count", "wait"),
-    # (the engines: 0.3 s after both exist, the second one's Popen has returned; registering takes seconds more)
-    [("ipyparallel.controller", 1, 0.0), ("ipyparallel.engine", 2, 0.3)],
-    ids=["controller-starting", "engines-starting"],
-)
-def test_an_interrupt_while_the_set_starts_ends_every_process(before, module, count, wait):
-    # The stop button during `%ddp start`: SIGINT in the notebook's main thread.
-    def press_stop(found: list) -> None:
-        time.sleep(wait)
-        os.kill(os.getpid(), signal.SIGINT)
+def _press_stop_as_started(monkeypatch, module: str) -> None:
+    """The stop button pressed the moment the first process that runs `module` has started, before the caller
+    of its Popen has its pid: SIGINT in the notebook's main thread, on the line after the process's start."""
+    pressed = []
 
-    _when_running(count, press_stop, module)
+    class Popen(subprocess.Popen):
+        def __init__(self, args, *rest, **kwargs):
+            super().__init__(args, *rest, **kwargs)
+            if module in args and not pressed:
+                pressed.append(self.pid)
+                os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(subprocess, "Popen", Popen)  # nbkit's engines
+    monkeypatch.setattr(ipyparallel.cluster.launcher, "Popen", Popen)  # ipyparallel's controller launcher
+
+
+@pytest.mark.parametrize("when", ["controller-started", "engine-started", "engines-registering"])
+def test_an_interrupt_while_the_set_starts_ends_every_process(before, monkeypatch, when):
+    # The stop button during `%ddp start`: SIGINT in the notebook's main thread. As the controller or an engine
+    # has just started (an interrupt between a process's start and the record of its pid left it running), or
+    # as nbkit starts waiting for both engines to register (which takes seconds). Pressed from the main thread at
+    # those points, not from a thread that watches for the processes: on a loaded machine such a thread saw the
+    # controller too late, and its SIGINT came after the start had returned.
+    if when == "engines-registering":
+        wait = nbkit.live.engines._wait_for_engines
+
+        def press_stop_then_wait(*args, **kwargs):
+            os.kill(os.getpid(), signal.SIGINT)
+            return wait(*args, **kwargs)
+
+        monkeypatch.setattr(nbkit.live.engines, "_wait_for_engines", press_stop_then_wait)
+    else:
+        _press_stop_as_started(monkeypatch, f"ipyparallel.{when.split('-')[0]}")
     with pytest.raises(KeyboardInterrupt):
         nbkit.start(gpus=2)
+    monkeypatch.undo()
     # Nothing the interrupted start ran is left to be finalised later, wherever a garbage collection happens to run
     # (on CPython 3.11, inside an ast.parse: tests/plain_failures.py).
     pending = _Messages()
