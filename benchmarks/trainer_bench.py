@@ -90,6 +90,9 @@ BACKENDS = ("unsloth", "transformers", "liger")
 # the graphs were recorded again at every step (RESULTS.md, "CUDA graphs for the compiled layers").
 # gpusplit: as compile, with transformers' own split of the vision attention by image (the sizes read from the GPU
 # in each block, which breaks its graph) in place of nbkit.savers.vision_attention's;
+# nomark: as compile, with the sequence length left to dynamo (nbkit.savers.compiling._mark_sequence_dynamic off): at
+# fixed shapes the layers then train on the static graph of their first compilation, where nbkit's marks give them
+# the dynamic one from the start;
 # pin: each rank's threads kept to its own share of the machine's CPUs (rank r of w: the r-th of w equal slices of
 # the CPUs it may use), so that two ranks' main and autograd threads never meet on one vCPU; one rank keeps them all;
 # expand / noexpand: torch's CUDA allocator with / without expandable segments in every process of the launch
@@ -109,6 +112,7 @@ EXTRAS = (
     "ddpreducer",
     "graphs",
     "gpusplit",
+    "nomark",
     "pin",
     *ALLOCATOR_EXTRAS,
 )
@@ -249,6 +253,8 @@ def build_model(launch: Launch, device: torch.device) -> torch.nn.Module:
         nbkit.savers.compiling.enable(model, backend=launch.compile_backend)
     else:
         nbkit.savers.apply(model, **options, compile="regional" if "compile" in launch.extras else None)
+    if "nomark" in launch.extras:
+        nbkit.savers.compiling._mark_sequence_dynamic = lambda args, kwargs: None
     if "gpusplit" in launch.extras:
         from nbkit.training.savers import vision_attention
 
