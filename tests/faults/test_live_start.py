@@ -14,8 +14,8 @@ import os
 import re
 import signal
 import subprocess
-import threading
 import time
+from collections.abc import Callable
 
 import ipyparallel.cluster.launcher
 import psutil
@@ -26,35 +26,6 @@ import nbkit
 from nbkit.platform.errors import LiveError
 
 pytestmark = [pytest.mark.slow, pytest.mark.version_independent]
-
-
-def _processes(module: str = "ipyparallel.engine") -> list[psutil.Process]:
-    """This process's processes that run `module` (engines: nbkit's live ranks; or the controller)."""
-    found = []
-    for p in psutil.Process().children(recursive=True):
-        try:
-            if module in p.cmdline():
-                found.append(p)
-        except psutil.NoSuchProcess:
-            pass
-    return found
-
-
-def _when_running(count: int, action, module: str = "ipyparallel.engine", timeout: float = 120) -> threading.Thread:
-    """Call action(processes) from a thread as soon as `count` processes of this process run `module`."""
-
-    def watch() -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            found = _processes(module)
-            if len(found) >= count:
-                action(found)
-                return
-            time.sleep(0.02)
-
-    thread = threading.Thread(target=watch, daemon=True)
-    thread.start()
-    return thread
 
 
 @pytest.fixture
@@ -70,39 +41,45 @@ def _starts_again() -> None:
         assert ranks.run(lambda: nbkit.world_size()) == 2
 
 
-def _press_stop_as_started(monkeypatch, module: str) -> None:
-    """The stop button pressed the moment the first process that runs `module` has started, before the caller
-    of its Popen has its pid: SIGINT in the notebook's main thread, on the line after the process's start."""
-    pressed = []
+def _as_started(monkeypatch, module: str, action: Callable[[subprocess.Popen], object], nth: int = 1) -> None:
+    """Call action(process) in the notebook's main thread the moment the nth process that runs `module` has
+    started: on the line after its Popen, before the caller has the process, long before it registers. (From the
+    main thread, not from a thread that watches for the processes: on a loaded machine such a thread saw them
+    seconds late, after the start had returned.)"""
+    started = []
 
     class Popen(subprocess.Popen):
         def __init__(self, args, *rest, **kwargs):
             super().__init__(args, *rest, **kwargs)
-            if module in args and not pressed:
-                pressed.append(self.pid)
-                os.kill(os.getpid(), signal.SIGINT)
+            if module in args:
+                started.append(self.pid)
+                if len(started) == nth:
+                    action(self)
 
     monkeypatch.setattr(subprocess, "Popen", Popen)  # nbkit's engines
     monkeypatch.setattr(ipyparallel.cluster.launcher, "Popen", Popen)  # ipyparallel's controller launcher
 
 
+def _press_stop(process: subprocess.Popen | None = None) -> None:
+    """The stop button: SIGINT in the notebook's main thread, as `%ddp start` gets it."""
+    os.kill(os.getpid(), signal.SIGINT)
+
+
 @pytest.mark.parametrize("when", ["controller-started", "engine-started", "engines-registering"])
 def test_an_interrupt_while_the_set_starts_ends_every_process(before, monkeypatch, when):
-    # The stop button during `%ddp start`: SIGINT in the notebook's main thread. As the controller or an engine
-    # has just started (an interrupt between a process's start and the record of its pid left it running), or
-    # as nbkit starts waiting for both engines to register (which takes seconds). Pressed from the main thread at
-    # those points, not from a thread that watches for the processes: on a loaded machine such a thread saw the
-    # controller too late, and its SIGINT came after the start had returned.
+    # The stop button during `%ddp start`, as the controller or an engine has just started (an interrupt between a
+    # process's start and the record of its pid left it running), or as nbkit starts waiting for both engines to
+    # register (which takes seconds).
     if when == "engines-registering":
         wait = nbkit.live.engines._wait_for_engines
 
         def press_stop_then_wait(*args, **kwargs):
-            os.kill(os.getpid(), signal.SIGINT)
+            _press_stop()
             return wait(*args, **kwargs)
 
         monkeypatch.setattr(nbkit.live.engines, "_wait_for_engines", press_stop_then_wait)
     else:
-        _press_stop_as_started(monkeypatch, f"ipyparallel.{when.split('-')[0]}")
+        _as_started(monkeypatch, f"ipyparallel.{when.split('-')[0]}", _press_stop)
     with pytest.raises(KeyboardInterrupt):
         nbkit.start(gpus=2)
     monkeypatch.undo()
@@ -136,8 +113,8 @@ def test_the_start_up_timeout_ends_the_engines(before):
     _starts_again()
 
 
-def test_an_engine_that_dies_while_starting_takes_the_others_with_it(before):
-    _when_running(2, lambda engines: engines[-1].kill())
+def test_an_engine_that_dies_while_starting_takes_the_others_with_it(before, monkeypatch):
+    _as_started(monkeypatch, "ipyparallel.engine", lambda engine: engine.kill(), nth=2)
     with pytest.raises(LiveError, match=r"Rank \d's process ended while starting \(died from signal SIGKILL\)"):
         nbkit.start(gpus=2)
     assert nothing_left(before) == []
@@ -166,18 +143,16 @@ def test_an_engine_that_cannot_say_who_it_is_is_named_with_its_error_at_once(bef
 
 
 def test_a_rank_that_never_arrives_is_named_with_its_step_within_seconds(before, monkeypatch):
-    # One engine is frozen (SIGSTOP) as soon as both exist: the other registers, the frozen one never does. The
+    # The second engine is frozen (SIGSTOP) as it starts: the other registers, the frozen one never does. The
     # start fails _STALL_S after the other arrived, naming the frozen rank and the step, not at the 180 s timeout.
-    from nbkit.live import engines
-
-    monkeypatch.setattr(engines, "_STALL_S", 3.0)
+    monkeypatch.setattr(nbkit.live.engines, "_STALL_S", 3.0)
     frozen: list[int] = []
 
-    def freeze(engines: list[psutil.Process]) -> None:
-        engines[-1].suspend()
-        frozen.append(engines[-1].pid)
+    def freeze(engine: subprocess.Popen) -> None:
+        psutil.Process(engine.pid).suspend()
+        frozen.append(engine.pid)
 
-    _when_running(2, freeze)
+    _as_started(monkeypatch, "ipyparallel.engine", freeze, nth=2)
     started = time.monotonic()
     with pytest.raises(LiveError) as failed:
         nbkit.start(gpus=2)
