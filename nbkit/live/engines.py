@@ -615,11 +615,11 @@ def _remove_orphaned_dirs() -> None:
 def _interrupt_held() -> Iterator[None]:
     """Hold a SIGINT (the stop button) that comes while the block runs, and deliver it when the block ends: for
     starting a process and keeping its pid, which an interrupt between the two would leave running with nothing to
-    end it. ipyparallel's controller launcher keeps the pid on the line after its Popen, and a live set's stop
-    handles only the engines in self._processes: an interrupt there left the controller or an engine running until
-    the kernel ended (a stop pressed as the process started, tests/faults/test_live_start.py). The block is a
-    process start, well under a second, so the held interrupt comes as soon. Outside the main thread, where
-    Python runs no signal handler, nothing to hold.
+    end it. ipyparallel's controller launcher keeps the pid on the line after its Popen: an interrupt there left the
+    controller running until the kernel ended (a stop pressed as it started, tests/faults/test_live_start.py). A
+    live set's stop ends only the engines in self._processes; one left out ended by itself once the controller was
+    gone (0.3 s), but by nbkit's kill it ends at once. The block is a process start, well under a second, so the held
+    interrupt comes as soon. Outside the main thread, where Python runs no signal handler, nothing to hold.
     """
     if threading.current_thread() is not threading.main_thread():
         yield
