@@ -14,12 +14,12 @@ import pytest
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
     """A failure whose report pytest cannot render is reported with a plain traceback, not an INTERNALERROR.
 
-    pytest reads each frame's source with ast.parse to show the failing statement. CPython 3.11 keeps the AST
-    constructor's recursion count in one place for the whole interpreter (CPython issue 106905 is about the same
-    counter), so two threads that parse at once can make one parse raise SystemError ("AST constructor recursion
-    depth mismatch"). pytest then stopped the whole suite there without saying what had failed: once in CI and twice
-    in 25 runs under load, each in tests/faults/test_live_start.py's interrupt while a live set starts, whose own
-    failure is not known yet. Reported this way, the next one says it, and the suite's other tests still run.
+    pytest reads each frame's source with ast.parse to show the failing statement. On CPython 3.11 an exception
+    raised inside a parse (a SIGINT's KeyboardInterrupt) leaves the AST constructor's recursion count off, and the
+    parse raises SystemError ("AST constructor recursion depth mismatch"). pytest then stopped the whole suite there
+    without saying what had failed: in CI, when a test's late SIGINT landed while pytest rendered that test's
+    failure (benchmarks/RESULTS.md, "An interrupt while a live set starts"). Reported this way, such a failure says
+    what it was, and the suite's other tests still run.
     """
     try:
         return (yield)

@@ -641,11 +641,9 @@ def _finalise_abandoned(exc: BaseException) -> None:
     event loop that ipyparallel closed, reachable only through the frames of `exc`'s traceback.
 
     Left to the garbage collector, it is finalised wherever a collection next runs (its clean-up code, and
-    asyncio's "Task was destroyed but it is pending!"), inside whatever the notebook does then: the likely cause of
-    the "AST constructor recursion depth mismatch" SystemError that CPython 3.11's ast.parse raised after an
-    interrupt during a start (tests/plain_failures.py), since a collection can run inside a parse. The frames'
-    variables go (the traceback still shows where it stopped), and asyncio's message, which tells a user nothing
-    to do, is not shown.
+    asyncio's "Task was destroyed but it is pending!"), inside whatever the notebook does then, a cell later. The
+    frames' variables go (the traceback still shows where it stopped), and asyncio's message, which tells a user
+    nothing to do, is not shown.
     """
     import gc
     import traceback

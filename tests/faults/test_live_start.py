@@ -84,7 +84,7 @@ def test_an_interrupt_while_the_set_starts_ends_every_process(before, monkeypatc
         nbkit.start(gpus=2)
     monkeypatch.undo()
     # Nothing the interrupted start ran is left to be finalised later, wherever a garbage collection happens to run
-    # (on CPython 3.11, inside an ast.parse: tests/plain_failures.py).
+    # (asyncio's "Task was destroyed but it is pending!" a cell later).
     pending = _Messages()
     logging.getLogger("asyncio").addHandler(pending)
     try:
