@@ -81,6 +81,9 @@ SETTINGS: dict[str, Setting] = {
     # How DDP ranks average a Trainer's gradients: "flat", one all-reduce after the step's backward where that
     # gives DDP's result (nbkit.training.gradient_averaging says where); "ddp", DDP's own reducer everywhere.
     "ddp_reducer": Setting("NBKIT_DDP_REDUCER", "flat", ("flat", "ddp")),
+    # When TRL's SFTTrainer averages its metrics over several ranks: "at_log", once at each step that logs
+    # (nbkit.training.trl_metrics); "per_batch", TRL's own gathers after every training forward.
+    "trl_metrics": Setting("NBKIT_TRL_METRICS", "at_log", ("at_log", "per_batch")),
     # How a launch's dashboard shows (nbkit.dashboard.display_mode): "auto" picks the HTML panel
     # where a person watches a notebook and text lines elsewhere (papermill, terminals).
     "dashboard": Setting("NBKIT_DASHBOARD", "auto", ("auto", "html", "widget", "text", "off")),

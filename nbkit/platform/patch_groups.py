@@ -129,6 +129,13 @@ GROUPS: dict[str, Group] = {
             '`nbkit.configure(ddp_reducer="ddp")` keeps DDP\'s reducer',
         ),
         Group(
+            "trl_metrics",
+            "nbkit.training.trl_metrics",
+            "in every rank nbkit starts: on several ranks TRL's SFTTrainer keeps each rank's entropy, token accuracy "
+            "and token count until the step that logs, where one all-reduce averages them, in place of its gathers "
+            'after every training forward; `nbkit.configure(trl_metrics="per_batch")` keeps TRL\'s gathers',
+        ),
+        Group(
             "attention",
             "nbkit.training.attention",
             "in every rank nbkit starts on a GPU without flash attention (a T4), and under a profile that turns "

@@ -19,7 +19,8 @@ def prepare_rank(*, owns_exit: bool = True) -> None:
     transformers/trl, fp16-ready dtypes under TRL's SFTTrainer, grouped-query attention without flash
     attention on a GPU that lacks it (nbkit.training.attention.needed), Trainer's DDP and data loader defaults
     chosen for the model and machine, its DDP gradients averaged by one all-reduce per step
-    (nbkit.training.gradient_averaging), processors without torchvision, the FSDP set-up where the rank's
+    (nbkit.training.gradient_averaging), TRL's metrics averaged over the ranks once per log
+    (nbkit.training.trl_metrics), processors without torchvision, the FSDP set-up where the rank's
     environment asks for the fsdp strategy (nbkit.fsdp.setup_rank), and how the rank ends
     (nbkit.rank_side.teardown): where nbkit ends the process itself (`owns_exit`, with os._exit), the teardown
     group keeps destroyed process groups until then; a rank of an outside launcher (torchrun), which ends
@@ -33,7 +34,14 @@ def prepare_rank(*, owns_exit: bool = True) -> None:
     """
 
     emulation.apply_from_env()  # first: a library imported later must see the profile (bf16, memory)
-    extra_groups = ("mixed_precision", "cell_group", "trainer_defaults", "gradient_averaging", "offline")
+    extra_groups = (
+        "mixed_precision",
+        "cell_group",
+        "trainer_defaults",
+        "gradient_averaging",
+        "trl_metrics",
+        "offline",
+    )
     patch_groups.install(*patch_groups.DEFAULT_GROUPS, *extra_groups)
     if attention.needed(distributed.visible_gpus(), distributed.local_rank()):
         patch_groups.install("attention")
