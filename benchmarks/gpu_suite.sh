@@ -4,7 +4,7 @@
 #   bash benchmarks/gpu_suite.sh env model planner    # versions, build random:qwen3-vl-2b, planner accuracy
 #   bash benchmarks/gpu_suite.sh tests                # every gpu-marked test: the parts below in turn (~40 min)
 #   bash benchmarks/gpu_suite.sh tests_faults         # one part of them (under 9 min each; TEST_PARTS below):
-#     tests_watchdog tests_kernel tests_a tests_b tests_savers_ddp tests_c tests_notebooks tests_notebooks4 tests_saving tests_split tests_fsdp_notebook  # SUITE_DRY_RUN=1: collected on the CPU
+#     tests_watchdog tests_kernel tests_trl tests_a tests_b tests_savers_ddp tests_c tests_notebooks tests_notebooks4 tests_saving tests_split tests_fsdp_notebook  # SUITE_DRY_RUN=1: collected on the CPU
 #   bash benchmarks/gpu_suite.sh soak                 # 20 live sets in a row on 2 GPUs: memory and processes per cycle (~9 min)
 #   bash benchmarks/gpu_suite.sh matrix               # the 1K/16K launcher/backend matrix
 #   bash benchmarks/gpu_suite.sh savers               # memory savers 8K-64K
@@ -125,9 +125,11 @@ TEST_PARTS=(
   # the short files (~3 minutes)
   "tests_a 500 tests/test_loss_gpu.py tests/test_magics.py tests/test_attention.py tests/test_emulation.py
    tests/test_live_set.py tests/test_reporting.py tests/test_fsdp_gpu.py tests/test_model_parallel_gpu.py
-   tests/test_readme.py tests/test_gradient_averaging.py"
+   tests/test_readme.py tests/test_gradient_averaging.py tests/test_trl_metrics.py"
   # 2 GPUs equal 1 with nbkit and unsloth (~3 minutes), the offline models (~1.5), the savers (~1.5)
   "tests_b 530 tests/test_gpu_ddp.py tests/test_offline.py tests/test_savers_gpu.py"
+  # TRL's metrics averaged once per log against its own gathers, over NCCL (one launch, ~1 minute)
+  "tests_trl 150 tests/test_trl_metrics.py"
   # the savers under DDP on two GPUs alone (tests_b's own limit has cut it before it ran)
   "tests_savers_ddp 400 tests/test_savers_gpu.py:-k:ddp_on_two_gpus"
   # Liger's kernels and regional compilation (~4 minutes), nbkit's loss on an unsloth model (~2), the vision blocks

@@ -93,6 +93,9 @@ BACKENDS = ("unsloth", "transformers", "liger")
 # nomark: as compile, with the sequence length left to dynamo (nbkit.savers.compiling._mark_sequence_dynamic off): at
 # fixed shapes the layers then train on the static graph of their first compilation, where nbkit's marks give them
 # the dynamic one from the start;
+# abmetrics: TRL's SFTTrainer metrics averaged over the ranks once per log (nbkit's default,
+# nbkit.training.trl_metrics) on the odd steps and gathered by TRL after every forward on the even ones, in every
+# rank: both ways in one launch, on the same host at the same time (launches here differ by 10-50%), reported apart;
 # pin: each rank's threads kept to its own share of the machine's CPUs (rank r of w: the r-th of w equal slices of
 # the CPUs it may use), so that two ranks' main and autograd threads never meet on one vCPU; one rank keeps them all;
 # expand / noexpand: torch's CUDA allocator with / without expandable segments in every process of the launch
@@ -114,11 +117,12 @@ EXTRAS = (
     "gpusplit",
     "nomark",
     "pin",
+    "abmetrics",
     *ALLOCATOR_EXTRAS,
 )
 # Extras that change only what passes between ranks, nothing a one-GPU run does: a 1-GPU run without them is their
 # scaling reference.
-LAUNCH_ONLY_EXTRAS = ("nostop", "findunused", "ddpreducer", "pin")
+LAUNCH_ONLY_EXTRAS = ("nostop", "findunused", "ddpreducer", "pin", "abmetrics")
 # nbkit: nbkit.launch; live: a live set (nbkit.start, then the function as a call); notebook: accelerate's
 # notebook_launcher; accelerate: `accelerate launch` of this file, nbkit's default patches only; torchrun:
 # torchrun of this file as an exported cell runs, nbkit.launch inside the rank (nbkit's whole rank set-up).
@@ -319,6 +323,7 @@ def _timer_callback(device: torch.device, profile_from: int | None = None, sync_
             self._watch: measures.HalfWatch | None = None
             self.profile: dict[str, Any] | None = None
             self.sync_sites = sync_sites.SyncSites()
+            self.metric_modes: list[str] = []  # the abmetrics extra's trl_metrics setting of each step
             self._sync_watch: Any = None
             self._profiler: Any = None
             self._profiled_from = 0.0
@@ -449,6 +454,8 @@ def _trainer(launch: Launch, model: Any, seq_len: int, batch: int, steps: int, o
         options[compat.trainer_checkpointing_field()] = False
     options.update(launch.trainer_options)
     callbacks = [timer, *([_graph_steps()] if "graphs" in launch.extras else [])]
+    if "abmetrics" in launch.extras:
+        callbacks.append(_alternating_metrics(timer.metric_modes))
     if launch.trainer == "sft":
         from trl import SFTConfig, SFTTrainer
 
@@ -468,6 +475,21 @@ def _trainer(launch: Launch, model: Any, seq_len: int, batch: int, steps: int, o
     return Trainer(
         model=model, args=TrainingArguments(**options), train_dataset=data, data_collator=collate, callbacks=callbacks
     )
+
+
+def _alternating_metrics(modes: list[str]) -> Any:
+    """The abmetrics extra's callback: nbkit's trl_metrics setting "at_log" for each odd step, "per_batch" for each
+    even one (the same on every rank, read at each compute_loss), noted in `modes` step by step.
+    """
+    from transformers import TrainerCallback
+
+    class AlternatingMetrics(TrainerCallback):
+        def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            mode = "at_log" if state.global_step % 2 == 0 else "per_batch"
+            os.environ["NBKIT_TRL_METRICS"] = mode
+            modes.append(mode)
+
+    return AlternatingMetrics()
 
 
 def _graph_steps() -> Any:
@@ -563,6 +585,7 @@ def _case(launch: Launch, model: Any, seq_len: int, batch: int, device: torch.de
     row["graph_breaks"] = dict((_graph_breaks() - breaks_before).most_common(8))
     row["profile"] = timer.profile
     row["sync_sites"] = timer.sync_sites.top()
+    row["metric_modes"] = timer.metric_modes
     row["torch_threads"] = torch.get_num_threads()
     row["interpreter"] = measures.interpreter_state()
     row["first_step_end"] = timer.first_step_end
@@ -719,6 +742,13 @@ def _row(launch: Launch, row: dict, ranks: list[dict], load_s: float, first: boo
         out["launch_to_first_step_s"] = row["first_step_end"] - launch.launched_at
     if launch.windows > 1 and stats:
         out["window_medians_s"] = window_medians(times[launch.warmup :], launch.windows)
+    modes = row.get("metric_modes") or []
+    if ok and modes:  # abmetrics: each way's median over the timed steps that ran it
+        timed = list(zip(modes, times))[launch.warmup :]
+        out["metric_modes"] = modes
+        out["ab_medians_s"] = {
+            mode: statistics.median(t for m, t in timed if m == mode) for mode in sorted({m for m, _ in timed})
+        }
     return out
 
 
@@ -1101,6 +1131,24 @@ def _profile_lines(rows: list[dict]) -> list[str]:
     return lines
 
 
+def _ab_lines(rows: list[dict]) -> list[str]:
+    """Markdown lines: each abmetrics run's median step with TRL's metrics averaged once per log and gathered per
+    forward, over its own timed steps.
+    """
+    runs = [r for r in rows if r.get("ab_medians_s")]
+    if not runs:
+        return []
+    lines = [
+        "",
+        "TRL's metrics, both ways in each launch (abmetrics; median s/step of the timed steps that ran each):",
+        "",
+    ]
+    for r in runs:
+        ways = ", ".join(f"{mode} {s:.3f}" for mode, s in r["ab_medians_s"].items())
+        lines.append(f"- {r['config']} {_case_label(r)}: {ways}")
+    return lines
+
+
 def _sync_lines(rows: list[dict]) -> list[str]:
     """Markdown lines: rank 0's synchronising CUDA calls by site in one warm-up step, each configuration and case
     once (its first run that counted any).
@@ -1159,7 +1207,7 @@ def markdown(env: dict, command: str, summary: list[dict], rows: list[dict]) -> 
             f"| {e['config']} | {case} | {e['ok_runs']}/{e['runs']} | {e['tokens_per_s_per_gpu']:,.0f} | {scaling} | "
             f"{e['step_s']:.3f} | {e['spread_pct']:.1f}% | {peak} | {first} |"
         )
-    lines += _host_table(rows) + _profile_lines(rows) + _sync_lines(rows)
+    lines += _host_table(rows) + _profile_lines(rows) + _sync_lines(rows) + _ab_lines(rows)
     if any(e.get("samples", 0) > e.get("ok_runs", 0) for e in summary):
         lines += ["", "Step s and spread: over every timed window of every run (--windows), not per run."]
     lines += _against_unsloth(summary)
