@@ -302,7 +302,7 @@ def test_every_group_installs_and_uninstalls_exactly_in_a_launched_rank():
         "gradient_averaging",
     }
     expected -= _versioned_out()
-    expected |= {"mixed_precision"} if trl_imported else set()
+    expected |= {"mixed_precision", "trl_metrics"} if trl_imported else set()
     # offline fixes processors where torchvision is missing: applied in the rank where their module is imported here
     expected |= {"offline"} if processors_imported and not is_torchvision_available() else set()
     assert r["applied_by_launch"] == sorted(expected)
