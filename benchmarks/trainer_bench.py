@@ -483,10 +483,12 @@ def _alternating_metrics(modes: list[str]) -> Any:
     """
     from transformers import TrainerCallback
 
+    import nbkit
+
     class AlternatingMetrics(TrainerCallback):
         def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             mode = "at_log" if state.global_step % 2 == 0 else "per_batch"
-            os.environ["NBKIT_TRL_METRICS"] = mode
+            nbkit.configure(trl_metrics=mode)
             modes.append(mode)
 
     return AlternatingMetrics()

@@ -205,7 +205,9 @@ def configure(**settings: str) -> dict[str, str]:
     Args:
         **settings: values named after the settings: device_map_policy ("data_parallel" or
             "error"; see nbkit.training.guard), unsloth_vlm_ddp_checkpointing ("reentrant" or "unsloth"; see
-            docs/unsloth_patches.md, fix 4), dashboard ("auto", "html", "widget", "text" or "off"),
+            docs/unsloth_patches.md, fix 4), ddp_reducer ("flat" or "ddp"; see
+            nbkit.training.gradient_averaging), trl_metrics ("at_log" or "per_batch"; see
+            nbkit.training.trl_metrics), dashboard ("auto", "html", "widget", "text" or "off"),
             dashboard_interval (seconds between text lines), cache (a folder for nbkit's offline
             models), nccl_timeout (seconds a GPU rank's collective waits for a peer).
 
