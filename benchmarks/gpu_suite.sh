@@ -452,11 +452,12 @@ for what in "$@"; do
       # and two sets of gpu_pairs.sh side by side made this 24 GiB machine swap for minutes.
       limit=${PATHS_LIMIT:-480}
       configs=${PATHS_CONFIGS:-unsloth:1@notebook,unsloth:2,unsloth:2@live,unsloth:2@torchrun,unsloth:2@accelerate}
-      run=(--shapes "${PATHS_SHAPES:-1024x4}" --steps "${PATHS_STEPS:-8}" --warmup 3 --profile-steps 2)
+      # PATHS_PROFILE=0 leaves the profiled steps out: ~5 s a launch, so that 12 launches fit in one call.
+      run=(--shapes "${PATHS_SHAPES:-1024x4}" --steps "${PATHS_STEPS:-8}" --warmup 3 --profile-steps "${PATHS_PROFILE:-2}")
       if [ -n "${SUITE_DRY_RUN:-}" ]; then
         configs=${configs//liger/transformers} configs=${configs//unsloth/transformers}
         run=(--model tiny:qwen3-vl --device cpu --compile-backend aot_eager --shapes 128x2 --steps 2 --warmup 1
-          --profile-steps 1)
+          --profile-steps "${PATHS_PROFILE:-1}")
       fi
       # shellcheck disable=SC2086  # PATHS_ARGS holds several options
       part "paths${PATHS_TAG:-}" "$limit" python3 benchmarks/trainer_bench.py --configs "$configs" "${run[@]}" \
