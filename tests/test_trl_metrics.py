@@ -17,6 +17,16 @@ LENGTH = 24  # every sample as long: each rank has as many label tokens per micr
 STEPS, BATCH, ACCUMULATION = 3, 2, 2
 
 
+def _stop_at_first_step() -> object:
+    from transformers import TrainerCallback
+
+    class StopAtFirstStep(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            control.should_training_stop = True
+
+    return StopAtFirstStep()
+
+
 def _sft_run(path: str, out_dir: str, mode: str) -> dict:
     """In each rank: 3 steps of SFTTrainer (batch 2, accumulation 2, a log every 2 steps, so the third step's
     metrics reach only the log at the end of training) on fixed-length token sequences, with nbkit's trl_metrics
@@ -78,11 +88,17 @@ def _sft_run(path: str, out_dir: str, mode: str) -> dict:
         setattr(dist, name, counted(name))
     try:
         trainer.train()
+        history = list(trainer.state.log_history)
+        # Trained again, stopped at its first step by a callback added since, a step that does not log: its
+        # metrics reach the log at the end of training only, averaged there as well.
+        trainer.add_callback(_stop_at_first_step())
+        trainer.train()
+        history += trainer.state.log_history
     finally:
         for name, function in real.items():
             setattr(dist, name, function)
     keys = ("loss", "train_loss", "entropy", "mean_token_accuracy", "num_tokens")
-    logs = [{k: log[k] for k in keys if k in log} for log in trainer.state.log_history]
+    logs = [{k: log[k] for k in keys if k in log} for log in history]
     every_rank: list = [None] * dist.get_world_size()
     dist.all_gather_object(every_rank, logs)
     return {"logs": logs, "every_rank": every_rank, "gathers": gathers, "waiting": trl_metrics.pending_values(trainer)}
@@ -99,11 +115,13 @@ def _assert_runs(runs: dict, exact: bool) -> None:
         # (the losses are not averaged over ranks at the end of training: train_loss is each rank's own)
         shown = [[{k: v for k, v in log.items() if k in metrics} for log in logs] for logs in run["every_rank"]]
         assert all(logs == shown[0] for logs in shown)
-        assert [set(log) for log in run["logs"]] == [{"loss", *metrics}, {"train_loss", *metrics}]
-    # The count covers every token of both ranks: at the log of step 2, and at the end for all 3 steps.
+        assert [set(log) for log in run["logs"]] == [{"loss", *metrics}, *[{"train_loss", *metrics}] * 2]
+    # The count covers every token of both ranks: at the log of step 2, at the end for all 3 steps, and after the
+    # second training's one step.
     per_step = BATCH * ACCUMULATION * 2 * LENGTH
-    assert [log["num_tokens"] for log in nbkit_way["logs"]] == [2 * per_step, STEPS * per_step]
-    assert [log["num_tokens"] for log in trl_way["logs"]] == [2 * per_step, STEPS * per_step]
+    counts = [2 * per_step, STEPS * per_step, (STEPS + 1) * per_step]
+    assert [log["num_tokens"] for log in nbkit_way["logs"]] == counts
+    assert [log["num_tokens"] for log in trl_way["logs"]] == counts
     # Two trainings of the same model on the same data: the same losses (on a GPU within rounding: atomic adds),
     # and the same metrics within the rounding of a mean taken another way.
     rel = 1e-5 if exact else 1e-3

@@ -167,7 +167,9 @@ class _AverageAtLog:
     """Averages a trainer's locally kept metrics over the ranks at the end of each step (or epoch) that logs or
     ends training, before Trainer logs. Added to the trainer by its first local compute_loss, so after
     transformers' DefaultFlowCallback, which decides whether the step logs; its decision is the same on every
-    rank, so every rank averages at the same step. (Not in TRL's log itself: a user's own `trainer.log(...)` may
+    rank, so every rank averages at the same step. A stop that a callback after this one decides (a live set's
+    agreed stop in a later train(), a user's) is seen at on_epoch_end, which Trainer calls after the step that
+    stops and before its last log. (Not in TRL's log itself: a user's own `trainer.log(...)` may
     run on one rank only, and a collective there would hang.)
     """
 
