@@ -101,3 +101,28 @@ def test_a_quantised_model_in_a_process_that_sees_two_gpus_trains_on_its_own_bat
         nbkit.uninstall("trainer_defaults")
     unpatched = Trainer(model=peft_model, args=two_gpus())
     assert (unpatched.args.n_gpu, unpatched._train_batch_size) == (2, 8)  # what the patch is for
+
+
+def test_an_sft_config_without_a_precision_takes_nbkits(tmp_path, monkeypatch):
+    from trl import SFTConfig
+
+    from nbkit.platform import distributed
+
+    def config(**precision) -> SFTConfig:
+        return SFTConfig(output_dir=str(tmp_path), report_to=[], **precision)
+
+    # TRL alone turns bf16 on wherever fp16 is off, which transformers refuses on this GPU-less machine.
+    with pytest.raises(ValueError, match="bf16"):
+        config()
+    nbkit.install("trainer_defaults")
+    try:
+        assert (config().bf16, config().fp16) == (False, False)  # nbkit.precision(): 32-bit on CPU
+        # A T4's answer (this machine has none): fp16, as unsloth's notebooks choose there.
+        monkeypatch.setattr(distributed, "precision", lambda: "fp16")
+        assert (config().bf16, config().fp16) == (False, True)
+        # What the user set is kept, and use_cpu=True is left to TRL (bf16 on the CPU).
+        assert (config(fp16=True).bf16, config(fp16=True).fp16) == (False, True)
+        assert (config(bf16=False).bf16, config(bf16=False).fp16) == (False, False)
+        assert config(use_cpu=True).bf16 is True
+    finally:
+        nbkit.uninstall("trainer_defaults")

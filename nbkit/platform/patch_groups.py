@@ -118,8 +118,9 @@ GROUPS: dict[str, Group] = {
             "in every rank nbkit starts, and by `nbkit.install('trainer_defaults')` in a process that trains "
             "itself (the model_parallel notebook): Trainer's find_unused_parameters for a peft model as for the "
             "model it wraps (and TRL's for a vision-language model whose vision weights do not train), no pinned "
-            "memory without an accelerator, where the user left them at their defaults, and one GPU counted for a "
-            "quantised model Trainer does not replicate",
+            "memory without an accelerator, where the user left them at their defaults, one GPU counted for a "
+            "quantised model Trainer does not replicate, and nbkit.precision()'s precision for an SFTConfig whose "
+            "user set none (TRL's default is bf16 everywhere, a T4 included)",
         ),
         Group(
             "gradient_averaging",

@@ -29,6 +29,14 @@ counts one for a model it finds split over several.
 
 All are set on the trainer's own arguments before Trainer reads them, so what ran is what
 `trainer.args` shows.
+
+One more is TRL's, not Trainer's: an SFTConfig whose user sets neither `bf16` nor `fp16` trains in bf16 (TRL turns
+bf16 on wherever fp16 is off, trl 0.22-1.16). That is right on an Ampere or newer GPU and wrong elsewhere: a T4
+has no bf16 of its own (torch says it has, counting emulation, so the T4 trains in emulated bf16, and unsloth's
+float16 model refuses it), under nbkit's T4 profile transformers refuses it ("Your setup doesn't support bf16/gpu"),
+and on CPU ranks without `use_cpu` as well. Such a config gets `nbkit.precision()`'s instead: bf16 where the GPU
+has it, fp16 on older GPUs and under the T4 profile (with the GradScaler, as unsloth's notebooks choose there), 32-bit
+on CPU ranks. `use_cpu=True` is left to TRL.
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ from collections.abc import Callable
 from contextvars import ContextVar
 from typing import Any
 
+from nbkit.platform import distributed
 from nbkit.platform.patching import patch
 
 __all__ = ["choose"]
@@ -153,3 +162,22 @@ def _sft_trainer_init(original: Callable[..., Any]) -> Callable[..., Any]:
             _left_to_default.reset(token)
 
     return __init__
+
+
+@patch(
+    "trl.trainer.sft_config:SFTConfig.__post_init__",
+    reason="TRL turns bf16 on for every SFTConfig whose user set neither bf16 nor fp16; on a T4 (no bf16 of its own) "
+    "that trains in emulated bf16, under the T4 profile and on CPU ranks transformers refuses it ('Your setup "
+    "doesn't support bf16/gpu'). Left unset, the precision is nbkit.precision()'s: bf16 where the GPU has it, fp16 "
+    "on older GPUs, 32-bit on CPU",
+    upstream="no upstream report yet: TRL's configs set bf16 = not fp16 where bf16 is unset (trl 0.22-1.16)",
+    group="trainer_defaults",
+)
+def _sft_config_post_init(original: Callable[..., Any]) -> Callable[..., Any]:
+    def __post_init__(self: Any) -> Any:
+        if self.bf16 is None and not self.fp16 and not self.use_cpu:
+            chosen = distributed.precision()
+            self.bf16, self.fp16 = chosen == "bf16", chosen == "fp16"
+        return original(self)
+
+    return __post_init__
