@@ -2,8 +2,9 @@
 through nbkit.launch.
 
 What a user relies on: the entropy, token accuracy and token count that the log shows are those TRL's own gathers
-give (the same on every rank, the count over all ranks), with gradient accumulation and a last step that does not
-log, while a training step no longer gathers them from every rank after each forward.
+give (the same on every rank, the count over all ranks), with gradient accumulation, a last step that does not
+log, and a second training that a callback added since stops at a step that does not log, while a training step
+no longer gathers them from every rank after each forward.
 """
 
 from __future__ import annotations
